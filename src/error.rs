@@ -1,0 +1,200 @@
+//! The error type of every lock operation.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a lock could not be taken, kept, or released.
+///
+/// The layer turns each variant into an HTTP response (see
+/// [`LockLayer::on_rejection`](crate::LockLayer::on_rejection)); code that calls
+/// [`RedisBackend::lock`](crate::RedisBackend::lock) directly gets it as an error.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Another owner holds the lock and the caller did not wait
+    /// ([`LockRequest::try_once`](crate::LockRequest::try_once) or a fail-fast layer).
+    Contended {
+        /// The user-facing key that was contended.
+        key: String,
+        /// How long the current holder's lease still runs, when Redis reported one.
+        retry_after: Option<Duration>,
+    },
+    /// The lock stayed held for the whole wait.
+    TimedOut {
+        /// The user-facing key that was waited for.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+        /// The holder's remaining lease at the last attempt, when Redis reported one.
+        retry_after: Option<Duration>,
+    },
+    /// This process already has the configured number of tasks queued for the key,
+    /// so the request was shed instead of queued.
+    QueueFull {
+        /// The user-facing key whose local queue is full.
+        key: String,
+    },
+    /// The key was rejected before anything was sent to Redis.
+    InvalidKey(KeyError),
+    /// The lock was held but is no longer: its lease ran out or someone deleted it.
+    Lost {
+        /// The user-facing key that was lost.
+        key: String,
+    },
+    /// Redis could not be reached or answered with an error.
+    Backend(BackendError),
+}
+
+impl LockError {
+    /// How long a client should wait before retrying, when it can be known.
+    ///
+    /// The layer uses this for the `Retry-After` header.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            LockError::Contended { retry_after, .. } | LockError::TimedOut { retry_after, .. } => {
+                *retry_after
+            }
+            LockError::QueueFull { .. } | LockError::Backend(_) | LockError::Lost { .. } => {
+                Some(Duration::from_secs(1))
+            }
+            LockError::InvalidKey(_) => None,
+        }
+    }
+
+    pub(crate) fn backend(
+        context: &'static str,
+        source: impl StdError + Send + Sync + 'static,
+    ) -> Self {
+        LockError::Backend(BackendError {
+            context,
+            source: Arc::new(source),
+        })
+    }
+
+    /// True when a retry of the same operation could succeed without anything changing
+    /// on the caller's side (contention, timeouts, shedding, an unreachable backend).
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, LockError::InvalidKey(_))
+    }
+}
+
+impl fmt::Display for LockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LockError::Contended { key, .. } => write!(f, "lock `{key}` is held by another owner"),
+            LockError::TimedOut { key, waited, .. } => {
+                write!(f, "lock `{key}` still held after waiting {waited:?}")
+            }
+            LockError::QueueFull { key } => {
+                write!(f, "too many local waiters for lock `{key}`")
+            }
+            LockError::InvalidKey(e) => write!(f, "invalid lock key: {e}"),
+            LockError::Lost { key } => write!(f, "lock `{key}` was lost"),
+            LockError::Backend(e) => e.fmt(f),
+        }
+    }
+}
+
+impl StdError for LockError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            LockError::InvalidKey(e) => Some(e),
+            LockError::Backend(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<KeyError> for LockError {
+    fn from(e: KeyError) -> Self {
+        LockError::InvalidKey(e)
+    }
+}
+
+/// A failure talking to the lock backend (for Redis: connect, pool, script or timeout
+/// errors). Cheap to clone; the original error is kept as the [`source`](StdError::source).
+#[derive(Clone)]
+pub struct BackendError {
+    context: &'static str,
+    source: Arc<dyn StdError + Send + Sync>,
+}
+
+impl BackendError {
+    /// What the backend was doing when it failed ("acquire", "release", ...).
+    pub fn context(&self) -> &'static str {
+        self.context
+    }
+}
+
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendError")
+            .field("context", &self.context)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "lock backend failed during {}: {}",
+            self.context, self.source
+        )
+    }
+}
+
+impl StdError for BackendError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// Why a lock key was rejected. Always answered with 400 by the layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is the empty string.
+    Empty,
+    /// The key is longer than the backend's limit (in bytes). Keys are never truncated.
+    TooLong {
+        /// Length of the rejected key in bytes.
+        len: usize,
+        /// The configured limit in bytes.
+        max: usize,
+    },
+    /// The key contains an ASCII control character (newline, NUL, ...).
+    ControlCharacter,
+    /// A required input that carries the key (a header, path or query parameter) is absent.
+    Missing {
+        /// What was looked for, for example `header "idempotency-key"`.
+        source: String,
+    },
+    /// The input that carries the key is present but unusable (for example not UTF-8).
+    Malformed {
+        /// What was wrong, in words a client can act on.
+        reason: String,
+    },
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyError::Empty => f.write_str("the lock key is empty"),
+            KeyError::TooLong { len, max } => {
+                write!(
+                    f,
+                    "the lock key is {len} bytes long; the limit is {max} bytes"
+                )
+            }
+            KeyError::ControlCharacter => f.write_str("the lock key contains a control character"),
+            KeyError::Missing { source } => write!(f, "the request has no {source}"),
+            KeyError::Malformed { reason } => f.write_str(reason),
+        }
+    }
+}
+
+impl StdError for KeyError {}

@@ -1,0 +1,167 @@
+//! [`LockLayer`]: the builder and the [`Layer`] implementation.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use tower_layer::Layer;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+use crate::lock::{DEFAULT_LEASE, Mode};
+use crate::response::Rejection;
+use crate::service::LockService;
+
+/// How long a request waits for a held lock by default.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
+
+/// What the layer does when a held lock is lost while the handler still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnLockLost {
+    /// Drop the handler future (its work stops at its next `.await`) and answer with the
+    /// rejection for [`LockError::Lost`] (503 by default).
+    #[default]
+    Abort,
+    /// Let the handler finish; it can watch [`HeldLock::lost`](crate::HeldLock::lost) and
+    /// must rely on the fencing token to keep its writes safe.
+    Continue,
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) mode: Mode,
+    pub(crate) lease: Duration,
+    pub(crate) on_lost: OnLockLost,
+    pub(crate) rejection: Option<Arc<Rejection>>,
+}
+
+impl Config {
+    pub(crate) fn reject(&self, error: LockError) -> Response {
+        match &self.rejection {
+            Some(reject) => reject(error),
+            None => error.into_response(),
+        }
+    }
+}
+
+/// Locks each request on a key taken from it, for exactly as long as its handler runs.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use axum::{Router, extract::Request, routing::post};
+/// use tower_lock::{LockLayer, RedisBackend};
+///
+/// # async fn run() -> Result<(), tower_lock::LockError> {
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+/// let app: Router = Router::new()
+///     .route("/orders/{id}/pay", post(|| async { "paid" }))
+///     .route_layer(
+///         LockLayer::new(backend, |req: &Request| {
+///             req.uri().path().strip_prefix("/orders/").map(str::to_owned)
+///         })
+///         .wait(Duration::from_secs(2)),
+///     );
+/// # drop(app);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The key extractor returns `None` to let a request through unlocked. A request whose
+/// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
+/// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
+pub struct LockLayer<B, K> {
+    backend: B,
+    key: K,
+    config: Arc<Config>,
+}
+
+impl<B: LockBackend, K> LockLayer<B, K> {
+    /// Locks requests on the key `key` extracts, using `backend`. Waits up to 5 s by default.
+    pub fn new(backend: B, key: K) -> Self {
+        LockLayer {
+            backend,
+            key,
+            config: Arc::new(Config {
+                mode: Mode::Wait(DEFAULT_WAIT),
+                lease: DEFAULT_LEASE,
+                on_lost: OnLockLost::default(),
+                rejection: None,
+            }),
+        }
+    }
+
+    /// Waits up to `timeout` for a held lock, woken by its release; then answers 503 with
+    /// `Retry-After`.
+    pub fn wait(mut self, timeout: Duration) -> Self {
+        Arc::make_mut(&mut self.config).mode = Mode::Wait(timeout);
+        self
+    }
+
+    /// Does not wait: a request whose lock is held gets 409 at once.
+    pub fn fail_fast(mut self) -> Self {
+        Arc::make_mut(&mut self.config).mode = Mode::TryOnce;
+        self
+    }
+
+    /// The lease (default 30 s), renewed by the watchdog every lease/3 while the handler
+    /// runs. If the process dies the lock frees itself at most one lease later.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        Arc::make_mut(&mut self.config).lease = lease;
+        self
+    }
+
+    /// What to do when the lock is lost while the handler runs (default
+    /// [`OnLockLost::Abort`]).
+    pub fn on_lock_lost(mut self, policy: OnLockLost) -> Self {
+        Arc::make_mut(&mut self.config).on_lost = policy;
+        self
+    }
+
+    /// Builds the response for a request whose lock could not be taken or was lost,
+    /// replacing the problem+json default (`LockError::into_response`).
+    pub fn on_rejection<F, R>(mut self, rejection: F) -> Self
+    where
+        F: Fn(LockError) -> R + Send + Sync + 'static,
+        R: IntoResponse,
+    {
+        Arc::make_mut(&mut self.config).rejection =
+            Some(Arc::new(move |error| rejection(error).into_response()));
+        self
+    }
+}
+
+impl<B: Clone, K: Clone> Clone for LockLayer<B, K> {
+    fn clone(&self) -> Self {
+        LockLayer {
+            backend: self.backend.clone(),
+            key: self.key.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockLayer")
+            .field("backend", &self.backend)
+            .field("mode", &self.config.mode)
+            .field("lease", &self.config.lease)
+            .field("on_lost", &self.config.on_lost)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B: Clone, K: Clone> Layer<S> for LockLayer<B, K> {
+    type Service = LockService<S, B, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LockService::new(
+            inner,
+            self.backend.clone(),
+            self.key.clone(),
+            self.config.clone(),
+        )
+    }
+}

@@ -1,0 +1,304 @@
+//! Taking locks without HTTP: the request builder, the guard and the held-lock handle.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_lock::{LockError, RedisBackend};
+//!
+//! # async fn run() -> Result<(), LockError> {
+//! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+//!
+//! // Wait up to a second for the lock, then give up with `LockError::TimedOut`.
+//! let guard = backend.lock("order:42").wait(Duration::from_secs(1)).await?;
+//! let token = guard.fencing_token(); // pass it to the store you write to
+//! guard.release().await?;
+//!
+//! // Or do not wait at all: `LockError::Contended` if someone holds it.
+//! match backend.lock("order:42").try_once().await {
+//!     Ok(guard) => drop(guard), // dropping releases in a background task
+//!     Err(LockError::Contended { retry_after, .. }) => println!("busy for {retry_after:?}"),
+//!     Err(other) => return Err(other),
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+
+/// A boxed, sendable future, as returned by the backend trait.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The default lease: how long a lock outlives a holder that stopped renewing it.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The identity a lock is held under: `instance-uuid:sequence`, one per request.
+///
+/// Two acquisitions of the same key by the same owner re-enter the lock (its count goes
+/// up) instead of deadlocking. The layer gives every request its own owner and reuses it
+/// for nested layers; [`LockRequest::reentrant`] reuses the owner of a [`HeldLock`].
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct LockOwner(Arc<str>);
+
+impl LockOwner {
+    pub(crate) fn new(id: String) -> Self {
+        LockOwner(id.into())
+    }
+
+    /// The owner id as stored in the lock hash.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for LockOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How an acquisition waits when the lock is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    TryOnce,
+    Wait(Duration),
+}
+
+/// A lock acquisition being configured; finish it with [`try_once`](Self::try_once) or
+/// [`wait`](Self::wait). Created by [`RedisBackend::lock`](crate::RedisBackend::lock).
+#[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
+pub struct LockRequest<B> {
+    pub(crate) backend: B,
+    pub(crate) key: String,
+    pub(crate) owner: Option<LockOwner>,
+    pub(crate) lease: Duration,
+    pub(crate) watchdog: bool,
+    pub(crate) mode: Mode,
+}
+
+impl<B: LockBackend> LockRequest<B> {
+    pub(crate) fn new(backend: B, key: String) -> Self {
+        LockRequest {
+            backend,
+            key,
+            owner: None,
+            lease: DEFAULT_LEASE,
+            watchdog: true,
+            mode: Mode::TryOnce,
+        }
+    }
+
+    /// Sets the lease (default 30 s). While the guard lives the watchdog renews it every
+    /// lease/3; if the holder dies, the lock frees itself at most one lease later.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(3));
+        self
+    }
+
+    /// Turns renewal off: the lock expires one lease after it was taken even if the guard
+    /// is still alive, and [`HeldLock::lost`] fires then. For work that must never hold a
+    /// lock past a deadline.
+    pub fn without_watchdog(mut self) -> Self {
+        self.watchdog = false;
+        self
+    }
+
+    /// Acquires as the owner of `held`, so taking a key that `held`'s owner already holds
+    /// re-enters it instead of deadlocking (the count goes up; the fencing token stays).
+    pub fn reentrant(mut self, held: &HeldLock) -> Self {
+        self.owner = Some(held.owner().clone());
+        self
+    }
+
+    pub(crate) fn owner(mut self, owner: LockOwner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// Tries once; `Err(LockError::Contended)` if another owner holds the lock.
+    pub async fn try_once(mut self) -> Result<LockGuard, LockError> {
+        self.mode = Mode::TryOnce;
+        self.backend.clone().acquire(self).await
+    }
+
+    /// Waits up to `timeout` for the lock, woken by release messages rather than by
+    /// polling; `Err(LockError::TimedOut)` if it is still held then.
+    pub async fn wait(mut self, timeout: Duration) -> Result<LockGuard, LockError> {
+        self.mode = Mode::Wait(timeout);
+        self.backend.clone().acquire(self).await
+    }
+
+    pub(crate) fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    pub(crate) fn into_future(self) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+        self.backend.clone().acquire(self)
+    }
+}
+
+impl<B> fmt::Debug for LockRequest<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockRequest")
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .field("lease", &self.lease)
+            .field("watchdog", &self.watchdog)
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+struct HeldInner {
+    key: String,
+    owner: LockOwner,
+    token: u64,
+    lost: CancellationToken,
+}
+
+/// A cheap, cloneable view of a held lock: its key, owner and fencing token, and a signal
+/// for when it is lost. The layer puts one into the request extensions
+/// (`Extension<HeldLock>` in axum).
+#[derive(Clone)]
+pub struct HeldLock {
+    inner: Arc<HeldInner>,
+}
+
+impl HeldLock {
+    pub(crate) fn new(key: String, owner: LockOwner, token: u64, lost: CancellationToken) -> Self {
+        HeldLock {
+            inner: Arc::new(HeldInner {
+                key,
+                owner,
+                token,
+                lost,
+            }),
+        }
+    }
+
+    /// The key as the application gave it.
+    pub fn key(&self) -> &str {
+        &self.inner.key
+    }
+
+    /// The owner this lock is held under.
+    pub fn owner(&self) -> &LockOwner {
+        &self.inner.owner
+    }
+
+    /// A number strictly greater than the token of every earlier acquisition of this key,
+    /// even across deletion of the lock. Send it with every write the lock protects and
+    /// have the store refuse writes with a token lower than one it has seen: that keeps a
+    /// paused or partitioned former holder from overwriting newer data.
+    pub fn fencing_token(&self) -> u64 {
+        self.inner.token
+    }
+
+    /// True once the lock is known to be lost (renewal found it gone, or its lease ran out
+    /// while Redis was unreachable).
+    pub fn is_lost(&self) -> bool {
+        self.inner.lost.is_cancelled()
+    }
+
+    /// Resolves when the lock is lost. Never resolves while it is held.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.lost.clone().cancelled_owned()
+    }
+}
+
+impl fmt::Debug for HeldLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldLock")
+            .field("key", &self.inner.key)
+            .field("owner", &self.inner.owner)
+            .field("fencing_token", &self.inner.token)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// How a backend gives up one hold.
+pub(crate) trait ReleaseHold: Send + Sync + 'static {
+    /// Releases and reports the outcome; `Err(LockError::Lost)` if the lock had already
+    /// been lost.
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>>;
+    /// Releases in a spawned task; used on drop, so it must not block or need an await.
+    fn release_in_background(self: Box<Self>);
+}
+
+/// Proof of holding a lock. Releasing happens on [`release`](Self::release) or, if the
+/// guard is dropped (cancellation, panic, early return), in a spawned task.
+#[must_use = "the lock is released as soon as the guard is dropped"]
+pub struct LockGuard {
+    held: HeldLock,
+    hold: Option<Box<dyn ReleaseHold>>,
+}
+
+impl LockGuard {
+    pub(crate) fn new(held: HeldLock, hold: Box<dyn ReleaseHold>) -> Self {
+        LockGuard {
+            held,
+            hold: Some(hold),
+        }
+    }
+
+    /// The held lock's handle, to keep or to pass to [`LockRequest::reentrant`].
+    pub fn held(&self) -> &HeldLock {
+        &self.held
+    }
+
+    /// The key as the application gave it.
+    pub fn key(&self) -> &str {
+        self.held.key()
+    }
+
+    /// See [`HeldLock::fencing_token`].
+    pub fn fencing_token(&self) -> u64 {
+        self.held.fencing_token()
+    }
+
+    /// See [`HeldLock::lost`].
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.held.lost()
+    }
+
+    /// See [`HeldLock::is_lost`].
+    pub fn is_lost(&self) -> bool {
+        self.held.is_lost()
+    }
+
+    /// Releases the lock and waits for Redis to confirm. A re-entered lock stays held by
+    /// its outer holds. Returns `Err(LockError::Lost)` if the lock had been lost meanwhile
+    /// (nothing of a new owner's is touched). Transport failures are retried; a release is
+    /// idempotent, so a retry after a lost reply never releases twice.
+    pub async fn release(mut self) -> Result<(), LockError> {
+        match self.hold.take() {
+            Some(hold) => hold.release().await,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if let Some(hold) = self.hold.take() {
+            hold.release_in_background();
+        }
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("held", &self.held)
+            .finish()
+    }
+}

@@ -1,0 +1,34 @@
+-- Take, or re-enter, a reentrant lock (the Redisson hash model).
+--
+-- KEYS[1]  the lock hash: owner id -> re-entry count, plus the field "token"
+-- KEYS[2]  the fencing counter: a string holding the last token issued for KEYS[1]
+-- ARGV[1]  owner id ("instance-uuid:request-seq")
+-- ARGV[2]  lease in milliseconds
+-- ARGV[3]  how long the fencing counter outlives its last use, in milliseconds
+--
+-- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
+-- token unchanged), or {0, pttl} when another owner holds it (pttl -1: no expiry set).
+local kind = redis.call('type', KEYS[1])['ok']
+if kind ~= 'none' and kind ~= 'hash' then
+  return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
+end
+if kind == 'hash' and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+  return {0, redis.call('pttl', KEYS[1])}
+end
+
+local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
+redis.call('pexpire', KEYS[1], ARGV[2])
+if count > 1 then
+  return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
+end
+
+-- A new acquisition. The token must exceed every token issued for this key before, even
+-- when the counter was deleted or expired, so it never falls below the server clock in
+-- microseconds. Numbers are formatted by hand: Lua would print them as 1.7e+15.
+local now = redis.call('time')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('get', KEYS[2]) or '0') or 0
+local token = string.format('%.0f', math.max(last + 1, floor))
+redis.call('set', KEYS[2], token, 'px', ARGV[3])
+redis.call('hset', KEYS[1], 'token', token)
+return {1, tonumber(token), 1}

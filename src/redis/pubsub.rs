@@ -1,0 +1,299 @@
+//! One subscriber connection per backend, multiplexing the release channels of every key
+//! that has waiters in this process.
+//!
+//! The registry (channel -> waiters) is the source of truth; a background task reconciles
+//! the connection's subscriptions with it. A channel is subscribed while it has waiters and
+//! unsubscribed when the last one leaves. Every waiter owns a [`Notify`], whose stored
+//! permit means "try the lock again": a release message, a confirmed subscription or a
+//! reconnect all hand out permits, and a permit that arrives before the waiter parks is
+//! kept rather than lost.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::{PubSubSink, PubSubStream};
+use tokio::sync::Notify;
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+
+/// Timing of the subscriber connection.
+#[derive(Debug, Clone)]
+pub(crate) struct SubscriberConfig {
+    pub(crate) connect_timeout: Duration,
+    pub(crate) command_timeout: Duration,
+    pub(crate) ping_interval: Duration,
+    pub(crate) max_backoff: Duration,
+}
+
+#[derive(Default)]
+struct Registry {
+    /// Channels with waiters, each waiter's wakeup keyed by its id.
+    channels: HashMap<String, HashMap<u64, Arc<Notify>>>,
+    /// Channels the current connection has confirmed. A waiter that registers on one of
+    /// these can try again at once: any later release reaches it.
+    active: HashSet<String>,
+    /// Whether a subscriber connection is up (for introspection and tests).
+    connected: bool,
+}
+
+impl Registry {
+    fn wake_channel(&self, channel: &str) {
+        if let Some(waiters) = self.channels.get(channel) {
+            waiters.values().for_each(|n| n.notify_one());
+        }
+    }
+
+    fn wake_all(&self) {
+        self.channels
+            .values()
+            .flat_map(HashMap::values)
+            .for_each(|n| n.notify_one());
+    }
+}
+
+struct Shared {
+    registry: Mutex<Registry>,
+    /// Set whenever the registry changes, so the task reconciles subscriptions.
+    dirty: Notify,
+    next_id: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl Shared {
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        // The registry holds plain data and no code runs under the lock that can panic
+        // half-way through an update, so a poisoned lock is still consistent.
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Handle to the backend's subscriber task.
+#[derive(Clone)]
+pub(crate) struct Subscriber {
+    shared: Arc<Shared>,
+}
+
+impl Subscriber {
+    /// Starts the subscriber task; it stops when `shutdown` is cancelled.
+    pub(crate) fn spawn(
+        client: redis::Client,
+        config: SubscriberConfig,
+        shutdown: CancellationToken,
+        runtime: &tokio::runtime::Handle,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            registry: Mutex::default(),
+            dirty: Notify::new(),
+            next_id: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+        });
+        runtime.spawn(run(shared.clone(), client, config, shutdown));
+        Subscriber { shared }
+    }
+
+    /// Registers a waiter on `channel`. If the channel is already subscribed the waiter
+    /// starts with a permit, so its first wait returns at once and it tries again.
+    pub(crate) fn register(&self, channel: &str) -> Waiter {
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let notify = Arc::new(Notify::new());
+        let mut registry = self.shared.registry();
+        let already_active = registry.active.contains(channel);
+        registry
+            .channels
+            .entry(channel.to_owned())
+            .or_default()
+            .insert(id, notify.clone());
+        drop(registry);
+        if already_active {
+            notify.notify_one();
+        } else {
+            self.shared.dirty.notify_one();
+        }
+        Waiter {
+            shared: self.shared.clone(),
+            channel: channel.to_owned(),
+            id,
+            notify,
+        }
+    }
+
+    /// Number of channels this backend currently has waiters on.
+    pub(crate) fn channels_with_waiters(&self) -> usize {
+        self.shared.registry().channels.len()
+    }
+
+    /// Whether the subscriber connection is currently up.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.shared.registry().connected
+    }
+
+    /// How many times the subscriber connection has been (re)established.
+    pub(crate) fn connections_made(&self) -> u64 {
+        self.shared.reconnects.load(Ordering::Relaxed)
+    }
+}
+
+/// One task waiting for a release on one channel. Dropping it (including when the waiting
+/// future is cancelled) deregisters it, and unsubscribes the channel if it was the last.
+pub(crate) struct Waiter {
+    shared: Arc<Shared>,
+    channel: String,
+    id: u64,
+    notify: Arc<Notify>,
+}
+
+impl Waiter {
+    /// Resolves when the lock may have been freed (or the subscription came up); the caller
+    /// must then try again, as a wakeup is a hint, not a handoff.
+    pub(crate) async fn woken(&self) {
+        self.notify.notified().await;
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut registry = self.shared.registry();
+        if let Some(waiters) = registry.channels.get_mut(&self.channel) {
+            waiters.remove(&self.id);
+            if waiters.is_empty() {
+                registry.channels.remove(&self.channel);
+                drop(registry);
+                self.shared.dirty.notify_one();
+            }
+        }
+    }
+}
+
+/// Connects, serves, and reconnects with capped exponential backoff until shut down.
+async fn run(
+    shared: Arc<Shared>,
+    client: redis::Client,
+    config: SubscriberConfig,
+    shutdown: CancellationToken,
+) {
+    let initial_backoff = Duration::from_millis(20);
+    let mut backoff = initial_backoff;
+    while !shutdown.is_cancelled() {
+        let connected = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            c = timeout(config.connect_timeout, client.get_async_pubsub()) => c,
+        };
+        match connected {
+            Ok(Ok(pubsub)) => {
+                backoff = initial_backoff;
+                shared.reconnects.fetch_add(1, Ordering::Relaxed);
+                shared.registry().connected = true;
+                tracing::debug!("lock subscriber connected");
+                let (mut sink, mut stream) = pubsub.split();
+                let ended = serve(&shared, &mut sink, &mut stream, &config, &shutdown).await;
+                let mut registry = shared.registry();
+                registry.connected = false;
+                // Messages may have been missed while the connection was going down: every
+                // waiter tries again now, and again once its channel is resubscribed.
+                registry.active.clear();
+                registry.wake_all();
+                drop(registry);
+                match ended {
+                    Ok(()) => return,
+                    Err(reason) => tracing::warn!(%reason, "lock subscriber connection lost"),
+                }
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "lock subscriber cannot connect"),
+            Err(_) => tracing::warn!("lock subscriber connect timed out"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(config.max_backoff);
+    }
+}
+
+/// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
+async fn serve(
+    shared: &Shared,
+    sink: &mut PubSubSink,
+    stream: &mut PubSubStream,
+    config: &SubscriberConfig,
+    shutdown: &CancellationToken,
+) -> Result<(), String> {
+    let mut ping = tokio::time::interval(config.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick completes at once; the connection was just proven by the handshake.
+    ping.tick().await;
+    loop {
+        reconcile(shared, sink, config.command_timeout).await?;
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = shared.dirty.notified() => {}
+            message = stream.next() => {
+                let message = message.ok_or("connection closed")?;
+                shared.registry().wake_channel(message.get_channel_name());
+            }
+            _ = ping.tick() => {
+                // A half-open TCP connection never errors by itself; an unanswered ping
+                // is the only way to notice it.
+                timeout(config.command_timeout, sink.ping::<redis::Value>())
+                    .await
+                    .map_err(|_| "ping timed out".to_owned())?
+                    .map_err(|e| format!("ping failed: {e}"))?;
+            }
+        }
+    }
+}
+
+/// Brings the connection's subscriptions in line with the registry.
+async fn reconcile(
+    shared: &Shared,
+    sink: &mut PubSubSink,
+    command_timeout: Duration,
+) -> Result<(), String> {
+    loop {
+        let (subscribe, unsubscribe) = {
+            let mut registry = shared.registry();
+            let unsubscribe: Vec<String> = registry
+                .active
+                .iter()
+                .filter(|c| !registry.channels.contains_key(*c))
+                .cloned()
+                .collect();
+            // Forget them before the command is sent, so a waiter arriving meanwhile sees
+            // the channel as inactive and asks for it again (the unsubscribe goes first).
+            for c in &unsubscribe {
+                registry.active.remove(c);
+            }
+            let subscribe: Vec<String> = registry
+                .channels
+                .keys()
+                .filter(|c| !registry.active.contains(*c))
+                .cloned()
+                .collect();
+            (subscribe, unsubscribe)
+        };
+        if subscribe.is_empty() && unsubscribe.is_empty() {
+            return Ok(());
+        }
+        if !unsubscribe.is_empty() {
+            timeout(command_timeout, sink.unsubscribe(&unsubscribe))
+                .await
+                .map_err(|_| "unsubscribe timed out".to_owned())?
+                .map_err(|e| format!("unsubscribe failed: {e}"))?;
+        }
+        if !subscribe.is_empty() {
+            timeout(command_timeout, sink.subscribe(&subscribe))
+                .await
+                .map_err(|_| "subscribe timed out".to_owned())?
+                .map_err(|e| format!("subscribe failed: {e}"))?;
+            let mut registry = shared.registry();
+            for channel in subscribe {
+                // Waiters on a freshly confirmed channel try again: a release may have
+                // been published between their last attempt and the subscription.
+                registry.wake_channel(&channel);
+                registry.active.insert(channel);
+            }
+        }
+    }
+}

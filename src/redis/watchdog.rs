@@ -1,0 +1,251 @@
+//! Lease renewal for held locks: one task per backend, one batched script call per round.
+//!
+//! Every held lock is renewed every lease/3. A failed round is retried soon after and the
+//! lock is kept; it is declared lost only when Redis answers that the owner no longer
+//! holds it, or when the lease has certainly run out since the last confirmed renewal
+//! (Redis unreachable for a whole lease). Releasing deregisters the hold before the release
+//! script is sent, so renewal can never outlive an unlock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+
+use super::pool::Pool;
+use super::scripts::Scripts;
+use crate::lock::LockOwner;
+
+/// Leases due within this window of the earliest are renewed in the same call.
+const BATCH_WINDOW: Duration = Duration::from_millis(50);
+/// Upper bound on the keys renewed by one script call.
+const MAX_BATCH: usize = 512;
+
+type HoldKey = (Arc<str>, LockOwner);
+
+struct Entry {
+    /// Holds of the same owner on the same key (re-entries) share one entry.
+    refs: usize,
+    lease: Duration,
+    renew: bool,
+    next: Instant,
+    /// When the last acquisition or renewal that Redis confirmed was sent: the lease runs
+    /// until at least this instant plus `lease`.
+    confirmed: Instant,
+    lost: CancellationToken,
+}
+
+#[derive(Default)]
+struct State {
+    holds: HashMap<HoldKey, Entry>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Notify,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Updates under this lock cannot panic half-way; a poisoned lock is consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Handle to the backend's watchdog task.
+#[derive(Clone)]
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+}
+
+impl Watchdog {
+    pub(crate) fn spawn(
+        pool: Pool,
+        scripts: Arc<Scripts>,
+        command_timeout: Duration,
+        shutdown: CancellationToken,
+        runtime: &tokio::runtime::Handle,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::default(),
+            changed: Notify::new(),
+        });
+        runtime.spawn(run(
+            shared.clone(),
+            pool,
+            scripts,
+            command_timeout,
+            shutdown,
+        ));
+        Watchdog { shared }
+    }
+
+    /// Starts watching a hold whose acquisition was sent at `sent_at`, and returns the token
+    /// that fires when the lock is lost. Re-entries share the outer hold's token.
+    ///
+    /// With `renew == false` the lease is only watched: the token fires when it runs out.
+    pub(crate) fn register(
+        &self,
+        lock_key: Arc<str>,
+        owner: LockOwner,
+        lease: Duration,
+        renew: bool,
+        sent_at: Instant,
+    ) -> CancellationToken {
+        let mut state = self.shared.state();
+        let entry = state
+            .holds
+            .entry((lock_key, owner))
+            .or_insert_with(|| Entry {
+                refs: 0,
+                lease,
+                renew,
+                next: sent_at + if renew { lease / 3 } else { lease },
+                confirmed: sent_at,
+                lost: CancellationToken::new(),
+            });
+        entry.refs += 1;
+        // A re-entry that asks for renewal turns it on for the shared entry.
+        if renew && !entry.renew {
+            entry.renew = true;
+            entry.next = sent_at + lease / 3;
+        }
+        entry.confirmed = entry.confirmed.max(sent_at);
+        let lost = entry.lost.clone();
+        drop(state);
+        self.shared.changed.notify_one();
+        lost
+    }
+
+    /// Stops watching one hold. Called before its release is sent.
+    pub(crate) fn unregister(&self, lock_key: &Arc<str>, owner: &LockOwner) {
+        let mut state = self.shared.state();
+        let key = (lock_key.clone(), owner.clone());
+        if let Some(entry) = state.holds.get_mut(&key) {
+            entry.refs -= 1;
+            if entry.refs == 0 {
+                state.holds.remove(&key);
+            }
+        }
+    }
+
+    /// Number of locks currently watched.
+    pub(crate) fn watched(&self) -> usize {
+        self.shared.state().holds.len()
+    }
+}
+
+struct Due {
+    key: HoldKey,
+    lease: Duration,
+}
+
+async fn run(
+    shared: Arc<Shared>,
+    pool: Pool,
+    scripts: Arc<Scripts>,
+    command_timeout: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let next = shared.state().holds.values().map(|e| e.next).min();
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = shared.changed.notified() => continue,
+            _ = async {
+                match next {
+                    Some(at) => sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+        let now = Instant::now();
+        let due = collect_due(&shared, now);
+        for batch in due.chunks(MAX_BATCH) {
+            renew_batch(&shared, &pool, &scripts, command_timeout, batch).await;
+        }
+    }
+}
+
+/// Expires what has certainly run out and returns what needs renewing now.
+fn collect_due(shared: &Shared, now: Instant) -> Vec<Due> {
+    let mut state = shared.state();
+    let mut due = Vec::new();
+    state.holds.retain(|key, entry| {
+        if now >= entry.confirmed + entry.lease {
+            tracing::warn!(key = %key.0, "lock lease ran out before it could be renewed");
+            entry.lost.cancel();
+            return false;
+        }
+        if entry.renew && entry.next <= now + BATCH_WINDOW {
+            due.push(Due {
+                key: key.clone(),
+                lease: entry.lease,
+            });
+        }
+        true
+    });
+    // Unrenewed holds wake the loop when their lease ends, to fire `lost`.
+    for entry in state.holds.values_mut().filter(|e| !e.renew) {
+        entry.next = entry.confirmed + entry.lease;
+    }
+    due
+}
+
+async fn renew_batch(
+    shared: &Shared,
+    pool: &Pool,
+    scripts: &Scripts,
+    command_timeout: Duration,
+    batch: &[Due],
+) {
+    let mut invocation = scripts.renew.prepare_invoke();
+    for due in batch {
+        invocation
+            .key(&*due.key.0)
+            .arg(due.key.1.as_str())
+            .arg(millis(due.lease));
+    }
+    let sent_at = Instant::now();
+    let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
+    let mut state = shared.state();
+    match result {
+        Ok(Ok(renewed)) if renewed.len() == batch.len() => {
+            for (due, still_held) in batch.iter().zip(renewed) {
+                let Some(entry) = state.holds.get_mut(&due.key) else {
+                    continue; // released while the renewal was in flight
+                };
+                if still_held == 1 {
+                    entry.confirmed = sent_at;
+                    entry.next = sent_at + entry.lease / 3;
+                } else {
+                    tracing::warn!(key = %due.key.0, "lock no longer held at renewal");
+                    entry.lost.cancel();
+                    state.holds.remove(&due.key);
+                }
+            }
+        }
+        outcome => {
+            match outcome {
+                Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "lock renewal failed; retrying"),
+                Err(_) => tracing::warn!("lock renewal timed out; retrying"),
+            }
+            // Keep the locks and try again soon; `collect_due` declares them lost only once
+            // their lease has certainly run out.
+            for due in batch {
+                if let Some(entry) = state.holds.get_mut(&due.key) {
+                    let retry =
+                        (entry.lease / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
+                    entry.next = Instant::now() + retry;
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}

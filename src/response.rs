@@ -1,0 +1,126 @@
+//! Turning lock failures into HTTP responses: `application/problem+json` (RFC 9457).
+//!
+//! | error | status | `Retry-After` |
+//! |---|---|---|
+//! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | holder's remaining lease, when known |
+//! | [`TimedOut`](LockError::TimedOut) (held for the whole wait) | 503 | holder's remaining lease, else 1 s |
+//! | [`QueueFull`](LockError::QueueFull) (too many local waiters) | 503 | 1 s |
+//! | [`Backend`](LockError::Backend) (Redis unreachable or failing) | 503 | 1 s |
+//! | [`Lost`](LockError::Lost) (lease lost while the handler ran) | 503 | 1 s |
+//! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
+//!
+//! `Retry-After` is in whole seconds, rounded up, and at least 1.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+
+use crate::error::LockError;
+
+/// The media type of every rejection body.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+const TYPE_BASE: &str = "https://docs.rs/tower-lock/latest/tower_lock/enum.LockError.html#variant.";
+
+impl IntoResponse for LockError {
+    fn into_response(self) -> Response {
+        let (status, variant, title, detail) = match &self {
+            LockError::Contended { .. } => (
+                StatusCode::CONFLICT,
+                "Contended",
+                "Resource is locked",
+                "Another request is working on this resource. Retry after it has finished.".to_owned(),
+            ),
+            LockError::TimedOut { waited, .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "TimedOut",
+                "Timed out waiting for a lock",
+                format!(
+                    "Another request held this resource for the whole wait of {} ms. Retry later.",
+                    waited.as_millis()
+                ),
+            ),
+            LockError::QueueFull { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "QueueFull",
+                "Too many requests waiting for this resource",
+                "This server already has the maximum number of requests queued for this resource. Retry later.".to_owned(),
+            ),
+            LockError::InvalidKey(e) => (
+                StatusCode::BAD_REQUEST,
+                "InvalidKey",
+                "Invalid lock key",
+                format!("The request cannot be locked: {e}."),
+            ),
+            LockError::Lost { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Lost",
+                "Lock lost",
+                "The lock protecting this request expired before the request finished, so the work was stopped. Retry.".to_owned(),
+            ),
+            LockError::Backend(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Backend",
+                "Lock service unavailable",
+                "The lock service could not be reached. Retry later.".to_owned(),
+            ),
+        };
+        let body = serde_json::json!({
+            "type": format!("{TYPE_BASE}{variant}"),
+            "title": title,
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        let mut response = (status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        let retry_after = match &self {
+            LockError::TimedOut { .. } => {
+                Some(self.retry_after().unwrap_or(Duration::from_secs(1)))
+            }
+            _ => self.retry_after(),
+        };
+        if let Some(retry_after) = retry_after {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs(retry_after)),
+            );
+        }
+        response
+    }
+}
+
+/// Whole seconds, rounded up, at least 1.
+fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+pub(crate) type Rejection = dyn Fn(LockError) -> Response<Body> + Send + Sync;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn contended_is_409_problem_json_with_retry_after() {
+        let response = LockError::Contended {
+            key: "k".into(),
+            retry_after: Some(Duration::from_millis(2500)),
+        }
+        .into_response();
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+    }
+}

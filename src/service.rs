@@ -1,0 +1,112 @@
+//! [`LockService`]: the middleware service.
+
+use std::fmt;
+use std::mem;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+use crate::future::ResponseFuture;
+use crate::key::KeyExtractor;
+use crate::layer::Config;
+use crate::lock::LockOwner;
+
+/// The owner every lock of one request is held under, kept in the request extensions so
+/// that nested layers re-enter instead of deadlocking.
+#[derive(Clone)]
+pub(crate) struct RequestOwner(pub(crate) LockOwner);
+
+/// Middleware that holds a distributed lock while the inner service handles a request.
+/// Created by [`LockLayer`](crate::LockLayer).
+pub struct LockService<S, B, K> {
+    inner: S,
+    backend: B,
+    key: K,
+    config: Arc<Config>,
+}
+
+impl<S, B, K> LockService<S, B, K> {
+    pub(crate) fn new(inner: S, backend: B, key: K, config: Arc<Config>) -> Self {
+        LockService {
+            inner,
+            backend,
+            key,
+            config,
+        }
+    }
+}
+
+impl<S: Clone, B: Clone, K: Clone> Clone for LockService<S, B, K> {
+    fn clone(&self) -> Self {
+        LockService {
+            inner: self.inner.clone(),
+            backend: self.backend.clone(),
+            key: self.key.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, B: fmt::Debug, K> fmt::Debug for LockService<S, B, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockService")
+            .field("inner", &self.inner)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, B, K>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: LockBackend,
+    K: KeyExtractor<ReqBody>,
+    ReqBody: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        let key = match self.key.extract(&request) {
+            Ok(Some(key)) => key,
+            Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
+            Err(e) => {
+                return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
+            }
+        };
+        let owner = match request.extensions().get::<RequestOwner>() {
+            Some(RequestOwner(owner)) => owner.clone(),
+            None => {
+                let owner = self.backend.new_owner();
+                request.extensions_mut().insert(RequestOwner(owner.clone()));
+                owner
+            }
+        };
+        let acquire = self
+            .backend
+            .lock(key)
+            .owner(owner)
+            .lease(self.config.lease)
+            .mode(self.config.mode)
+            .into_future();
+        // The ready service handles this request after the lock is taken; the clone left
+        // behind will be driven to readiness by the next `poll_ready`.
+        let clone = self.inner.clone();
+        let inner = mem::replace(&mut self.inner, clone);
+        ResponseFuture::acquiring(acquire, request, inner, self.config.clone())
+    }
+}

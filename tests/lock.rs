@@ -1,0 +1,272 @@
+//! The lock API without HTTP, against a real redis-server per test.
+
+mod support;
+
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use support::{RedisServer, eventually};
+use tower_lock::{KeyError, LockError};
+
+const KEY: &str = "order:42";
+const LOCK: &str = "tower-lock:{order:42}";
+
+#[tokio::test]
+async fn fencing_tokens_strictly_increase_even_after_external_delete() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let mut conn = server.conn().await;
+    let mut last = 0;
+    for i in 0..100 {
+        let guard = backend.lock(KEY).try_once().await.expect("uncontended");
+        let token = guard.fencing_token();
+        assert!(
+            token > last,
+            "token {token} after {last} at acquisition {i}"
+        );
+        last = token;
+        if i % 10 == 0 {
+            // Someone deletes the lock (and at times its counter) from outside.
+            let _: () = conn.del(LOCK).await.unwrap();
+            if i % 20 == 0 {
+                let _: () = conn.del(format!("{LOCK}:fence")).await.unwrap();
+            }
+            assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        } else {
+            guard.release().await.expect("release");
+        }
+    }
+}
+
+#[tokio::test]
+async fn expired_guard_releases_nothing_of_the_new_owner() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let stale = backend
+        .lock(KEY)
+        .lease(Duration::from_millis(200))
+        .without_watchdog()
+        .try_once()
+        .await
+        .unwrap();
+    let fresh = backend
+        .lock(KEY)
+        .wait(Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(fresh.fencing_token() > stale.fencing_token());
+
+    assert!(matches!(stale.release().await, Err(LockError::Lost { .. })));
+    let mut conn = server.conn().await;
+    let owner: Option<i64> = conn
+        .hget(LOCK, fresh.held().owner().as_str())
+        .await
+        .unwrap();
+    assert_eq!(owner, Some(1), "the new owner's hold is untouched");
+    fresh
+        .release()
+        .await
+        .expect("the new owner releases normally");
+    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+}
+
+#[tokio::test]
+async fn leaked_guard_is_acquired_after_its_lease_without_a_release_message() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let leaked = backend
+        .lock(KEY)
+        .lease(Duration::from_secs(1))
+        .without_watchdog()
+        .try_once()
+        .await
+        .unwrap();
+    std::mem::forget(leaked);
+
+    let guard = backend.lock(KEY).wait(Duration::from_secs(10)).await;
+    assert!(guard.is_ok(), "waiter acquires after the lease: {guard:?}");
+    assert_eq!(
+        server.command_calls(&["publish"]).await,
+        0,
+        "no release was published"
+    );
+}
+
+#[tokio::test]
+async fn watchdog_keeps_the_lock_through_three_leases() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let other = server.backend().await;
+    let guard = backend
+        .lock(KEY)
+        .lease(Duration::from_millis(600))
+        .try_once()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert!(!guard.is_lost());
+    assert!(matches!(
+        other.lock(KEY).try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    guard
+        .release()
+        .await
+        .expect("still held after three leases");
+}
+
+#[tokio::test]
+async fn lost_fires_when_the_lock_is_deleted_from_outside() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let guard = backend
+        .lock(KEY)
+        .lease(Duration::from_millis(600))
+        .try_once()
+        .await
+        .unwrap();
+    let _: () = server.conn().await.del(LOCK).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("lost() fires at the next renewal");
+    assert!(guard.is_lost());
+}
+
+#[tokio::test]
+async fn reentry_counts_up_and_the_last_release_frees_the_lock() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let mut conn = server.conn().await;
+    let outer = backend.lock(KEY).try_once().await.unwrap();
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .try_once()
+        .await
+        .unwrap();
+    assert_eq!(inner.fencing_token(), outer.fencing_token());
+    let owner = outer.held().owner().as_str().to_owned();
+    assert_eq!(conn.hget::<_, _, i64>(LOCK, &owner).await.unwrap(), 2);
+    assert!(matches!(
+        backend.lock(KEY).try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+
+    inner.release().await.unwrap();
+    assert_eq!(conn.hget::<_, _, i64>(LOCK, &owner).await.unwrap(), 1);
+    outer.release().await.unwrap();
+    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+}
+
+#[tokio::test]
+async fn contended_try_reports_the_holders_remaining_lease() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let _held = backend
+        .lock(KEY)
+        .lease(Duration::from_secs(20))
+        .try_once()
+        .await
+        .unwrap();
+    match backend.lock(KEY).try_once().await {
+        Err(LockError::Contended {
+            retry_after: Some(left),
+            ..
+        }) => {
+            assert!(
+                left > Duration::from_secs(10) && left <= Duration::from_secs(20),
+                "{left:?}"
+            );
+        }
+        other => panic!("expected Contended, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn waiter_wakes_on_release_and_leaves_no_subscription() {
+    let server = RedisServer::start();
+    let holder = server.backend().await;
+    let waiter = server.backend().await;
+    let guard = holder.lock(KEY).try_once().await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .lock(KEY)
+            .wait(Duration::from_secs(10))
+            .await
+            .map(|g| (g, waiter))
+    });
+    let channel = format!("{LOCK}:released");
+    let mut conn = server.conn().await;
+    eventually("the waiter subscribed", || {
+        let mut conn = conn.clone();
+        let channel = channel.clone();
+        async move { numsub(&mut conn, &channel).await == 1 }
+    })
+    .await;
+    guard.release().await.unwrap();
+    let (guard, waiter) = waiting.await.unwrap().expect("woken by the release");
+    assert_eq!(
+        numsub(&mut conn, &channel).await,
+        0,
+        "unsubscribed after the last waiter left"
+    );
+    assert_eq!(waiter.stats().channels_with_waiters, 0);
+    drop(guard);
+}
+
+#[tokio::test]
+async fn dropped_guard_is_released_in_the_background() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    drop(backend.lock(KEY).try_once().await.unwrap());
+    let mut conn = server.conn().await;
+    eventually("the dropped guard is released", || {
+        let mut conn = conn.clone();
+        async move { !conn.exists::<_, bool>(LOCK).await.unwrap() }
+    })
+    .await;
+    assert!(backend.lock(KEY).try_once().await.is_ok());
+}
+
+#[tokio::test]
+async fn empty_and_oversized_keys_are_rejected_before_redis() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let before = server.command_calls(&["evalsha", "eval"]).await;
+    assert!(matches!(
+        backend.lock("").try_once().await,
+        Err(LockError::InvalidKey(KeyError::Empty))
+    ));
+    assert!(matches!(
+        backend.lock("k".repeat(100 * 1024)).try_once().await,
+        Err(LockError::InvalidKey(KeyError::TooLong {
+            len: 102400,
+            max: 1024
+        }))
+    ));
+    assert_eq!(server.command_calls(&["evalsha", "eval"]).await, before);
+}
+
+#[tokio::test]
+async fn unreachable_redis_is_a_backend_error_not_a_hang() {
+    let mut server = RedisServer::start();
+    let backend = server.backend().await;
+    server.kill();
+    let result = tokio::time::timeout(
+        Duration::from_secs(5),
+        backend.lock(KEY).wait(Duration::from_secs(2)),
+    )
+    .await
+    .expect("returns within the wait");
+    assert!(matches!(result, Err(LockError::Backend(_))), "{result:?}");
+}
+
+async fn numsub(conn: &mut redis::aio::MultiplexedConnection, channel: &str) -> i64 {
+    let reply: (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    reply.1
+}

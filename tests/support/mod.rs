@@ -1,0 +1,235 @@
+//! Test support: a throwaway `redis-server` per test, on a free port in a temp dir, killed
+//! on drop; plus small HTTP helpers. Nothing here touches a Redis it did not start.
+
+#![allow(dead_code)] // each test binary uses a different subset of these helpers
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tower_lock::RedisBackend;
+
+/// A redis-server process owned by one test.
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it answers PING.
+    pub fn start() -> Self {
+        // Another process may take the free port before redis-server binds it: retry.
+        for _ in 0..20 {
+            let mut server = RedisServer {
+                child: None,
+                port: free_port(),
+                dir: tempfile::tempdir().expect("temp dir"),
+            };
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!("could not start redis-server on a free port");
+    }
+
+    /// Spawns on `self.port`; false if it did not come up (for example the port was taken).
+    fn spawn(&mut self) -> bool {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (apt-get install redis-server)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(_)) = child.try_wait() {
+                    self.child = None;
+                    return false;
+                }
+            }
+            if ping(self.port) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.kill();
+        false
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// A backend with a per-server namespace and short timeouts, so fault tests end fast.
+    pub async fn backend(&self) -> RedisBackend {
+        RedisBackend::builder(self.url())
+            .command_timeout(Duration::from_millis(500))
+            .connect_timeout(Duration::from_millis(500))
+            .build()
+            .await
+            .expect("backend connects to the test server")
+    }
+
+    /// A plain connection for inspecting and tampering with the server's state.
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("valid url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to test redis")
+    }
+
+    /// Sum of `calls=` over the given commands in `INFO commandstats`.
+    pub async fn command_calls(&self, commands: &[&str]) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("INFO commandstats");
+        info.lines()
+            .filter_map(|line| {
+                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                commands.contains(&name).then_some(stats)
+            })
+            .filter_map(|stats| stats.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port (after `kill`).
+    pub fn restart(&mut self) {
+        self.kill();
+        assert!(self.spawn(), "redis-server restarts on port {}", self.port);
+    }
+
+    /// SIGSTOP: the server keeps its sockets but answers nothing.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after `pause`.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("server running").id();
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill(1)");
+        assert!(status.success());
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // SIGKILL also ends a server stopped by `pause`.
+        self.kill();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok()
+        && stream.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
+}
+
+/// Serves `app` on a free loopback port; the server runs until the test's runtime ends.
+pub async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    addr
+}
+
+/// A reply as the tests look at it.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+}
+
+pub type HttpClient = Client<HttpConnector, Full<bytes::Bytes>>;
+
+pub fn http_client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// POSTs with an empty body and reads the whole reply.
+pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
+    let request = http::Request::post(format!("http://{addr}{path}"))
+        .body(Full::default())
+        .expect("request");
+    let response = client.request(request).await.expect("HTTP request");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+/// Waits (generously) until `check` holds; for catching hangs, not for timing.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
