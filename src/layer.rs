@@ -9,7 +9,7 @@ use tower_layer::Layer;
 
 use crate::backend::LockBackend;
 use crate::error::LockError;
-use crate::lock::{DEFAULT_LEASE, Mode};
+use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
 use crate::response::Rejection;
 use crate::service::LockService;
 
@@ -34,6 +34,7 @@ pub(crate) struct Config {
     pub(crate) mode: Mode,
     pub(crate) lease: Duration,
     pub(crate) on_lost: OnLockLost,
+    pub(crate) max_local_waiters: usize,
     pub(crate) rejection: Option<Arc<Rejection>>,
 }
 
@@ -87,6 +88,7 @@ impl<B: LockBackend, K> LockLayer<B, K> {
                 mode: Mode::Wait(DEFAULT_WAIT),
                 lease: DEFAULT_LEASE,
                 on_lost: OnLockLost::default(),
+                max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
                 rejection: None,
             }),
         }
@@ -109,6 +111,14 @@ impl<B: LockBackend, K> LockLayer<B, K> {
     /// runs. If the process dies the lock frees itself at most one lease later.
     pub fn lease(mut self, lease: Duration) -> Self {
         Arc::make_mut(&mut self.config).lease = lease;
+        self
+    }
+
+    /// Bounds the requests of this process queued for one key (default 1024); past it a
+    /// request is answered 503 with `Retry-After` at once (see
+    /// [`LockRequest::max_local_waiters`](crate::LockRequest::max_local_waiters)).
+    pub fn max_local_waiters(mut self, max: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_local_waiters = max;
         self
     }
 
@@ -149,6 +159,7 @@ impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
             .field("mode", &self.config.mode)
             .field("lease", &self.config.lease)
             .field("on_lost", &self.config.on_lost)
+            .field("max_local_waiters", &self.config.max_local_waiters)
             .finish_non_exhaustive()
     }
 }

@@ -39,6 +39,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// The default lease: how long a lock outlives a holder that stopped renewing it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
+/// How many tasks of one backend may queue for one key by default (see
+/// [`LockRequest::max_local_waiters`]).
+pub const DEFAULT_MAX_LOCAL_WAITERS: usize = 1024;
+
 /// The identity a lock is held under: `instance-uuid:sequence`, one per request.
 ///
 /// Two acquisitions of the same key by the same owner re-enter the lock (its count goes
@@ -81,6 +85,7 @@ pub struct LockRequest<B> {
     pub(crate) lease: Duration,
     pub(crate) watchdog: bool,
     pub(crate) mode: Mode,
+    pub(crate) max_local_waiters: usize,
 }
 
 impl<B: LockBackend> LockRequest<B> {
@@ -92,6 +97,7 @@ impl<B: LockBackend> LockRequest<B> {
             lease: DEFAULT_LEASE,
             watchdog: true,
             mode: Mode::TryOnce,
+            max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
         }
     }
 
@@ -107,6 +113,15 @@ impl<B: LockBackend> LockRequest<B> {
     /// lock past a deadline.
     pub fn without_watchdog(mut self) -> Self {
         self.watchdog = false;
+        self
+    }
+
+    /// Bounds the tasks of this backend queued for the key (default 1024). Tasks of one
+    /// backend waiting for the same key queue in-process and only the first talks to
+    /// Redis; a request that would be queued past this bound fails at once with
+    /// [`LockError::QueueFull`] (503 from the layer), shedding load instead of piling up.
+    pub fn max_local_waiters(mut self, max: usize) -> Self {
+        self.max_local_waiters = max;
         self
     }
 
@@ -153,6 +168,7 @@ impl<B> fmt::Debug for LockRequest<B> {
             .field("lease", &self.lease)
             .field("watchdog", &self.watchdog)
             .field("mode", &self.mode)
+            .field("max_local_waiters", &self.max_local_waiters)
             .finish()
     }
 }

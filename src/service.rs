@@ -101,6 +101,7 @@ where
             .lock(key)
             .owner(owner)
             .lease(self.config.lease)
+            .max_local_waiters(self.config.max_local_waiters)
             .mode(self.config.mode)
             .into_future();
         // The ready service handles this request after the lock is taken; the clone left

@@ -22,13 +22,7 @@ if count > 1 then
   return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
 end
 
--- A new acquisition. The token must exceed every token issued for this key before, even
--- when the counter was deleted or expired, so it never falls below the server clock in
--- microseconds. Numbers are formatted by hand: Lua would print them as 1.7e+15.
-local now = redis.call('time')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('get', KEYS[2]) or '0') or 0
-local token = string.format('%.0f', math.max(last + 1, floor))
-redis.call('set', KEYS[2], token, 'px', ARGV[3])
+-- A new acquisition: a new fencing token (next_token comes from fence.lua).
+local token = next_token(KEYS[2], ARGV[3])
 redis.call('hset', KEYS[1], 'token', token)
 return {1, tonumber(token), 1}

@@ -5,6 +5,12 @@
 //! watchdog task that renews held leases in batches. Its background tasks stop when the
 //! last clone of the backend and the last guard it issued are dropped.
 //!
+//! Tasks of one backend that wait for the same key queue in-process (see `queue.rs`):
+//! only the first talks to Redis, and a release hands the lock straight to the next task
+//! in line, in one script, for up to
+//! [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times in a row while
+//! other instances wait.
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use tower_lock::RedisBackend;
@@ -23,6 +29,7 @@
 
 mod pool;
 mod pubsub;
+mod queue;
 mod scripts;
 mod watchdog;
 
@@ -37,8 +44,9 @@ use tracing::Instrument;
 
 use self::pool::{CommandError, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
+use self::queue::{Claim, Entry, Grant, Queues, Slot};
 use self::scripts::Scripts;
-use self::watchdog::{Watchdog, millis};
+use self::watchdog::{OnLost, Watchdog, millis};
 use crate::backend::LockBackend;
 use crate::error::{KeyError, LockError};
 use crate::key::LockKey;
@@ -50,6 +58,9 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 /// A command never gets less time than this, even right at a wait's deadline, so that a
 /// final attempt is not failed by its own budget on a busy machine.
 const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
+
+/// Default bound on consecutive handoffs within one process while other instances wait.
+pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 8;
 
 /// Distributed locks on one Redis server. Cheap to clone; clones share connections.
 ///
@@ -65,6 +76,8 @@ struct Inner {
     scripts: Arc<Scripts>,
     subscriber: Subscriber,
     watchdog: Watchdog,
+    queues: Queues,
+    max_local_handoffs: u32,
     namespace: String,
     max_key_len: usize,
     command_timeout: Duration,
@@ -100,6 +113,7 @@ impl RedisBackend {
             fence_ttl: Duration::from_secs(7 * 24 * 3600),
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
+            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
         }
     }
 
@@ -116,6 +130,8 @@ impl RedisBackend {
             subscriber_connections_made: subscriber.connections_made(),
             channels_with_waiters: subscriber.channels_with_waiters(),
             watched_locks: self.inner.watchdog.watched(),
+            local_queues: self.inner.queues.keys(),
+            local_waiters: self.inner.queues.waiting(),
         }
     }
 
@@ -146,6 +162,11 @@ pub struct BackendStats {
     pub channels_with_waiters: usize,
     /// Held locks the watchdog is renewing or watching.
     pub watched_locks: usize,
+    /// Keys with a task of this backend contending for, holding or queued on them. Entries
+    /// are removed when the last task leaves, so this returns to 0 when the backend is idle.
+    pub local_queues: usize,
+    /// Tasks queued in-process behind another task of this backend for the same key.
+    pub local_waiters: usize,
 }
 
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
@@ -161,6 +182,7 @@ pub struct RedisBackendBuilder {
     fence_ttl: Duration,
     ping_interval: Duration,
     max_backoff: Duration,
+    max_local_handoffs: u32,
 }
 
 impl RedisBackendBuilder {
@@ -214,6 +236,15 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// How many times in a row a release may hand the lock straight to the next task of
+    /// this backend while tasks of other instances wait for it (default 8). Then it is
+    /// released for real and the other instances go first, so they are not starved. With
+    /// no other instance waiting, handoffs go on without a bound; 0 turns handoff off.
+    pub fn max_local_handoffs(mut self, max: u32) -> Self {
+        self.max_local_handoffs = max;
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     pub async fn build(self) -> Result<RedisBackend, LockError> {
         validate_namespace(&self.namespace)?;
@@ -264,6 +295,8 @@ impl RedisBackendBuilder {
                 scripts,
                 subscriber,
                 watchdog,
+                queues: Queues::default(),
+                max_local_handoffs: self.max_local_handoffs,
                 namespace: self.namespace,
                 max_key_len: self.max_key_len,
                 command_timeout: self.command_timeout,
@@ -380,31 +413,92 @@ impl Inner {
             Some(owner) => (owner, false),
             None => (self.new_owner(), true),
         };
-        let lease = request.lease;
         let started = Instant::now();
         let deadline = match request.mode {
             Mode::TryOnce => None,
             Mode::Wait(wait) => Some(started + wait),
         };
-        let mut pttl = match self
-            .attempt(&key, &owner, lease, fresh_owner, deadline)
-            .await?
-        {
-            Attempt::Acquired { token, sent_at } => {
-                return Ok(self.guard(
-                    key.clone(),
-                    owner.clone(),
-                    lease,
-                    request.watchdog,
-                    token,
-                    sent_at,
-                ));
-            }
-            Attempt::Held(pttl) => pttl,
+        let c = Contender {
+            lock_key: key.lock.as_str().into(),
+            key,
+            claim: Claim {
+                owner,
+                lease: request.lease,
+                renew: request.watchdog,
+            },
+            fresh_owner,
+            started,
+            deadline,
         };
-        let Some(deadline) = deadline else {
+        let limit = deadline.map(|_| request.max_local_waiters);
+        loop {
+            let slot = match (self.queues.enter(&c.lock_key, &c.claim, limit), deadline) {
+                (Entry::Head(slot), _) => Some(slot),
+                (Entry::Reentrant, _) => None,
+                (Entry::Full, _) => {
+                    return Err(LockError::QueueFull {
+                        key: c.key.user.clone(),
+                    });
+                }
+                (Entry::Busy, _) | (Entry::Queued(_), None) => return Err(self.busy(&c).await),
+                (Entry::Queued(mut ticket), Some(deadline)) => {
+                    let grant = tokio::select! {
+                        grant = ticket.granted() => grant,
+                        _ = sleep_until(deadline) => match ticket.try_granted() {
+                            Some(Grant::Handoff(guard)) => return Ok(guard),
+                            // A slot that came just now passes on with the ticket.
+                            _ => return Err(c.timed_out(None)),
+                        },
+                    };
+                    match grant {
+                        Some(Grant::Handoff(guard)) => return Ok(guard),
+                        Some(Grant::Slot(slot)) => Some(slot),
+                        None => continue,
+                    }
+                }
+            };
+            return self.contend(&c, slot).await;
+        }
+    }
+
+    /// The answer to a try while another task of this backend has the key: no attempt,
+    /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
+    async fn busy(&self, c: &Contender) -> LockError {
+        let mut pttl = redis::cmd("PTTL");
+        pttl.arg(&c.key.lock);
+        let retry_after = match timeout(self.command_timeout, self.pool.query::<i64>(&pttl)).await {
+            Ok(Ok(ms)) => u64::try_from(ms).ok().map(Duration::from_millis),
+            _ => None,
+        };
+        LockError::Contended {
+            key: c.key.user.clone(),
+            retry_after,
+        }
+    }
+
+    /// Takes the lock in Redis: try -> subscribe -> try again -> wait for a release or for
+    /// the holder's lease -> loop. Holding `slot`, this is the only task of the backend
+    /// doing so for the key; the slot goes into the guard.
+    async fn contend(
+        self: &Arc<Self>,
+        c: &Contender,
+        slot: Option<Slot>,
+    ) -> Result<LockGuard, LockError> {
+        let mut pttl = None;
+        // A slot passed on by a release that ended a handoff streak skips the first try:
+        // the task waits for its subscription to be confirmed, a round trip in which the
+        // other instances, woken by that release, get their turn.
+        if !slot.as_ref().is_some_and(Slot::yielded) {
+            match self.attempt(c).await? {
+                Attempt::Acquired { token, sent_at } => {
+                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
+                }
+                Attempt::Held(p) => pttl = p,
+            }
+        }
+        let Some(deadline) = c.deadline else {
             return Err(LockError::Contended {
-                key: key.user.clone(),
+                key: c.key.user.clone(),
                 retry_after: pttl,
             });
         };
@@ -412,56 +506,35 @@ impl Inner {
         // failed attempt and the subscription would otherwise be missed (Redisson #5761).
         // The waiter starts with a permit when its channel is already subscribed, and gets
         // one when the subscription is confirmed, so the next attempt follows either way.
-        let waiter = self.subscriber.register(&key.channel);
+        let waiter = self.subscriber.register(&c.key.channel);
         loop {
             let nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
             tokio::select! {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            match self
-                .attempt(&key, &owner, lease, fresh_owner, Some(deadline))
-                .await?
-            {
+            match self.attempt(c).await? {
                 Attempt::Acquired { token, sent_at } => {
                     drop(waiter);
-                    return Ok(self.guard(
-                        key.clone(),
-                        owner.clone(),
-                        lease,
-                        request.watchdog,
-                        token,
-                        sent_at,
-                    ));
+                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
                 }
                 Attempt::Held(p) => pttl = p,
             }
             if Instant::now() >= deadline {
-                return Err(LockError::TimedOut {
-                    key: key.user.clone(),
-                    waited: started.elapsed(),
-                    retry_after: pttl,
-                });
+                return Err(c.timed_out(pttl));
             }
         }
     }
 
     /// Runs the acquire script once.
-    async fn attempt(
-        self: &Arc<Self>,
-        key: &Arc<LockKey>,
-        owner: &LockOwner,
-        lease: Duration,
-        fresh_owner: bool,
-        deadline: Option<Instant>,
-    ) -> Result<Attempt, LockError> {
-        let mut invocation = self.scripts.acquire.key(&key.lock);
+    async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
+        let mut invocation = self.scripts.acquire.key(&c.key.lock);
         invocation
-            .key(&key.fence)
-            .arg(owner.as_str())
-            .arg(millis(lease))
+            .key(&c.key.fence)
+            .arg(c.claim.owner.as_str())
+            .arg(millis(c.claim.lease))
             .arg(millis(self.fence_ttl));
-        let budget = match deadline {
+        let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
                     .saturating_duration_since(Instant::now())
@@ -492,8 +565,14 @@ impl Inner {
         // The script may have run although its reply never came. Undo it in the background
         // when this acquisition had an owner of its own (a shared owner may hold the key
         // already, and one release too many would take that hold away).
-        if ambiguous && fresh_owner {
-            let hold = RedisHold::new(self.clone(), key.clone(), owner.clone(), lease);
+        if ambiguous && c.fresh_owner {
+            let hold = RedisHold::new(
+                self.clone(),
+                c.key.clone(),
+                c.claim.owner.clone(),
+                c.claim.lease,
+                None,
+            );
             self.runtime.spawn(async move {
                 let retry_for = hold.lease;
                 let _ = hold.run(retry_for).await;
@@ -502,25 +581,49 @@ impl Inner {
         Err(error)
     }
 
+    /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
+    /// at `sent_at`) and starts watching its lease.
     fn guard(
         self: &Arc<Self>,
         key: Arc<LockKey>,
-        owner: LockOwner,
-        lease: Duration,
-        renew: bool,
+        claim: Claim,
         token: u64,
         sent_at: Instant,
+        slot: Option<Slot>,
     ) -> LockGuard {
-        let hold = RedisHold::new(self.clone(), key, owner, lease);
+        let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
+        let hold = RedisHold::new(self.clone(), key, claim.owner, claim.lease, slot);
         let lost = self.watchdog.register(
             hold.lock_key.clone(),
             hold.owner.clone(),
-            lease,
-            renew,
+            claim.lease,
+            claim.renew,
             sent_at,
+            on_lost,
         );
         let held = HeldLock::new(hold.key.user.clone(), hold.owner.clone(), token, lost);
         LockGuard::new(held, Box::new(WatchedHold(hold)))
+    }
+}
+
+/// One acquisition in progress.
+struct Contender {
+    key: Arc<LockKey>,
+    lock_key: Arc<str>,
+    claim: Claim,
+    /// Whether the owner was made for this acquisition (see `attempt`).
+    fresh_owner: bool,
+    started: Instant,
+    deadline: Option<Instant>,
+}
+
+impl Contender {
+    fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
+        LockError::TimedOut {
+            key: self.key.user.clone(),
+            waited: self.started.elapsed(),
+            retry_after,
+        }
     }
 }
 
@@ -544,10 +647,19 @@ struct RedisHold {
     /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
     latch: String,
     lease: Duration,
+    /// The key's slot in this backend's queue, when this hold took it (re-entries and
+    /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
+    slot: Option<Slot>,
 }
 
 impl RedisHold {
-    fn new(inner: Arc<Inner>, key: Arc<LockKey>, owner: LockOwner, lease: Duration) -> Self {
+    fn new(
+        inner: Arc<Inner>,
+        key: Arc<LockKey>,
+        owner: LockOwner,
+        lease: Duration,
+        slot: Option<Slot>,
+    ) -> Self {
         let seq = inner.sequence.fetch_add(1, Ordering::Relaxed);
         RedisHold {
             latch: format!("{}#{seq}", owner.as_str()),
@@ -556,35 +668,48 @@ impl RedisHold {
             key,
             owner,
             lease,
+            slot,
         }
     }
 
     /// Runs the release script, retrying transport failures for up to `retry_for`.
-    /// A retry is safe: the script recognises a hold it already released.
-    async fn run(self, retry_for: Duration) -> Result<(), LockError> {
-        let mut invocation = self.inner.scripts.release.key(&*self.lock_key);
+    /// A retry is safe: the script recognises a hold it already released or handed over.
+    ///
+    /// When a task of this backend is queued for the key, the script hands the lock to it
+    /// instead of freeing it, unless this process's run of handoffs is used up while other
+    /// instances wait. Either way the queued task gets the slot when this returns.
+    async fn run(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let inner = self.inner.clone();
+        let (successor, streak_spent) = match self.slot.as_mut() {
+            Some(slot) if inner.max_local_handoffs > 0 => {
+                let spent = slot.streak().saturating_add(1) >= inner.max_local_handoffs;
+                (slot.reserve_successor().cloned(), spent)
+            }
+            _ => (None, false),
+        };
+        let mut invocation = inner.scripts.release.key(&*self.lock_key);
         invocation
+            .key(&self.key.fence)
             .arg(self.owner.as_str())
             .arg(&self.latch)
             .arg(millis(self.lease))
-            .arg(&self.key.channel);
+            .arg(&self.key.channel)
+            .arg(successor.as_ref().map_or("", |s| s.owner.as_str()))
+            .arg(successor.as_ref().map_or(0, |s| millis(s.lease)))
+            .arg(millis(inner.fence_ttl))
+            .arg(u8::from(streak_spent));
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
         let mut may_have_run = false;
         loop {
+            let sent_at = Instant::now();
             let error = match timeout(
-                self.inner.command_timeout,
-                self.inner.pool.invoke::<i64>(&invocation),
+                inner.command_timeout,
+                inner.pool.invoke::<Vec<i64>>(&invocation),
             )
             .await
             {
-                // Not held: lost, unless an earlier attempt whose reply was lost did it.
-                Ok(Ok(0)) if !may_have_run => {
-                    return Err(LockError::Lost {
-                        key: self.key.user.clone(),
-                    });
-                }
-                Ok(Ok(_)) => return Ok(()),
+                Ok(Ok(reply)) => return self.released(&reply, sent_at, may_have_run),
                 Ok(Err(e)) => {
                     let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
                     may_have_run |= e.is_ambiguous();
@@ -605,6 +730,46 @@ impl RedisHold {
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
+
+    /// Acts on the release script's reply (see release.lua). The slot, unless it went
+    /// along with the lock, is passed on when `self` is dropped on return.
+    fn released(
+        mut self,
+        reply: &[i64],
+        sent_at: Instant,
+        may_have_run: bool,
+    ) -> Result<(), LockError> {
+        match reply {
+            [3, token] => {
+                let token = u64::try_from(*token)
+                    .map_err(|_| LockError::backend("release", UnexpectedReply("release")))?;
+                if let Some((successor, slot)) = self.slot.take().and_then(Slot::hand_over) {
+                    let guard = self.inner.guard(
+                        self.key.clone(),
+                        successor.claim.clone(),
+                        token,
+                        sent_at,
+                        Some(slot),
+                    );
+                    successor.hand_over(guard);
+                }
+                Ok(())
+            }
+            [2] => {
+                if let Some(slot) = self.slot.as_mut() {
+                    slot.yield_to_others();
+                }
+                Ok(())
+            }
+            [1] => Ok(()),
+            // Not held: lost, unless an earlier attempt whose reply was lost did it.
+            [0] if may_have_run => Ok(()),
+            [0] => Err(LockError::Lost {
+                key: self.key.user.clone(),
+            }),
+            _ => Err(LockError::backend("release", UnexpectedReply("release"))),
+        }
+    }
 }
 
 /// A hold registered with the watchdog: releasing deregisters it first, so renewal never
@@ -615,9 +780,17 @@ impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        // The caller awaits this one: retry briefly, then let the lease free the lock.
+        // The caller awaits this one: retry briefly, then let the lease free the lock. It
+        // runs in a task of its own so that a caller that stops waiting cannot cut a
+        // handoff short between the script and telling the next task.
         let retry_for = hold.inner.command_timeout * 2;
-        Box::pin(hold.run(retry_for))
+        let runtime = hold.inner.runtime.clone();
+        let release = runtime.spawn(hold.run(retry_for));
+        Box::pin(async move {
+            release
+                .await
+                .unwrap_or_else(|e| Err(LockError::backend("release", e)))
+        })
     }
 
     fn release_in_background(self: Box<Self>) {

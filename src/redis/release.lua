@@ -1,27 +1,46 @@
--- Release one hold of a reentrant lock; idempotent per hold.
+-- Release one hold of a reentrant lock, or hand the lock to a successor in the same
+-- process; idempotent per hold.
 --
 -- KEYS[1]  the lock hash
+-- KEYS[2]  the fencing counter (written only by a handoff)
 -- ARGV[1]  owner id
 -- ARGV[2]  this hold's latch field ("owner#hold"), written when a re-entry is undone so
 --          that a retry of the same release (after a lost reply) does not decrement twice
 -- ARGV[3]  lease in milliseconds, re-applied while outer holds remain
 -- ARGV[4]  the channel that waiters subscribe to
+-- ARGV[5]  the successor's owner id, or "" to release for real
+-- ARGV[6]  the successor's lease in milliseconds
+-- ARGV[7]  how long the fencing counter outlives its last use, in milliseconds
+-- ARGV[8]  "1" when the process's run of handoffs is used up: then the lock is released
+--          for real if anyone (another instance) is subscribed to ARGV[4]
 --
--- Returns 2 when the lock was freed and the release published, 1 when an outer hold of
--- the same owner remains (or this hold was already undone), 0 when the owner does not
--- hold the lock (its lease ran out, it was deleted, or a retried final release).
+-- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
+-- when a retry finds it already handed over), {2} when it was freed and the release
+-- published, {1} when an outer hold of the same owner remains (or this hold was already
+-- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
+-- or a retried final release).
+if ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
+  return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
+end
 if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-  return 1
+  return {1}
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
-  return 0
+  return {0}
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
 if count > 0 then
   redis.call('hset', KEYS[1], ARGV[2], 1)
   redis.call('pexpire', KEYS[1], ARGV[3])
-  return 1
+  return {1}
 end
 redis.call('del', KEYS[1])
+if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[2] == 0) then
+  -- The hash is rebuilt rather than edited, so the old owner's latch fields go with it.
+  local token = next_token(KEYS[2], ARGV[7])
+  redis.call('hset', KEYS[1], ARGV[5], 1, 'token', token)
+  redis.call('pexpire', KEYS[1], ARGV[6])
+  return {3, tonumber(token)}
+end
 redis.call('publish', ARGV[4], 'released')
-return 2
+return {2}

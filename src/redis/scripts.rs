@@ -2,6 +2,8 @@
 //!
 //! `redis::Script` sends EVALSHA and, on NOSCRIPT (a restarted or flushed server), loads
 //! the script and retries once, so a script is shipped over the wire only when needed.
+//! Lua has no includes: the token logic shared by acquire and release (`fence.lua`) is
+//! prepended to both at compile time.
 
 use redis::Script;
 
@@ -15,8 +17,14 @@ pub(crate) struct Scripts {
 impl Scripts {
     pub(crate) fn new() -> Self {
         Scripts {
-            acquire: Script::new(include_str!("acquire.lua")),
-            release: Script::new(include_str!("release.lua")),
+            acquire: Script::new(concat!(
+                include_str!("fence.lua"),
+                include_str!("acquire.lua")
+            )),
+            release: Script::new(concat!(
+                include_str!("fence.lua"),
+                include_str!("release.lua")
+            )),
             renew: Script::new(include_str!("renew.lua")),
         }
     }

@@ -25,6 +25,9 @@ const MAX_BATCH: usize = 512;
 
 type HoldKey = (Arc<str>, LockOwner);
 
+/// Run once when a watched lock is found lost (not when it is released).
+pub(crate) type OnLost = Box<dyn FnOnce() + Send>;
+
 struct Entry {
     /// Holds of the same owner on the same key (re-entries) share one entry.
     refs: usize,
@@ -35,6 +38,19 @@ struct Entry {
     /// until at least this instant plus `lease`.
     confirmed: Instant,
     lost: CancellationToken,
+    on_lost: Vec<OnLost>,
+}
+
+impl Entry {
+    /// Fires `lost`; the hooks are returned to be run once the state lock is released.
+    fn lose(&mut self) -> Vec<OnLost> {
+        self.lost.cancel();
+        std::mem::take(&mut self.on_lost)
+    }
+}
+
+fn run_hooks(hooks: Vec<OnLost>) {
+    hooks.into_iter().for_each(|hook| hook());
 }
 
 #[derive(Default)]
@@ -86,6 +102,7 @@ impl Watchdog {
     /// that fires when the lock is lost. Re-entries share the outer hold's token.
     ///
     /// With `renew == false` the lease is only watched: the token fires when it runs out.
+    /// `on_lost` runs when the lock is found lost, and is dropped unrun if it is released.
     pub(crate) fn register(
         &self,
         lock_key: Arc<str>,
@@ -93,6 +110,7 @@ impl Watchdog {
         lease: Duration,
         renew: bool,
         sent_at: Instant,
+        on_lost: Option<OnLost>,
     ) -> CancellationToken {
         let mut state = self.shared.state();
         let entry = state
@@ -105,8 +123,10 @@ impl Watchdog {
                 next: sent_at + if renew { lease / 3 } else { lease },
                 confirmed: sent_at,
                 lost: CancellationToken::new(),
+                on_lost: Vec::new(),
             });
         entry.refs += 1;
+        entry.on_lost.extend(on_lost);
         // A re-entry that asks for renewal turns it on for the shared entry.
         if renew && !entry.renew {
             entry.renew = true;
@@ -162,21 +182,24 @@ async fn run(
             } => {}
         }
         let now = Instant::now();
-        let due = collect_due(&shared, now);
+        let (due, hooks) = collect_due(&shared, now);
+        run_hooks(hooks);
         for batch in due.chunks(MAX_BATCH) {
             renew_batch(&shared, &pool, &scripts, command_timeout, batch).await;
         }
     }
 }
 
-/// Expires what has certainly run out and returns what needs renewing now.
-fn collect_due(shared: &Shared, now: Instant) -> Vec<Due> {
+/// Expires what has certainly run out and returns what needs renewing now, with the
+/// hooks of the expired holds.
+fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
     let mut state = shared.state();
     let mut due = Vec::new();
+    let mut hooks = Vec::new();
     state.holds.retain(|key, entry| {
         if now >= entry.confirmed + entry.lease {
             tracing::warn!(key = %key.0, "lock lease ran out before it could be renewed");
-            entry.lost.cancel();
+            hooks.extend(entry.lose());
             return false;
         }
         if entry.renew && entry.next <= now + BATCH_WINDOW {
@@ -191,7 +214,7 @@ fn collect_due(shared: &Shared, now: Instant) -> Vec<Due> {
     for entry in state.holds.values_mut().filter(|e| !e.renew) {
         entry.next = entry.confirmed + entry.lease;
     }
-    due
+    (due, hooks)
 }
 
 async fn renew_batch(
@@ -211,6 +234,7 @@ async fn renew_batch(
     let sent_at = Instant::now();
     let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
     let mut state = shared.state();
+    let mut hooks = Vec::new();
     match result {
         Ok(Ok(renewed)) if renewed.len() == batch.len() => {
             for (due, still_held) in batch.iter().zip(renewed) {
@@ -222,7 +246,7 @@ async fn renew_batch(
                     entry.next = sent_at + entry.lease / 3;
                 } else {
                     tracing::warn!(key = %due.key.0, "lock no longer held at renewal");
-                    entry.lost.cancel();
+                    hooks.extend(entry.lose());
                     state.holds.remove(&due.key);
                 }
             }
@@ -244,6 +268,8 @@ async fn renew_batch(
             }
         }
     }
+    drop(state);
+    run_hooks(hooks);
 }
 
 pub(crate) fn millis(d: Duration) -> u64 {

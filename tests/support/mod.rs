@@ -112,6 +112,17 @@ impl RedisServer {
             .sum()
     }
 
+    /// How many connections are subscribed to `channel` (PUBSUB NUMSUB).
+    pub async fn numsub(&self, channel: &str) -> i64 {
+        let reply: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(channel)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("PUBSUB NUMSUB");
+        reply.1
+    }
+
     /// SIGKILL, as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -1,0 +1,3 @@
+use rslock as _;
+use tower_lock as _;
+fn main() {}

@@ -1,0 +1,349 @@
+//! The in-process queue per key: one contender per key per backend.
+//!
+//! Tasks of one backend that want the same key line up here in FIFO order, and only the
+//! task holding the key's [`Slot`] talks to Redis: it tries, subscribes and waits, and
+//! then holds the lock. When its hold is released the slot passes to the next task in
+//! line, either bare (the task then contends in Redis) or together with the lock itself
+//! when the release handed it over in one script (see `release.lua`). So a hot key costs
+//! one Redis contender per process instead of one per task, and no herd of local waiters
+//! races for it after every release.
+//!
+//! A key has an entry in the registry exactly while its slot is taken: the last task to
+//! leave removes it, so keys that come and go leave nothing behind. A holder that loses
+//! its lock (lease run out, key deleted) while it keeps its guard does not block the queue:
+//! the watchdog revokes its slot, which moves on to the next task.
+//!
+//! Grants travel over a oneshot channel per waiter. A waiter that leaves (cancelled or
+//! timed out) closes its channel and disposes of any grant already in it, passing the slot
+//! or the lock on; a grant sent to a waiter that has left comes back to the sender, which
+//! passes it to the next. Either way no wakeup is lost.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::lock::{LockGuard, LockOwner};
+
+/// Who is acquiring: what a releasing holder needs to hand the lock to them.
+#[derive(Clone)]
+pub(crate) struct Claim {
+    pub(crate) owner: LockOwner,
+    pub(crate) lease: Duration,
+    pub(crate) renew: bool,
+}
+
+/// What a queued task receives when its turn comes.
+pub(crate) enum Grant {
+    /// The key's slot: contend for the lock in Redis.
+    Slot(Slot),
+    /// The lock itself, handed over by the previous holder in this process.
+    Handoff(LockGuard),
+}
+
+/// A queued task, as seen by the holder that will pass the slot on.
+pub(crate) struct Successor {
+    id: u64,
+    pub(crate) claim: Claim,
+    grant: oneshot::Sender<Grant>,
+}
+
+impl Successor {
+    /// Hands the lock over. If the task has left meanwhile, the guard comes back and is
+    /// dropped here, which releases it (or hands it further down the line).
+    pub(crate) fn hand_over(self, guard: LockGuard) {
+        drop(self.grant.send(Grant::Handoff(guard)));
+    }
+}
+
+struct KeyQueue {
+    /// The owner the slot is with: its re-entries bypass the queue instead of deadlocking
+    /// behind themselves.
+    holder: LockOwner,
+    waiting: VecDeque<Successor>,
+    /// Identifies the current slot; a revoked or stale slot carries an older one and no
+    /// longer acts on the queue. Drawn from one counter, so it is never reused.
+    epoch: u64,
+}
+
+#[derive(Default)]
+struct Shared {
+    keys: Mutex<HashMap<Arc<str>, KeyQueue>>,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn keys(&self) -> MutexGuard<'_, HashMap<Arc<str>, KeyQueue>> {
+        // Nothing under this lock can panic half-way through an update; a poisoned lock
+        // is still consistent.
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The backend's registry of per-key queues.
+#[derive(Clone, Default)]
+pub(crate) struct Queues {
+    shared: Arc<Shared>,
+}
+
+/// The outcome of [`Queues::enter`].
+pub(crate) enum Entry {
+    /// The key was free in this process: contend in Redis, holding its slot.
+    Head(Slot),
+    /// The claimant already holds the slot (a nested acquisition by the same request):
+    /// re-enter in Redis without queueing.
+    Reentrant,
+    /// Another task holds the slot and the caller does not wait.
+    Busy,
+    /// The queue is at its bound: shed the request.
+    Full,
+    /// Queued behind other tasks; wait on the ticket.
+    Queued(Ticket),
+}
+
+impl KeyQueue {
+    fn new(holder: LockOwner, epoch: u64) -> Self {
+        KeyQueue {
+            holder,
+            waiting: VecDeque::new(),
+            epoch,
+        }
+    }
+}
+
+impl Queues {
+    /// Joins the queue of `key`. `limit` is the most tasks that may wait behind the slot's
+    /// holder; `None` means the caller does not wait at all.
+    pub(crate) fn enter(&self, key: &Arc<str>, claim: &Claim, limit: Option<usize>) -> Entry {
+        let mut keys = self.shared.keys();
+        let Some(queue) = keys.get_mut(key) else {
+            let epoch = self.shared.next_id();
+            keys.insert(key.clone(), KeyQueue::new(claim.owner.clone(), epoch));
+            return Entry::Head(Slot::new(self.shared.clone(), key.clone(), epoch, 0));
+        };
+        if queue.holder == claim.owner {
+            return Entry::Reentrant;
+        }
+        let Some(limit) = limit else {
+            return Entry::Busy;
+        };
+        if queue.waiting.len() >= limit {
+            return Entry::Full;
+        }
+        let id = self.shared.next_id();
+        let (grant, granted) = oneshot::channel();
+        queue.waiting.push_back(Successor {
+            id,
+            claim: claim.clone(),
+            grant,
+        });
+        Entry::Queued(Ticket {
+            shared: self.shared.clone(),
+            key: key.clone(),
+            id,
+            granted,
+        })
+    }
+
+    /// Keys with a contender, holder or waiter in this process.
+    pub(crate) fn keys(&self) -> usize {
+        self.shared.keys().len()
+    }
+
+    /// Tasks queued behind a contender or holder of the same key.
+    pub(crate) fn waiting(&self) -> usize {
+        self.shared.keys().values().map(|q| q.waiting.len()).sum()
+    }
+}
+
+/// A place in a key's queue. Dropping it leaves the queue; a grant that arrived meanwhile
+/// is passed on, not lost.
+pub(crate) struct Ticket {
+    shared: Arc<Shared>,
+    key: Arc<str>,
+    id: u64,
+    granted: oneshot::Receiver<Grant>,
+}
+
+impl Ticket {
+    /// Resolves when the task's turn comes. `None` if its grant was dropped unsent (the
+    /// runtime is shutting down); the caller may queue again.
+    pub(crate) async fn granted(&mut self) -> Option<Grant> {
+        (&mut self.granted).await.ok()
+    }
+
+    /// A grant that has already arrived, if any.
+    pub(crate) fn try_granted(&mut self) -> Option<Grant> {
+        self.granted.try_recv().ok()
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.granted.close();
+        match self.granted.try_recv() {
+            // Dropping a grant passes it on: a slot to the next task, a guard by releasing.
+            Ok(grant) => drop(grant),
+            Err(_) => {
+                if let Some(queue) = self.shared.keys().get_mut(&self.key) {
+                    queue.waiting.retain(|s| s.id != self.id);
+                }
+            }
+        }
+    }
+}
+
+/// The right to contend for a key in Redis and, once the lock is taken, to hold it.
+/// Dropping it passes it to the next queued task, or removes the key's queue.
+pub(crate) struct Slot {
+    shared: Arc<Shared>,
+    key: Arc<str>,
+    epoch: u64,
+    /// Consecutive handoffs within this process that led to this slot.
+    streak: u32,
+    /// Whether the next task should let other instances go first: set when the lock was
+    /// released for real to end a handoff streak.
+    yielded: bool,
+    /// The task picked to receive the slot, taken out of the queue for a handoff.
+    successor: Option<Successor>,
+    armed: bool,
+}
+
+impl Slot {
+    fn new(shared: Arc<Shared>, key: Arc<str>, epoch: u64, streak: u32) -> Self {
+        Slot {
+            shared,
+            key,
+            epoch,
+            streak,
+            yielded: false,
+            successor: None,
+            armed: true,
+        }
+    }
+
+    /// Consecutive local handoffs that led to this slot.
+    pub(crate) fn streak(&self) -> u32 {
+        self.streak
+    }
+
+    /// True when this slot came from a release that ended a handoff streak: its task
+    /// should wait for a release message before its first attempt, so that the other
+    /// instances, which got that message, get the lock first.
+    pub(crate) fn yielded(&self) -> bool {
+        self.yielded
+    }
+
+    /// Takes the next queued task out of line as the successor of this slot's hold and
+    /// returns its claim. Whatever becomes of the release, the successor gets the slot.
+    pub(crate) fn reserve_successor(&mut self) -> Option<&Claim> {
+        if self.successor.is_none() {
+            let mut keys = self.shared.keys();
+            let queue = keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch)?;
+            let next = queue.waiting.pop_front()?;
+            queue.holder = next.claim.owner.clone();
+            self.successor = Some(next);
+        }
+        self.successor.as_ref().map(|s| &s.claim)
+    }
+
+    /// The lock went to the successor: returns it, with the slot its hold will carry.
+    pub(crate) fn hand_over(mut self) -> Option<(Successor, Slot)> {
+        let successor = self.successor.take()?;
+        self.armed = false;
+        let slot = Slot::new(
+            self.shared.clone(),
+            self.key.clone(),
+            self.epoch,
+            self.streak.saturating_add(1),
+        );
+        Some((successor, slot))
+    }
+
+    /// Marks the release as the end of a handoff streak (see [`yielded`](Self::yielded)).
+    pub(crate) fn yield_to_others(&mut self) {
+        self.yielded = true;
+    }
+
+    /// A hook for the watchdog: when the lock held with this slot is found lost, the slot
+    /// moves on even though its guard is still alive.
+    pub(crate) fn revoker(&self) -> impl FnOnce() + Send + 'static {
+        let (shared, key, epoch) = (self.shared.clone(), self.key.clone(), self.epoch);
+        move || {
+            let mut keys = shared.keys();
+            if let Some(queue) = keys.get_mut(&key).filter(|q| q.epoch == epoch) {
+                queue.epoch = shared.next_id();
+                pass_on(&shared, &mut keys, &key, None, false);
+            }
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let successor = self.successor.take();
+        let mut keys = self.shared.keys();
+        match keys.get_mut(&self.key) {
+            Some(queue) if queue.epoch == self.epoch => {
+                pass_on(&self.shared, &mut keys, &self.key, successor, self.yielded);
+            }
+            // Revoked while a successor was reserved: it goes back to the front of the
+            // line, or, if the line is gone, starts a new one.
+            Some(queue) => {
+                if let Some(successor) = successor {
+                    queue.waiting.push_front(successor);
+                }
+            }
+            None => {
+                if let Some(successor) = successor {
+                    let epoch = self.shared.next_id();
+                    let queue = KeyQueue::new(successor.claim.owner.clone(), epoch);
+                    keys.insert(self.key.clone(), queue);
+                    pass_on(&self.shared, &mut keys, &self.key, Some(successor), false);
+                }
+            }
+        }
+    }
+}
+
+/// Gives the slot of `key` (whose queue must exist) to `candidate`, else to the first
+/// queued task that is still there; removes the queue when nobody is left.
+fn pass_on(
+    shared: &Arc<Shared>,
+    keys: &mut HashMap<Arc<str>, KeyQueue>,
+    key: &Arc<str>,
+    mut candidate: Option<Successor>,
+    yielded: bool,
+) {
+    loop {
+        let Some(queue) = keys.get_mut(key) else {
+            return;
+        };
+        let Some(next) = candidate.take().or_else(|| queue.waiting.pop_front()) else {
+            keys.remove(key);
+            return;
+        };
+        queue.holder = next.claim.owner.clone();
+        let mut slot = Slot::new(shared.clone(), key.clone(), queue.epoch, 0);
+        slot.yielded = yielded;
+        match next.grant.send(Grant::Slot(slot)) {
+            Ok(()) => return,
+            // The task left: disarm the returned slot (its drop would take the registry
+            // lock again) and try the next one.
+            Err(grant) => {
+                if let Grant::Slot(mut slot) = grant {
+                    slot.armed = false;
+                }
+            }
+        }
+    }
+}

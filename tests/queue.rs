@@ -1,0 +1,284 @@
+//! The in-process queue per key and the local handoff, against a real redis-server.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::routing::post;
+use futures_util::StreamExt;
+use redis::AsyncCommands;
+use support::{RedisServer, eventually, http_client, post as post_to, serve};
+use tokio::sync::{Mutex, Notify};
+use tokio::task::JoinHandle;
+use tower_lock::{LockError, LockGuard, LockLayer, RedisBackend};
+
+const KEY: &str = "order:42";
+const LOCK: &str = "tower-lock:{order:42}";
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Waits until `n` tasks of `backend` are queued behind the holder of a key.
+async fn queued(backend: &RedisBackend, n: usize) {
+    eventually(&format!("{n} tasks are queued"), || async move {
+        backend.stats().local_waiters == n
+    })
+    .await;
+}
+
+/// A fresh server and backend, with `KEY` held by the backend.
+async fn holding_key() -> (RedisServer, RedisBackend, LockGuard) {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let holder = backend.lock(KEY).try_once().await.expect("uncontended");
+    (server, backend, holder)
+}
+
+/// A task of `backend` waiting for `KEY`.
+fn spawn_waiter(backend: &RedisBackend) -> JoinHandle<Result<LockGuard, LockError>> {
+    let backend = backend.clone();
+    tokio::spawn(async move { backend.lock(KEY).wait(WAIT).await })
+}
+
+#[tokio::test]
+async fn local_waiters_get_the_lock_in_fifo_order_by_handoff() {
+    let (server, backend, holder) = holding_key().await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let (task_backend, order) = (backend.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let guard = task_backend.lock(KEY).wait(WAIT).await.expect("acquired");
+            order.lock().await.push((i, guard.fencing_token()));
+            guard.release().await.expect("released");
+        }));
+        queued(&backend, i + 1).await;
+    }
+    let calls_before = server.command_calls(&["evalsha", "eval"]).await;
+    assert_eq!(
+        server.numsub(&format!("{LOCK}:released")).await,
+        0,
+        "queued tasks do not subscribe: only the holder talks to Redis"
+    );
+
+    let first_token = holder.fencing_token();
+    holder.release().await.unwrap();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let order = order.lock().await.clone();
+    assert_eq!(
+        order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..10).collect::<Vec<_>>()
+    );
+    let mut last = first_token;
+    for (i, token) in order {
+        assert!(token > last, "task {i}: token {token} after {last}");
+        last = token;
+    }
+    // Eleven releases, ten of them handoffs; no waiter ran an acquire script.
+    assert_eq!(
+        server.command_calls(&["evalsha", "eval"]).await - calls_before,
+        11
+    );
+    assert_eq!(server.command_calls(&["publish"]).await, 1);
+    assert_eq!(backend.stats().local_queues, 0);
+}
+
+#[tokio::test]
+async fn a_waiter_past_the_bound_is_shed_with_queue_full() {
+    let (server, backend, holder) = holding_key().await;
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let backend = backend.clone();
+        tasks.push(tokio::spawn(async move {
+            let guard = backend.lock(KEY).max_local_waiters(3).wait(WAIT).await?;
+            guard.release().await
+        }));
+    }
+    queued(&backend, 3).await;
+    let calls_before = server.command_calls(&["evalsha", "eval"]).await;
+    let shed = backend.lock(KEY).max_local_waiters(3).wait(WAIT).await;
+    assert!(
+        matches!(&shed, Err(LockError::QueueFull { key }) if key == KEY),
+        "{shed:?}"
+    );
+    assert_eq!(
+        server.command_calls(&["evalsha", "eval"]).await,
+        calls_before,
+        "shed before Redis"
+    );
+    holder.release().await.unwrap();
+    for task in tasks {
+        task.await.unwrap().expect("the queued tasks are served");
+    }
+}
+
+#[tokio::test]
+async fn the_layer_answers_503_past_its_local_queue_bound() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let gate = Arc::new(Notify::new());
+    let handler_gate = gate.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let gate = handler_gate.clone();
+                async move {
+                    gate.notified().await;
+                    "paid"
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(backend.clone(), |_: &Request| Some(KEY)).max_local_waiters(1));
+    let addr = serve(app).await;
+    let client = http_client();
+    let first = tokio::spawn(post_to_owned(client.clone(), addr));
+    eventually("the first request holds the lock", || async {
+        backend.stats().watched_locks == 1
+    })
+    .await;
+    let second = tokio::spawn(post_to_owned(client.clone(), addr));
+    queued(&backend, 1).await;
+
+    let shed = post_to(&client, addr, "/pay").await;
+    assert_eq!(shed.status, 503);
+    assert_eq!(shed.headers["retry-after"], "1");
+    assert!(shed.body.contains("QueueFull"), "{}", shed.body);
+
+    gate.notify_one();
+    assert_eq!(first.await.unwrap(), 200);
+    gate.notify_one();
+    assert_eq!(second.await.unwrap(), 200);
+}
+
+async fn post_to_owned(client: support::HttpClient, addr: std::net::SocketAddr) -> u16 {
+    post_to(&client, addr, "/pay").await.status
+}
+
+#[tokio::test]
+async fn the_registry_is_empty_after_100k_distinct_keys() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    futures_util::stream::iter(0..100_000u32)
+        .for_each_concurrent(256, |i| {
+            let backend = backend.clone();
+            async move {
+                let key = format!("item:{i}");
+                // Every 16th key also has a second local contender, so that its queue is
+                // used, not only created and removed.
+                let contenders = if i % 16 == 0 { 2 } else { 1 };
+                futures_util::future::join_all((0..contenders).map(|_| async {
+                    let guard = backend.lock(key.as_str()).wait(WAIT).await.unwrap();
+                    guard.release().await.unwrap();
+                }))
+                .await;
+            }
+        })
+        .await;
+    let stats = backend.stats();
+    assert_eq!(stats.local_queues, 0);
+    assert_eq!(stats.local_waiters, 0);
+    assert_eq!(stats.channels_with_waiters, 0);
+    assert_eq!(stats.watched_locks, 0);
+    // Only the fencing counters remain in Redis: every lock was freed.
+    let size: u64 = redis::cmd("DBSIZE")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(size, 100_000);
+}
+
+#[tokio::test]
+async fn a_cancelled_waiter_passes_its_turn_on() {
+    let (server, backend, holder) = holding_key().await;
+    let doomed = spawn_waiter(&backend);
+    queued(&backend, 1).await;
+    let next = spawn_waiter(&backend);
+    queued(&backend, 2).await;
+    doomed.abort();
+    queued(&backend, 1).await;
+    holder.release().await.unwrap();
+    let guard = next
+        .await
+        .unwrap()
+        .expect("the second waiter gets the lock");
+    let mut conn = server.conn().await;
+    let held: Option<i64> = conn
+        .hget(LOCK, guard.held().owner().as_str())
+        .await
+        .unwrap();
+    assert_eq!(held, Some(1));
+    guard.release().await.unwrap();
+    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+    assert_eq!(backend.stats().local_queues, 0);
+}
+
+#[tokio::test]
+async fn reentry_bypasses_the_local_queue() {
+    let (_server, backend, outer) = holding_key().await;
+    let waiter = spawn_waiter(&backend);
+    queued(&backend, 1).await;
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .wait(WAIT)
+        .await
+        .expect("re-entry does not queue behind itself");
+    assert_eq!(inner.fencing_token(), outer.fencing_token());
+    inner.release().await.unwrap();
+    assert_eq!(
+        backend.stats().local_waiters,
+        1,
+        "still held by the outer hold"
+    );
+    let outer_token = outer.fencing_token();
+    outer.release().await.unwrap();
+    let guard = waiter
+        .await
+        .unwrap()
+        .expect("handed over after the outer release");
+    assert!(guard.fencing_token() > outer_token);
+}
+
+#[tokio::test]
+async fn a_second_instance_is_not_starved_by_a_local_stream() {
+    let server = RedisServer::start();
+    let local = server.backend().await;
+    let remote = server.backend().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let local_acquisitions = Arc::new(AtomicU64::new(0));
+    let stream: Vec<_> = (0..8)
+        .map(|_| {
+            let (local, stop, count) = (local.clone(), stop.clone(), local_acquisitions.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let guard = local.lock(KEY).wait(WAIT).await.expect("local acquires");
+                    count.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                    guard.release().await.expect("local releases");
+                }
+            })
+        })
+        .collect();
+    eventually("the local stream runs", || async {
+        local_acquisitions.load(Ordering::Relaxed) >= 10
+    })
+    .await;
+    for _ in 0..20 {
+        let guard = remote
+            .lock(KEY)
+            .wait(WAIT)
+            .await
+            .expect("the other instance gets its turn");
+        guard.release().await.unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in stream {
+        task.await.unwrap();
+    }
+    assert!(local_acquisitions.load(Ordering::Relaxed) > 20);
+}
