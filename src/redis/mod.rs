@@ -440,7 +440,9 @@ impl Inner {
                         key: c.key.user.clone(),
                     });
                 }
-                (Entry::Busy, _) | (Entry::Queued(_), None) => return Err(self.busy(&c).await),
+                (Entry::Busy, _) | (Entry::Queued(_), None) => {
+                    return Err(Box::pin(self.busy(&c)).await);
+                }
                 (Entry::Queued(mut ticket), Some(deadline)) => {
                     let grant = tokio::select! {
                         grant = ticket.granted() => grant,
@@ -457,7 +459,9 @@ impl Inner {
                     }
                 }
             };
-            return self.contend(&c, slot).await;
+            // Boxed, so that the many tasks waiting in a queue do not each carry the space
+            // of the Redis round trips that only the one contender makes.
+            return Box::pin(self.contend(&c, slot)).await;
         }
     }
 
@@ -575,7 +579,7 @@ impl Inner {
             );
             self.runtime.spawn(async move {
                 let retry_for = hold.lease;
-                let _ = hold.run(retry_for).await;
+                let _ = hold.run(retry_for, false).await;
             });
         }
         Err(error)
@@ -675,33 +679,37 @@ impl RedisHold {
     /// Runs the release script, retrying transport failures for up to `retry_for`.
     /// A retry is safe: the script recognises a hold it already released or handed over.
     ///
-    /// When a task of this backend is queued for the key, the script hands the lock to it
-    /// instead of freeing it, unless this process's run of handoffs is used up while other
-    /// instances wait. Either way the queued task gets the slot when this returns.
-    async fn run(mut self, retry_for: Duration) -> Result<(), LockError> {
+    /// With `hand_off`, when a task of this backend is queued for the key, the script hands
+    /// the lock to it instead of freeing it, unless this process's run of handoffs is used
+    /// up while other instances wait. Either way the queued task gets the slot when this
+    /// returns. A handoff must not be cancelled half-way: callers run it in a task.
+    async fn run(mut self, retry_for: Duration, hand_off: bool) -> Result<(), LockError> {
         let inner = self.inner.clone();
-        let (successor, streak_spent) = match self.slot.as_mut() {
-            Some(slot) if inner.max_local_handoffs > 0 => {
-                let spent = slot.streak().saturating_add(1) >= inner.max_local_handoffs;
-                (slot.reserve_successor().cloned(), spent)
-            }
-            _ => (None, false),
+        let successor = if hand_off {
+            self.reserve_successor()
+        } else {
+            None
         };
-        let mut invocation = inner.scripts.release.key(&*self.lock_key);
-        invocation
-            .key(&self.key.fence)
-            .arg(self.owner.as_str())
-            .arg(&self.latch)
-            .arg(millis(self.lease))
-            .arg(&self.key.channel)
-            .arg(successor.as_ref().map_or("", |s| s.owner.as_str()))
-            .arg(successor.as_ref().map_or(0, |s| millis(s.lease)))
-            .arg(millis(inner.fence_ttl))
-            .arg(u8::from(streak_spent));
+        let streak_spent = self
+            .slot
+            .as_ref()
+            .is_some_and(|slot| slot.streak().saturating_add(1) >= inner.max_local_handoffs);
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
         let mut may_have_run = false;
         loop {
+            let mut invocation = inner.scripts.release.key(&*self.lock_key);
+            invocation
+                .key(&self.key.fence)
+                .arg(self.owner.as_str())
+                .arg(&self.latch)
+                .arg(millis(self.lease))
+                .arg(&self.key.channel)
+                .arg(successor.as_ref().map_or("", |s| s.owner.as_str()))
+                .arg(successor.as_ref().map_or(0, |s| millis(s.lease)))
+                .arg(millis(inner.fence_ttl))
+                .arg(u8::from(streak_spent))
+                .arg(u8::from(may_have_run));
             let sent_at = Instant::now();
             let error = match timeout(
                 inner.command_timeout,
@@ -729,6 +737,14 @@ impl RedisHold {
             sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
+    }
+
+    /// Picks the queued task this release hands the lock to, if any (idempotent).
+    fn reserve_successor(&mut self) -> Option<Claim> {
+        if self.inner.max_local_handoffs == 0 {
+            return None;
+        }
+        self.slot.as_mut()?.reserve_successor().cloned()
     }
 
     /// Acts on the release script's reply (see release.lua). The slot, unless it went
@@ -778,14 +794,17 @@ struct WatchedHold(RedisHold);
 
 impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let hold = self.0;
+        let mut hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        // The caller awaits this one: retry briefly, then let the lease free the lock. It
-        // runs in a task of its own so that a caller that stops waiting cannot cut a
-        // handoff short between the script and telling the next task.
+        // The caller awaits this one: retry briefly, then let the lease free the lock.
         let retry_for = hold.inner.command_timeout * 2;
+        if hold.reserve_successor().is_none() {
+            return Box::pin(hold.run(retry_for, false));
+        }
+        // A handoff runs in a task of its own, so that a caller that stops waiting cannot
+        // cut it short between the script and telling the next task.
         let runtime = hold.inner.runtime.clone();
-        let release = runtime.spawn(hold.run(retry_for));
+        let release = runtime.spawn(hold.run(retry_for, true));
         Box::pin(async move {
             release
                 .await
@@ -800,7 +819,7 @@ impl ReleaseHold for WatchedHold {
         runtime.spawn(async move {
             let key = hold.key.user.clone();
             let retry_for = hold.lease;
-            match hold.run(retry_for).await {
+            match hold.run(retry_for, true).await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => tracing::warn!(%key, %error, "background lock release failed; the lease will free it"),
             }

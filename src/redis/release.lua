@@ -13,23 +13,28 @@
 -- ARGV[7]  how long the fencing counter outlives its last use, in milliseconds
 -- ARGV[8]  "1" when the process's run of handoffs is used up: then the lock is released
 --          for real if anyone (another instance) is subscribed to ARGV[4]
+-- ARGV[9]  "1" when an earlier call of this same release may have run (its reply was
+--          lost): only then can its traces exist, so only then are they looked for
 --
 -- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release).
-if ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
-  return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
+if ARGV[9] == '1' then
+  if ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
+    return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
+  end
+  if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+    return {1}
+  end
 end
-if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-  return {1}
-end
-if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
+if not count then
   return {0}
 end
-local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-if count > 0 then
+if count > 1 then
+  redis.call('hincrby', KEYS[1], ARGV[1], -1)
   redis.call('hset', KEYS[1], ARGV[2], 1)
   redis.call('pexpire', KEYS[1], ARGV[3])
   return {1}

@@ -56,6 +56,9 @@ fn run_hooks(hooks: Vec<OnLost>) {
 #[derive(Default)]
 struct State {
     holds: HashMap<HoldKey, Entry>,
+    /// When the task looks at the holds next (`None`: when told). A new hold due later
+    /// needs no wakeup, which spares a hot key one task switch per acquisition.
+    wake_at: Option<Instant>,
 }
 
 struct Shared {
@@ -134,8 +137,12 @@ impl Watchdog {
         }
         entry.confirmed = entry.confirmed.max(sent_at);
         let lost = entry.lost.clone();
+        let next = entry.next;
+        let wake = state.wake_at.is_none_or(|at| next < at);
         drop(state);
-        self.shared.changed.notify_one();
+        if wake {
+            self.shared.changed.notify_one();
+        }
         lost
     }
 
@@ -170,7 +177,11 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     loop {
-        let next = shared.state().holds.values().map(|e| e.next).min();
+        let next = {
+            let mut state = shared.state();
+            state.wake_at = state.holds.values().map(|e| e.next).min();
+            state.wake_at
+        };
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = shared.changed.notified() => continue,
