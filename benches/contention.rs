@@ -135,6 +135,11 @@ async fn uncontended(server: &RedisServer) -> String {
         guard.release().await.unwrap();
     }
     let (cpu, calls) = RedisUsage::now(server).await.per_op(usage, N as u64);
+    let usage = RedisUsage::now(server).await;
+    for _ in 0..N {
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+    }
+    let (ping_cpu, _) = RedisUsage::now(server).await.per_op(usage, N as u64);
     let (ping, lock) = (Percentiles::of(pings), Percentiles::of(locks));
     let mut out = String::from("### Uncontended acquire + release\n\n");
     out += "| | p50 | p99 |\n|---|---|---|\n";
@@ -153,7 +158,8 @@ async fn uncontended(server: &RedisServer) -> String {
     let _ = writeln!(
         out,
         "\nRound trips per acquire + release (p50 / PING p50): **{:.2}** (target <= 2.5); \
-         Redis: {calls:.2} commands (scripts count their calls), {cpu:.1} us CPU per pair.\n",
+         Redis: {calls:.2} commands (scripts count their calls), {cpu:.1} us CPU per pair, \
+         {ping_cpu:.1} us CPU per PING.\n",
         lock.p50.as_secs_f64() / ping.p50.as_secs_f64()
     );
     out

@@ -57,17 +57,16 @@ async fn expired_guard_releases_nothing_of_the_new_owner() {
     assert!(fresh.fencing_token() > stale.fencing_token());
 
     assert!(matches!(stale.release().await, Err(LockError::Lost { .. })));
-    let mut conn = server.conn().await;
-    let owner: Option<i64> = conn
-        .hget(LOCK, fresh.held().owner().as_str())
-        .await
-        .unwrap();
-    assert_eq!(owner, Some(1), "the new owner's hold is untouched");
+    assert_eq!(
+        server.hold_count(LOCK, fresh.held().owner().as_str()).await,
+        Some(1),
+        "the new owner's hold is untouched"
+    );
     fresh
         .release()
         .await
         .expect("the new owner releases normally");
-    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+    assert!(!server.exists(LOCK).await);
 }
 
 #[tokio::test]

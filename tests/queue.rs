@@ -10,7 +10,6 @@ use axum::Router;
 use axum::extract::Request;
 use axum::routing::post;
 use futures_util::StreamExt;
-use redis::AsyncCommands;
 use support::{RedisServer, eventually, http_client, post as post_to, serve};
 use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinHandle;
@@ -206,14 +205,12 @@ async fn a_cancelled_waiter_passes_its_turn_on() {
         .await
         .unwrap()
         .expect("the second waiter gets the lock");
-    let mut conn = server.conn().await;
-    let held: Option<i64> = conn
-        .hget(LOCK, guard.held().owner().as_str())
-        .await
-        .unwrap();
-    assert_eq!(held, Some(1));
+    assert_eq!(
+        server.hold_count(LOCK, guard.held().owner().as_str()).await,
+        Some(1)
+    );
     guard.release().await.unwrap();
-    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+    assert!(!server.exists(LOCK).await);
     assert_eq!(backend.stats().local_queues, 0);
 }
 
@@ -281,4 +278,26 @@ async fn a_second_instance_is_not_starved_by_a_local_stream() {
         task.await.unwrap();
     }
     assert!(local_acquisitions.load(Ordering::Relaxed) > 20);
+}
+
+#[tokio::test]
+async fn a_handed_over_lock_keeps_being_renewed() {
+    let (server, backend, holder) = holding_key().await;
+    let lease = Duration::from_millis(600);
+    let waiter = {
+        let backend = backend.clone();
+        tokio::spawn(async move { backend.lock(KEY).lease(lease).wait(WAIT).await })
+    };
+    queued(&backend, 1).await;
+    holder.release().await.unwrap();
+    let guard = waiter.await.unwrap().expect("handed over");
+    tokio::time::sleep(lease * 3).await;
+    assert!(!guard.is_lost());
+    assert_eq!(
+        server.hold_count(LOCK, guard.held().owner().as_str()).await,
+        Some(1),
+        "still held three leases after the handoff"
+    );
+    guard.release().await.unwrap();
+    assert!(!server.exists(LOCK).await);
 }

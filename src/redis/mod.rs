@@ -60,7 +60,7 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
 
 /// Default bound on consecutive handoffs within one process while other instances wait.
-pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 8;
+pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 
 /// Distributed locks on one Redis server. Cheap to clone; clones share connections.
 ///
@@ -237,7 +237,7 @@ impl RedisBackendBuilder {
     }
 
     /// How many times in a row a release may hand the lock straight to the next task of
-    /// this backend while tasks of other instances wait for it (default 8). Then it is
+    /// this backend while tasks of other instances wait for it (default 4). Then it is
     /// released for real and the other instances go first, so they are not starved. With
     /// no other instance waiting, handoffs go on without a bound; 0 turns handoff off.
     pub fn max_local_handoffs(mut self, max: u32) -> Self {

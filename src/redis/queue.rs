@@ -266,9 +266,11 @@ impl Slot {
         Some((successor, slot))
     }
 
-    /// Marks the release as the end of a handoff streak (see [`yielded`](Self::yielded)).
+    /// Marks a real release as the end of a handoff streak (see
+    /// [`yielded`](Self::yielded)), if a successor was waiting for a handoff. A task that
+    /// queued only after the release was decided contends at once.
     pub(crate) fn yield_to_others(&mut self) {
-        self.yielded = true;
+        self.yielded = self.successor.is_some();
     }
 
     /// A hook for the watchdog: when the lock held with this slot is found lost, the slot

@@ -112,6 +112,25 @@ impl RedisServer {
             .sum()
     }
 
+    /// The re-entry count of `owner` in the lock hash `lock`; `None` if it does not hold it.
+    pub async fn hold_count(&self, lock: &str, owner: &str) -> Option<i64> {
+        redis::cmd("HGET")
+            .arg(lock)
+            .arg(owner)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("HGET")
+    }
+
+    /// Whether `key` exists.
+    pub async fn exists(&self, key: &str) -> bool {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("EXISTS")
+    }
+
     /// How many connections are subscribed to `channel` (PUBSUB NUMSUB).
     pub async fn numsub(&self, channel: &str) -> i64 {
         let reply: (String, i64) = redis::cmd("PUBSUB")
