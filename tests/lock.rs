@@ -219,7 +219,7 @@ async fn dropped_guard_is_released_in_the_background() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     drop(backend.lock(KEY).try_once().await.unwrap());
-    let mut conn = server.conn().await;
+    let conn = server.conn().await;
     eventually("the dropped guard is released", || {
         let mut conn = conn.clone();
         async move { !conn.exists::<_, bool>(LOCK).await.unwrap() }
