@@ -4,6 +4,7 @@
 
 mod backend;
 mod error;
+pub mod extract;
 mod future;
 pub mod key;
 mod layer;
@@ -14,6 +15,7 @@ mod service;
 
 pub use crate::backend::LockBackend;
 pub use crate::error::{BackendError, KeyError, LockError};
+pub use crate::extract::{Header, PathParam, QueryParam};
 pub use crate::future::ResponseFuture;
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
