@@ -3,6 +3,7 @@
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
 mod backend;
+mod body;
 mod error;
 pub mod extract;
 mod future;
