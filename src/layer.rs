@@ -72,6 +72,9 @@ impl Config {
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
 /// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
+///
+/// For keys taken from a path parameter, a header or a query parameter, with a prefix per
+/// route, see [`extract`](crate::extract).
 pub struct LockLayer<B, K> {
     backend: B,
     key: K,
