@@ -47,6 +47,10 @@
 //!
 //! Every extractor rejects a present but empty value with [`KeyError::Empty`] and input
 //! that is not UTF-8 with [`KeyError::Malformed`]; the layer answers both with 400.
+//!
+//! Give every route that takes its key from client input a prefix. Without one the client
+//! chooses the whole key, and a header value of `order:42` would lock order 42 for the
+//! routes keyed `PathParam::new("id").prefix("order")`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -65,12 +69,14 @@ struct Prefix(Option<Arc<str>>);
 impl Prefix {
     /// # Panics
     ///
-    /// If `prefix` is empty or contains `:`; with `:` ruled out, the first `:` of a key
-    /// always ends its prefix, so no value can make one route's key equal another's.
+    /// If `prefix` is empty or contains `:` or a control character. With `:` ruled out, the
+    /// first `:` of a key always ends its prefix, so no value can make the key of one
+    /// prefixed route equal that of a route with another prefix.
     fn new(prefix: &str) -> Self {
         assert!(
-            !prefix.is_empty() && !prefix.contains(':'),
-            "a key prefix must be non-empty and must not contain ':' (got {prefix:?})"
+            !prefix.is_empty() && !prefix.contains(|c: char| c == ':' || c.is_control()),
+            "a key prefix must be non-empty and must not contain ':' or control characters \
+             (got {prefix:?})"
         );
         Prefix(Some(prefix.into()))
     }
@@ -98,7 +104,7 @@ macro_rules! builder_methods {
             ///
             /// # Panics
             ///
-            /// If `prefix` is empty or contains `:`.
+            /// If `prefix` is empty or contains `:` or a control character.
             #[must_use]
             pub fn prefix(mut self, prefix: &str) -> Self {
                 self.prefix = Prefix::new(prefix);
