@@ -34,6 +34,7 @@ pub(crate) struct Config {
     pub(crate) mode: Mode,
     pub(crate) lease: Duration,
     pub(crate) on_lost: OnLockLost,
+    pub(crate) hold_body: bool,
     pub(crate) rejection: Option<Arc<Rejection>>,
 }
 
@@ -71,6 +72,9 @@ impl Config {
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
 /// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
+///
+/// For keys taken from a path parameter, a header or a query parameter, with a prefix per
+/// route, see [`extract`](crate::extract).
 pub struct LockLayer<B, K> {
     backend: B,
     key: K,
@@ -87,6 +91,7 @@ impl<B: LockBackend, K> LockLayer<B, K> {
                 mode: Mode::Wait(DEFAULT_WAIT),
                 lease: DEFAULT_LEASE,
                 on_lost: OnLockLost::default(),
+                hold_body: false,
                 rejection: None,
             }),
         }
@@ -116,6 +121,19 @@ impl<B: LockBackend, K> LockLayer<B, K> {
     /// [`OnLockLost::Abort`]).
     pub fn on_lock_lost(mut self, policy: OnLockLost) -> Self {
         Arc::make_mut(&mut self.config).on_lost = policy;
+        self
+    }
+
+    /// Keeps the lock until the response body has been sent to its end, instead of
+    /// releasing it when the handler returns. For handlers that stream work out in the
+    /// body (an export, a long download) that must stay exclusive.
+    ///
+    /// The client sees the end of the body only after the release (held bodies are sent
+    /// without `content-length` for that reason). A body dropped before its end (client
+    /// gone) releases in the background. With [`OnLockLost::Abort`], losing the lock
+    /// while the body is sent ends the body with an error, which aborts the response.
+    pub fn hold_until_body_end(mut self) -> Self {
+        Arc::make_mut(&mut self.config).hold_body = true;
         self
     }
 
@@ -149,6 +167,7 @@ impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
             .field("mode", &self.config.mode)
             .field("lease", &self.config.lease)
             .field("on_lost", &self.config.on_lost)
+            .field("hold_until_body_end", &self.config.hold_body)
             .finish_non_exhaustive()
     }
 }
