@@ -6,7 +6,7 @@ default:
 
 # The flash-sale demonstration (a throwaway redis-server unless REDIS_URL is set).
 demo:
-    scripts/with-redis.sh cargo run --quiet --example basic
+    scripts/with-redis.sh cargo run --quiet --release --example flash_sale
 
 # Every test; each test starts its own redis-server on a free port.
 test:
