@@ -16,6 +16,7 @@ use http::{Request, Response};
 use pin_project::pin_project;
 use tower_service::Service;
 
+use crate::body::GuardedBody;
 use crate::error::LockError;
 use crate::layer::{Config, OnLockLost};
 use crate::lock::{BoxFuture, LockGuard};
@@ -114,6 +115,23 @@ where
     }
 }
 
+/// Releases `guard`, logging instead of failing: the response is ready either way, and a
+/// lock whose release failed is freed by its lease.
+pub(crate) fn release_logged(guard: LockGuard) -> BoxFuture<'static, ()> {
+    Box::pin(async move {
+        let key = guard.key().to_owned();
+        match guard.release().await {
+            Ok(()) => {}
+            Err(LockError::Lost { .. }) => {
+                tracing::warn!(%key, "lock was lost before the request finished");
+            }
+            Err(error) => {
+                tracing::warn!(%key, %error, "lock release failed; the lease will free it")
+            }
+        }
+    })
+}
+
 const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
 
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
@@ -190,18 +208,13 @@ where
                         Err(error) => return Poll::Ready(Err(error)),
                     };
                     let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                    let release = Box::pin(async move {
-                        let key = guard.key().to_owned();
-                        match guard.release().await {
-                            Ok(()) => {}
-                            Err(LockError::Lost { .. }) => {
-                                tracing::warn!(%key, "lock was lost before the handler finished");
-                            }
-                            Err(error) => {
-                                tracing::warn!(%key, %error, "lock release failed; the lease will free it")
-                            }
-                        }
-                    });
+                    if config.hold_body {
+                        let lost = lost.take();
+                        return Poll::Ready(Ok(
+                            response.map(|body| Body::new(GuardedBody::new(body, guard, lost)))
+                        ));
+                    }
+                    let release = release_logged(guard);
                     state.set(State::Releasing {
                         release,
                         response: Some(response),

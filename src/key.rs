@@ -1,7 +1,8 @@
 //! Pulling a lock key out of a request, and turning it into Redis names safely.
 //!
 //! Any `Fn(&Request<B>) -> Option<impl Into<String>>` closure is a [`KeyExtractor`]:
-//! `Some(key)` locks the request, `None` lets it through unlocked.
+//! `Some(key)` locks the request, `None` lets it through unlocked. Ready-made extractors
+//! for path parameters, headers and query parameters are in [`extract`](crate::extract).
 //!
 //! ```
 //! use axum::extract::Request;

@@ -35,6 +35,7 @@ pub(crate) struct Config {
     pub(crate) lease: Duration,
     pub(crate) on_lost: OnLockLost,
     pub(crate) max_local_waiters: usize,
+    pub(crate) hold_body: bool,
     pub(crate) rejection: Option<Arc<Rejection>>,
 }
 
@@ -72,6 +73,9 @@ impl Config {
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
 /// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
+///
+/// For keys taken from a path parameter, a header or a query parameter, with a prefix per
+/// route, see [`extract`](crate::extract).
 pub struct LockLayer<B, K> {
     backend: B,
     key: K,
@@ -89,6 +93,7 @@ impl<B: LockBackend, K> LockLayer<B, K> {
                 lease: DEFAULT_LEASE,
                 on_lost: OnLockLost::default(),
                 max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
+                hold_body: false,
                 rejection: None,
             }),
         }
@@ -129,6 +134,19 @@ impl<B: LockBackend, K> LockLayer<B, K> {
         self
     }
 
+    /// Keeps the lock until the response body has been sent to its end, instead of
+    /// releasing it when the handler returns. For handlers that stream work out in the
+    /// body (an export, a long download) that must stay exclusive.
+    ///
+    /// The client sees the end of the body only after the release (held bodies are sent
+    /// without `content-length` for that reason). A body dropped before its end (client
+    /// gone) releases in the background. With [`OnLockLost::Abort`], losing the lock
+    /// while the body is sent ends the body with an error, which aborts the response.
+    pub fn hold_until_body_end(mut self) -> Self {
+        Arc::make_mut(&mut self.config).hold_body = true;
+        self
+    }
+
     /// Builds the response for a request whose lock could not be taken or was lost,
     /// replacing the problem+json default (`LockError::into_response`).
     pub fn on_rejection<F, R>(mut self, rejection: F) -> Self
@@ -160,6 +178,7 @@ impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
             .field("lease", &self.config.lease)
             .field("on_lost", &self.config.on_lost)
             .field("max_local_waiters", &self.config.max_local_waiters)
+            .field("hold_until_body_end", &self.config.hold_body)
             .finish_non_exhaustive()
     }
 }

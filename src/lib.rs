@@ -3,7 +3,9 @@
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
 mod backend;
+mod body;
 mod error;
+pub mod extract;
 mod future;
 pub mod key;
 mod layer;
@@ -14,6 +16,7 @@ mod service;
 
 pub use crate::backend::LockBackend;
 pub use crate::error::{BackendError, KeyError, LockError};
+pub use crate::extract::{Header, PathParam, QueryParam};
 pub use crate::future::ResponseFuture;
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};

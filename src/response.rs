@@ -1,5 +1,24 @@
 //! Turning lock failures into HTTP responses: `application/problem+json` (RFC 9457).
 //!
+//! ```
+//! use std::time::Duration;
+//! use axum::response::IntoResponse;
+//! use tower_lock::LockError;
+//!
+//! let busy = LockError::Contended {
+//!     key: "order:42".into(),
+//!     retry_after: Some(Duration::from_millis(1500)),
+//! };
+//! let response = busy.into_response();
+//! assert_eq!(response.status(), 409);
+//! assert_eq!(response.headers()["content-type"], "application/problem+json");
+//! assert_eq!(response.headers()["retry-after"], "2");
+//! ```
+//!
+//! The layer answers with these responses by itself; replace them per layer with
+//! [`LockLayer::on_rejection`](crate::LockLayer::on_rejection), for example to keep an
+//! API's own error format.
+//!
 //! | error | status | `Retry-After` |
 //! |---|---|---|
 //! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | holder's remaining lease, when known |

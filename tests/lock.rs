@@ -256,3 +256,94 @@ async fn unreachable_redis_is_a_backend_error_not_a_hang() {
     .expect("returns within the wait");
     assert!(matches!(result, Err(LockError::Backend(_))), "{result:?}");
 }
+
+#[tokio::test]
+async fn a_release_retried_after_a_lost_reply_decrements_once() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let mut conn = server.conn().await;
+    let outer = backend.lock(KEY).try_once().await.unwrap();
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .try_once()
+        .await
+        .unwrap();
+    let owner = outer.held().owner().as_str().to_owned();
+    let scripts = ["evalsha", "eval"];
+    let before = server.command_calls(&scripts).await;
+
+    // The first release reaches a paused server, so its reply is lost to the 500 ms
+    // command timeout and the release is sent again; both run once the server resumes.
+    server.pause();
+    let release = tokio::spawn(inner.release());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.resume();
+    let _ = release.await.unwrap();
+
+    assert!(
+        server.command_calls(&scripts).await - before >= 2,
+        "the release was retried"
+    );
+    assert_eq!(
+        conn.hget::<_, _, i64>(LOCK, &owner).await.unwrap(),
+        1,
+        "one hold undone, not two"
+    );
+    assert!(matches!(
+        backend.lock(KEY).try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    outer
+        .release()
+        .await
+        .expect("the outer hold is still there to release");
+    assert!(!conn.exists::<_, bool>(LOCK).await.unwrap());
+}
+
+#[tokio::test]
+async fn one_subscriber_connection_carries_every_channel_and_survives_its_pings() {
+    let server = RedisServer::start();
+    let holder = server.backend().await;
+    let waiter = server.backend().await;
+    let keys: Vec<String> = (0..20).map(|i| format!("key:{i}")).collect();
+    let mut guards = Vec::new();
+    for key in &keys {
+        guards.push(holder.lock(key).try_once().await.unwrap());
+    }
+    let waits: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let request = waiter.lock(key.clone());
+            tokio::spawn(request.wait(Duration::from_secs(30)))
+        })
+        .collect();
+    eventually("all twenty channels subscribed", || async {
+        waiter.stats().channels_with_waiters == 20
+    })
+    .await;
+    // Several ping intervals pass while the subscriptions sit idle.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let stats = waiter.stats();
+    assert_eq!(
+        (
+            stats.subscriber_connected,
+            stats.subscriber_connections_made
+        ),
+        (true, 1)
+    );
+    let pubsub_clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    // The holder's subscriber has no channels, so Redis lists only the waiter's.
+    assert_eq!(pubsub_clients.lines().count(), 1, "{pubsub_clients}");
+    assert!(pubsub_clients.contains(" sub=20 "), "{pubsub_clients}");
+    drop(guards);
+    for wait in waits {
+        assert!(wait.await.unwrap().is_ok());
+    }
+}

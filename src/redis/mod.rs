@@ -368,9 +368,15 @@ impl Inner {
         self: &Arc<Self>,
         request: LockRequest<RedisBackend>,
     ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        // A rejected key may be huge or hold control characters: never log it raw.
+        let shown = if request.key.len() <= self.max_key_len {
+            request.key.as_str()
+        } else {
+            "<oversized key>"
+        };
         let span = tracing::info_span!(
             "lock.acquire",
-            key = %request.key,
+            key = ?shown,
             mode = match request.mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
             waited_ms = tracing::field::Empty,
             outcome = tracing::field::Empty,

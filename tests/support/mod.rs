@@ -6,6 +6,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -221,6 +222,20 @@ pub struct Reply {
     pub body: String,
 }
 
+impl Reply {
+    /// Asserts a problem+json rejection with `status`; returns its `detail`.
+    pub fn problem(&self, status: u16) -> String {
+        assert_eq!(self.status, status, "status of {self:?}");
+        assert_eq!(
+            self.headers[http::header::CONTENT_TYPE],
+            tower_lock::response::PROBLEM_JSON
+        );
+        let body: serde_json::Value = serde_json::from_str(&self.body).expect("JSON body");
+        assert_eq!(body["status"], status);
+        body["detail"].as_str().expect("detail").to_owned()
+    }
+}
+
 pub type HttpClient = Client<HttpConnector, Full<bytes::Bytes>>;
 
 pub fn http_client() -> HttpClient {
@@ -229,9 +244,20 @@ pub fn http_client() -> HttpClient {
 
 /// POSTs with an empty body and reads the whole reply.
 pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
-    let request = http::Request::post(format!("http://{addr}{path}"))
-        .body(Full::default())
-        .expect("request");
+    send(
+        client,
+        request(addr, path).body(Full::default()).expect("request"),
+    )
+    .await
+}
+
+/// A POST request to `path` on `addr`, to add headers to before [`send`].
+pub fn request(addr: SocketAddr, path: &str) -> http::request::Builder {
+    http::Request::post(format!("http://{addr}{path}"))
+}
+
+/// Sends `request` and reads the whole reply.
+pub async fn send(client: &HttpClient, request: http::Request<Full<bytes::Bytes>>) -> Reply {
     let response = client.request(request).await.expect("HTTP request");
     let status = response.status().as_u16();
     let headers = response.headers().clone();
@@ -245,6 +271,35 @@ pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+/// Holds handlers inside their lock until the test opens it.
+#[derive(Clone, Default)]
+pub struct Gate {
+    inside: Arc<tokio::sync::watch::Sender<usize>>,
+    open: tokio_util::sync::CancellationToken,
+}
+
+impl Gate {
+    /// Called by a handler: counts it as inside, then waits until [`open`](Self::open).
+    pub async fn pass(&self) {
+        self.inside.send_modify(|n| *n += 1);
+        self.open.cancelled().await;
+    }
+
+    /// Waits (generously) until `n` handlers are inside.
+    pub async fn wait_inside(&self, n: usize) {
+        let mut inside = self.inside.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), inside.wait_for(|&k| k >= n))
+            .await
+            .expect("handlers enter the gate")
+            .expect("gate alive");
+    }
+
+    /// Lets every handler, present and future, through.
+    pub fn open(&self) {
+        self.open.cancel();
     }
 }
 

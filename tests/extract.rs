@@ -1,0 +1,221 @@
+//! The ready-made key extractors behind a real router, against a real redis-server.
+
+mod support;
+
+use std::net::SocketAddr;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::routing::post as route_post;
+use http_body_util::Full;
+use support::{Gate, HttpClient, RedisServer, Reply, http_client, post, request, send, serve};
+use tower::Layer;
+use tower_lock::{Header, HeldLock, LockLayer, PathParam, QueryParam, RedisBackend};
+
+/// Answers with the key the request is locked on, or `unlocked`.
+async fn echo(req: Request) -> String {
+    req.extensions()
+        .get::<HeldLock>()
+        .map_or_else(|| "unlocked".to_owned(), |lock| lock.key().to_owned())
+}
+
+/// Like [`echo`], after waiting at the gate while holding the lock.
+async fn gated(State(gate): State<Gate>, req: Request) -> String {
+    gate.pass().await;
+    echo(req).await
+}
+
+fn fail_fast<K>(backend: &RedisBackend, key: K) -> LockLayer<RedisBackend, K> {
+    LockLayer::new(backend.clone(), key).fail_fast()
+}
+
+/// One server and client for a test; `post` is 200 with the locked key, or a problem.
+struct Shop {
+    server: RedisServer,
+    backend: RedisBackend,
+    client: HttpClient,
+    addr: SocketAddr,
+}
+
+impl Shop {
+    async fn start(app: impl FnOnce(&RedisBackend) -> Router) -> Self {
+        let server = RedisServer::start();
+        let backend = server.backend().await;
+        let addr = serve(app(&backend)).await;
+        Shop {
+            server,
+            backend,
+            client: http_client(),
+            addr,
+        }
+    }
+
+    async fn post(&self, path: &str) -> Reply {
+        post(&self.client, self.addr, path).await
+    }
+
+    /// POSTs with `header` set to each of `values` (raw bytes, repeated if several).
+    async fn post_with(&self, path: &str, header: &str, values: &[&[u8]]) -> Reply {
+        let request = values
+            .iter()
+            .fold(request(self.addr, path), |r, v| r.header(header, *v))
+            .body(Full::default())
+            .expect("request");
+        send(&self.client, request).await
+    }
+
+    /// Asserts that `key` is what `post` locks: 200 echoing it while free, 409 while held.
+    async fn assert_locks(&self, key: &str, post: impl AsyncFn() -> Reply) {
+        let free = post().await;
+        assert_eq!((free.status, free.body.as_str()), (200, key));
+        let held = self.backend.lock(key).try_once().await.expect("free");
+        post().await.problem(409);
+        held.release().await.expect("release");
+        assert_eq!(post().await.status, 200);
+    }
+
+    /// Lock scripts run so far: rejected keys must not reach Redis.
+    async fn lock_scripts_run(&self) -> u64 {
+        self.server.command_calls(&["evalsha", "eval"]).await
+    }
+}
+
+#[tokio::test]
+async fn path_param_locks_the_named_parameter_under_its_prefix() {
+    let shop = Shop::start(|backend| {
+        Router::new()
+            .route("/shops/{shop}/orders/{id}/pay", route_post(echo))
+            .route_layer(fail_fast(backend, PathParam::new("id").prefix("order")))
+    })
+    .await;
+    shop.assert_locks("order:42", || shop.post("/shops/7/orders/42/pay"))
+        .await;
+    shop.assert_locks("order:a b/c", || shop.post("/shops/7/orders/a%20b%2Fc/pay"))
+        .await;
+}
+
+#[tokio::test]
+async fn path_param_absent_from_the_route_or_not_utf8_is_400() {
+    let shop = Shop::start(|backend| {
+        let misnamed = Router::new()
+            .route("/orders/{id}", route_post(echo))
+            .route_layer(fail_fast(backend, PathParam::new("order_id")));
+        // Wrapped around a router from outside, the layer runs before routing, where no
+        // route parameters exist yet.
+        let routed_inside = Router::new().route("/refunds/{id}", route_post(echo));
+        let before_routing = Router::new()
+            .fallback_service(fail_fast(backend, PathParam::new("id")).layer(routed_inside));
+        let right = Router::new()
+            .route("/carts/{id}", route_post(echo))
+            .route_layer(fail_fast(backend, PathParam::new("id")));
+        misnamed.merge(before_routing).merge(right)
+    })
+    .await;
+    let before = shop.lock_scripts_run().await;
+    let detail = shop.post("/orders/42").await.problem(400);
+    assert!(detail.contains("path parameter \"order_id\""), "{detail}");
+    shop.post("/refunds/42").await.problem(400);
+    let detail = shop.post("/carts/%FF").await.problem(400);
+    assert!(detail.contains("not UTF-8"), "{detail}");
+    assert_eq!(shop.lock_scripts_run().await, before);
+}
+
+#[tokio::test]
+async fn header_locks_its_value_and_rejects_missing_empty_repeated_and_non_utf8() {
+    let shop = Shop::start(|backend| {
+        let required = Router::new()
+            .route("/payments", route_post(echo))
+            .route_layer(fail_fast(
+                backend,
+                Header::new("Idempotency-Key").prefix("payment"),
+            ));
+        let optional = Router::new()
+            .route("/quotes", route_post(echo))
+            .route_layer(fail_fast(backend, Header::new("x-quote").optional()));
+        required.merge(optional)
+    })
+    .await;
+    let key = "Idempotency-Key";
+    shop.assert_locks("payment:abc", || {
+        shop.post_with("/payments", key, &[b"abc"])
+    })
+    .await;
+
+    let before = shop.lock_scripts_run().await;
+    let detail = shop.post("/payments").await.problem(400);
+    assert!(detail.contains("header \"idempotency-key\""), "{detail}");
+    shop.post_with("/payments", key, &[b""]).await.problem(400);
+    shop.post_with("/payments", key, &[b"a", b"b"])
+        .await
+        .problem(400);
+    let detail = shop
+        .post_with("/payments", key, &[b"caf\xe9"])
+        .await
+        .problem(400);
+    assert!(detail.contains("not UTF-8"), "{detail}");
+    assert_eq!(shop.lock_scripts_run().await, before);
+
+    let unlocked = shop.post("/quotes").await;
+    assert_eq!((unlocked.status, unlocked.body.as_str()), (200, "unlocked"));
+    let utf8 = shop
+        .post_with("/quotes", "x-quote", &["ünï".as_bytes()])
+        .await;
+    assert_eq!((utf8.status, utf8.body.as_str()), (200, "ünï"));
+}
+
+#[tokio::test]
+async fn query_param_locks_its_value_and_rejects_missing_repeated_and_non_utf8() {
+    let shop = Shop::start(|backend| {
+        Router::new()
+            .route("/checkout", route_post(echo))
+            .route_layer(fail_fast(backend, QueryParam::new("cart").prefix("cart")))
+    })
+    .await;
+    shop.assert_locks("cart:7", || shop.post("/checkout?coupon=x&cart=7"))
+        .await;
+    shop.assert_locks("cart:a b", || shop.post("/checkout?cart=a+b"))
+        .await;
+
+    let before = shop.lock_scripts_run().await;
+    let detail = shop.post("/checkout?coupon=x").await.problem(400);
+    assert!(detail.contains("query parameter \"cart\""), "{detail}");
+    shop.post("/checkout?cart=").await.problem(400);
+    shop.post("/checkout?cart=1&cart=2").await.problem(400);
+    shop.post("/checkout?cart=%FF").await.problem(400);
+    assert_eq!(shop.lock_scripts_run().await, before);
+}
+
+#[tokio::test]
+async fn routes_contend_only_when_they_share_a_prefix() {
+    let gate = Gate::default();
+    let shop = Shop::start(|backend| {
+        let orders = Router::new()
+            .route("/orders/{id}/pay", route_post(gated))
+            .route("/orders/{id}/cancel", route_post(echo))
+            .route_layer(fail_fast(backend, PathParam::new("id").prefix("order")));
+        let refunds = Router::new()
+            .route("/refunds/{id}", route_post(echo))
+            .route_layer(fail_fast(backend, PathParam::new("id").prefix("refund")));
+        orders.merge(refunds).with_state(gate.clone())
+    })
+    .await;
+    let paying = tokio::spawn({
+        let (client, addr) = (shop.client.clone(), shop.addr);
+        async move { post(&client, addr, "/orders/42/pay").await }
+    });
+    gate.wait_inside(1).await;
+
+    shop.post("/orders/42/cancel").await.problem(409);
+    let refund = shop.post("/refunds/42").await;
+    assert_eq!((refund.status, refund.body.as_str()), (200, "refund:42"));
+    let other_order = shop.post("/orders/43/cancel").await;
+    assert_eq!(
+        (other_order.status, other_order.body.as_str()),
+        (200, "order:43")
+    );
+
+    gate.open();
+    let paid = paying.await.expect("paying task");
+    assert_eq!((paid.status, paid.body.as_str()), (200, "order:42"));
+    assert_eq!(shop.post("/orders/42/cancel").await.status, 200);
+}

@@ -1,0 +1,454 @@
+//! The layer over HTTP: three app instances, contention, reentrancy, release paths.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::routing;
+use redis::AsyncCommands;
+use support::{RedisServer, eventually, http_client, post, serve};
+use tokio::io::AsyncWriteExt;
+use tower_lock::{LockError, LockLayer, RedisBackend};
+
+const STOCK: &str = "test:stock";
+const SOLD: &str = "test:sold";
+
+/// Reads the stock, yields to other requests, then writes it back decremented: the
+/// read-check-write race that a lock must close.
+async fn buy(State(mut redis): State<redis::aio::MultiplexedConnection>) -> StatusCode {
+    let stock: i64 = redis.get(STOCK).await.unwrap_or(0);
+    if stock <= 0 {
+        return StatusCode::GONE;
+    }
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let _: Result<(), _> = redis.set(STOCK, stock - 1).await;
+    let _: Result<i64, _> = redis.incr(SOLD, 1).await;
+    StatusCode::OK
+}
+
+fn shop(redis: redis::aio::MultiplexedConnection, lock: Option<StockLayer>) -> Router {
+    let router = Router::new()
+        .route("/buy", routing::post(buy))
+        .with_state(redis);
+    match lock {
+        Some(layer) => router.route_layer(layer),
+        None => router,
+    }
+}
+
+type StockLayer = LockLayer<RedisBackend, fn(&Request) -> Option<&'static str>>;
+type PathLayer = LockLayer<RedisBackend, fn(&Request) -> Option<String>>;
+
+fn stock_key(_: &Request) -> Option<&'static str> {
+    Some("stock")
+}
+
+/// Runs 300 buyers round-robin over three instances and returns (sold, statuses).
+async fn flash_sale(server: &RedisServer, locked: bool) -> (i64, Vec<u16>) {
+    let mut conn = server.conn().await;
+    let _: () = conn.set(STOCK, 100).await.unwrap();
+    let _: () = conn.set(SOLD, 0).await.unwrap();
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let layer = if locked {
+            let key_fn: fn(&Request) -> Option<&'static str> = stock_key;
+            Some(LockLayer::new(server.backend().await, key_fn).wait(Duration::from_secs(60)))
+        } else {
+            None
+        };
+        instances.push(serve(shop(server.conn().await, layer)).await);
+    }
+    let client = http_client();
+    let buyers = (0..300).map(|i| {
+        let client = client.clone();
+        let addr = instances[i % 3];
+        tokio::spawn(async move { post(&client, addr, "/buy").await.status })
+    });
+    let mut statuses = Vec::new();
+    for buyer in buyers.collect::<Vec<_>>() {
+        statuses.push(buyer.await.unwrap());
+    }
+    (conn.get(SOLD).await.unwrap(), statuses)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_sell_exactly_the_stock() {
+    let server = RedisServer::start();
+    let (sold, statuses) = flash_sale(&server, true).await;
+    assert_eq!(sold, 100);
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 100);
+    assert_eq!(statuses.iter().filter(|s| **s == 410).count(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_handler_without_the_layer_oversells() {
+    let server = RedisServer::start();
+    let (sold, _) = flash_sale(&server, false).await;
+    assert!(sold > 100, "the unlocked race sold {sold} of 100");
+}
+
+/// An app whose `/hold/{key}` handler keeps its lock until told to go on.
+struct Holding {
+    addr: SocketAddr,
+    backend: RedisBackend,
+}
+
+async fn holding_app(
+    server: &RedisServer,
+    configure: impl FnOnce(PathLayer) -> PathLayer,
+) -> Holding {
+    let backend = server.backend().await;
+    let key_fn: fn(&Request) -> Option<String> = path_key;
+    let app = Router::new()
+        .route(
+            "/hold/{key}",
+            routing::post(|| async { tokio::time::sleep(Duration::from_secs(3600)).await }),
+        )
+        .route("/quick/{key}", routing::post(|| async { "done" }))
+        .route_layer(configure(LockLayer::new(backend.clone(), key_fn)));
+    Holding {
+        addr: serve(app).await,
+        backend,
+    }
+}
+
+fn path_key(req: &Request) -> Option<String> {
+    req.uri().path().rsplit('/').next().map(str::to_owned)
+}
+
+fn lock_name(key: &str) -> String {
+    format!("tower-lock:{{{key}}}")
+}
+
+#[tokio::test]
+async fn fail_fast_answers_409_while_the_lock_is_held() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.fail_fast()).await;
+    let held = app.backend.lock("k").try_once().await.unwrap();
+    let reply = post(&http_client(), app.addr, "/quick/k").await;
+    assert_eq!(reply.status, 409);
+    assert_eq!(reply.headers["content-type"], "application/problem+json");
+    assert!(reply.body.contains("\"status\":409"), "{}", reply.body);
+    assert!(reply.headers.contains_key("retry-after"));
+    held.release().await.unwrap();
+    assert_eq!(post(&http_client(), app.addr, "/quick/k").await.status, 200);
+}
+
+#[tokio::test]
+async fn waiting_past_the_wait_answers_503_with_retry_after() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.wait(Duration::from_millis(300))).await;
+    let _held = app
+        .backend
+        .lock("k")
+        .lease(Duration::from_secs(20))
+        .try_once()
+        .await
+        .unwrap();
+    let reply = post(&http_client(), app.addr, "/quick/k").await;
+    assert_eq!(reply.status, 503);
+    let retry_after: u64 = reply.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=20).contains(&retry_after), "Retry-After {retry_after}");
+    assert!(reply.body.contains("Timed out waiting"), "{}", reply.body);
+}
+
+#[tokio::test]
+async fn waiting_request_is_served_when_released_within_the_wait() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
+    let held = app.backend.lock("k").try_once().await.unwrap();
+    let addr = app.addr;
+    let request = tokio::spawn(async move { post(&http_client(), addr, "/quick/k").await });
+    eventually("the request waits on the lock", || async {
+        app.backend.stats().local_waiters == 1
+    })
+    .await;
+    held.release().await.unwrap();
+    assert_eq!(request.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn waiters_do_not_poll_while_the_lock_is_held() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
+    // Held by another instance, so that this one's waiters go through Redis.
+    let other = server.backend().await;
+    let held = other.lock("k").try_once().await.unwrap();
+    let scripts = ["evalsha", "eval"];
+    let before = server.command_calls(&scripts).await;
+    let client = http_client();
+    let requests: Vec<_> = (0..10)
+        .map(|_| {
+            let client = client.clone();
+            let addr = app.addr;
+            tokio::spawn(async move { post(&client, addr, "/quick/k").await.status })
+        })
+        .collect();
+    eventually("one request subscribed, nine queued behind it", || async {
+        let stats = app.backend.stats();
+        stats.channels_with_waiters == 1 && stats.local_waiters == 9
+    })
+    .await;
+    let after_subscribing = server.command_calls(&scripts).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after_waiting = server.command_calls(&scripts).await;
+    // Only the first waiter of the process talks to Redis: it tries, subscribes and
+    // tries again, then sleeps until woken; the others wait in the local queue.
+    assert!(
+        after_subscribing - before <= 3,
+        "{} script calls to start 10 waiters",
+        after_subscribing - before
+    );
+    assert_eq!(
+        after_waiting, after_subscribing,
+        "no script calls while waiting"
+    );
+    held.release().await.unwrap();
+    for request in requests {
+        assert_eq!(request.await.unwrap(), 200);
+    }
+}
+
+#[tokio::test]
+async fn nested_layers_on_one_key_reenter_and_leave_no_hash() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let gate = std::sync::Arc::new(tokio::sync::Mutex::new(Some((entered_tx, go_rx))));
+    let handler = move || {
+        let gate = gate.clone();
+        async move {
+            if let Some((entered, go)) = gate.lock().await.take() {
+                let _ = entered.send(());
+                let _ = go.await;
+            }
+            "nested"
+        }
+    };
+    let key = |_: &Request| Some("k");
+    let app = Router::new()
+        .route("/nested", routing::post(handler))
+        .route_layer(LockLayer::new(backend.clone(), key).fail_fast())
+        .route_layer(LockLayer::new(backend.clone(), key).fail_fast());
+    let addr = serve(app).await;
+    let first = tokio::spawn(async move { post(&http_client(), addr, "/nested").await.status });
+    entered_rx.await.unwrap();
+    let mut conn = server.conn().await;
+    let counts: Vec<i64> = conn.hvals(lock_name("k")).await.unwrap();
+    assert!(counts.contains(&2), "the owner entered twice: {counts:?}");
+    assert_eq!(post(&http_client(), addr, "/nested").await.status, 409);
+    go_tx.send(()).unwrap();
+    assert_eq!(first.await.unwrap(), 200);
+    assert!(!conn.exists::<_, bool>(lock_name("k")).await.unwrap());
+}
+
+async fn panics() -> &'static str {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    panic!("handler bug")
+}
+
+#[tokio::test]
+async fn handler_panic_releases_the_lock_and_its_channel() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let app = Router::new()
+        .route("/panic", routing::post(panics))
+        .route_layer(
+            LockLayer::new(backend.clone(), |_: &Request| Some("k")).wait(Duration::from_secs(10)),
+        );
+    let addr = serve(app).await;
+    let client = http_client();
+    // A second request waits behind the panicking one, so a channel is subscribed.
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(empty_post(addr, "/panic")).await.is_err() }
+    });
+    eventually("the first request holds the lock", || {
+        lock_exists(&server, "k")
+    })
+    .await;
+    let second =
+        tokio::spawn(async move { client.request(empty_post(addr, "/panic")).await.is_err() });
+    assert!(
+        first.await.unwrap(),
+        "the panicking request's connection is closed"
+    );
+    assert!(second.await.unwrap());
+    assert_released(&server, "k").await;
+}
+
+#[tokio::test]
+async fn client_disconnect_releases_the_lock_and_its_channel() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
+    let mut holder = raw_post(app.addr, "/hold/k").await;
+    eventually("the handler holds the lock", || lock_exists(&server, "k")).await;
+    let waiter = raw_post(app.addr, "/hold/k").await;
+    eventually("a second request waits", || async {
+        app.backend.stats().local_waiters == 1
+    })
+    .await;
+    drop(waiter);
+    holder.shutdown().await.unwrap();
+    drop(holder);
+    assert_released(&server, "k").await;
+    assert_eq!(app.backend.stats().watched_locks, 0);
+}
+
+#[tokio::test]
+async fn lock_deleted_from_outside_aborts_the_handler_with_503() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| l.lease(Duration::from_millis(600))).await;
+    let addr = app.addr;
+    let request = tokio::spawn(async move { post(&http_client(), addr, "/hold/k").await });
+    eventually("the handler holds the lock", || lock_exists(&server, "k")).await;
+    let _: () = server.conn().await.del(lock_name("k")).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), request)
+        .await
+        .expect("aborted, not left running")
+        .unwrap();
+    assert_eq!(reply.status, 503);
+    assert!(reply.body.contains("Lock lost"), "{}", reply.body);
+}
+
+#[tokio::test]
+async fn watchdog_keeps_the_lock_through_a_handler_running_three_leases() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let app = Router::new()
+        .route(
+            "/slow",
+            routing::post(|| async {
+                tokio::time::sleep(Duration::from_millis(1800)).await;
+                "slow"
+            }),
+        )
+        .route("/try", routing::post(|| async { "got it" }))
+        .route_layer(
+            LockLayer::new(backend, |_: &Request| Some("k"))
+                .fail_fast()
+                .lease(Duration::from_millis(600)),
+        );
+    let addr = serve(app).await;
+    let slow = tokio::spawn(async move { post(&http_client(), addr, "/slow").await.status });
+    eventually("the slow handler holds the lock", || {
+        lock_exists(&server, "k")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        post(&http_client(), addr, "/try").await.status,
+        409,
+        "still held after two leases"
+    );
+    assert_eq!(slow.await.unwrap(), 200);
+    assert_eq!(post(&http_client(), addr, "/try").await.status, 200);
+}
+
+#[tokio::test]
+async fn empty_and_oversized_keys_answer_400() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let app = Router::new()
+        .route("/{*key}", routing::post(|| async { "ok" }))
+        .route_layer(LockLayer::new(backend, |req: &Request| {
+            let key = req.uri().query().unwrap_or_default();
+            Some(if key == "big" {
+                "k".repeat(100 * 1024)
+            } else {
+                key.to_owned()
+            })
+        }));
+    let addr = serve(app).await;
+    for query in ["/x?", "/x?big"] {
+        let reply = post(&http_client(), addr, query).await;
+        assert_eq!(reply.status, 400, "{query}");
+        assert_eq!(reply.headers["content-type"], "application/problem+json");
+    }
+    assert_eq!(post(&http_client(), addr, "/x?fine").await.status, 200);
+}
+
+#[tokio::test]
+async fn unreachable_redis_answers_503_within_the_wait() {
+    let mut server = RedisServer::start();
+    let backend = server.backend().await;
+    let app = Router::new()
+        .route("/x", routing::post(|| async { "ok" }))
+        .route_layer(LockLayer::new(backend, |_: &Request| Some("k")).wait(Duration::from_secs(2)));
+    let addr = serve(app).await;
+    server.kill();
+    let reply = tokio::time::timeout(Duration::from_secs(10), post(&http_client(), addr, "/x"))
+        .await
+        .expect("no hang");
+    assert_eq!(reply.status, 503);
+    assert!(reply.headers.contains_key("retry-after"));
+    assert!(
+        reply.body.contains("Lock service unavailable"),
+        "{}",
+        reply.body
+    );
+}
+
+#[tokio::test]
+async fn rejections_can_be_overridden() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| {
+        l.fail_fast().on_rejection(|e: LockError| match e {
+            LockError::Contended { .. } => (StatusCode::TOO_MANY_REQUESTS, "busy, try later"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "other"),
+        })
+    })
+    .await;
+    let _held = app.backend.lock("k").try_once().await.unwrap();
+    let reply = post(&http_client(), app.addr, "/quick/k").await;
+    assert_eq!(
+        (reply.status, reply.body.as_str()),
+        (429, "busy, try later")
+    );
+}
+
+fn empty_post(addr: SocketAddr, path: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    http::Request::post(format!("http://{addr}{path}"))
+        .body(Default::default())
+        .unwrap()
+}
+
+/// Sends a request on a raw connection that the test can drop mid-request.
+async fn raw_post(addr: SocketAddr, path: &str) -> tokio::net::TcpStream {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("POST {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
+async fn lock_exists(server: &RedisServer, key: &str) -> bool {
+    server.conn().await.exists(lock_name(key)).await.unwrap()
+}
+
+/// The lock is gone and nobody is subscribed to its release channel any more.
+async fn assert_released(server: &RedisServer, key: &str) {
+    eventually("the lock is released", || async {
+        !lock_exists(server, key).await
+    })
+    .await;
+    let channel = format!("{}:released", lock_name(key));
+    eventually("the release channel has no subscribers", || async {
+        let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query_async(&mut server.conn().await)
+            .await
+            .unwrap();
+        subscribers == 0
+    })
+    .await;
+}
