@@ -113,19 +113,27 @@ async fn uncontended(server: &RedisServer) -> String {
     const N: usize = 3000;
     let backend = server.backend().await;
     let mut conn = server.conn().await;
+    let empty = redis::Script::new("return 1");
     let mut pings = Vec::with_capacity(N);
+    let mut scripts = Vec::with_capacity(N);
     let mut locks = Vec::with_capacity(N);
-    // Interleaved, so both see the same machine load.
+    // Interleaved, so that all three see the same machine load.
     for i in 0..N + 200 {
         let t = Instant::now();
         let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
         let ping = t.elapsed();
+        let t = Instant::now();
+        for _ in 0..2 {
+            let _: i64 = empty.invoke_async(&mut conn).await.unwrap();
+        }
+        let script = t.elapsed();
         let t = Instant::now();
         let guard = backend.lock("bench:solo").try_once().await.unwrap();
         guard.release().await.unwrap();
         let lock = t.elapsed();
         if i >= 200 {
             pings.push(ping);
+            scripts.push(script);
             locks.push(lock);
         }
     }
@@ -140,7 +148,11 @@ async fn uncontended(server: &RedisServer) -> String {
         let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
     }
     let (ping_cpu, _) = RedisUsage::now(server).await.per_op(usage, N as u64);
-    let (ping, lock) = (Percentiles::of(pings), Percentiles::of(locks));
+    let (ping, script, lock) = (
+        Percentiles::of(pings),
+        Percentiles::of(scripts),
+        Percentiles::of(locks),
+    );
     let mut out = String::from("### Uncontended acquire + release\n\n");
     out += "| | p50 | p99 |\n|---|---|---|\n";
     let _ = writeln!(
@@ -148,6 +160,12 @@ async fn uncontended(server: &RedisServer) -> String {
         "| Redis PING round trip | {} | {} |",
         us(ping.p50),
         us(ping.p99)
+    );
+    let _ = writeln!(
+        out,
+        "| two EVALSHA of `return 1` (the floor of one script per step) | {} | {} |",
+        us(script.p50),
+        us(script.p99)
     );
     let _ = writeln!(
         out,
@@ -484,6 +502,7 @@ async fn http_rate(app: Router) -> f64 {
 async fn scale(server: &RedisServer) -> String {
     const KEYS: usize = 1000;
     const WAITERS: usize = 10_000;
+    let (connections_before, _) = connections(server).await;
     let holder = server.backend().await;
     let waiting = server.backend().await;
     let mut guards = Vec::new();
@@ -516,20 +535,7 @@ async fn scale(server: &RedisServer) -> String {
     // Let the subscriber finish confirming channels before counting.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let after = LIVE_BYTES.load(Ordering::Relaxed);
-    let clients: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .query_async(&mut server.conn().await)
-        .await
-        .unwrap();
-    // The inspecting connection of `server.conn()` above is one of these.
-    let connections = clients.lines().count() - 1;
-    let subscribers = clients
-        .lines()
-        .filter(|l| {
-            l.split(' ')
-                .any(|f| f.strip_prefix("sub=").is_some_and(|n| n != "0"))
-        })
-        .count();
+    let (connections_after, subscribed) = connections(server).await;
     let drain = Instant::now();
     for guard in guards {
         guard.release().await.unwrap();
@@ -547,11 +553,17 @@ async fn scale(server: &RedisServer) -> String {
     );
     let _ = writeln!(
         out,
-        "| Redis connections, all backends of the run still alive | {connections} | |"
+        "| Redis connections of the two backends (one holding, one with the 10k waiters) | {} | |",
+        connections_after - connections_before
     );
     let _ = writeln!(
         out,
-        "| of which subscriber connections (sub > 0) | {subscribers} | 1 per backend with waiters |"
+        "| connections subscribed to channels, and their channels | {} | 1 subscriber per backend |",
+        subscribed
+            .iter()
+            .map(|n| format!("1 with {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let _ = writeln!(
         out,
@@ -563,6 +575,23 @@ async fn scale(server: &RedisServer) -> String {
 
 // ---------------------------------------------------------------------------------------
 // Helpers.
+
+/// Connections open on the server (not counting the one asking), and the channel counts
+/// of those subscribed to any.
+async fn connections(server: &RedisServer) -> (usize, Vec<usize>) {
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    let subscribed = clients
+        .lines()
+        .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("sub=")))
+        .filter_map(|n| n.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .collect();
+    (clients.lines().count() - 1, subscribed)
+}
 
 struct Percentiles {
     p50: Duration,
