@@ -1,4 +1,5 @@
--- Fencing tokens, shared by acquire.lua and release.lua (prepended to each by scripts.rs).
+-- Fencing tokens, shared by acquire.lua and release.lua (prepended to each by scripts.rs;
+-- release.lua needs it only for a handoff on a lock hash that lost its token field).
 --
 -- next_token(fence, ttl) issues the token of a new acquisition: it must exceed every
 -- token issued for the lock before, even when the counter `fence` was deleted or expired,

@@ -29,7 +29,8 @@ if ARGV[9] == '1' then
     return {1}
   end
 end
-local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
+local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
+local count = tonumber(held[1])
 if not count then
   return {0}
 end
@@ -41,8 +42,17 @@ if count > 1 then
 end
 redis.call('del', KEYS[1])
 if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[2] == 0) then
+  -- The current hold's token is the newest issued for this key (only a holder gets a new
+  -- one), so the next number exceeds every earlier token without reading the clock.
+  local last = tonumber(held[2])
+  local token
+  if last then
+    token = string.format('%.0f', last + 1)
+    redis.call('set', KEYS[2], token, 'px', ARGV[7])
+  else
+    token = next_token(KEYS[2], ARGV[7])
+  end
   -- The hash is rebuilt rather than edited, so the old owner's latch fields go with it.
-  local token = next_token(KEYS[2], ARGV[7])
   redis.call('hset', KEYS[1], ARGV[5], 1, 'token', token)
   redis.call('pexpire', KEYS[1], ARGV[6])
   return {3, tonumber(token)}
