@@ -138,16 +138,19 @@ impl<B: LockBackend> LockRequest<B> {
     }
 
     /// Tries once; `Err(LockError::Contended)` if another owner holds the lock.
-    pub async fn try_once(mut self) -> Result<LockGuard, LockError> {
-        self.mode = Mode::TryOnce;
-        self.backend.clone().acquire(self).await
+    // Not an `async fn`: the backend's future already owns the request, and a task
+    // parked in a queue should not carry a second copy of it.
+    pub fn try_once(self) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        self.mode(Mode::TryOnce).into_future()
     }
 
     /// Waits up to `timeout` for the lock, woken by release messages rather than by
     /// polling; `Err(LockError::TimedOut)` if it is still held then.
-    pub async fn wait(mut self, timeout: Duration) -> Result<LockGuard, LockError> {
-        self.mode = Mode::Wait(timeout);
-        self.backend.clone().acquire(self).await
+    pub fn wait(
+        self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        self.mode(Mode::Wait(timeout)).into_future()
     }
 
     pub(crate) fn mode(mut self, mode: Mode) -> Self {

@@ -460,7 +460,7 @@ impl Inner {
                     };
                     match grant {
                         Some(Grant::Handoff(guard)) => return Ok(guard),
-                        Some(Grant::Slot(slot)) => Some(slot),
+                        Some(Grant::Slot(slot)) => Some(*slot),
                         None => continue,
                     }
                 }

@@ -37,8 +37,9 @@ pub(crate) struct Claim {
 
 /// What a queued task receives when its turn comes.
 pub(crate) enum Grant {
-    /// The key's slot: contend for the lock in Redis.
-    Slot(Slot),
+    /// The key's slot: contend for the lock in Redis. Boxed to keep the channel that every
+    /// queued task holds small.
+    Slot(Box<Slot>),
     /// The lock itself, handed over by the previous holder in this process.
     Handoff(LockGuard),
 }
@@ -335,7 +336,7 @@ fn pass_on(
             return;
         };
         queue.holder = next.claim.owner.clone();
-        let mut slot = Slot::new(shared.clone(), key.clone(), queue.epoch, 0);
+        let mut slot = Box::new(Slot::new(shared.clone(), key.clone(), queue.epoch, 0));
         slot.yielded = yielded;
         match next.grant.send(Grant::Slot(slot)) {
             Ok(()) => return,
