@@ -272,15 +272,21 @@ impl Shared {
     }
 }
 
+/// What the rounds of one lock added up to.
 struct HotRun {
     name: &'static str,
+    instances: Vec<Contender>,
     acquisitions: u64,
-    rate: f64,
-    waits: Percentiles,
-    /// Redis CPU microseconds and commands per acquisition.
-    redis: Option<(f64, f64)>,
+    elapsed: Duration,
+    waits: Vec<Duration>,
+    /// Redis CPU seconds and commands over the rounds (`None` for the in-process mutex).
+    redis: Option<(f64, u64)>,
     lost: u64,
 }
+
+/// Rounds per critical-section length: the locks take turns, so that a burst of load
+/// from elsewhere on the machine does not fall on one of them only.
+const ROUNDS: u32 = 3;
 
 async fn hot_key(server: &RedisServer, secs: Duration) -> String {
     let mut out = String::new();
@@ -288,7 +294,7 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
         let bench = HotBench {
             server,
             section,
-            secs,
+            secs: secs / ROUNDS,
         };
         let mutex = Arc::new(tokio::sync::Mutex::new(()));
         let mut towers = Vec::new();
@@ -304,23 +310,39 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
             ])));
             conns.push(Contender::SetNx(server.conn().await));
         }
-        let runs = [
-            bench
-                .run(
-                    "tokio::sync::Mutex (in-process ideal)",
-                    vec![Contender::Mutex(mutex); INSTANCES],
-                )
-                .await,
-            bench.run("tower-lock", towers).await,
-            bench
-                .run("tower-lock, handoff off (queue only)", queue_only)
-                .await,
-            bench.run("rslock 0.10 (default retry)", managers).await,
-            bench.run("SET NX PX + 10 ms sleep", conns).await,
+        let mut runs = [
+            HotRun::new(
+                "tokio::sync::Mutex (in-process ideal)",
+                vec![Contender::Mutex(mutex); INSTANCES],
+            ),
+            HotRun::new("tower-lock", towers),
+            HotRun::new("tower-lock, handoff off (queue only)", queue_only),
+            HotRun::new("rslock 0.10 (default retry)", managers),
+            HotRun::new("SET NX PX + 10 ms sleep", conns),
         ];
+        for _ in 0..ROUNDS {
+            for run in &mut runs {
+                bench.round(run).await;
+            }
+        }
         out += &hot_table(section, &runs);
     }
     out
+}
+
+impl HotRun {
+    fn new(name: &'static str, instances: Vec<Contender>) -> Self {
+        let on_redis = !matches!(instances[0], Contender::Mutex(_));
+        HotRun {
+            name,
+            instances,
+            acquisitions: 0,
+            elapsed: Duration::ZERO,
+            waits: Vec::new(),
+            redis: on_redis.then_some((0.0, 0)),
+            lost: 0,
+        }
+    }
 }
 
 /// One critical-section length on one server.
@@ -331,9 +353,8 @@ struct HotBench<'a> {
 }
 
 impl HotBench<'_> {
-    /// Runs `TASKS` tasks spread over `instances` for `secs`.
-    async fn run(&self, name: &'static str, instances: Vec<Contender>) -> HotRun {
-        let on_redis = !matches!(instances[0], Contender::Mutex(_));
+    /// Runs `TASKS` tasks spread over the run's instances for `secs`, adding to `run`.
+    async fn round(&self, run: &mut HotRun) {
         let shared = Arc::new(Shared {
             counter: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -343,7 +364,7 @@ impl HotBench<'_> {
         let started = Instant::now();
         let tasks: Vec<_> = (0..TASKS)
             .map(|i| {
-                let mut contender = instances[i % instances.len()].clone();
+                let mut contender = run.instances[i % run.instances.len()].clone();
                 let shared = shared.clone();
                 tokio::spawn(async move {
                     let mut waits = Vec::new();
@@ -356,28 +377,26 @@ impl HotBench<'_> {
             .collect();
         tokio::time::sleep(self.secs).await;
         shared.stop.store(true, Ordering::Relaxed);
-        let mut waits = Vec::new();
+        let mut acquisitions = 0;
         for task in tasks {
-            waits.extend(task.await.unwrap());
+            let waits = task.await.unwrap();
+            acquisitions += waits.len() as u64;
+            run.waits.extend(waits);
         }
-        let elapsed = started.elapsed();
-        let acquisitions = waits.len() as u64;
-        let redis = RedisUsage::now(self.server)
-            .await
-            .per_op(usage, acquisitions);
-        HotRun {
-            name,
-            acquisitions,
-            rate: acquisitions as f64 / elapsed.as_secs_f64(),
-            waits: Percentiles::of(waits),
-            redis: on_redis.then_some(redis),
-            lost: acquisitions - shared.counter.load(Ordering::SeqCst),
+        run.elapsed += started.elapsed();
+        run.acquisitions += acquisitions;
+        run.lost += acquisitions - shared.counter.load(Ordering::SeqCst);
+        let now = RedisUsage::now(self.server).await;
+        if let Some((cpu, calls)) = &mut run.redis {
+            *cpu += now.cpu - usage.cpu;
+            *calls += now.calls - usage.calls;
         }
     }
 }
 
 fn hot_table(section: Duration, runs: &[HotRun]) -> String {
-    let mutex_rate = runs[0].rate;
+    let rate = |run: &HotRun| run.acquisitions as f64 / run.elapsed.as_secs_f64();
+    let mutex_rate = rate(&runs[0]);
     let mut out = format!(
         "### One hot key, {TASKS} tasks over {INSTANCES} instances, {} ms busy critical section\n\n",
         section.as_millis()
@@ -385,26 +404,32 @@ fn hot_table(section: Duration, runs: &[HotRun]) -> String {
     out += "| lock | acq/s | vs mutex | wait p50 | wait p99 | wait max | p99/p50 | Redis CPU us/acq | Redis cmds/acq | lost updates |\n";
     out += "|---|---|---|---|---|---|---|---|---|---|\n";
     for run in runs {
+        let waits = Percentiles::of(run.waits.clone());
+        let per_acq = |x: f64| x / run.acquisitions.max(1) as f64;
         let _ = writeln!(
             out,
             "| {} | {:.0} | {:.0}% | {} | {} | {} | {:.1} | {} | {} | {} |",
             run.name,
-            run.rate,
-            100.0 * run.rate / mutex_rate,
-            ms(run.waits.p50),
-            ms(run.waits.p99),
-            ms(run.waits.max),
-            run.waits.p99.as_secs_f64() / run.waits.p50.as_secs_f64().max(1e-9),
-            run.redis
-                .map_or("-".to_owned(), |(cpu, _)| format!("{cpu:.1}")),
-            run.redis
-                .map_or("-".to_owned(), |(_, calls)| format!("{calls:.2}")),
+            rate(run),
+            100.0 * rate(run) / mutex_rate,
+            ms(waits.p50),
+            ms(waits.p99),
+            ms(waits.max),
+            waits.p99.as_secs_f64() / waits.p50.as_secs_f64().max(1e-9),
+            run.redis.map_or("-".to_owned(), |(cpu, _)| format!(
+                "{:.1}",
+                per_acq(cpu * 1e6)
+            )),
+            run.redis.map_or("-".to_owned(), |(_, calls)| format!(
+                "{:.2}",
+                per_acq(calls as f64)
+            )),
             run.lost,
         );
     }
     let _ = writeln!(
         out,
-        "\n({} acquisitions in total)\n",
+        "\n({} acquisitions in total, the locks taking turns in {ROUNDS} rounds)\n",
         runs.iter().map(|r| r.acquisitions).sum::<u64>()
     );
     out
@@ -430,42 +455,60 @@ async fn http(server: &RedisServer) -> String {
         }));
     let mut out = String::from("### HTTP (axum, hyper client, 32 concurrent connections)\n\n");
     out += "| route | req/s over HTTP | in-process ns/request |\n|---|---|---|\n";
-    let mut in_process = Vec::new();
-    for (name, app) in [
+    // Without a network, one request at a time; the two unlocked routes take turns in
+    // batches so that both see the same machine load.
+    const BATCH: u64 = 1000;
+    const BATCHES: u64 = 20;
+    in_process(&plain, BATCH).await;
+    in_process(&unlocked, BATCH).await;
+    let (mut plain_total, mut unlocked_total) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..BATCHES {
+        plain_total += in_process(&plain, BATCH).await;
+        unlocked_total += in_process(&unlocked, BATCH).await;
+    }
+    let locked_n = 2000;
+    let locked_total = in_process(&locked, locked_n).await;
+    let per_request = |total: Duration, n: u64| total.as_nanos() as f64 / n as f64;
+    let in_process_ns = [
+        per_request(plain_total, BATCH * BATCHES),
+        per_request(unlocked_total, BATCH * BATCHES),
+        per_request(locked_total, locked_n),
+    ];
+    for ((name, app), ns) in [
         ("no layer", plain),
         ("layer, key fn returns None", unlocked),
         ("layer, locked, distinct keys", locked),
-    ] {
-        let ns = in_process_ns(app.clone()).await;
-        in_process.push(ns);
+    ]
+    .into_iter()
+    .zip(in_process_ns)
+    {
         let rate = http_rate(app).await;
         let _ = writeln!(out, "| {name} | {rate:.0} | {ns:.0} |");
     }
     let _ = writeln!(
         out,
         "\nUnlocked route overhead: **{:.0} ns** per request (target < 1 us)\n",
-        in_process[1] - in_process[0]
+        in_process_ns[1] - in_process_ns[0]
     );
     out
 }
 
-/// Mean time of one request through the router without a network, sequentially.
-async fn in_process_ns(app: Router) -> f64 {
-    const N: u64 = 20_000;
+/// Time taken by `n` requests through the router without a network, one at a time, each
+/// on a path (and so a lock key) of its own.
+async fn in_process(app: &Router, n: u64) -> Duration {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let mut total = Duration::ZERO;
-    for i in 0..N + 1000 {
+    for _ in 0..n {
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
         let request = Request::post(format!("/item/{i}"))
             .body(Body::empty())
             .unwrap();
         let t = Instant::now();
         let response = app.clone().oneshot(request).await.unwrap();
-        let elapsed = t.elapsed();
+        total += t.elapsed();
         assert!(response.status().is_success());
-        if i >= 1000 {
-            total += elapsed;
-        }
     }
-    total.as_nanos() as f64 / N as f64
+    total
 }
 
 async fn http_rate(app: Router) -> f64 {
