@@ -96,7 +96,7 @@ async fn run() -> String {
     let _ = writeln!(
         out,
         "Redis {version} on loopback, {} cores, tokio with 2 workers, {TASKS} tasks over \
-         {INSTANCES} instances for the hot key, {secs} s per run.\n",
+         {INSTANCES} instances for the hot key, {secs} s per lock and section in {ROUNDS} rounds.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     out += &uncontended(&server).await;
