@@ -12,17 +12,17 @@ local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
-if kind == 'hash' and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
-  return {0, redis.call('pttl', KEYS[1])}
-end
-
-local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
-redis.call('pexpire', KEYS[1], ARGV[2])
-if count > 1 then
+if kind == 'hash' then
+  if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+    return {0, redis.call('pttl', KEYS[1])}
+  end
+  local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
+  redis.call('pexpire', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
 end
 
 -- A new acquisition: a new fencing token (next_token comes from fence.lua).
 local token = next_token(KEYS[2], ARGV[3])
-redis.call('hset', KEYS[1], 'token', token)
+redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token)
+redis.call('pexpire', KEYS[1], ARGV[2])
 return {1, tonumber(token), 1}
