@@ -347,3 +347,24 @@ async fn one_subscriber_connection_carries_every_channel_and_survives_its_pings(
         assert!(wait.await.unwrap().is_ok());
     }
 }
+
+#[tokio::test]
+async fn an_acquisition_cancelled_in_flight_leaves_no_lock_behind() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    // The script reaches a paused server; the caller gives up before the reply and the
+    // server runs the script after all, taking the lock for nobody.
+    server.pause();
+    let attempt = tokio::spawn(backend.lock(KEY).try_once());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    attempt.abort();
+    let _ = attempt.await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.resume();
+    eventually("the orphaned lock is released", || async {
+        !server.exists(LOCK).await
+    })
+    .await;
+    let other = server.backend().await;
+    assert!(other.lock(KEY).try_once().await.is_ok());
+}

@@ -301,3 +301,52 @@ async fn a_handed_over_lock_keeps_being_renewed() {
     guard.release().await.unwrap();
     assert!(!server.exists(LOCK).await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_and_cancellations_in_the_queue_lose_no_turn_and_leave_no_trace() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let counter = Arc::new(AtomicU64::new(0));
+    let acquired = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..40u64)
+        .map(|t| {
+            let (backend, counter, acquired) = (backend.clone(), counter.clone(), acquired.clone());
+            tokio::spawn(async move {
+                for i in 0..25u64 {
+                    let cut = Duration::from_millis(1 + (t * 7 + i * 3) % 15);
+                    let attempt = backend.lock(KEY).wait(Duration::from_millis(5 + i % 20));
+                    // Some waits time out inside the lock, others are cancelled from
+                    // outside at an arbitrary point: queued, granted, or holding.
+                    let Ok(Ok(guard)) = tokio::time::timeout(cut, attempt).await else {
+                        continue;
+                    };
+                    let read = counter.load(Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    counter.store(read + 1, Ordering::SeqCst);
+                    acquired.fetch_add(1, Ordering::SeqCst);
+                    if i % 2 == 0 {
+                        guard.release().await.expect("released");
+                    } else {
+                        drop(guard);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert!(acquired.load(Ordering::SeqCst) > 0);
+    assert_eq!(
+        counter.load(Ordering::SeqCst),
+        acquired.load(Ordering::SeqCst),
+        "no update lost"
+    );
+    eventually("the queue and the lock are gone", || async {
+        let stats = backend.stats();
+        stats.local_queues == 0 && stats.watched_locks == 0 && !server.exists(LOCK).await
+    })
+    .await;
+    let guard = backend.lock(KEY).try_once().await.expect("the key is free");
+    guard.release().await.unwrap();
+}

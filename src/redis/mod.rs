@@ -34,6 +34,7 @@ mod scripts;
 mod watchdog;
 
 use std::fmt;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -538,12 +539,6 @@ impl Inner {
 
     /// Runs the acquire script once.
     async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
-        let mut invocation = self.scripts.acquire.key(&c.key.lock);
-        invocation
-            .key(&c.key.fence)
-            .arg(c.claim.owner.as_str())
-            .arg(millis(c.claim.lease))
-            .arg(millis(self.fence_ttl));
         let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
@@ -553,8 +548,10 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let failure = match timeout(budget, self.pool.invoke::<Vec<i64>>(&invocation)).await {
+        let mut call = InFlight::new(self, c);
+        let failure = match timeout(budget, call.reply()).await {
             Ok(Ok(reply)) => {
+                call.settled();
                 return match reply.as_slice() {
                     [1, token, _count] => u64::try_from(*token)
                         .map(|token| Attempt::Acquired { token, sent_at })
@@ -566,29 +563,15 @@ impl Inner {
                 };
             }
             Ok(Err(e)) => {
-                let ambiguous = e.is_ambiguous();
-                (LockError::backend("acquire", e), ambiguous)
+                if !e.is_ambiguous() {
+                    call.settled();
+                }
+                LockError::backend("acquire", e)
             }
-            Err(elapsed) => (LockError::backend("acquire", elapsed), true),
+            // Dropping `call` below lets the script's reply be awaited in the background.
+            Err(elapsed) => LockError::backend("acquire", elapsed),
         };
-        let (error, ambiguous) = failure;
-        // The script may have run although its reply never came. Undo it in the background
-        // when this acquisition had an owner of its own (a shared owner may hold the key
-        // already, and one release too many would take that hold away).
-        if ambiguous && c.fresh_owner {
-            let hold = RedisHold::new(
-                self.clone(),
-                c.key.clone(),
-                c.claim.owner.clone(),
-                c.claim.lease,
-                None,
-            );
-            self.runtime.spawn(async move {
-                let retry_for = hold.lease;
-                let _ = hold.run(retry_for, false).await;
-            });
-        }
-        Err(error)
+        Err(failure)
     }
 
     /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
@@ -613,6 +596,86 @@ impl Inner {
         );
         let held = HeldLock::new(hold.key.user.clone(), hold.owner.clone(), token, lost);
         LockGuard::new(held, Box::new(WatchedHold(hold)))
+    }
+}
+
+type ScriptCall = Pin<Box<dyn Future<Output = Result<Vec<i64>, CommandError>> + Send>>;
+
+/// A run of the acquire script that may take the lock without anyone left to hold it: the
+/// caller timed out or was cancelled while it was in flight, or its reply was lost. Then,
+/// when the acquisition had an owner of its own, the call is finished in the background
+/// and a lock it took is released (a shared owner may hold the key already, and one
+/// release too many would take that hold away). Awaiting the call first, rather than
+/// racing it with the release, keeps the release from overtaking it on another
+/// connection.
+struct InFlight {
+    call: ScriptCall,
+    /// Whether `call` has completed (it must not be polled again).
+    done: bool,
+    /// What to release, for an acquisition with an owner of its own.
+    undo: Option<RedisHold>,
+}
+
+impl InFlight {
+    fn new(inner: &Arc<Inner>, c: &Contender) -> Self {
+        let (this, key, owner) = (inner.clone(), c.key.clone(), c.claim.owner.clone());
+        let lease = c.claim.lease;
+        let call = Box::pin(async move {
+            let mut invocation = this.scripts.acquire.key(&key.lock);
+            invocation
+                .key(&key.fence)
+                .arg(owner.as_str())
+                .arg(millis(lease))
+                .arg(millis(this.fence_ttl));
+            this.pool.invoke::<Vec<i64>>(&invocation).await
+        });
+        let undo = c.fresh_owner.then(|| {
+            RedisHold::new(
+                inner.clone(),
+                c.key.clone(),
+                c.claim.owner.clone(),
+                lease,
+                None,
+            )
+        });
+        InFlight {
+            call,
+            done: false,
+            undo,
+        }
+    }
+
+    async fn reply(&mut self) -> Result<Vec<i64>, CommandError> {
+        let reply = self.call.as_mut().await;
+        self.done = true;
+        reply
+    }
+
+    /// The reply came and was unambiguous: nothing to undo.
+    fn settled(&mut self) {
+        self.undo = None;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(hold) = self.undo.take() else {
+            return;
+        };
+        let call = (!self.done)
+            .then(|| std::mem::replace(&mut self.call, Box::pin(std::future::pending())));
+        let runtime = hold.inner.runtime.clone();
+        runtime.spawn(async move {
+            if let Some(call) = call {
+                if let Ok(reply) = call.await {
+                    if reply.first() != Some(&1) {
+                        return;
+                    }
+                }
+            }
+            let retry_for = hold.lease;
+            let _ = hold.run(retry_for, false).await;
+        });
     }
 }
 
