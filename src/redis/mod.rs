@@ -602,18 +602,44 @@ impl Inner {
 type ScriptCall = Pin<Box<dyn Future<Output = Result<Vec<i64>, CommandError>> + Send>>;
 
 /// A run of the acquire script that may take the lock without anyone left to hold it: the
-/// caller timed out or was cancelled while it was in flight, or its reply was lost. Then,
-/// when the acquisition had an owner of its own, the call is finished in the background
-/// and a lock it took is released (a shared owner may hold the key already, and one
-/// release too many would take that hold away). Awaiting the call first, rather than
-/// racing it with the release, keeps the release from overtaking it on another
-/// connection.
+/// caller timed out or was cancelled while it was in flight, or its reply was lost.
+///
+/// A call still in flight is finished in the background, and what it took is given back:
+/// its reply tells a new acquisition from a re-entry, and one release undoes exactly
+/// either. Awaiting the call first, rather than racing it with the release, keeps the
+/// release from overtaking it on another connection. A call whose reply was lost is
+/// undone only when the acquisition had an owner of its own: a shared owner may hold the
+/// key already, and one release too many would take that hold away.
 struct InFlight {
     call: ScriptCall,
     /// Whether `call` has completed (it must not be polled again).
     done: bool,
-    /// What to release, for an acquisition with an owner of its own.
-    undo: Option<RedisHold>,
+    /// Whose acquisition to undo; `None` once the reply settled it.
+    undo: Option<Undo>,
+}
+
+struct Undo {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    lease: Duration,
+    fresh_owner: bool,
+}
+
+impl Undo {
+    fn spawn(self) {
+        let Undo {
+            inner,
+            key,
+            owner,
+            lease,
+            ..
+        } = self;
+        let hold = RedisHold::new(inner.clone(), key, owner, lease, None);
+        inner.runtime.spawn(async move {
+            let _ = hold.run(lease, false).await;
+        });
+    }
 }
 
 impl InFlight {
@@ -629,19 +655,16 @@ impl InFlight {
                 .arg(millis(this.fence_ttl));
             this.pool.invoke::<Vec<i64>>(&invocation).await
         });
-        let undo = c.fresh_owner.then(|| {
-            RedisHold::new(
-                inner.clone(),
-                c.key.clone(),
-                c.claim.owner.clone(),
-                lease,
-                None,
-            )
-        });
         InFlight {
             call,
             done: false,
-            undo,
+            undo: Some(Undo {
+                inner: inner.clone(),
+                key: c.key.clone(),
+                owner: c.claim.owner.clone(),
+                lease,
+                fresh_owner: c.fresh_owner,
+            }),
         }
     }
 
@@ -659,22 +682,26 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let Some(hold) = self.undo.take() else {
+        let Some(undo) = self.undo.take() else {
             return;
         };
-        let call = (!self.done)
-            .then(|| std::mem::replace(&mut self.call, Box::pin(std::future::pending())));
-        let runtime = hold.inner.runtime.clone();
-        runtime.spawn(async move {
-            if let Some(call) = call {
-                if let Ok(reply) = call.await {
-                    if reply.first() != Some(&1) {
-                        return;
-                    }
-                }
+        if self.done {
+            // The reply was lost to a transport error.
+            if undo.fresh_owner {
+                undo.spawn();
             }
-            let retry_for = hold.lease;
-            let _ = hold.run(retry_for, false).await;
+            return;
+        }
+        let call = std::mem::replace(&mut self.call, Box::pin(std::future::pending()));
+        let runtime = undo.inner.runtime.clone();
+        runtime.spawn(async move {
+            let took_it = match call.await {
+                Ok(reply) => reply.first() == Some(&1),
+                Err(e) => e.is_ambiguous() && undo.fresh_owner,
+            };
+            if took_it {
+                undo.spawn();
+            }
         });
     }
 }
