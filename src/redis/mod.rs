@@ -21,6 +21,7 @@
 //! # }
 //! ```
 
+mod fence;
 mod pool;
 mod pubsub;
 mod scripts;
@@ -35,6 +36,7 @@ use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::{CommandError, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
 use self::scripts::Scripts;
@@ -376,9 +378,9 @@ impl Inner {
             request.key,
             self.max_key_len,
         )?);
-        let (owner, fresh_owner) = match request.owner {
-            Some(owner) => (owner, false),
-            None => (self.new_owner(), true),
+        let owner = match request.owner {
+            Some(owner) => owner,
+            None => self.new_owner(),
         };
         let lease = request.lease;
         let started = Instant::now();
@@ -386,10 +388,7 @@ impl Inner {
             Mode::TryOnce => None,
             Mode::Wait(wait) => Some(started + wait),
         };
-        let mut pttl = match self
-            .attempt(&key, &owner, lease, fresh_owner, deadline)
-            .await?
-        {
+        let mut pttl = match self.attempt(&key, &owner, lease, deadline).await? {
             Attempt::Acquired { token, sent_at } => {
                 return Ok(self.guard(
                     key.clone(),
@@ -419,10 +418,7 @@ impl Inner {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            match self
-                .attempt(&key, &owner, lease, fresh_owner, Some(deadline))
-                .await?
-            {
+            match self.attempt(&key, &owner, lease, Some(deadline)).await? {
                 Attempt::Acquired { token, sent_at } => {
                     drop(waiter);
                     return Ok(self.guard(
@@ -452,7 +448,6 @@ impl Inner {
         key: &Arc<LockKey>,
         owner: &LockOwner,
         lease: Duration,
-        fresh_owner: bool,
         deadline: Option<Instant>,
     ) -> Result<Attempt, LockError> {
         let mut invocation = self.scripts.acquire.key(&key.lock);
@@ -489,10 +484,11 @@ impl Inner {
             Err(elapsed) => (LockError::backend("acquire", elapsed), true),
         };
         let (error, ambiguous) = failure;
-        // The script may have run although its reply never came. Undo it in the background
-        // when this acquisition had an owner of its own (a shared owner may hold the key
-        // already, and one release too many would take that hold away).
-        if ambiguous && fresh_owner {
+        // The script may have run although its reply never came (Redis paused, a slow
+        // network): undo it in the background, or the lock stays taken for a whole lease.
+        // Not when the owner already holds the key (a re-entry through a shared owner):
+        // there one release too many would take the outer hold away.
+        if ambiguous && !self.watchdog.is_held(&key.lock, owner) {
             let hold = RedisHold::new(self.clone(), key.clone(), owner.clone(), lease);
             self.runtime.spawn(async move {
                 let retry_for = hold.lease;
