@@ -14,14 +14,18 @@ use axum::Router;
 use axum::extract::Request;
 use axum::routing;
 use http::StatusCode;
+use redis::AsyncCommands;
 use support::child;
 use support::{
     RedisServer, Reply, channel, eventually, http_client, lock_key, post, post_request, serve,
+    try_send,
 };
 use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
 use tower_lock::response::PROBLEM_JSON;
-use tower_lock::{KeyExtractor, LockLayer, RedisBackend};
+use tower_lock::{
+    FencedStore, FencedWrite, KeyError, KeyExtractor, LockError, LockLayer, RedisBackend,
+};
 
 /// How long a request waits for a held lock in these tests.
 const WAIT: Duration = Duration::from_secs(1);
@@ -96,9 +100,12 @@ async fn wait_until_held(server: &RedisServer, key: &str) {
 }
 
 async fn wait_until_released(server: &RedisServer, key: &str) {
-    let lock = lock_key(key);
-    eventually("the lock is released", || async {
-        !server.exists(&lock).await
+    wait_until_gone(server, &lock_key(key)).await;
+}
+
+async fn wait_until_gone(server: &RedisServer, redis_key: &str) {
+    eventually(&format!("{redis_key} is gone"), || async {
+        !server.exists(redis_key).await
     })
     .await;
 }
@@ -286,4 +293,185 @@ async fn outer_timeout_layer_releases_the_lock_and_leaves_no_subscription() {
 #[ignore = "entry point of the child processes that the fault tests spawn"]
 async fn child_process() {
     let _ = child::role();
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input
+
+const KEY_HEADER: &str = "x-lock-key";
+
+/// The key is the `x-lock-key` header. Written as an extractor rather than a closure: a
+/// closure can only answer `None`, which would let a request with a non-UTF-8 key through
+/// unlocked instead of rejecting it.
+#[derive(Clone)]
+struct HeaderKey;
+
+impl KeyExtractor<axum::body::Body> for HeaderKey {
+    fn extract(&self, req: &Request) -> Result<Option<String>, KeyError> {
+        let value = req.headers().get(KEY_HEADER).ok_or(KeyError::Missing {
+            source: format!("header {KEY_HEADER:?}"),
+        })?;
+        let key = value.to_str().map_err(|_| KeyError::Malformed {
+            reason: format!("the {KEY_HEADER} header is not visible ASCII"),
+        })?;
+        Ok(Some(key.to_owned()))
+    }
+}
+
+/// POSTs `/quick/x` with the key header set to `key` (no header for `None`).
+async fn post_key(addr: SocketAddr, key: Option<&[u8]>) -> Result<Reply, axum::BoxError> {
+    let mut request = post_request(addr, "/quick/x");
+    if let Some(key) = key {
+        let value = http::HeaderValue::from_bytes(key).expect("a valid header value");
+        request.headers_mut().insert(KEY_HEADER, value);
+    }
+    try_send(&http_client(), request).await
+}
+
+fn problem_type(reply: &Reply) -> String {
+    assert_problem_json(reply);
+    let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON body");
+    let kind = body["type"].as_str().expect("a problem type");
+    kind.rsplit('.').next().unwrap_or(kind).to_owned()
+}
+
+#[tokio::test]
+async fn bad_keys_get_problem_json_and_touch_no_other_key() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    support::init_tracing();
+    let addr = serve(locked_app(
+        LockLayer::new(backend.clone(), HeaderKey).wait(WAIT),
+    ))
+    .await;
+    let mut conn = server.conn().await;
+    // Bystanders: a plain key, a held lock, and a lock key someone overwrote with a string.
+    let _: () = conn.set("bystander", "untouched").await.unwrap();
+    let _held = backend.lock("other").try_once().await.expect("uncontended");
+    let _: () = conn.set(lock_key("string"), "not a lock").await.unwrap();
+    let before = server.dump().await;
+
+    let cases: [(&str, Option<&[u8]>, u16, &str); 6] = [
+        ("control character", Some(b"a\tb"), 400, "InvalidKey"),
+        ("invalid UTF-8", Some(b"caf\xc3\x28\xff"), 400, "InvalidKey"),
+        ("empty", Some(b""), 400, "InvalidKey"),
+        ("missing", None, 400, "InvalidKey"),
+        (
+            "over the length limit",
+            Some(&[b'k'; 2048]),
+            400,
+            "InvalidKey",
+        ),
+        ("WRONGTYPE lock key", Some(b"string"), 503, "Backend"),
+    ];
+    for (case, key, status, kind) in cases {
+        let reply = post_key(addr, key).await.expect("a reply");
+        assert_eq!(reply.status, status, "{case}: {reply:?}");
+        assert_eq!(problem_type(&reply), kind, "{case}: {reply:?}");
+    }
+    // hyper refuses a 1 MiB header with 431 before the key extractor runs. (If it closes
+    // the connection while the client is still sending, the client sees an error instead;
+    // either way nothing reaches Redis, which the dump below checks.)
+    let huge = vec![b'k'; 1024 * 1024];
+    if let Ok(reply) = post_key(addr, Some(&huge)).await {
+        assert_eq!(reply.status, 431, "{reply:?}");
+    }
+    for key in ["a\nb", "\0", "\u{7f}"] {
+        let result = backend.lock(key).try_once().await;
+        assert!(
+            matches!(
+                result,
+                Err(LockError::InvalidKey(KeyError::ControlCharacter))
+            ),
+            "{key:?}: {result:?}"
+        );
+    }
+
+    assert_eq!(
+        server.dump().await,
+        before,
+        "no key was created, changed or removed"
+    );
+    let after: String = conn.get(lock_key("string")).await.unwrap();
+    assert_eq!(after, "not a lock");
+    // The service still works.
+    assert_eq!(
+        post_key(addr, Some(b"fine")).await.expect("a reply").status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn braces_in_keys_stay_in_the_namespace_and_the_slot_of_their_channel() {
+    let server = RedisServer::start();
+    // CLUSTER KEYSLOT needs cluster mode; this node only computes slots.
+    let slots = RedisServer::start_with(&["--cluster-enabled", "yes"]);
+    let mut slots_conn = slots.conn().await;
+    let holder = server.backend().await;
+    let waiter = server.backend().await;
+    let store = FencedStore::new(holder.clone());
+    let mut lock_names = Vec::new();
+    for key in ["a}b{c", "{x}", "}{", "{", "%7B", "ns:{evil}"] {
+        let guard = holder.lock(key).try_once().await.expect("uncontended");
+        assert_eq!(
+            store
+                .write(key, guard.fencing_token(), "v")
+                .await
+                .expect("fenced write"),
+            FencedWrite::Written
+        );
+        let waiting = {
+            let waiter = waiter.clone();
+            let key = key.to_owned();
+            tokio::spawn(async move { waiter.lock(key).wait(HANG).await.map(drop) })
+        };
+        eventually("the waiter subscribed", || async {
+            server.channels().await.len() == 1
+        })
+        .await;
+        let mut names = server.keys().await;
+        names.retain(|n| {
+            !lock_names
+                .iter()
+                .any(|l: &String| n.starts_with(l.as_str()))
+        });
+        names.extend(server.channels().await);
+        assert_eq!(
+            names.len(),
+            4,
+            "lock, fence, fenced value, channel: {names:?}"
+        );
+        let mut slot_of_names = Vec::new();
+        for name in &names {
+            assert!(
+                name.starts_with("tower-lock:{"),
+                "{name} left the namespace"
+            );
+            let slot: i64 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(name)
+                .query_async(&mut slots_conn)
+                .await
+                .expect("CLUSTER KEYSLOT");
+            slot_of_names.push(slot);
+        }
+        assert!(
+            slot_of_names.iter().all(|s| *s == slot_of_names[0]),
+            "{key:?}: {names:?} hash to {slot_of_names:?}"
+        );
+        guard.release().await.expect("release");
+        tokio::time::timeout(HANG, waiting)
+            .await
+            .expect("no hang")
+            .expect("task")
+            .expect("the waiter gets the lock");
+        wait_until_gone(&server, &names[0]).await;
+        lock_names.push(names[0].clone());
+    }
+    let distinct: std::collections::HashSet<_> = lock_names.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        lock_names.len(),
+        "distinct keys never share a lock"
+    );
 }

@@ -307,20 +307,24 @@ pub fn post_request(addr: SocketAddr, path: &str) -> http::Request<Full<bytes::B
 
 /// Sends `request` and reads the whole reply.
 pub async fn send(client: &HttpClient, request: http::Request<Full<bytes::Bytes>>) -> Reply {
-    let response = client.request(request).await.expect("HTTP request");
+    try_send(client, request).await.expect("HTTP request")
+}
+
+/// Sends `request` and reads the whole reply, or tells why there is none (for example
+/// the server closed the connection).
+pub async fn try_send(
+    client: &HttpClient,
+    request: http::Request<Full<bytes::Bytes>>,
+) -> Result<Reply, axum::BoxError> {
+    let response = client.request(request).await?;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok(Reply {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
-    }
+    })
 }
 
 /// Waits (generously) until `check` holds; for catching hangs, not for timing.
