@@ -8,14 +8,14 @@ mod support;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::extract::Request;
 use axum::routing;
 use http::StatusCode;
 use redis::AsyncCommands;
-use support::child;
+use support::child::{self, ChildProcess};
 use support::{
     RedisServer, Reply, channel, eventually, http_client, lock_key, post, post_request, serve,
     try_send,
@@ -289,12 +289,6 @@ async fn outer_timeout_layer_releases_the_lock_and_leaves_no_subscription() {
     assert_eq!(backend.stats().channels_with_waiters, 0);
 }
 
-#[tokio::test]
-#[ignore = "entry point of the child processes that the fault tests spawn"]
-async fn child_process() {
-    let _ = child::role();
-}
-
 // ---------------------------------------------------------------------------------------
 // Bad input
 
@@ -474,4 +468,339 @@ async fn braces_in_keys_stay_in_the_namespace_and_the_slot_of_their_channel() {
         lock_names.len(),
         "distinct keys never share a lock"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Holder processes that die or freeze, and a lost-update workload under a nemesis
+
+/// Settings passed to child processes.
+const URL: &str = "TOWER_LOCK_TEST_REDIS_URL";
+const OPS: &str = "TOWER_LOCK_TEST_OPS";
+/// The key every child process locks.
+const SHARED_KEY: &str = "shared";
+/// The lease of a child holder: short, so the tests that outlive it stay short.
+const CHILD_LEASE: Duration = Duration::from_secs(2);
+
+#[tokio::test]
+#[ignore = "entry point of the child processes that the fault tests spawn"]
+async fn child_process() {
+    match child::role().as_deref() {
+        None => {}
+        Some("holder") => hold_until_killed().await,
+        Some("fenced-holder") => hold_then_write_after_pause().await,
+        Some("worker") => increment_shared_counter().await,
+        Some(other) => panic!("unknown child role {other}"),
+    }
+}
+
+fn spawn_child(role: &str, server: &RedisServer, ops: usize) -> ChildProcess {
+    ChildProcess::spawn(
+        "child_process",
+        role,
+        &[(URL, server.url()), (OPS, ops.to_string())],
+    )
+}
+
+/// Parses a `held TOKEN` report.
+async fn held_token(child: &mut ChildProcess) -> u64 {
+    let report = child
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"))
+}
+
+async fn hold_until_killed() {
+    let backend = support::backend(&child::setting(URL)).await;
+    let guard = backend
+        .lock(SHARED_KEY)
+        .lease(CHILD_LEASE)
+        .try_once()
+        .await
+        .expect("uncontended");
+    child::report(&format!("held {}", guard.fencing_token()));
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test]
+async fn killed_holder_process_loses_its_lock_within_the_lease() {
+    let server = RedisServer::start();
+    let mut holder = spawn_child("holder", &server, 0);
+    let killed_token = held_token(&mut holder).await;
+    holder.kill().await;
+
+    let backend = server.backend().await;
+    let still_held = backend.lock(SHARED_KEY).try_once().await;
+    assert!(
+        matches!(still_held, Err(LockError::Contended { .. })),
+        "nobody released the dead holder's lock: {still_held:?}"
+    );
+    let guard = backend
+        .lock(SHARED_KEY)
+        .wait(CHILD_LEASE + Duration::from_secs(3))
+        .await
+        .expect("the lease frees the dead holder's lock");
+    assert!(guard.fencing_token() > killed_token);
+}
+
+/// Holds with watchdog renewal until the lock is lost (the test pauses this process past
+/// its lease), then tries the write it was about to make.
+async fn hold_then_write_after_pause() {
+    let backend = support::backend(&child::setting(URL)).await;
+    let store = FencedStore::new(backend.clone());
+    let guard = backend
+        .lock(SHARED_KEY)
+        .lease(CHILD_LEASE / 2)
+        .try_once()
+        .await
+        .expect("uncontended");
+    child::report(&format!("held {}", guard.fencing_token()));
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("lost() fires after the pause");
+    child::report("lost");
+    match store
+        .write(SHARED_KEY, guard.fencing_token(), "from the paused holder")
+        .await
+    {
+        Ok(FencedWrite::Stale { stored_token }) => child::report(&format!("stale {stored_token}")),
+        other => child::report(&format!("unexpected {other:?}")),
+    }
+    let release = guard.release().await;
+    child::report(&format!(
+        "release lost: {}",
+        matches!(release, Err(LockError::Lost { .. }))
+    ));
+}
+
+#[tokio::test]
+async fn paused_holder_process_sees_lost_and_its_fenced_write_is_rejected() {
+    let server = RedisServer::start();
+    let mut holder = spawn_child("fenced-holder", &server, 0);
+    let paused_token = held_token(&mut holder).await;
+    holder.pause();
+
+    let backend = server.backend().await;
+    let store = FencedStore::new(backend.clone());
+    let guard = backend
+        .lock(SHARED_KEY)
+        .wait(HANG)
+        .await
+        .expect("taken over once the paused holder's lease ran out");
+    let token = guard.fencing_token();
+    assert!(token > paused_token);
+    assert_eq!(
+        store
+            .write(SHARED_KEY, token, "from the new holder")
+            .await
+            .expect("write"),
+        FencedWrite::Written
+    );
+
+    holder.resume();
+    assert_eq!(holder.next_report().await.as_deref(), Some("lost"));
+    assert_eq!(holder.next_report().await, Some(format!("stale {token}")));
+    assert_eq!(
+        holder.next_report().await.as_deref(),
+        Some("release lost: true")
+    );
+    holder.assert_success().await;
+    let stored = store
+        .read(SHARED_KEY)
+        .await
+        .expect("read")
+        .expect("a value");
+    assert_eq!(
+        (stored.token, stored.value.as_str()),
+        (token, "from the new holder")
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.expect("the new holder is untouched");
+}
+
+/// One guarded read-modify-write as a worker saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Hold {
+    token: u64,
+    /// Wall-clock microseconds (shared by all processes on this machine) after the lock
+    /// was granted and before its release was sent: inside the real hold.
+    start: u64,
+    end: u64,
+    outcome: Outcome,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// The increment was acknowledged.
+    Written,
+    /// The store refused it: a newer holder had written.
+    Stale,
+    /// No reply to the write: it may or may not have happened.
+    Unknown,
+    /// Nothing was written (the read failed).
+    Skipped,
+}
+
+impl Hold {
+    fn encode(&self) -> String {
+        format!(
+            "op {} {} {} {:?}",
+            self.token, self.start, self.end, self.outcome
+        )
+    }
+
+    fn decode(line: &str) -> Option<Hold> {
+        let mut parts = line.strip_prefix("op ")?.split(' ');
+        let mut number = || parts.next()?.parse::<u64>().ok();
+        let (token, start, end) = (number()?, number()?, number()?);
+        let outcome = match parts.next()? {
+            "Written" => Outcome::Written,
+            "Stale" => Outcome::Stale,
+            "Unknown" => Outcome::Unknown,
+            "Skipped" => Outcome::Skipped,
+            _ => return None,
+        };
+        Some(Hold {
+            token,
+            start,
+            end,
+            outcome,
+        })
+    }
+}
+
+fn now_micros() -> u64 {
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970");
+    u64::try_from(since_epoch.as_micros()).expect("fits")
+}
+
+/// Runs OPS guarded increments of the shared fenced counter, reporting each hold.
+async fn increment_shared_counter() {
+    let backend = support::backend(&child::setting(URL)).await;
+    let store = FencedStore::new(backend.clone());
+    let ops: usize = child::setting(OPS).parse().expect("OPS is a number");
+    for _ in 0..ops {
+        let Ok(guard) = backend
+            .lock(SHARED_KEY)
+            .lease(CHILD_LEASE)
+            .wait(Duration::from_secs(5))
+            .await
+        else {
+            child::report("acquire failed");
+            continue;
+        };
+        let start = now_micros();
+        let outcome = match store.read(SHARED_KEY).await {
+            Ok(current) => {
+                let value: u64 = current.map_or(0, |c| c.value.parse().expect("a number"));
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..=2))).await;
+                let next = (value + 1).to_string();
+                match store.write(SHARED_KEY, guard.fencing_token(), &next).await {
+                    Ok(FencedWrite::Written) => Outcome::Written,
+                    Ok(FencedWrite::Stale { .. }) => Outcome::Stale,
+                    Err(_) => Outcome::Unknown,
+                }
+            }
+            Err(_) => Outcome::Skipped,
+        };
+        let hold = Hold {
+            token: guard.fencing_token(),
+            start,
+            end: now_micros(),
+            outcome,
+        };
+        // A failed release is the nemesis' doing; the lease frees the lock then.
+        let _ = guard.release().await;
+        child::report(&hold.encode());
+    }
+}
+
+#[tokio::test]
+async fn lost_update_workload_under_a_nemesis_loses_nothing_and_never_overlaps() {
+    const WORKERS: usize = 3;
+    const OPS_PER_WORKER: usize = 200;
+    let server = RedisServer::start();
+    let workers: Vec<JoinHandle<Vec<String>>> = (0..WORKERS)
+        .map(|_| {
+            let mut worker = spawn_child("worker", &server, OPS_PER_WORKER);
+            tokio::spawn(async move {
+                let reports = worker.remaining_reports().await;
+                worker.assert_success().await;
+                reports
+            })
+        })
+        .collect();
+
+    // The nemesis: at random, drop every subscriber connection or freeze Redis briefly
+    // (at times past the command timeout, always well below the lease), until the workers are done.
+    let (mut subscriber_kills, mut pauses) = (0, 0);
+    while subscriber_kills == 0 || pauses == 0 || !workers.iter().all(|w| w.is_finished()) {
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(100..400))).await;
+        if subscriber_kills <= pauses {
+            server.kill_subscribers().await;
+            subscriber_kills += 1;
+        } else {
+            server.pause();
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(50..800))).await;
+            server.resume();
+            pauses += 1;
+        }
+    }
+
+    let mut holds = Vec::new();
+    let mut failed_acquisitions = 0;
+    for worker in workers {
+        let reports = tokio::time::timeout(HANG, worker)
+            .await
+            .expect("no hang")
+            .expect("task");
+        assert_eq!(reports.len(), OPS_PER_WORKER, "one report per operation");
+        for report in reports {
+            match Hold::decode(&report) {
+                Some(hold) => holds.push(hold),
+                None if report == "acquire failed" => failed_acquisitions += 1,
+                None => panic!("unexpected report {report:?}"),
+            }
+        }
+    }
+    let count = |outcome| holds.iter().filter(|h| h.outcome == outcome).count() as u64;
+    let (written, unknown) = (count(Outcome::Written), count(Outcome::Unknown));
+    let store = FencedStore::new(server.backend().await);
+    let counter: u64 = store
+        .read(SHARED_KEY)
+        .await
+        .expect("read")
+        .map_or(0, |c| c.value.parse().expect("a number"));
+    eprintln!(
+        "{} holds: {written} written, {unknown} unknown, {} stale, {} skipped; \
+         {failed_acquisitions} failed acquisitions; counter {counter}; \
+         {subscriber_kills} subscriber kills, {pauses} pauses",
+        holds.len(),
+        count(Outcome::Stale),
+        count(Outcome::Skipped),
+    );
+
+    // No update was lost: every acknowledged increment is in the counter, and nothing
+    // else is but increments whose reply the nemesis swallowed.
+    assert!(
+        written <= counter && counter <= written + unknown,
+        "counter {counter}, {written} acknowledged and {unknown} unknown increments"
+    );
+    assert_eq!(
+        count(Outcome::Stale),
+        0,
+        "no holder wrote after being overtaken"
+    );
+    assert!(written > 0);
+    // Mutual exclusion: ordered by token, each hold ends before the next one starts.
+    holds.sort_by_key(|h| h.token);
+    for pair in holds.windows(2) {
+        assert!(pair[0].token < pair[1].token, "tokens are unique: {pair:?}");
+        assert!(pair[0].end <= pair[1].start, "holds overlap: {pair:?}");
+    }
 }

@@ -77,7 +77,9 @@ impl ChildProcess {
     pub async fn next_report(&mut self) -> Option<String> {
         tokio::time::timeout(Duration::from_secs(60), async {
             while let Some(line) = self.lines.next_line().await.expect("child stdout") {
-                if let Some(report) = line.strip_prefix(REPORT_PREFIX) {
+                // The harness prints `test NAME ... ` without a line break before the
+                // test runs, so the first report shares its line.
+                if let Some((_, report)) = line.split_once(REPORT_PREFIX) {
                     return Some(report.to_owned());
                 }
             }
