@@ -32,12 +32,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
-use self::pool::{CommandError, Pool};
+use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
 use self::scripts::Scripts;
 use self::watchdog::{Watchdog, millis};
@@ -465,8 +466,23 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let failure = match timeout(budget, self.pool.invoke::<Vec<i64>>(&invocation)).await {
+        let mut in_flight = InFlight {
+            inner: self.clone(),
+            key: key.clone(),
+            owner: owner.clone(),
+            lease,
+            conn: None,
+            settled: false,
+        };
+        let reply = timeout(budget, async {
+            let mut conn = self.pool.connection().await?;
+            in_flight.conn = Some(conn.clone());
+            conn.invoke::<Vec<i64>>(&invocation).await
+        })
+        .await;
+        let error = match reply {
             Ok(Ok(reply)) => {
+                in_flight.settled = true;
                 return match reply.as_slice() {
                     [1, token, _count] => u64::try_from(*token)
                         .map(|token| Attempt::Acquired { token, sent_at })
@@ -478,23 +494,11 @@ impl Inner {
                 };
             }
             Ok(Err(e)) => {
-                let ambiguous = e.is_ambiguous();
-                (LockError::backend("acquire", e), ambiguous)
+                in_flight.settled = !e.is_ambiguous();
+                LockError::backend("acquire", e)
             }
-            Err(elapsed) => (LockError::backend("acquire", elapsed), true),
+            Err(elapsed) => LockError::backend("acquire", elapsed),
         };
-        let (error, ambiguous) = failure;
-        // The script may have run although its reply never came (Redis paused, a slow
-        // network): undo it in the background, or the lock stays taken for a whole lease.
-        // Not when the owner already holds the key (a re-entry through a shared owner):
-        // there one release too many would take the outer hold away.
-        if ambiguous && !self.watchdog.is_held(&key.lock, owner) {
-            let hold = RedisHold::new(self.clone(), key.clone(), owner.clone(), lease);
-            self.runtime.spawn(async move {
-                let retry_for = hold.lease;
-                let _ = hold.run(retry_for).await;
-            });
-        }
         Err(error)
     }
 
@@ -531,6 +535,40 @@ fn outcome(error: &LockError) -> &'static str {
     }
 }
 
+/// An acquire script that was sent and whose outcome is not known. It may have run
+/// although its reply never came (Redis paused, a slow network), or the acquisition may
+/// have been cancelled while waiting for the reply (client gone, an outer timeout).
+/// Dropping it unsettled undoes the script in the background; otherwise the lock would
+/// stay taken, by an owner nobody holds a guard for, for a whole lease.
+struct InFlight {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    lease: Duration,
+    /// The connection the script was sent on, once it was.
+    conn: Option<Conn>,
+    /// The reply arrived, or the command certainly did not run.
+    settled: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Not when the owner already holds the key (a re-entry through a shared owner):
+        // there one release too many would take the outer hold away.
+        if self.settled || self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
+            return;
+        }
+        let hold = RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+        );
+        let conn = self.conn.take();
+        self.inner.runtime.spawn(hold.undo(conn));
+    }
+}
+
 /// One hold of one lock, and everything needed to give it back.
 struct RedisHold {
     inner: Arc<Inner>,
@@ -555,15 +593,37 @@ impl RedisHold {
         }
     }
 
-    /// Runs the release script, retrying transport failures for up to `retry_for`.
-    /// A retry is safe: the script recognises a hold it already released.
-    async fn run(self, retry_for: Duration) -> Result<(), LockError> {
+    fn invocation(&self) -> ScriptInvocation<'_> {
         let mut invocation = self.inner.scripts.release.key(&*self.lock_key);
         invocation
             .arg(self.owner.as_str())
             .arg(&self.latch)
             .arg(millis(self.lease))
             .arg(&self.key.channel);
+        invocation
+    }
+
+    /// Undoes an acquire script whose outcome is unknown. The release goes first on the
+    /// connection the acquire script was sent on, so Redis runs it after that script even
+    /// if both are still queued (Redis paused); a plain retry on another connection could
+    /// find nothing to release, stop, and let the late acquisition stand.
+    async fn undo(self, conn: Option<Conn>) {
+        if let Some(mut conn) = conn {
+            let invocation = self.invocation();
+            let sent = timeout(self.inner.command_timeout, conn.invoke::<i64>(&invocation));
+            // Any reply settles it; without one, the queued release still runs in order.
+            if matches!(sent.await, Ok(Ok(_))) {
+                return;
+            }
+        }
+        let retry_for = self.lease;
+        let _ = self.run(retry_for).await;
+    }
+
+    /// Runs the release script, retrying transport failures for up to `retry_for`.
+    /// A retry is safe: the script recognises a hold it already released.
+    async fn run(self, retry_for: Duration) -> Result<(), LockError> {
+        let invocation = self.invocation();
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
         let mut may_have_run = false;

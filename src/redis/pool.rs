@@ -16,6 +16,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 
 /// A pooled connection and whether a transport failure has been seen on it.
+#[derive(Clone)]
 pub(crate) struct Conn {
     conn: MultiplexedConnection,
     broken: Arc<AtomicBool>,
@@ -120,7 +121,7 @@ impl Pool {
 
     /// Checks out a healthy connection and clones its multiplexed handle, so the pool
     /// slot is returned at once and many commands share each connection.
-    async fn connection(&self) -> Result<Conn, CommandError> {
+    pub(crate) async fn connection(&self) -> Result<Conn, CommandError> {
         // Dropping a broken connection makes bb8 discard it, so each retry either gets a
         // healthy one or a fresh connection; give up after every slot was tried.
         let slots = self.pool.state().connections;
@@ -142,9 +143,7 @@ impl Pool {
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, CommandError> {
-        let mut conn = self.connection().await?;
-        let result = invocation.invoke_async(&mut conn.conn).await;
-        conn.observe(result)
+        self.connection().await?.invoke(invocation).await
     }
 
     /// Loads a script so that the first EVALSHA does not pay a NOSCRIPT round trip.
@@ -166,6 +165,16 @@ impl Pool {
 }
 
 impl Conn {
+    /// Runs a script through EVALSHA, loading it on NOSCRIPT. Commands sent on one
+    /// connection run in the order they were sent.
+    pub(crate) async fn invoke<T: FromRedisValue>(
+        &mut self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<T, CommandError> {
+        let result = invocation.invoke_async(&mut self.conn).await;
+        self.observe(result)
+    }
+
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
             if is_transport(&e) {
