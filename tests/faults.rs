@@ -10,6 +10,7 @@ use std::io::Write as _;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::Extension;
 use axum::Router;
 use axum::extract::Request;
 use axum::routing;
@@ -24,7 +25,7 @@ use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
 use tower_lock::response::PROBLEM_JSON;
 use tower_lock::{
-    FencedStore, FencedWrite, KeyError, KeyExtractor, LockError, LockLayer, RedisBackend,
+    FencedStore, FencedWrite, HeldLock, KeyError, KeyExtractor, LockError, LockLayer, RedisBackend,
 };
 
 /// How long a request waits for a held lock in these tests.
@@ -42,12 +43,14 @@ fn path_key(req: &Request) -> Option<String> {
 
 type PathLayer = LockLayer<RedisBackend, fn(&Request) -> Option<String>>;
 
-/// `/hold/K` holds K until cancelled, `/quick/K` takes K briefly, `/panic/K` panics under K.
+/// `/hold/K` holds K until cancelled, `/quick/K` takes K briefly, `/panic/K` panics under
+/// K, `/token/K` answers with its fencing token.
 fn locked_app<K: KeyExtractor<axum::body::Body>>(layer: LockLayer<RedisBackend, K>) -> Router {
     Router::new()
         .route("/hold/{key}", routing::post(std::future::pending::<()>))
         .route("/quick/{key}", routing::post(|| async { "done" }))
         .route("/panic/{key}", routing::post(panics))
+        .route("/token/{key}", routing::post(token))
         .route_layer(layer)
 }
 
@@ -55,10 +58,21 @@ async fn panics() -> &'static str {
     panic!("handler panics while holding its lock")
 }
 
-async fn app(backend: &RedisBackend, configure: fn(PathLayer) -> PathLayer) -> SocketAddr {
+async fn token(Extension(lock): Extension<HeldLock>) -> String {
+    lock.fencing_token().to_string()
+}
+
+/// A fresh server, a backend on it, and the routes served behind a layer on that backend
+/// (waiting 1 s unless `configure` says otherwise).
+async fn start_app(
+    configure: fn(PathLayer) -> PathLayer,
+) -> (RedisServer, RedisBackend, SocketAddr) {
     support::init_tracing();
+    let server = RedisServer::start();
+    let backend = server.backend().await;
     let layer = LockLayer::new(backend.clone(), path_key as fn(&Request) -> Option<String>);
-    serve(locked_app(configure(layer.wait(WAIT)))).await
+    let addr = serve(locked_app(configure(layer.wait(WAIT)))).await;
+    (server, backend, addr)
 }
 
 fn spawn_post(addr: SocketAddr, path: &str) -> JoinHandle<Reply> {
@@ -66,14 +80,19 @@ fn spawn_post(addr: SocketAddr, path: &str) -> JoinHandle<Reply> {
     tokio::spawn(async move { post(&http_client(), addr, &path).await })
 }
 
+/// Awaits a spawned task, failing on a hang or a panic.
+async fn finish<T>(task: JoinHandle<T>) -> T {
+    tokio::time::timeout(HANG, task)
+        .await
+        .expect("finished (no hang)")
+        .expect("the task did not panic")
+}
+
 /// Awaits every request, failing on a hang, and returns their statuses.
 async fn statuses(requests: Vec<JoinHandle<Reply>>) -> Vec<u16> {
     let mut statuses = Vec::new();
     for request in requests {
-        let reply = tokio::time::timeout(HANG, request)
-            .await
-            .expect("the request finished (no hang)")
-            .expect("request task");
+        let reply = finish(request).await;
         // Other statuses come from other layers (a timeout) or hyper itself.
         if [400, 409, 503].contains(&reply.status) {
             assert_problem_json(&reply);
@@ -126,12 +145,8 @@ async fn wait_for_subscribers(server: &RedisServer, key: &str, n: i64) {
 
 #[tokio::test]
 async fn redis_killed_mid_request_answers_503_and_recovers_after_restart() {
-    let mut server = RedisServer::start();
-    let backend = server.backend().await;
-    let addr = app(&backend, |layer| {
-        layer.wait(RECOVERY_WAIT).lease(Duration::from_secs(2))
-    })
-    .await;
+    let (mut server, _, addr) =
+        start_app(|layer| layer.wait(RECOVERY_WAIT).lease(Duration::from_secs(2))).await;
 
     let mut requests = vec![spawn_post(addr, "/hold/a")];
     wait_until_held(&server, "a").await;
@@ -147,11 +162,65 @@ async fn redis_killed_mid_request_answers_503_and_recovers_after_restart() {
     assert_recovered(&server, addr).await;
 }
 
+async fn fencing_token(addr: SocketAddr, key: &str) -> u64 {
+    let reply = post(&http_client(), addr, &format!("/token/{key}")).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    reply.body.parse().expect("a token")
+}
+
+#[tokio::test]
+async fn redis_restarted_under_a_holder_aborts_it_and_tokens_keep_increasing() {
+    let (mut server, _, addr) = start_app(|layer| layer.lease(Duration::from_secs(3))).await;
+    let before = fencing_token(addr, "a").await;
+    let holder = spawn_post(addr, "/hold/a");
+    wait_until_held(&server, "a").await;
+
+    // Without persistence the restarted server has lost the lock and its fence counter.
+    server.restart();
+    let reply = finish(holder).await;
+    assert_eq!(
+        rejection(&reply),
+        (503, "Lost".to_owned()),
+        "renewal found the lock gone"
+    );
+    assert!(
+        fencing_token(addr, "a").await > before,
+        "tokens survive the lost counter"
+    );
+}
+
+#[tokio::test]
+async fn lock_key_overwritten_while_held_aborts_the_holder_and_keeps_the_overwrite() {
+    let (server, backend, addr) = start_app(|layer| layer.lease(Duration::from_secs(1))).await;
+    let holder = spawn_post(addr, "/hold/a");
+    wait_until_held(&server, "a").await;
+
+    let mut conn = server.conn().await;
+    let _: () = conn.set(lock_key("a"), "someone else's").await.unwrap();
+    let reply = finish(holder).await;
+    assert_eq!(rejection(&reply), (503, "Lost".to_owned()));
+    let reply = post(&http_client(), addr, "/quick/a").await;
+    assert_eq!(rejection(&reply), (503, "WrongType".to_owned()));
+    let value: String = conn.get(lock_key("a")).await.unwrap();
+    assert_eq!(
+        value, "someone else's",
+        "neither release nor acquire touched it"
+    );
+    assert_eq!(backend.stats().watched_locks, 0);
+
+    // Without HTTP: releasing a lock whose key was overwritten reports it lost.
+    let guard = backend.lock("b").try_once().await.expect("uncontended");
+    let _: () = conn.set(lock_key("b"), "someone else's").await.unwrap();
+    let released = guard.release().await;
+    assert!(
+        matches!(released, Err(LockError::Lost { .. })),
+        "{released:?}"
+    );
+}
+
 #[tokio::test]
 async fn redis_paused_past_the_wait_answers_503_then_recovers_after_sigcont() {
-    let server = RedisServer::start();
-    let backend = server.backend().await;
-    let addr = app(&backend, |layer| layer.wait(RECOVERY_WAIT)).await;
+    let (server, backend, addr) = start_app(|layer| layer.wait(RECOVERY_WAIT)).await;
     let holder = backend.lock("a").try_once().await.expect("uncontended");
     let waiters: Vec<_> = (0..3).map(|_| spawn_post(addr, "/quick/a")).collect();
     wait_for_subscribers(&server, "a", 1).await;
@@ -201,11 +270,9 @@ async fn assert_recovered(server: &RedisServer, addr: SocketAddr) {
 
 #[tokio::test]
 async fn subscriber_killed_while_waiting_waiters_are_served_after_the_release() {
-    let server = RedisServer::start();
-    let backend = server.backend().await;
     // Waits far below the holder's lease: a waiter that is served was woken by the
     // release (or the resubscription), not by the lease running out.
-    let addr = app(&backend, |layer| layer.wait(Duration::from_secs(10))).await;
+    let (server, _, addr) = start_app(|layer| layer.wait(Duration::from_secs(10))).await;
     let holder_backend = server.backend().await;
     for resubscribed_before_release in [false, true] {
         let holder = hold_long(&holder_backend, "a").await;
@@ -226,9 +293,7 @@ async fn subscriber_killed_while_waiting_waiters_are_served_after_the_release() 
 
 #[tokio::test]
 async fn handler_panic_releases_the_lock_and_leaves_no_subscription() {
-    let server = RedisServer::start();
-    let backend = server.backend().await;
-    let addr = app(&backend, |layer| layer.wait(Duration::from_secs(10))).await;
+    let (server, backend, addr) = start_app(|layer| layer.wait(Duration::from_secs(10))).await;
     let holder = backend.lock("a").try_once().await.expect("uncontended");
     let panicking = tokio::spawn(async move {
         let client = http_client();
@@ -240,10 +305,7 @@ async fn handler_panic_releases_the_lock_and_leaves_no_subscription() {
     wait_for_subscribers(&server, "a", 1).await;
     holder.release().await.expect("release");
 
-    let outcome = tokio::time::timeout(HANG, panicking)
-        .await
-        .expect("no hang")
-        .expect("task");
+    let outcome = finish(panicking).await;
     assert!(
         outcome.is_err(),
         "the panic drops the connection: {outcome:?}"
@@ -266,9 +328,7 @@ fn raw_post(addr: SocketAddr, path: &str) -> TcpStream {
 
 #[tokio::test]
 async fn client_disconnect_releases_the_lock_and_leaves_no_subscription() {
-    let server = RedisServer::start();
-    let backend = server.backend().await;
-    let addr = app(&backend, |layer| layer.wait(Duration::from_secs(30))).await;
+    let (server, backend, addr) = start_app(|layer| layer.wait(Duration::from_secs(30))).await;
     let holding = raw_post(addr, "/hold/a");
     wait_until_held(&server, "a").await;
     let waiting = raw_post(addr, "/hold/a");
@@ -361,11 +421,15 @@ async fn post_key(addr: SocketAddr, key: Option<&[u8]>) -> Result<Reply, axum::B
     try_send(&http_client(), request).await
 }
 
-fn problem_type(reply: &Reply) -> String {
+/// The status and problem type (the `LockError` variant) of a rejection.
+fn rejection(reply: &Reply) -> (u16, String) {
     assert_problem_json(reply);
     let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON body");
     let kind = body["type"].as_str().expect("a problem type");
-    kind.rsplit('.').next().unwrap_or(kind).to_owned()
+    (
+        reply.status,
+        kind.rsplit('.').next().unwrap_or(kind).to_owned(),
+    )
 }
 
 #[tokio::test]
@@ -395,12 +459,11 @@ async fn bad_keys_get_problem_json_and_touch_no_other_key() {
             400,
             "InvalidKey",
         ),
-        ("WRONGTYPE lock key", Some(b"string"), 503, "Backend"),
+        ("WRONGTYPE lock key", Some(b"string"), 503, "WrongType"),
     ];
     for (case, key, status, kind) in cases {
         let reply = post_key(addr, key).await.expect("a reply");
-        assert_eq!(reply.status, status, "{case}: {reply:?}");
-        assert_eq!(problem_type(&reply), kind, "{case}: {reply:?}");
+        assert_eq!(rejection(&reply), (status, kind.to_owned()), "{case}");
     }
     // hyper refuses a 1 MiB header with 431 before the key extractor runs. (If it closes
     // the connection while the client is still sending, the client sees an error instead;
@@ -493,11 +556,7 @@ async fn braces_in_keys_stay_in_the_namespace_and_the_slot_of_their_channel() {
             "{key:?}: {names:?} hash to {slot_of_names:?}"
         );
         guard.release().await.expect("release");
-        tokio::time::timeout(HANG, waiting)
-            .await
-            .expect("no hang")
-            .expect("task")
-            .expect("the waiter gets the lock");
+        finish(waiting).await.expect("the waiter gets the lock");
         wait_until_gone(&server, &names[0]).await;
         lock_names.push(names[0].clone());
     }
@@ -794,10 +853,7 @@ async fn lost_update_workload_under_a_nemesis_loses_nothing_and_never_overlaps()
     let mut holds = Vec::new();
     let mut failed_acquisitions = 0;
     for worker in workers {
-        let reports = tokio::time::timeout(HANG, worker)
-            .await
-            .expect("no hang")
-            .expect("task");
+        let reports = finish(worker).await;
         assert_eq!(reports.len(), OPS_PER_WORKER, "one report per operation");
         for report in reports {
             match Hold::decode(&report) {

@@ -493,6 +493,12 @@ impl Inner {
                     _ => Err(LockError::backend("acquire", UnexpectedReply("acquire"))),
                 };
             }
+            Ok(Err(e)) if e.is_wrong_type() => {
+                in_flight.settled = true;
+                LockError::WrongType {
+                    key: key.user.clone(),
+                }
+            }
             Ok(Err(e)) => {
                 in_flight.settled = !e.is_ambiguous();
                 LockError::backend("acquire", e)
@@ -531,6 +537,7 @@ fn outcome(error: &LockError) -> &'static str {
         LockError::QueueFull { .. } => "queue_full",
         LockError::InvalidKey(_) => "invalid_key",
         LockError::Lost { .. } => "lost",
+        LockError::WrongType { .. } => "wrong_type",
         LockError::Backend(_) => "backend_error",
     }
 }
@@ -641,6 +648,12 @@ impl RedisHold {
                     });
                 }
                 Ok(Ok(_)) => return Ok(()),
+                // The key was overwritten with another type: the lock is gone.
+                Ok(Err(e)) if e.is_wrong_type() => {
+                    return Err(LockError::Lost {
+                        key: self.key.user.clone(),
+                    });
+                }
                 Ok(Err(e)) => {
                     let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
                     may_have_run |= e.is_ambiguous();

@@ -61,6 +61,12 @@ pub(crate) enum CommandError {
 }
 
 impl CommandError {
+    /// True when Redis refused the command because a key holds another type of value:
+    /// something other than this crate wrote it, and retrying cannot help.
+    pub(crate) fn is_wrong_type(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
