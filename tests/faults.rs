@@ -586,7 +586,7 @@ async fn child_process() {
         None => {}
         Some("holder") => hold_until_killed().await,
         Some("fenced-holder") => hold_then_write_after_pause().await,
-        Some("worker") => increment_shared_counter().await,
+        Some("worker") => increment_counters().await,
         Some(other) => panic!("unknown child role {other}"),
     }
 }
@@ -722,6 +722,7 @@ async fn paused_holder_process_sees_lost_and_its_fenced_write_is_rejected() {
 /// One guarded read-modify-write as a worker saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Hold {
+    key: &'static str,
     token: u64,
     /// Wall-clock microseconds (shared by all processes on this machine) after the lock
     /// was granted and before its release was sent: inside the real hold.
@@ -744,14 +745,14 @@ enum Outcome {
 
 impl Hold {
     fn encode(&self) -> String {
-        format!(
-            "op {} {} {} {:?}",
-            self.token, self.start, self.end, self.outcome
-        )
+        let (key, token, start, end) = (self.key, self.token, self.start, self.end);
+        format!("op {key} {token} {start} {end} {:?}", self.outcome)
     }
 
     fn decode(line: &str) -> Option<Hold> {
         let mut parts = line.strip_prefix("op ")?.split(' ');
+        let key = parts.next()?;
+        let key = *COUNTERS.iter().find(|k| **k == key)?;
         let mut number = || parts.next()?.parse::<u64>().ok();
         let (token, start, end) = (number()?, number()?, number()?);
         let outcome = match parts.next()? {
@@ -762,6 +763,7 @@ impl Hold {
             _ => return None,
         };
         Some(Hold {
+            key,
             token,
             start,
             end,
@@ -777,14 +779,18 @@ fn now_micros() -> u64 {
     u64::try_from(since_epoch.as_micros()).expect("fits")
 }
 
-/// Runs OPS guarded increments of the shared fenced counter, reporting each hold.
-async fn increment_shared_counter() {
+/// The fenced counters of the lost-update workload; each increment picks one at random.
+const COUNTERS: [&str; 2] = ["counter-a", "counter-b"];
+
+/// Runs OPS guarded increments of the fenced counters, reporting each hold.
+async fn increment_counters() {
     let backend = support::backend(&child::setting(URL)).await;
     let store = FencedStore::new(backend.clone());
     let ops: usize = child::setting(OPS).parse().expect("OPS is a number");
     for _ in 0..ops {
+        let key = COUNTERS[fastrand::usize(..COUNTERS.len())];
         let Ok(guard) = backend
-            .lock(SHARED_KEY)
+            .lock(key)
             .lease(CHILD_LEASE)
             .wait(Duration::from_secs(5))
             .await
@@ -793,12 +799,12 @@ async fn increment_shared_counter() {
             continue;
         };
         let start = now_micros();
-        let outcome = match store.read(SHARED_KEY).await {
+        let outcome = match store.read(key).await {
             Ok(current) => {
                 let value: u64 = current.map_or(0, |c| c.value.parse().expect("a number"));
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(0..=2))).await;
                 let next = (value + 1).to_string();
-                match store.write(SHARED_KEY, guard.fencing_token(), &next).await {
+                match store.write(key, guard.fencing_token(), &next).await {
                     Ok(FencedWrite::Written) => Outcome::Written,
                     Ok(FencedWrite::Stale { .. }) => Outcome::Stale,
                     Err(_) => Outcome::Unknown,
@@ -807,6 +813,7 @@ async fn increment_shared_counter() {
             Err(_) => Outcome::Skipped,
         };
         let hold = Hold {
+            key,
             token: guard.fencing_token(),
             start,
             end: now_micros(),
@@ -838,7 +845,7 @@ async fn lost_update_workload_under_a_nemesis_loses_nothing_and_never_overlaps()
     // (at times past the command timeout, always well below the lease), until the workers are done.
     let (mut subscriber_kills, mut pauses) = (0, 0);
     while subscriber_kills == 0 || pauses == 0 || !workers.iter().all(|w| w.is_finished()) {
-        tokio::time::sleep(Duration::from_millis(fastrand::u64(100..400))).await;
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(50..300))).await;
         if subscriber_kills <= pauses {
             server.kill_subscribers().await;
             subscriber_kills += 1;
@@ -863,39 +870,45 @@ async fn lost_update_workload_under_a_nemesis_loses_nothing_and_never_overlaps()
             }
         }
     }
-    let count = |outcome| holds.iter().filter(|h| h.outcome == outcome).count() as u64;
-    let (written, unknown) = (count(Outcome::Written), count(Outcome::Unknown));
-    let store = FencedStore::new(server.backend().await);
-    let counter: u64 = store
-        .read(SHARED_KEY)
-        .await
-        .expect("read")
-        .map_or(0, |c| c.value.parse().expect("a number"));
+    let count = |outcome| holds.iter().filter(|h| h.outcome == outcome).count();
     eprintln!(
-        "{} holds: {written} written, {unknown} unknown, {} stale, {} skipped; \
-         {failed_acquisitions} failed acquisitions; counter {counter}; \
+        "{} holds: {} written, {} unknown, {} stale, {} skipped; \
+         {failed_acquisitions} failed acquisitions; \
          {subscriber_kills} subscriber kills, {pauses} pauses",
         holds.len(),
+        count(Outcome::Written),
+        count(Outcome::Unknown),
         count(Outcome::Stale),
         count(Outcome::Skipped),
-    );
-
-    // No update was lost: every acknowledged increment is in the counter, and nothing
-    // else is but increments whose reply the nemesis swallowed.
-    assert!(
-        written <= counter && counter <= written + unknown,
-        "counter {counter}, {written} acknowledged and {unknown} unknown increments"
     );
     assert_eq!(
         count(Outcome::Stale),
         0,
         "no holder wrote after being overtaken"
     );
-    assert!(written > 0);
-    // Mutual exclusion: ordered by token, each hold ends before the next one starts.
-    holds.sort_by_key(|h| h.token);
-    for pair in holds.windows(2) {
-        assert!(pair[0].token < pair[1].token, "tokens are unique: {pair:?}");
-        assert!(pair[0].end <= pair[1].start, "holds overlap: {pair:?}");
+    assert!(count(Outcome::Written) > 0);
+
+    let store = FencedStore::new(server.backend().await);
+    for key in COUNTERS {
+        let mut holds: Vec<Hold> = holds.iter().filter(|h| h.key == key).copied().collect();
+        let count = |outcome| holds.iter().filter(|h| h.outcome == outcome).count() as u64;
+        let (written, unknown) = (count(Outcome::Written), count(Outcome::Unknown));
+        let counter: u64 = store
+            .read(key)
+            .await
+            .expect("read")
+            .map_or(0, |c| c.value.parse().expect("a number"));
+        // No update was lost: every acknowledged increment is in the counter, and nothing
+        // else is but increments whose reply the nemesis swallowed.
+        assert!(
+            written <= counter && counter <= written + unknown,
+            "{key}: counter {counter}, {written} acknowledged and {unknown} unknown increments"
+        );
+        // Mutual exclusion: ordered by token, each hold ends before the next one starts.
+        holds.sort_by_key(|h| h.token);
+        for pair in holds.windows(2) {
+            assert!(pair[0].token < pair[1].token, "tokens are unique: {pair:?}");
+            assert!(pair[0].end <= pair[1].start, "holds overlap: {pair:?}");
+        }
     }
 }
