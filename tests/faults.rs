@@ -168,6 +168,47 @@ async fn redis_killed_mid_request_answers_503_and_recovers_after_restart() {
     assert_recovered(&server, addr).await;
 }
 
+#[tokio::test]
+async fn every_pooled_connection_is_replaced_after_a_redis_restart() {
+    let mut server = RedisServer::start();
+    let backend = RedisBackend::builder(server.url())
+        .pool_size(4)
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("connects");
+    // Enough concurrent commands that the pool opens all its connections, released and
+    // awaited, so that nothing is in flight when Redis dies.
+    let acquisitions: Vec<_> = (0..64)
+        .map(|i| {
+            let backend = backend.clone();
+            tokio::spawn(async move { backend.lock(format!("k{i}")).try_once().await })
+        })
+        .collect();
+    for acquisition in acquisitions {
+        let guard = finish(acquisition).await.expect("uncontended");
+        guard.release().await.expect("release");
+    }
+    let connections_made = backend.stats().subscriber_connections_made;
+    server.kill();
+    server.restart();
+    // A request racing the restart may fail; once the backend has noticed it (its
+    // subscriber reconnected), none may fail on a stale pooled connection.
+    eventually("the subscriber reconnected", || async {
+        backend.stats().subscriber_connections_made > connections_made
+    })
+    .await;
+    // One at a time, so each gets whichever pooled connection is next.
+    for i in 0..8 {
+        let result = backend
+            .lock(format!("after-{i}"))
+            .try_once()
+            .await
+            .map(drop);
+        assert!(result.is_ok(), "request {i} after the restart: {result:?}");
+    }
+}
+
 async fn fencing_token(addr: SocketAddr, key: &str) -> u64 {
     let reply = post(&http_client(), addr, &format!("/token/{key}")).await;
     assert_eq!(reply.status, 200, "{reply:?}");

@@ -251,6 +251,7 @@ impl RedisBackendBuilder {
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
             },
+            pool.suspicion(),
             shutdown.clone(),
             &runtime,
         );
