@@ -287,6 +287,23 @@ async fn redis_paused_past_the_wait_answers_503_then_recovers_after_sigcont() {
     assert_recovered(&server, addr).await;
 }
 
+#[tokio::test]
+async fn redis_paused_past_the_lease_stops_the_holder_with_503_then_recovers() {
+    let (server, _, addr) =
+        start_app(|layer| layer.wait(RECOVERY_WAIT).lease(Duration::from_secs(1))).await;
+    let holder = spawn_post(addr, "/hold/a");
+    wait_until_held(&server, "a").await;
+
+    server.pause();
+    // Renewals time out; once the lease has certainly run out the handler is stopped.
+    let reply = finish(holder).await;
+    server.resume();
+    assert_eq!(rejection(&reply), (503, "Lost".to_owned()));
+    // Redis expired the lease on its own clock meanwhile.
+    wait_until_released(&server, "a").await;
+    assert_recovered(&server, addr).await;
+}
+
 /// Takes `key` with a lease (30 s) far beyond any wait in these tests, so that a waiter
 /// that is served was woken, not let in by the lease running out.
 async fn hold_long(backend: &RedisBackend, key: &str) -> tower_lock::LockGuard {
