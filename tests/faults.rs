@@ -786,6 +786,33 @@ async fn paused_holder_process_sees_lost_and_its_fenced_write_is_rejected() {
     guard.release().await.expect("the new holder is untouched");
 }
 
+#[tokio::test]
+async fn fenced_store_accepts_only_newer_tokens() {
+    let server = RedisServer::start();
+    let store = FencedStore::new(server.backend().await);
+    assert_eq!(store.read("k").await.expect("read"), None);
+    assert_eq!(
+        store.write("k", 10, "ten").await.expect("write"),
+        FencedWrite::Written
+    );
+    for (token, value) in [(10, "again"), (9, "older")] {
+        assert_eq!(
+            store.write("k", token, value).await.expect("write"),
+            FencedWrite::Stale { stored_token: 10 }
+        );
+    }
+    assert_eq!(
+        store.write("k", 11, "eleven").await.expect("write"),
+        FencedWrite::Written
+    );
+    let stored = store.read("k").await.expect("read").expect("a value");
+    assert_eq!((stored.token, stored.value.as_str()), (11, "eleven"));
+    assert!(matches!(
+        store.write("", 12, "x").await,
+        Err(LockError::InvalidKey(KeyError::Empty))
+    ));
+}
+
 /// One guarded read-modify-write as a worker saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Hold {
