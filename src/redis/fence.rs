@@ -65,6 +65,9 @@ impl FencedStore {
 
     /// Stores `value` for `key` if `token` is higher than the token of every write accepted
     /// for `key` so far. Pass the fencing token of the lock held on `key`.
+    ///
+    /// An `Err` from Redis (a timeout, a dropped connection) leaves it unknown whether the
+    /// write happened; [`read`](Self::read) tells, by the stored token.
     pub async fn write(
         &self,
         key: &str,

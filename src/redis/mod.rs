@@ -561,9 +561,13 @@ struct InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        // Not when the owner already holds the key (a re-entry through a shared owner):
-        // there one release too many would take the outer hold away.
-        if self.settled || self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
+        // Nothing to undo if the script was never handed to a connection. And not when
+        // the owner already holds the key (a re-entry through a shared owner): there one
+        // release too many would take the outer hold away.
+        if self.settled
+            || self.conn.is_none()
+            || self.inner.watchdog.is_held(&self.key.lock, &self.owner)
+        {
             return;
         }
         let hold = RedisHold::new(
