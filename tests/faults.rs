@@ -338,18 +338,32 @@ async fn subscriber_killed_while_waiting_waiters_are_served_after_the_release() 
     // release (or the resubscription), not by the lease running out.
     let (server, _, addr) = start_app(|layer| layer.wait(Duration::from_secs(10))).await;
     let holder_backend = server.backend().await;
+    // Several keys, so that one connection carries several channels to resubscribe.
+    let keys = ["a", "b", "c", "d", "e"];
     for resubscribed_before_release in [false, true] {
-        let holder = hold_long(&holder_backend, "a").await;
-        let waiters: Vec<_> = (0..3).map(|_| spawn_post(addr, "/quick/a")).collect();
-        wait_for_subscribers(&server, "a", 1).await;
+        let mut holders = Vec::new();
+        let mut waiters = Vec::new();
+        for key in keys {
+            holders.push(hold_long(&holder_backend, key).await);
+            waiters.extend((0..3).map(|_| spawn_post(addr, &format!("/quick/{key}"))));
+        }
+        for key in keys {
+            wait_for_subscribers(&server, key, 1).await;
+        }
         assert!(server.kill_subscribers().await >= 1);
         if resubscribed_before_release {
-            wait_for_subscribers(&server, "a", 1).await;
+            for key in keys {
+                wait_for_subscribers(&server, key, 1).await;
+            }
         }
-        holder.release().await.expect("release");
-        assert_eq!(statuses(waiters).await, [200; 3]);
+        for holder in holders {
+            holder.release().await.expect("release");
+        }
+        assert_eq!(statuses(waiters).await, [200; 15]);
     }
-    wait_for_subscribers(&server, "a", 0).await;
+    for key in keys {
+        wait_for_subscribers(&server, key, 0).await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------
