@@ -198,7 +198,7 @@ where
                                 tracing::warn!(%key, "lock was lost before the handler finished");
                             }
                             Err(error) => {
-                                tracing::warn!(%key, %error, "lock release failed; the lease will free it")
+                                tracing::warn!(%key, %error, "lock release not confirmed yet; retrying in the background")
                             }
                         }
                     });

@@ -8,6 +8,7 @@ mod support;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Extension;
@@ -302,6 +303,46 @@ async fn redis_paused_past_the_lease_stops_the_holder_with_503_then_recovers() {
     // Redis expired the lease on its own clock meanwhile.
     wait_until_released(&server, "a").await;
     assert_recovered(&server, addr).await;
+}
+
+#[tokio::test]
+async fn release_that_cannot_reach_a_paused_redis_completes_after_sigcont() {
+    support::init_tracing();
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let app = Router::new()
+        .route(
+            "/gate/{key}",
+            routing::post(
+                |Extension(gate): Extension<Arc<tokio::sync::Notify>>| async move {
+                    gate.notified().await;
+                    "done"
+                },
+            ),
+        )
+        .route_layer(LockLayer::new(backend.clone(), path_key))
+        .layer(Extension(gate.clone()));
+    let addr = serve(app).await;
+    let request = spawn_post(addr, "/gate/a");
+    wait_until_held(&server, "a").await;
+
+    // Freeze Redis until the backend has noticed (its subscriber's ping timed out), so the
+    // release cannot even be sent before the handler's answer is due.
+    server.pause();
+    eventually("the backend noticed the frozen server", || async {
+        !backend.stats().subscriber_connected
+    })
+    .await;
+    gate.notify_one();
+    let reply = finish(request).await;
+    server.resume();
+    assert_eq!(
+        reply.status, 200,
+        "the work was done under the lock: {reply:?}"
+    );
+    // The default lease (30 s) is far beyond this wait: the release itself freed it.
+    wait_until_released(&server, "a").await;
 }
 
 /// Takes `key` with a lease (30 s) far beyond any wait in these tests, so that a waiter

@@ -632,9 +632,24 @@ impl RedisHold {
         let _ = self.run(retry_for).await;
     }
 
+    /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
+    /// the lock by itself.
+    fn finish_in_background(self) {
+        let runtime = self.inner.runtime.clone();
+        runtime.spawn(async move {
+            match self.run(self.lease).await {
+                Ok(()) | Err(LockError::Lost { .. }) => {}
+                Err(error) => {
+                    let key = &self.key.user;
+                    tracing::warn!(%key, %error, "background lock release failed; the lease will free it");
+                }
+            }
+        });
+    }
+
     /// Runs the release script, retrying transport failures for up to `retry_for`.
     /// A retry is safe: the script recognises a hold it already released.
-    async fn run(self, retry_for: Duration) -> Result<(), LockError> {
+    async fn run(&self, retry_for: Duration) -> Result<(), LockError> {
         let invocation = self.invocation();
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
@@ -689,22 +704,42 @@ impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        // The caller awaits this one: retry briefly, then let the lease free the lock.
+        // The caller awaits this one: retry briefly, then report. What is still owed then
+        // (or when the caller stops waiting) is finished in the background, so a release
+        // that could not reach Redis (paused, restarting) happens once it can, instead of
+        // leaving the lock to its lease.
         let retry_for = hold.inner.command_timeout * 2;
-        Box::pin(hold.run(retry_for))
+        Box::pin(Owed(Some(hold)).settle(retry_for))
     }
 
     fn release_in_background(self: Box<Self>) {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        let runtime = hold.inner.runtime.clone();
-        runtime.spawn(async move {
-            let key = hold.key.user.clone();
-            let retry_for = hold.lease;
-            match hold.run(retry_for).await {
-                Ok(()) | Err(LockError::Lost { .. }) => {}
-                Err(error) => tracing::warn!(%key, %error, "background lock release failed; the lease will free it"),
-            }
-        });
+        hold.finish_in_background();
+    }
+}
+
+/// A release still owed to Redis: dropped unsettled, it is finished in the background.
+struct Owed(Option<RedisHold>);
+
+impl Owed {
+    async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let result = match &self.0 {
+            Some(hold) => hold.run(retry_for).await,
+            None => Ok(()),
+        };
+        // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
+        if !matches!(result, Err(LockError::Backend(_))) {
+            self.0 = None;
+        }
+        result
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        if let Some(hold) = self.0.take() {
+            hold.finish_in_background();
+        }
     }
 }
