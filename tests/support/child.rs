@@ -5,8 +5,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
 
 const ROLE_VAR: &str = "TOWER_LOCK_TEST_CHILD_ROLE";
 /// Marks the lines a child reports, among whatever the test harness prints.
@@ -30,16 +30,9 @@ pub fn report(line: &str) {
     out.flush().expect("stdout");
 }
 
-/// Reads one line the parent sent; `None` when the parent closed stdin.
-pub async fn instruction() -> Option<String> {
-    let mut lines = BufReader::new(tokio::io::stdin()).lines();
-    lines.next_line().await.ok().flatten()
-}
-
 /// A child process of the test, killed when dropped.
 pub struct ChildProcess {
     child: Child,
-    stdin: Option<ChildStdin>,
     lines: Lines<BufReader<ChildStdout>>,
 }
 
@@ -58,16 +51,14 @@ impl ChildProcess {
             ])
             .env(ROLE_VAR, role)
             .envs(settings.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdin(Stdio::piped())
+            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .expect("spawn the test binary as a child");
-        let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped stdout");
         ChildProcess {
             child,
-            stdin,
             lines: BufReader::new(stdout).lines(),
         }
     }
@@ -96,16 +87,6 @@ impl ChildProcess {
             reports.push(report);
         }
         reports
-    }
-
-    /// Sends the child one line on its stdin.
-    pub async fn instruct(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("child stdin open");
-        stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .expect("write to child");
-        stdin.flush().await.expect("flush child stdin");
     }
 
     pub fn pid(&self) -> u32 {
