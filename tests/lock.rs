@@ -196,17 +196,14 @@ async fn waiter_wakes_on_release_and_leaves_no_subscription() {
             .map(|g| (g, waiter))
     });
     let channel = format!("{LOCK}:released");
-    let mut conn = server.conn().await;
-    eventually("the waiter subscribed", || {
-        let mut conn = conn.clone();
-        let channel = channel.clone();
-        async move { numsub(&mut conn, &channel).await == 1 }
+    eventually("the waiter subscribed", || async {
+        server.numsub(&channel).await == 1
     })
     .await;
     guard.release().await.unwrap();
     let (guard, waiter) = waiting.await.unwrap().expect("woken by the release");
     assert_eq!(
-        numsub(&mut conn, &channel).await,
+        server.numsub(&channel).await,
         0,
         "unsubscribed after the last waiter left"
     );
@@ -219,10 +216,8 @@ async fn dropped_guard_is_released_in_the_background() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     drop(backend.lock(KEY).try_once().await.unwrap());
-    let conn = server.conn().await;
-    eventually("the dropped guard is released", || {
-        let mut conn = conn.clone();
-        async move { !conn.exists::<_, bool>(LOCK).await.unwrap() }
+    eventually("the dropped guard is released", || async {
+        !server.exists(LOCK).await
     })
     .await;
     assert!(backend.lock(KEY).try_once().await.is_ok());
@@ -259,16 +254,6 @@ async fn unreachable_redis_is_a_backend_error_not_a_hang() {
     .await
     .expect("returns within the wait");
     assert!(matches!(result, Err(LockError::Backend(_))), "{result:?}");
-}
-
-async fn numsub(conn: &mut redis::aio::MultiplexedConnection, channel: &str) -> i64 {
-    let reply: (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(conn)
-        .await
-        .unwrap();
-    reply.1
 }
 
 #[tokio::test]

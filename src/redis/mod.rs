@@ -21,6 +21,7 @@
 //! # }
 //! ```
 
+mod fence;
 mod pool;
 mod pubsub;
 mod scripts;
@@ -31,11 +32,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use self::pool::{CommandError, Pool};
+pub use self::fence::{FencedStore, FencedValue, FencedWrite};
+use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
 use self::scripts::Scripts;
 use self::watchdog::{Watchdog, millis};
@@ -248,6 +251,7 @@ impl RedisBackendBuilder {
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
             },
+            pool.suspicion(),
             shutdown.clone(),
             &runtime,
         );
@@ -382,9 +386,9 @@ impl Inner {
             request.key,
             self.max_key_len,
         )?);
-        let (owner, fresh_owner) = match request.owner {
-            Some(owner) => (owner, false),
-            None => (self.new_owner(), true),
+        let owner = match request.owner {
+            Some(owner) => owner,
+            None => self.new_owner(),
         };
         let lease = request.lease;
         let started = Instant::now();
@@ -392,10 +396,7 @@ impl Inner {
             Mode::TryOnce => None,
             Mode::Wait(wait) => Some(started + wait),
         };
-        let mut pttl = match self
-            .attempt(&key, &owner, lease, fresh_owner, deadline)
-            .await?
-        {
+        let mut pttl = match self.attempt(&key, &owner, lease, deadline).await? {
             Attempt::Acquired { token, sent_at } => {
                 return Ok(self.guard(
                     key.clone(),
@@ -425,10 +426,7 @@ impl Inner {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            match self
-                .attempt(&key, &owner, lease, fresh_owner, Some(deadline))
-                .await?
-            {
+            match self.attempt(&key, &owner, lease, Some(deadline)).await? {
                 Attempt::Acquired { token, sent_at } => {
                     drop(waiter);
                     return Ok(self.guard(
@@ -458,7 +456,6 @@ impl Inner {
         key: &Arc<LockKey>,
         owner: &LockOwner,
         lease: Duration,
-        fresh_owner: bool,
         deadline: Option<Instant>,
     ) -> Result<Attempt, LockError> {
         let mut invocation = self.scripts.acquire.key(&key.lock);
@@ -476,8 +473,23 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let failure = match timeout(budget, self.pool.invoke::<Vec<i64>>(&invocation)).await {
+        let mut in_flight = InFlight {
+            inner: self.clone(),
+            key: key.clone(),
+            owner: owner.clone(),
+            lease,
+            conn: None,
+            settled: false,
+        };
+        let reply = timeout(budget, async {
+            let mut conn = self.pool.connection().await?;
+            in_flight.conn = Some(conn.clone());
+            conn.invoke::<Vec<i64>>(&invocation).await
+        })
+        .await;
+        let error = match reply {
             Ok(Ok(reply)) => {
+                in_flight.settled = true;
                 return match reply.as_slice() {
                     [1, token, _count] => u64::try_from(*token)
                         .map(|token| Attempt::Acquired { token, sent_at })
@@ -488,23 +500,18 @@ impl Inner {
                     _ => Err(LockError::backend("acquire", UnexpectedReply("acquire"))),
                 };
             }
-            Ok(Err(e)) => {
-                let ambiguous = e.is_ambiguous();
-                (LockError::backend("acquire", e), ambiguous)
+            Ok(Err(e)) if e.is_wrong_type() => {
+                in_flight.settled = true;
+                LockError::WrongType {
+                    key: key.user.clone(),
+                }
             }
-            Err(elapsed) => (LockError::backend("acquire", elapsed), true),
+            Ok(Err(e)) => {
+                in_flight.settled = !e.is_ambiguous();
+                LockError::backend("acquire", e)
+            }
+            Err(elapsed) => LockError::backend("acquire", elapsed),
         };
-        let (error, ambiguous) = failure;
-        // The script may have run although its reply never came. Undo it in the background
-        // when this acquisition had an owner of its own (a shared owner may hold the key
-        // already, and one release too many would take that hold away).
-        if ambiguous && fresh_owner {
-            let hold = RedisHold::new(self.clone(), key.clone(), owner.clone(), lease);
-            self.runtime.spawn(async move {
-                let retry_for = hold.lease;
-                let _ = hold.run(retry_for).await;
-            });
-        }
         Err(error)
     }
 
@@ -537,7 +544,46 @@ fn outcome(error: &LockError) -> &'static str {
         LockError::QueueFull { .. } => "queue_full",
         LockError::InvalidKey(_) => "invalid_key",
         LockError::Lost { .. } => "lost",
+        LockError::WrongType { .. } => "wrong_type",
         LockError::Backend(_) => "backend_error",
+    }
+}
+
+/// An acquire script that was sent and whose outcome is not known. It may have run
+/// although its reply never came (Redis paused, a slow network), or the acquisition may
+/// have been cancelled while waiting for the reply (client gone, an outer timeout).
+/// Dropping it unsettled undoes the script in the background; otherwise the lock would
+/// stay taken, by an owner nobody holds a guard for, for a whole lease.
+struct InFlight {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    lease: Duration,
+    /// The connection the script was sent on, once it was.
+    conn: Option<Conn>,
+    /// The reply arrived, or the command certainly did not run.
+    settled: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Nothing to undo if the script was never handed to a connection. And not when
+        // the owner already holds the key (a re-entry through a shared owner): there one
+        // release too many would take the outer hold away.
+        if self.settled
+            || self.conn.is_none()
+            || self.inner.watchdog.is_held(&self.key.lock, &self.owner)
+        {
+            return;
+        }
+        let hold = RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+        );
+        let conn = self.conn.take();
+        self.inner.runtime.spawn(hold.undo(conn));
     }
 }
 
@@ -565,15 +611,52 @@ impl RedisHold {
         }
     }
 
-    /// Runs the release script, retrying transport failures for up to `retry_for`.
-    /// A retry is safe: the script recognises a hold it already released.
-    async fn run(self, retry_for: Duration) -> Result<(), LockError> {
+    fn invocation(&self) -> ScriptInvocation<'_> {
         let mut invocation = self.inner.scripts.release.key(&*self.lock_key);
         invocation
             .arg(self.owner.as_str())
             .arg(&self.latch)
             .arg(millis(self.lease))
             .arg(&self.key.channel);
+        invocation
+    }
+
+    /// Undoes an acquire script whose outcome is unknown. The release goes first on the
+    /// connection the acquire script was sent on, so Redis runs it after that script even
+    /// if both are still queued (Redis paused); a plain retry on another connection could
+    /// find nothing to release, stop, and let the late acquisition stand.
+    async fn undo(self, conn: Option<Conn>) {
+        if let Some(mut conn) = conn {
+            let invocation = self.invocation();
+            let sent = timeout(self.inner.command_timeout, conn.invoke::<i64>(&invocation));
+            // Any reply settles it; without one, the queued release still runs in order.
+            if matches!(sent.await, Ok(Ok(_))) {
+                return;
+            }
+        }
+        let retry_for = self.lease;
+        let _ = self.run(retry_for).await;
+    }
+
+    /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
+    /// the lock by itself.
+    fn finish_in_background(self) {
+        let runtime = self.inner.runtime.clone();
+        runtime.spawn(async move {
+            match self.run(self.lease).await {
+                Ok(()) | Err(LockError::Lost { .. }) => {}
+                Err(error) => {
+                    let key = &self.key.user;
+                    tracing::warn!(%key, %error, "background lock release failed; the lease will free it");
+                }
+            }
+        });
+    }
+
+    /// Runs the release script, retrying transport failures for up to `retry_for`.
+    /// A retry is safe: the script recognises a hold it already released.
+    async fn run(&self, retry_for: Duration) -> Result<(), LockError> {
+        let invocation = self.invocation();
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
         let mut may_have_run = false;
@@ -591,6 +674,12 @@ impl RedisHold {
                     });
                 }
                 Ok(Ok(_)) => return Ok(()),
+                // The key was overwritten with another type: the lock is gone.
+                Ok(Err(e)) if e.is_wrong_type() => {
+                    return Err(LockError::Lost {
+                        key: self.key.user.clone(),
+                    });
+                }
                 Ok(Err(e)) => {
                     let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
                     may_have_run |= e.is_ambiguous();
@@ -621,22 +710,42 @@ impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        // The caller awaits this one: retry briefly, then let the lease free the lock.
+        // The caller awaits this one: retry briefly, then report. What is still owed then
+        // (or when the caller stops waiting) is finished in the background, so a release
+        // that could not reach Redis (paused, restarting) happens once it can, instead of
+        // leaving the lock to its lease.
         let retry_for = hold.inner.command_timeout * 2;
-        Box::pin(hold.run(retry_for))
+        Box::pin(Owed(Some(hold)).settle(retry_for))
     }
 
     fn release_in_background(self: Box<Self>) {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        let runtime = hold.inner.runtime.clone();
-        runtime.spawn(async move {
-            let key = hold.key.user.clone();
-            let retry_for = hold.lease;
-            match hold.run(retry_for).await {
-                Ok(()) | Err(LockError::Lost { .. }) => {}
-                Err(error) => tracing::warn!(%key, %error, "background lock release failed; the lease will free it"),
-            }
-        });
+        hold.finish_in_background();
+    }
+}
+
+/// A release still owed to Redis: dropped unsettled, it is finished in the background.
+struct Owed(Option<RedisHold>);
+
+impl Owed {
+    async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let result = match &self.0 {
+            Some(hold) => hold.run(retry_for).await,
+            None => Ok(()),
+        };
+        // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
+        if !matches!(result, Err(LockError::Backend(_))) {
+            self.0 = None;
+        }
+        result
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        if let Some(hold) = self.0.take() {
+            hold.finish_in_background();
+        }
     }
 }

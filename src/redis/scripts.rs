@@ -5,11 +5,12 @@
 
 use redis::Script;
 
-/// The three scripts of the lock protocol; see the header of each `.lua` file.
+/// The scripts of the lock protocol and the fenced store; see the header of each `.lua` file.
 pub(crate) struct Scripts {
     pub(crate) acquire: Script,
     pub(crate) release: Script,
     pub(crate) renew: Script,
+    pub(crate) fence: Script,
 }
 
 impl Scripts {
@@ -18,10 +19,11 @@ impl Scripts {
             acquire: Script::new(include_str!("acquire.lua")),
             release: Script::new(include_str!("release.lua")),
             renew: Script::new(include_str!("renew.lua")),
+            fence: Script::new(include_str!("fence.lua")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 3] {
-        [&self.acquire, &self.release, &self.renew]
+    pub(crate) fn all(&self) -> [&Script; 4] {
+        [&self.acquire, &self.release, &self.renew, &self.fence]
     }
 }
