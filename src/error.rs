@@ -43,6 +43,13 @@ pub enum LockError {
         /// The user-facing key that was lost.
         key: String,
     },
+    /// The lock's Redis key holds a value of another type, written by something other
+    /// than this crate (Redis answered WRONGTYPE). The key cannot be locked until that
+    /// value is removed; retrying does not help.
+    WrongType {
+        /// The user-facing key whose Redis key is taken.
+        key: String,
+    },
     /// Redis could not be reached or answered with an error.
     Backend(BackendError),
 }
@@ -59,7 +66,7 @@ impl LockError {
             LockError::QueueFull { .. } | LockError::Backend(_) | LockError::Lost { .. } => {
                 Some(Duration::from_secs(1))
             }
-            LockError::InvalidKey(_) => None,
+            LockError::InvalidKey(_) | LockError::WrongType { .. } => None,
         }
     }
 
@@ -76,7 +83,7 @@ impl LockError {
     /// True when a retry of the same operation could succeed without anything changing
     /// on the caller's side (contention, timeouts, shedding, an unreachable backend).
     pub fn is_transient(&self) -> bool {
-        !matches!(self, LockError::InvalidKey(_))
+        !matches!(self, LockError::InvalidKey(_) | LockError::WrongType { .. })
     }
 }
 
@@ -92,6 +99,12 @@ impl fmt::Display for LockError {
             }
             LockError::InvalidKey(e) => write!(f, "invalid lock key: {e}"),
             LockError::Lost { key } => write!(f, "lock `{key}` was lost"),
+            LockError::WrongType { key } => {
+                write!(
+                    f,
+                    "the Redis key of lock `{key}` holds a value of another type"
+                )
+            }
             LockError::Backend(e) => e.fmt(f),
         }
     }

@@ -126,7 +126,7 @@ pub(crate) fn release_logged(guard: LockGuard) -> BoxFuture<'static, ()> {
                 tracing::warn!(%key, "lock was lost before the request finished");
             }
             Err(error) => {
-                tracing::warn!(%key, %error, "lock release failed; the lease will free it")
+                tracing::warn!(%key, %error, "lock release not confirmed yet; retrying in the background")
             }
         }
     })

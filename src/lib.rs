@@ -21,5 +21,7 @@ pub use crate::future::ResponseFuture;
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
 pub use crate::lock::{HeldLock, LockGuard, LockOwner, LockRequest};
-pub use crate::redis::{BackendStats, RedisBackend, RedisBackendBuilder};
+pub use crate::redis::{
+    BackendStats, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
+};
 pub use crate::service::LockService;

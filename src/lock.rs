@@ -297,7 +297,9 @@ impl LockGuard {
     /// Releases the lock and waits for Redis to confirm. A re-entered lock stays held by
     /// its outer holds. Returns `Err(LockError::Lost)` if the lock had been lost meanwhile
     /// (nothing of a new owner's is touched). Transport failures are retried; a release is
-    /// idempotent, so a retry after a lost reply never releases twice.
+    /// idempotent, so a retry after a lost reply never releases twice. If Redis cannot be
+    /// reached in time this returns `Err(LockError::Backend)` and keeps retrying in the
+    /// background (as it does when this future is dropped), for up to one lease.
     pub async fn release(mut self) -> Result<(), LockError> {
         match self.hold.take() {
             Some(hold) => hold.release().await,

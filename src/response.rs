@@ -26,6 +26,7 @@
 //! | [`QueueFull`](LockError::QueueFull) (too many local waiters) | 503 | 1 s |
 //! | [`Backend`](LockError::Backend) (Redis unreachable or failing) | 503 | 1 s |
 //! | [`Lost`](LockError::Lost) (lease lost while the handler ran) | 503 | 1 s |
+//! | [`WrongType`](LockError::WrongType) (the lock's Redis key holds foreign data) | 503 | none |
 //! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and at least 1.
@@ -78,6 +79,12 @@ impl IntoResponse for LockError {
                 "Lost",
                 "Lock lost",
                 "The lock protecting this request expired before the request finished, so the work was stopped. Retry.".to_owned(),
+            ),
+            LockError::WrongType { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "WrongType",
+                "Resource cannot be locked",
+                "The lock for this resource is stored under a key that holds other data, so the request was not run. Retrying will not help until that data is removed.".to_owned(),
             ),
             LockError::Backend(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -10,7 +10,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::routing::post;
 use futures_util::StreamExt;
-use support::{RedisServer, eventually, http_client, post as post_to, serve};
+use support::{RedisServer, eventually, http_client, post as post_to, queued, serve};
 use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinHandle;
 use tower_lock::{LockError, LockGuard, LockLayer, RedisBackend};
@@ -18,14 +18,6 @@ use tower_lock::{LockError, LockGuard, LockLayer, RedisBackend};
 const KEY: &str = "order:42";
 const LOCK: &str = "tower-lock:{order:42}";
 const WAIT: Duration = Duration::from_secs(10);
-
-/// Waits until `n` tasks of `backend` are queued behind the holder of a key.
-async fn queued(backend: &RedisBackend, n: usize) {
-    eventually(&format!("{n} tasks are queued"), || async move {
-        backend.stats().local_waiters == n
-    })
-    .await;
-}
 
 /// A fresh server and backend, with `KEY` held by the backend.
 async fn holding_key() -> (RedisServer, RedisBackend, LockGuard) {

@@ -21,7 +21,7 @@ if kind == 'hash' then
   return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
 end
 
--- A new acquisition: a new fencing token (next_token comes from fence.lua).
+-- A new acquisition: a new fencing token (next_token comes from token.lua).
 local token = next_token(KEYS[2], ARGV[3])
 redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token)
 redis.call('pexpire', KEYS[1], ARGV[2])

@@ -1,16 +1,16 @@
--- Fencing tokens, shared by acquire.lua and release.lua (prepended to each by scripts.rs;
--- release.lua needs it only for a handoff on a lock hash that lost its token field).
+-- Write a value only if the writer's fencing token is newer than the last accepted one.
 --
--- next_token(fence, ttl) issues the token of a new acquisition: it must exceed every
--- token issued for the lock before, even when the counter `fence` was deleted or expired,
--- so it never falls below the server clock in microseconds. The counter is kept for
--- `ttl` milliseconds. Numbers are formatted by hand: Lua would print them as 1.7e+15.
-local function next_token(fence, ttl)
-  local now = redis.call('time')
-  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('get', fence) or '0') or 0
-  local token = string.format('%.0f', math.max(last + 1, floor))
-  redis.call('set', fence, token, 'px', ttl)
-  return token
+-- KEYS[1]  the fenced value: a hash {token, value}
+-- ARGV[1]  the writer's fencing token
+-- ARGV[2]  the value
+--
+-- Returns {1, token} when the value was written, {0, stored} when a write with a token
+-- equal to or above ARGV[1] was accepted before (the writer's lock has been taken over).
+-- Tokens are below 2^53, so Lua's numbers compare them exactly.
+local stored = tonumber(redis.call('hget', KEYS[1], 'token') or '0') or 0
+local token = tonumber(ARGV[1])
+if token <= stored then
+  return {0, stored}
 end
-
+redis.call('hset', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
+return {1, token}

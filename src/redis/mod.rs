@@ -27,6 +27,7 @@
 //! # }
 //! ```
 
+mod fence;
 mod pool;
 mod pubsub;
 mod queue;
@@ -34,16 +35,17 @@ mod scripts;
 mod watchdog;
 
 use std::fmt;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use self::pool::{CommandError, Pool};
+pub use self::fence::{FencedStore, FencedValue, FencedWrite};
+use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
 use self::queue::{Claim, Entry, Grant, Queues, Slot};
 use self::scripts::Scripts;
@@ -280,6 +282,7 @@ impl RedisBackendBuilder {
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
             },
+            pool.suspicion(),
             shutdown.clone(),
             &runtime,
         );
@@ -416,9 +419,9 @@ impl Inner {
             request.key,
             self.max_key_len,
         )?);
-        let (owner, fresh_owner) = match request.owner {
-            Some(owner) => (owner, false),
-            None => (self.new_owner(), true),
+        let owner = match request.owner {
+            Some(owner) => owner,
+            None => self.new_owner(),
         };
         let started = Instant::now();
         let deadline = match request.mode {
@@ -433,7 +436,6 @@ impl Inner {
                 lease: request.lease,
                 renew: request.watchdog,
             },
-            fresh_owner,
             started,
             deadline,
         };
@@ -539,6 +541,12 @@ impl Inner {
 
     /// Runs the acquire script once.
     async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
+        let mut invocation = self.scripts.acquire.key(&c.key.lock);
+        invocation
+            .key(&c.key.fence)
+            .arg(c.claim.owner.as_str())
+            .arg(millis(c.claim.lease))
+            .arg(millis(self.fence_ttl));
         let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
@@ -548,10 +556,23 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let mut call = InFlight::new(self, c);
-        let failure = match timeout(budget, call.reply()).await {
+        let mut in_flight = InFlight {
+            inner: self.clone(),
+            key: c.key.clone(),
+            owner: c.claim.owner.clone(),
+            lease: c.claim.lease,
+            conn: None,
+            settled: false,
+        };
+        let reply = timeout(budget, async {
+            let mut conn = self.pool.connection().await?;
+            in_flight.conn = Some(conn.clone());
+            conn.invoke::<Vec<i64>>(&invocation).await
+        })
+        .await;
+        let error = match reply {
             Ok(Ok(reply)) => {
-                call.settled();
+                in_flight.settled = true;
                 return match reply.as_slice() {
                     [1, token, _count] => u64::try_from(*token)
                         .map(|token| Attempt::Acquired { token, sent_at })
@@ -562,16 +583,19 @@ impl Inner {
                     _ => Err(LockError::backend("acquire", UnexpectedReply("acquire"))),
                 };
             }
-            Ok(Err(e)) => {
-                if !e.is_ambiguous() {
-                    call.settled();
+            Ok(Err(e)) if e.is_wrong_type() => {
+                in_flight.settled = true;
+                LockError::WrongType {
+                    key: c.key.user.clone(),
                 }
+            }
+            Ok(Err(e)) => {
+                in_flight.settled = !e.is_ambiguous();
                 LockError::backend("acquire", e)
             }
-            // Dropping `call` below lets the script's reply be awaited in the background.
             Err(elapsed) => LockError::backend("acquire", elapsed),
         };
-        Err(failure)
+        Err(error)
     }
 
     /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
@@ -599,120 +623,11 @@ impl Inner {
     }
 }
 
-type ScriptCall = Pin<Box<dyn Future<Output = Result<Vec<i64>, CommandError>> + Send>>;
-
-/// A run of the acquire script that may take the lock without anyone left to hold it: the
-/// caller timed out or was cancelled while it was in flight, or its reply was lost.
-///
-/// A call still in flight is finished in the background, and what it took is given back:
-/// its reply tells a new acquisition from a re-entry, and one release undoes exactly
-/// either. Awaiting the call first, rather than racing it with the release, keeps the
-/// release from overtaking it on another connection. A call whose reply was lost is
-/// undone only when the acquisition had an owner of its own: a shared owner may hold the
-/// key already, and one release too many would take that hold away.
-struct InFlight {
-    call: ScriptCall,
-    /// Whether `call` has completed (it must not be polled again).
-    done: bool,
-    /// Whose acquisition to undo; `None` once the reply settled it.
-    undo: Option<Undo>,
-}
-
-struct Undo {
-    inner: Arc<Inner>,
-    key: Arc<LockKey>,
-    owner: LockOwner,
-    lease: Duration,
-    fresh_owner: bool,
-}
-
-impl Undo {
-    fn spawn(self) {
-        let Undo {
-            inner,
-            key,
-            owner,
-            lease,
-            ..
-        } = self;
-        let hold = RedisHold::new(inner.clone(), key, owner, lease, None);
-        inner.runtime.spawn(async move {
-            let _ = hold.run(lease, false).await;
-        });
-    }
-}
-
-impl InFlight {
-    fn new(inner: &Arc<Inner>, c: &Contender) -> Self {
-        let (this, key, owner) = (inner.clone(), c.key.clone(), c.claim.owner.clone());
-        let lease = c.claim.lease;
-        let call = Box::pin(async move {
-            let mut invocation = this.scripts.acquire.key(&key.lock);
-            invocation
-                .key(&key.fence)
-                .arg(owner.as_str())
-                .arg(millis(lease))
-                .arg(millis(this.fence_ttl));
-            this.pool.invoke::<Vec<i64>>(&invocation).await
-        });
-        InFlight {
-            call,
-            done: false,
-            undo: Some(Undo {
-                inner: inner.clone(),
-                key: c.key.clone(),
-                owner: c.claim.owner.clone(),
-                lease,
-                fresh_owner: c.fresh_owner,
-            }),
-        }
-    }
-
-    async fn reply(&mut self) -> Result<Vec<i64>, CommandError> {
-        let reply = self.call.as_mut().await;
-        self.done = true;
-        reply
-    }
-
-    /// The reply came and was unambiguous: nothing to undo.
-    fn settled(&mut self) {
-        self.undo = None;
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let Some(undo) = self.undo.take() else {
-            return;
-        };
-        if self.done {
-            // The reply was lost to a transport error.
-            if undo.fresh_owner {
-                undo.spawn();
-            }
-            return;
-        }
-        let call = std::mem::replace(&mut self.call, Box::pin(std::future::pending()));
-        let runtime = undo.inner.runtime.clone();
-        runtime.spawn(async move {
-            let took_it = match call.await {
-                Ok(reply) => reply.first() == Some(&1),
-                Err(e) => e.is_ambiguous() && undo.fresh_owner,
-            };
-            if took_it {
-                undo.spawn();
-            }
-        });
-    }
-}
-
 /// One acquisition in progress.
 struct Contender {
     key: Arc<LockKey>,
     lock_key: Arc<str>,
     claim: Claim,
-    /// Whether the owner was made for this acquisition (see `attempt`).
-    fresh_owner: bool,
     started: Instant,
     deadline: Option<Instant>,
 }
@@ -734,7 +649,47 @@ fn outcome(error: &LockError) -> &'static str {
         LockError::QueueFull { .. } => "queue_full",
         LockError::InvalidKey(_) => "invalid_key",
         LockError::Lost { .. } => "lost",
+        LockError::WrongType { .. } => "wrong_type",
         LockError::Backend(_) => "backend_error",
+    }
+}
+
+/// An acquire script that was sent and whose outcome is not known. It may have run
+/// although its reply never came (Redis paused, a slow network), or the acquisition may
+/// have been cancelled while waiting for the reply (client gone, an outer timeout).
+/// Dropping it unsettled undoes the script in the background; otherwise the lock would
+/// stay taken, by an owner nobody holds a guard for, for a whole lease.
+struct InFlight {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    lease: Duration,
+    /// The connection the script was sent on, once it was.
+    conn: Option<Conn>,
+    /// The reply arrived, or the command certainly did not run.
+    settled: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Nothing to undo if the script was never handed to a connection. And not when
+        // the owner already holds the key (a re-entry through a shared owner): there one
+        // release too many would take the outer hold away.
+        if self.settled
+            || self.conn.is_none()
+            || self.inner.watchdog.is_held(&self.key.lock, &self.owner)
+        {
+            return;
+        }
+        let hold = RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+            None,
+        );
+        let conn = self.conn.take();
+        self.inner.runtime.spawn(hold.undo(conn));
     }
 }
 
@@ -750,6 +705,8 @@ struct RedisHold {
     /// The key's slot in this backend's queue, when this hold took it (re-entries and
     /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
     slot: Option<Slot>,
+    /// Whether a release script of this hold may have run without its reply reaching us.
+    may_have_run: bool,
 }
 
 impl RedisHold {
@@ -769,61 +726,104 @@ impl RedisHold {
             owner,
             lease,
             slot,
+            may_have_run: false,
         }
+    }
+
+    /// The release script for this hold, handing the lock to `successor` if given.
+    fn invocation(&self, successor: Option<&Claim>, streak_spent: bool) -> ScriptInvocation<'_> {
+        let mut invocation = self.inner.scripts.release.key(&*self.lock_key);
+        invocation
+            .key(&self.key.fence)
+            .arg(self.owner.as_str())
+            .arg(&self.latch)
+            .arg(millis(self.lease))
+            .arg(&self.key.channel)
+            .arg(successor.map_or("", |s| s.owner.as_str()))
+            .arg(successor.map_or(0, |s| millis(s.lease)))
+            .arg(millis(self.inner.fence_ttl))
+            .arg(u8::from(streak_spent))
+            .arg(u8::from(self.may_have_run));
+        invocation
+    }
+
+    /// Undoes an acquire script whose outcome is unknown. The release goes first on the
+    /// connection the acquire script was sent on, so Redis runs it after that script even
+    /// if both are still queued (Redis paused); a plain retry on another connection could
+    /// find nothing to release, stop, and let the late acquisition stand.
+    async fn undo(mut self, conn: Option<Conn>) {
+        if let Some(mut conn) = conn {
+            let invocation = self.invocation(None, false);
+            let sent = timeout(
+                self.inner.command_timeout,
+                conn.invoke::<Vec<i64>>(&invocation),
+            );
+            // Any reply settles it; without one, the queued release still runs in order.
+            if matches!(sent.await, Ok(Ok(_))) {
+                return;
+            }
+        }
+        let retry_for = self.lease;
+        let _ = self.run(retry_for).await;
+    }
+
+    /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
+    /// the lock by itself.
+    fn finish_in_background(mut self) {
+        let runtime = self.inner.runtime.clone();
+        runtime.spawn(async move {
+            let lease = self.lease;
+            match self.run(lease).await {
+                Ok(()) | Err(LockError::Lost { .. }) => {}
+                Err(error) => {
+                    let key = &self.key.user;
+                    tracing::warn!(%key, %error, "background lock release failed; the lease will free it");
+                }
+            }
+        });
     }
 
     /// Runs the release script, retrying transport failures for up to `retry_for`.
     /// A retry is safe: the script recognises a hold it already released or handed over.
     ///
-    /// With `hand_off`, when a task of this backend is queued for the key, the script hands
-    /// the lock to it instead of freeing it, unless this process's run of handoffs is used
-    /// up while other instances wait. Either way the queued task gets the slot when this
-    /// returns. A handoff must not be cancelled half-way: callers run it in a task.
-    async fn run(mut self, retry_for: Duration, hand_off: bool) -> Result<(), LockError> {
+    /// When a task of this backend is queued for the key, the script hands the lock to it
+    /// instead of freeing it, unless this process's run of handoffs is used up while other
+    /// instances wait. Either way the queued task gets the slot when the hold is dropped.
+    async fn run(&mut self, retry_for: Duration) -> Result<(), LockError> {
         let inner = self.inner.clone();
-        let successor = if hand_off {
-            self.reserve_successor()
-        } else {
-            None
-        };
+        let successor = self.reserve_successor();
         let streak_spent = self
             .slot
             .as_ref()
             .is_some_and(|slot| slot.streak().saturating_add(1) >= inner.max_local_handoffs);
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
-        let mut may_have_run = false;
         loop {
-            let mut invocation = inner.scripts.release.key(&*self.lock_key);
-            invocation
-                .key(&self.key.fence)
-                .arg(self.owner.as_str())
-                .arg(&self.latch)
-                .arg(millis(self.lease))
-                .arg(&self.key.channel)
-                .arg(successor.as_ref().map_or("", |s| s.owner.as_str()))
-                .arg(successor.as_ref().map_or(0, |s| millis(s.lease)))
-                .arg(millis(inner.fence_ttl))
-                .arg(u8::from(streak_spent))
-                .arg(u8::from(may_have_run));
+            let invocation = self.invocation(successor.as_ref(), streak_spent);
             let sent_at = Instant::now();
-            let error = match timeout(
+            let reply = timeout(
                 inner.command_timeout,
                 inner.pool.invoke::<Vec<i64>>(&invocation),
             )
-            .await
-            {
-                Ok(Ok(reply)) => return self.released(&reply, sent_at, may_have_run),
+            .await;
+            let error = match reply {
+                Ok(Ok(reply)) => return self.released(&reply, sent_at),
+                // The key was overwritten with another type: the lock is gone.
+                Ok(Err(e)) if e.is_wrong_type() => {
+                    return Err(LockError::Lost {
+                        key: self.key.user.clone(),
+                    });
+                }
                 Ok(Err(e)) => {
                     let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
-                    may_have_run |= e.is_ambiguous();
+                    self.may_have_run |= e.is_ambiguous();
                     if !retry {
                         return Err(LockError::backend("release", e));
                     }
                     LockError::backend("release", e)
                 }
                 Err(elapsed) => {
-                    may_have_run = true;
+                    self.may_have_run = true;
                     LockError::backend("release", elapsed)
                 }
             };
@@ -844,13 +844,8 @@ impl RedisHold {
     }
 
     /// Acts on the release script's reply (see release.lua). The slot, unless it went
-    /// along with the lock, is passed on when `self` is dropped on return.
-    fn released(
-        mut self,
-        reply: &[i64],
-        sent_at: Instant,
-        may_have_run: bool,
-    ) -> Result<(), LockError> {
+    /// along with the lock, is passed on when the hold is dropped.
+    fn released(&mut self, reply: &[i64], sent_at: Instant) -> Result<(), LockError> {
         match reply {
             [3, token] => {
                 let token = u64::try_from(*token)
@@ -875,7 +870,7 @@ impl RedisHold {
             }
             [1] => Ok(()),
             // Not held: lost, unless an earlier attempt whose reply was lost did it.
-            [0] if may_have_run => Ok(()),
+            [0] if self.may_have_run => Ok(()),
             [0] => Err(LockError::Lost {
                 key: self.key.user.clone(),
             }),
@@ -890,35 +885,48 @@ struct WatchedHold(RedisHold);
 
 impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let mut hold = self.0;
+        let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        // The caller awaits this one: retry briefly, then let the lease free the lock.
+        // The caller awaits this one: retry briefly, then report. What is still owed then
+        // (or when the caller stops waiting) is finished in the background, so a release
+        // that could not reach Redis (paused, restarting) happens once it can, instead of
+        // leaving the lock to its lease.
         let retry_for = hold.inner.command_timeout * 2;
-        if hold.reserve_successor().is_none() {
-            return Box::pin(hold.run(retry_for, false));
-        }
-        // A handoff runs in a task of its own, so that a caller that stops waiting cannot
-        // cut it short between the script and telling the next task.
-        let runtime = hold.inner.runtime.clone();
-        let release = runtime.spawn(hold.run(retry_for, true));
-        Box::pin(async move {
-            release
-                .await
-                .unwrap_or_else(|e| Err(LockError::backend("release", e)))
-        })
+        Box::pin(Owed(Some(hold)).settle(retry_for))
     }
 
     fn release_in_background(self: Box<Self>) {
         let hold = self.0;
         hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        let runtime = hold.inner.runtime.clone();
-        runtime.spawn(async move {
-            let key = hold.key.user.clone();
-            let retry_for = hold.lease;
-            match hold.run(retry_for, true).await {
-                Ok(()) | Err(LockError::Lost { .. }) => {}
-                Err(error) => tracing::warn!(%key, %error, "background lock release failed; the lease will free it"),
-            }
-        });
+        hold.finish_in_background();
+    }
+}
+
+/// A release still owed to Redis: dropped unsettled, it is finished in the background.
+struct Owed(Option<RedisHold>);
+
+impl Owed {
+    async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let result = match &mut self.0 {
+            Some(hold) => hold.run(retry_for).await,
+            None => Ok(()),
+        };
+        // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
+        // Dropping the hold passes its slot (if it did not go with a handoff) on.
+        if !matches!(result, Err(LockError::Backend(_))) {
+            self.0 = None;
+        }
+        result
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        if let Some(mut hold) = self.0.take() {
+            // Dropped while its script was in flight, the release may have run: the retry
+            // must recognise a handoff or a release already done.
+            hold.may_have_run = true;
+            hold.finish_in_background();
+        }
     }
 }

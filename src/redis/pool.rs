@@ -5,10 +5,16 @@
 //! connection killed under the pool would be handed out forever. This manager applies the
 //! backend's timeouts and retires a connection once a command on it fails at the
 //! transport level.
+//!
+//! One dead connection usually means they all are (Redis restarted): a transport failure
+//! anywhere, or the loss of the subscriber connection, raises a shared [`Suspicion`], and
+//! every pooled connection older than it answers a PING at its next checkout before it
+//! carries a command. Without that, each stale connection would fail one request after
+//! Redis came back.
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bb8_redis::bb8;
@@ -16,14 +22,34 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 
 /// A pooled connection and whether a transport failure has been seen on it.
+#[derive(Clone)]
 pub(crate) struct Conn {
     conn: MultiplexedConnection,
     broken: Arc<AtomicBool>,
+    suspicion: Suspicion,
+    /// The suspicion level at which this connection was last known to work.
+    proven: u64,
+}
+
+/// A counter raised whenever some connection to Redis was found dead; connections proven
+/// healthy at a lower level are checked before use.
+#[derive(Clone, Default)]
+pub(crate) struct Suspicion(Arc<AtomicU64>);
+
+impl Suspicion {
+    pub(crate) fn raise(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn level(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 pub(crate) struct Manager {
     client: redis::Client,
     config: AsyncConnectionConfig,
+    suspicion: Suspicion,
 }
 
 impl bb8::ManageConnection for Manager {
@@ -38,6 +64,8 @@ impl bb8::ManageConnection for Manager {
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
+            proven: self.suspicion.level(),
+            suspicion: self.suspicion.clone(),
         })
     }
 
@@ -60,6 +88,12 @@ pub(crate) enum CommandError {
 }
 
 impl CommandError {
+    /// True when Redis refused the command because a key holds another type of value:
+    /// something other than this crate wrote it, and retrying cannot help.
+    pub(crate) fn is_wrong_type(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
@@ -93,6 +127,7 @@ fn is_transport(e: &RedisError) -> bool {
 #[derive(Clone)]
 pub(crate) struct Pool {
     pool: bb8::Pool<Manager>,
+    suspicion: Suspicion,
 }
 
 impl Pool {
@@ -102,6 +137,7 @@ impl Pool {
         connect_timeout: Duration,
         response_timeout: Duration,
     ) -> Self {
+        let suspicion = Suspicion::default();
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(response_timeout));
@@ -114,26 +150,31 @@ impl Pool {
             // the caller turns the error into a 503 while it still matters.
             .retry_connection(false)
             .connection_timeout(connect_timeout)
-            .build_unchecked(Manager { client, config });
-        Pool { pool }
+            .build_unchecked(Manager {
+                client,
+                config,
+                suspicion: suspicion.clone(),
+            });
+        Pool { pool, suspicion }
+    }
+
+    /// The counter that makes pooled connections prove themselves before their next use.
+    pub(crate) fn suspicion(&self) -> Suspicion {
+        self.suspicion.clone()
     }
 
     /// Checks out a healthy connection and clones its multiplexed handle, so the pool
     /// slot is returned at once and many commands share each connection.
-    async fn connection(&self) -> Result<Conn, CommandError> {
+    pub(crate) async fn connection(&self) -> Result<Conn, CommandError> {
         // Dropping a broken connection makes bb8 discard it, so each retry either gets a
         // healthy one or a fresh connection; give up after every slot was tried.
-        let slots = self.pool.state().connections;
-        let mut attempt = 0;
+        let mut tries = self.pool.state().connections + 1;
         loop {
-            let pooled = self.pool.get().await.map_err(CommandError::Connect)?;
-            if !pooled.broken.load(Ordering::Relaxed) || attempt >= slots {
-                return Ok(Conn {
-                    conn: pooled.conn.clone(),
-                    broken: pooled.broken.clone(),
-                });
+            let mut pooled = self.pool.get().await.map_err(CommandError::Connect)?;
+            tries = tries.saturating_sub(1);
+            if pooled.is_usable().await || tries == 0 {
+                return Ok(pooled.clone());
             }
-            attempt += 1;
         }
     }
 
@@ -142,9 +183,7 @@ impl Pool {
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, CommandError> {
-        let mut conn = self.connection().await?;
-        let result = invocation.invoke_async(&mut conn.conn).await;
-        conn.observe(result)
+        self.connection().await?.invoke(invocation).await
     }
 
     /// Loads a script so that the first EVALSHA does not pay a NOSCRIPT round trip.
@@ -166,10 +205,40 @@ impl Pool {
 }
 
 impl Conn {
+    /// False when the connection failed before, or cannot answer a PING after another
+    /// connection was found dead.
+    async fn is_usable(&mut self) -> bool {
+        if self.broken.load(Ordering::Relaxed) {
+            return false;
+        }
+        let level = self.suspicion.level();
+        if self.proven >= level {
+            return true;
+        }
+        let ping = redis::cmd("PING").query_async::<()>(&mut self.conn).await;
+        if ping.is_err() {
+            self.broken.store(true, Ordering::Relaxed);
+            return false;
+        }
+        self.proven = level;
+        true
+    }
+
+    /// Runs a script through EVALSHA, loading it on NOSCRIPT. Commands sent on one
+    /// connection run in the order they were sent.
+    pub(crate) async fn invoke<T: FromRedisValue>(
+        &mut self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<T, CommandError> {
+        let result = invocation.invoke_async(&mut self.conn).await;
+        self.observe(result)
+    }
+
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
             if is_transport(&e) {
                 self.broken.store(true, Ordering::Relaxed);
+                self.suspicion.raise();
             }
             CommandError::Redis(e)
         })

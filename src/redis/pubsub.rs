@@ -19,6 +19,8 @@ use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
+use super::pool::Suspicion;
+
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
 pub(crate) struct SubscriberConfig {
@@ -78,9 +80,12 @@ pub(crate) struct Subscriber {
 
 impl Subscriber {
     /// Starts the subscriber task; it stops when `shutdown` is cancelled.
+    /// Losing the subscriber connection raises `suspicion`: the command connections to the
+    /// same server are probably gone too.
     pub(crate) fn spawn(
         client: redis::Client,
         config: SubscriberConfig,
+        suspicion: Suspicion,
         shutdown: CancellationToken,
         runtime: &tokio::runtime::Handle,
     ) -> Self {
@@ -90,7 +95,7 @@ impl Subscriber {
             next_id: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
         });
-        runtime.spawn(run(shared.clone(), client, config, shutdown));
+        runtime.spawn(run(shared.clone(), client, config, suspicion, shutdown));
         Subscriber { shared }
     }
 
@@ -172,6 +177,7 @@ async fn run(
     shared: Arc<Shared>,
     client: redis::Client,
     config: SubscriberConfig,
+    suspicion: Suspicion,
     shutdown: CancellationToken,
 ) {
     let initial_backoff = Duration::from_millis(20);
@@ -198,7 +204,10 @@ async fn run(
                 drop(registry);
                 match ended {
                     Ok(()) => return,
-                    Err(reason) => tracing::warn!(%reason, "lock subscriber connection lost"),
+                    Err(reason) => {
+                        suspicion.raise();
+                        tracing::warn!(%reason, "lock subscriber connection lost");
+                    }
                 }
             }
             Ok(Err(e)) => tracing::warn!(error = %e, "lock subscriber cannot connect"),

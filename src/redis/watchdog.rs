@@ -158,6 +158,14 @@ impl Watchdog {
         }
     }
 
+    /// Whether `owner` has a hold on `lock_key` that has not been released.
+    pub(crate) fn is_held(&self, lock_key: &str, owner: &LockOwner) -> bool {
+        self.shared
+            .state()
+            .holds
+            .contains_key(&(Arc::from(lock_key), owner.clone()))
+    }
+
     /// Number of locks currently watched.
     pub(crate) fn watched(&self) -> usize {
         self.shared.state().holds.len()

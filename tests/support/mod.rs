@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset of these helpers
 
+pub mod child;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -21,17 +23,24 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: tempfile::TempDir,
+    extra_args: Vec<String>,
 }
 
 impl RedisServer {
     /// Starts a server on a free port and waits until it answers PING.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra `redis-server` arguments (kept across `restart`).
+    pub fn start_with(extra_args: &[&str]) -> Self {
         // Another process may take the free port before redis-server binds it: retry.
         for _ in 0..20 {
             let mut server = RedisServer {
                 child: None,
                 port: free_port(),
                 dir: tempfile::tempdir().expect("temp dir"),
+                extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             };
             if server.spawn() {
                 return server;
@@ -47,6 +56,7 @@ impl RedisServer {
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.extra_args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -79,12 +89,7 @@ impl RedisServer {
 
     /// A backend with a per-server namespace and short timeouts, so fault tests end fast.
     pub async fn backend(&self) -> RedisBackend {
-        RedisBackend::builder(self.url())
-            .command_timeout(Duration::from_millis(500))
-            .connect_timeout(Duration::from_millis(500))
-            .build()
-            .await
-            .expect("backend connects to the test server")
+        backend(&self.url()).await
     }
 
     /// A plain connection for inspecting and tampering with the server's state.
@@ -123,26 +128,6 @@ impl RedisServer {
             .expect("HGET")
     }
 
-    /// Whether `key` exists.
-    pub async fn exists(&self, key: &str) -> bool {
-        redis::cmd("EXISTS")
-            .arg(key)
-            .query_async(&mut self.conn().await)
-            .await
-            .expect("EXISTS")
-    }
-
-    /// How many connections are subscribed to `channel` (PUBSUB NUMSUB).
-    pub async fn numsub(&self, channel: &str) -> i64 {
-        let reply: (String, i64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg(channel)
-            .query_async(&mut self.conn().await)
-            .await
-            .expect("PUBSUB NUMSUB");
-        reply.1
-    }
-
     /// SIGKILL, as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -168,13 +153,93 @@ impl RedisServer {
     }
 
     fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("server running").id();
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .expect("kill(1)");
-        assert!(status.success());
+        send_signal(self.child.as_ref().expect("server running").id(), signal);
     }
+
+    /// `CLIENT KILL TYPE pubsub`: drops every subscriber connection, as a proxy or a
+    /// network fault would. Returns how many were killed.
+    pub async fn kill_subscribers(&self) -> i64 {
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("CLIENT KILL TYPE pubsub")
+    }
+
+    /// `PUBSUB NUMSUB channel`: how many connections subscribe to `channel`.
+    pub async fn numsub(&self, channel: &str) -> i64 {
+        let reply: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(channel)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("PUBSUB NUMSUB");
+        reply.1
+    }
+
+    /// Every channel with a subscriber, sorted.
+    pub async fn channels(&self) -> Vec<String> {
+        self.sorted(redis::cmd("PUBSUB").arg("CHANNELS")).await
+    }
+
+    /// Whether `key` exists.
+    pub async fn exists(&self, key: &str) -> bool {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("EXISTS")
+    }
+
+    /// Every key in the database, sorted.
+    pub async fn keys(&self) -> Vec<String> {
+        self.sorted(redis::cmd("KEYS").arg("*")).await
+    }
+
+    async fn sorted(&self, cmd: &redis::Cmd) -> Vec<String> {
+        let mut names: Vec<String> = cmd
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("list names");
+        names.sort();
+        names
+    }
+
+    /// Every key with its type and value as a string, to prove that nothing was touched.
+    pub async fn dump(&self) -> Vec<(String, Vec<u8>)> {
+        let mut conn = self.conn().await;
+        let mut dump = Vec::new();
+        for key in self.keys().await {
+            let value: Option<Vec<u8>> = redis::cmd("DUMP")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .expect("DUMP");
+            dump.push((key, value.unwrap_or_default()));
+        }
+        dump
+    }
+}
+
+/// The Redis names the default namespace gives a plain (brace-free) user key.
+pub fn lock_key(user: &str) -> String {
+    format!("tower-lock:{{{user}}}")
+}
+
+/// The release channel of a plain user key (see [`lock_key`]).
+pub fn channel(user: &str) -> String {
+    format!("{}:released", lock_key(user))
+}
+
+/// Sends `signal` (as `kill(1)` spells it, `-STOP`, `-KILL`, ...) to a process.
+pub fn send_signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(status.success(), "kill {signal} {pid}");
 }
 
 impl Drop for RedisServer {
@@ -182,6 +247,17 @@ impl Drop for RedisServer {
         // SIGKILL also ends a server stopped by `pause`.
         self.kill();
     }
+}
+
+/// A backend on `url` with short timeouts, so fault tests end fast (also used by child
+/// processes, which only know the server's url).
+pub async fn backend(url: &str) -> RedisBackend {
+    RedisBackend::builder(url)
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("backend connects to the test server")
 }
 
 fn free_port() -> u16 {
@@ -244,11 +320,7 @@ pub fn http_client() -> HttpClient {
 
 /// POSTs with an empty body and reads the whole reply.
 pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
-    send(
-        client,
-        request(addr, path).body(Full::default()).expect("request"),
-    )
-    .await
+    send(client, post_request(addr, path)).await
 }
 
 /// A POST request to `path` on `addr`, to add headers to before [`send`].
@@ -256,22 +328,31 @@ pub fn request(addr: SocketAddr, path: &str) -> http::request::Builder {
     http::Request::post(format!("http://{addr}{path}"))
 }
 
+/// An empty POST to `path`, ready to [`send`].
+pub fn post_request(addr: SocketAddr, path: &str) -> http::Request<Full<bytes::Bytes>> {
+    request(addr, path).body(Full::default()).expect("request")
+}
+
 /// Sends `request` and reads the whole reply.
 pub async fn send(client: &HttpClient, request: http::Request<Full<bytes::Bytes>>) -> Reply {
-    let response = client.request(request).await.expect("HTTP request");
+    try_send(client, request).await.expect("HTTP request")
+}
+
+/// Sends `request` and reads the whole reply, or tells why there is none (for example
+/// the server closed the connection).
+pub async fn try_send(
+    client: &HttpClient,
+    request: http::Request<Full<bytes::Bytes>>,
+) -> Result<Reply, axum::BoxError> {
+    let response = client.request(request).await?;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok(Reply {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
-    }
+    })
 }
 
 /// Holds handlers inside their lock until the test opens it.
@@ -317,4 +398,22 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("timed out waiting until {what}");
+}
+
+/// Routes the crate's tracing to the test output, filtered by `RUST_LOG` (off by default).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// Waits until `n` tasks of `backend` are queued in-process behind the contender or
+/// holder of a key (they do not subscribe: only the first task of a process talks to
+/// Redis).
+pub async fn queued(backend: &RedisBackend, n: usize) {
+    eventually(&format!("{n} tasks are queued"), || async move {
+        backend.stats().local_waiters == n
+    })
+    .await;
 }
