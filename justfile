@@ -14,7 +14,7 @@ test:
 
 # The benchmark table (starts its own redis-server).
 bench:
-    @echo "no benchmark yet"
+    cargo bench --bench contention
 
 # What CI runs: formatting, lints, docs, tests.
 ci:
