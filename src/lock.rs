@@ -43,6 +43,10 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// [`LockRequest::max_local_waiters`]).
 pub const DEFAULT_MAX_LOCAL_WAITERS: usize = 1024;
 
+/// The longest lease or wait accepted; longer ones are shortened to it. Bounded so that
+/// deadlines cannot overflow an `Instant` and a lease always fits `PEXPIRE`.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The identity a lock is held under: `instance-uuid:sequence`, one per request.
 ///
 /// Two acquisitions of the same key by the same owner re-enter the lock (its count goes
@@ -101,10 +105,10 @@ impl<B: LockBackend> LockRequest<B> {
         }
     }
 
-    /// Sets the lease (default 30 s). While the guard lives the watchdog renews it every
+    /// Sets the lease (default 30 s, at most [`MAX_DURATION`]). While the guard lives the watchdog renews it every
     /// lease/3; if the holder dies, the lock frees itself at most one lease later.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(3));
+        self.lease = lease.clamp(Duration::from_millis(3), MAX_DURATION);
         self
     }
 
@@ -144,8 +148,8 @@ impl<B: LockBackend> LockRequest<B> {
         self.mode(Mode::TryOnce).into_future()
     }
 
-    /// Waits up to `timeout` for the lock, woken by release messages rather than by
-    /// polling; `Err(LockError::TimedOut)` if it is still held then.
+    /// Waits up to `timeout` (at most [`MAX_DURATION`]) for the lock, woken by release
+    /// messages rather than by polling; `Err(LockError::TimedOut)` if it is still held then.
     pub fn wait(
         self,
         timeout: Duration,
@@ -154,7 +158,10 @@ impl<B: LockBackend> LockRequest<B> {
     }
 
     pub(crate) fn mode(mut self, mode: Mode) -> Self {
-        self.mode = mode;
+        self.mode = match mode {
+            Mode::Wait(wait) => Mode::Wait(wait.min(MAX_DURATION)),
+            Mode::TryOnce => Mode::TryOnce,
+        };
         self
     }
 

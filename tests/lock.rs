@@ -345,3 +345,85 @@ async fn one_subscriber_connection_carries_every_channel_and_survives_its_pings(
         assert!(wait.await.unwrap().is_ok());
     }
 }
+
+#[tokio::test]
+async fn a_shorter_reentry_lease_never_shortens_the_outer_hold() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let other_instance = server.backend().await;
+    let outer = backend
+        .lock(KEY)
+        .lease(Duration::from_secs(3))
+        .try_once()
+        .await
+        .unwrap();
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .lease(Duration::from_millis(200))
+        .try_once()
+        .await
+        .unwrap();
+    // Well past the re-entry's own lease, with both guards alive.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(matches!(
+        other_instance.lock(KEY).try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn releasing_a_lost_guard_leaves_the_same_owners_new_hold_alone() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let old = backend
+        .lock(KEY)
+        .lease(Duration::from_millis(600))
+        .try_once()
+        .await
+        .unwrap();
+    let _: () = server.conn().await.del(LOCK).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), old.lost())
+        .await
+        .expect("lost() fires");
+    let new = backend
+        .lock(KEY)
+        .reentrant(old.held())
+        .lease(Duration::from_millis(600))
+        .try_once()
+        .await
+        .unwrap();
+
+    assert!(matches!(old.release().await, Err(LockError::Lost { .. })));
+    assert!(server.exists(LOCK).await, "the new hold is untouched");
+    assert_eq!(backend.stats().watched_locks, 1, "and still renewed");
+    // Past its lease: only renewal keeps it.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(matches!(
+        server.backend().await.lock(KEY).try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    assert!(!new.is_lost());
+    new.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn unbounded_leases_and_waits_are_clamped_not_fatal() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let guard = backend
+        .lock(KEY)
+        .lease(Duration::MAX)
+        .try_once()
+        .await
+        .expect("a huge lease is clamped");
+    let pttl: i64 = server.conn().await.pttl(LOCK).await.unwrap();
+    assert!(pttl > 0, "the lock still expires (PTTL {pttl})");
+    let waiter = backend.clone();
+    let waiting = tokio::spawn(async move { waiter.lock(KEY).wait(Duration::MAX).await });
+    guard.release().await.unwrap();
+    let waited = waiting.await.expect("waiting forever does not panic");
+    assert!(waited.is_ok(), "{waited:?}");
+}

@@ -610,7 +610,7 @@ impl Inner {
     ) -> LockGuard {
         let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
         let hold = RedisHold::new(self.clone(), key, claim.owner, claim.lease, slot);
-        let lost = self.watchdog.register(
+        let (lost, generation) = self.watchdog.register(
             hold.lock_key.clone(),
             hold.owner.clone(),
             claim.lease,
@@ -618,8 +618,20 @@ impl Inner {
             sent_at,
             on_lost,
         );
-        let held = HeldLock::new(hold.key.user.clone(), hold.owner.clone(), token, lost);
-        LockGuard::new(held, Box::new(WatchedHold(hold)))
+        let held = HeldLock::new(
+            hold.key.user.clone(),
+            hold.owner.clone(),
+            token,
+            lost.clone(),
+        );
+        LockGuard::new(
+            held,
+            Box::new(WatchedHold {
+                hold,
+                generation,
+                lost,
+            }),
+        )
     }
 }
 
@@ -881,12 +893,32 @@ impl RedisHold {
 
 /// A hold registered with the watchdog: releasing deregisters it first, so renewal never
 /// outlives the unlock (Redisson #7272).
-struct WatchedHold(RedisHold);
+struct WatchedHold {
+    hold: RedisHold,
+    generation: u64,
+    /// Fired by the watchdog when the lock was found lost.
+    lost: CancellationToken,
+}
+
+impl WatchedHold {
+    /// Stops renewal; returns the hold if a release is still owed to Redis. A hold known
+    /// lost is owed nothing: its owner may hold the key again under a new hold, which a
+    /// release of the old one would take away.
+    fn stop(self) -> Option<RedisHold> {
+        let hold = self.hold;
+        hold.inner
+            .watchdog
+            .unregister(&hold.lock_key, &hold.owner, self.generation);
+        (!self.lost.is_cancelled()).then_some(hold)
+    }
+}
 
 impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let hold = self.0;
-        hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
+        let lost_key = self.hold.key.user.clone();
+        let Some(hold) = self.stop() else {
+            return Box::pin(std::future::ready(Err(LockError::Lost { key: lost_key })));
+        };
         // The caller awaits this one: retry briefly, then report. What is still owed then
         // (or when the caller stops waiting) is finished in the background, so a release
         // that could not reach Redis (paused, restarting) happens once it can, instead of
@@ -896,9 +928,9 @@ impl ReleaseHold for WatchedHold {
     }
 
     fn release_in_background(self: Box<Self>) {
-        let hold = self.0;
-        hold.inner.watchdog.unregister(&hold.lock_key, &hold.owner);
-        hold.finish_in_background();
+        if let Some(hold) = self.stop() {
+            hold.finish_in_background();
+        }
     }
 }
 

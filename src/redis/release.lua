@@ -14,20 +14,20 @@
 -- ARGV[8]  "1" when the process's run of handoffs is used up: then the lock is released
 --          for real if anyone (another instance) is subscribed to ARGV[4]
 -- ARGV[9]  "1" when an earlier call of this same release may have run (its reply was
---          lost): only then can its traces exist, so only then are they looked for
+--          lost): only then can a handoff it made exist, so only then is one looked for
 --
 -- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release).
-if ARGV[9] == '1' then
-  if ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
-    return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
-  end
-  if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-    return {1}
-  end
+-- The latch is looked for on every call: a retry sent on another connection may run
+-- before the original, which must then not decrement a second time.
+if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+  return {1}
+end
+if ARGV[9] == '1' and ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
+  return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
 end
 local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
 local count = tonumber(held[1])
@@ -37,7 +37,9 @@ end
 if count > 1 then
   redis.call('hincrby', KEYS[1], ARGV[1], -1)
   redis.call('hset', KEYS[1], ARGV[2], 1)
-  redis.call('pexpire', KEYS[1], ARGV[3])
+  if redis.call('pttl', KEYS[1]) < tonumber(ARGV[3]) then
+    redis.call('pexpire', KEYS[1], ARGV[3])
+  end
   return {1}
 end
 redis.call('del', KEYS[1])

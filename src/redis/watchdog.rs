@@ -29,6 +29,10 @@ type HoldKey = (Arc<str>, LockOwner);
 pub(crate) type OnLost = Box<dyn FnOnce() + Send>;
 
 struct Entry {
+    /// Tells this entry from a later one of the same owner and key (after this one was
+    /// lost and the owner acquired again), so a stale release or renewal reply cannot
+    /// touch the new hold.
+    generation: u64,
     /// Holds of the same owner on the same key (re-entries) share one entry.
     refs: usize,
     lease: Duration,
@@ -56,6 +60,7 @@ fn run_hooks(hooks: Vec<OnLost>) {
 #[derive(Default)]
 struct State {
     holds: HashMap<HoldKey, Entry>,
+    generations: u64,
     /// When the task looks at the holds next (`None`: when told). A new hold due later
     /// needs no wakeup, which spares a hot key one task switch per acquisition.
     wake_at: Option<Instant>,
@@ -102,7 +107,8 @@ impl Watchdog {
     }
 
     /// Starts watching a hold whose acquisition was sent at `sent_at`, and returns the token
-    /// that fires when the lock is lost. Re-entries share the outer hold's token.
+    /// that fires when the lock is lost with the generation to unregister. Re-entries share
+    /// the outer hold's entry and token; a longer re-entry lease extends the entry's.
     ///
     /// With `renew == false` the lease is only watched: the token fires when it runs out.
     /// `on_lost` runs when the lock is found lost, and is dropped unrun if it is released.
@@ -114,12 +120,15 @@ impl Watchdog {
         renew: bool,
         sent_at: Instant,
         on_lost: Option<OnLost>,
-    ) -> CancellationToken {
+    ) -> (CancellationToken, u64) {
         let mut state = self.shared.state();
+        state.generations += 1;
+        let generation = state.generations;
         let entry = state
             .holds
             .entry((lock_key, owner))
             .or_insert_with(|| Entry {
+                generation,
                 refs: 0,
                 lease,
                 renew,
@@ -130,6 +139,10 @@ impl Watchdog {
             });
         entry.refs += 1;
         entry.on_lost.extend(on_lost);
+        // The scripts never shorten a lock's TTL, so the longest lease asked for rules.
+        if lease > entry.lease {
+            entry.lease = lease;
+        }
         // A re-entry that asks for renewal turns it on for the shared entry.
         if renew && !entry.renew {
             entry.renew = true;
@@ -137,20 +150,25 @@ impl Watchdog {
         }
         entry.confirmed = entry.confirmed.max(sent_at);
         let lost = entry.lost.clone();
+        let generation = entry.generation;
         let next = entry.next;
         let wake = state.wake_at.is_none_or(|at| next < at);
         drop(state);
         if wake {
             self.shared.changed.notify_one();
         }
-        lost
+        (lost, generation)
     }
 
-    /// Stops watching one hold. Called before its release is sent.
-    pub(crate) fn unregister(&self, lock_key: &Arc<str>, owner: &LockOwner) {
+    /// Stops watching one hold of `generation`. Called before its release is sent.
+    pub(crate) fn unregister(&self, lock_key: &Arc<str>, owner: &LockOwner, generation: u64) {
         let mut state = self.shared.state();
         let key = (lock_key.clone(), owner.clone());
-        if let Some(entry) = state.holds.get_mut(&key) {
+        if let Some(entry) = state
+            .holds
+            .get_mut(&key)
+            .filter(|e| e.generation == generation)
+        {
             entry.refs -= 1;
             if entry.refs == 0 {
                 state.holds.remove(&key);
@@ -174,6 +192,7 @@ impl Watchdog {
 
 struct Due {
     key: HoldKey,
+    generation: u64,
     lease: Duration,
 }
 
@@ -224,6 +243,7 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
         if entry.renew && entry.next <= now + BATCH_WINDOW {
             due.push(Due {
                 key: key.clone(),
+                generation: entry.generation,
                 lease: entry.lease,
             });
         }
@@ -257,8 +277,12 @@ async fn renew_batch(
     match result {
         Ok(Ok(renewed)) if renewed.len() == batch.len() => {
             for (due, still_held) in batch.iter().zip(renewed) {
-                let Some(entry) = state.holds.get_mut(&due.key) else {
-                    continue; // released while the renewal was in flight
+                let Some(entry) = state
+                    .holds
+                    .get_mut(&due.key)
+                    .filter(|e| e.generation == due.generation)
+                else {
+                    continue; // released (or lost and taken anew) while the renewal was in flight
                 };
                 if still_held == 1 {
                     entry.confirmed = sent_at;
@@ -279,7 +303,11 @@ async fn renew_batch(
             // Keep the locks and try again soon; `collect_due` declares them lost only once
             // their lease has certainly run out.
             for due in batch {
-                if let Some(entry) = state.holds.get_mut(&due.key) {
+                if let Some(entry) = state
+                    .holds
+                    .get_mut(&due.key)
+                    .filter(|e| e.generation == due.generation)
+                {
                     let retry =
                         (entry.lease / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
                     entry.next = Instant::now() + retry;
