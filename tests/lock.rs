@@ -427,3 +427,35 @@ async fn unbounded_leases_and_waits_are_clamped_not_fatal() {
     let waited = waiting.await.expect("waiting forever does not panic");
     assert!(waited.is_ok(), "{waited:?}");
 }
+
+#[tokio::test]
+async fn a_reentry_cancelled_in_flight_is_undone_exactly_once() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let outer = backend.lock(KEY).try_once().await.unwrap();
+    let owner = outer.held().owner().as_str().to_owned();
+    let scripts = ["evalsha", "eval"];
+    let before = server.command_calls(&scripts).await;
+    // The re-entry's script reaches a paused server and its caller gives up: the script
+    // runs on resume, for a hold nobody has a guard for.
+    server.pause();
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(150),
+        backend.lock(KEY).reentrant(outer.held()).try_once(),
+    )
+    .await;
+    assert!(cancelled.is_err(), "the re-entry was still in flight");
+    server.resume();
+    eventually("the re-entry ran and was given back", || async {
+        // The two `command_calls` queries themselves are not scripts.
+        server.command_calls(&scripts).await - before >= 2
+    })
+    .await;
+    let mut conn = server.conn().await;
+    assert_eq!(conn.hget::<_, _, i64>(LOCK, &owner).await.unwrap(), 1);
+    outer.release().await.expect("the outer hold is intact");
+    assert!(
+        !conn.exists::<_, bool>(LOCK).await.unwrap(),
+        "nothing is left held"
+    );
+}

@@ -541,12 +541,6 @@ impl Inner {
 
     /// Runs the acquire script once.
     async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
-        let mut invocation = self.scripts.acquire.key(&c.key.lock);
-        invocation
-            .key(&c.key.fence)
-            .arg(c.claim.owner.as_str())
-            .arg(millis(c.claim.lease))
-            .arg(millis(self.fence_ttl));
         let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
@@ -556,23 +550,25 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let mut in_flight = InFlight {
+        // The script runs in its own task, so that its reply is read even when this
+        // attempt is cancelled or runs out of budget: an acquisition nobody is waiting for
+        // any more is then released, exactly one hold, re-entries included.
+        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+        let unclaimed = InFlight {
             inner: self.clone(),
             key: c.key.clone(),
             owner: c.claim.owner.clone(),
             lease: c.claim.lease,
-            conn: None,
-            settled: false,
         };
-        let reply = timeout(budget, async {
-            let mut conn = self.pool.connection().await?;
-            in_flight.conn = Some(conn.clone());
-            conn.invoke::<Vec<i64>>(&invocation).await
-        })
-        .await;
+        self.runtime
+            .spawn(unclaimed.run(invocation_args(c, self.fence_ttl), reply_tx));
+        let reply = match timeout(budget, reply_rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(CommandError::Shutdown),
+            Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
+        };
         let error = match reply {
-            Ok(Ok(reply)) => {
-                in_flight.settled = true;
+            Ok(reply) => {
                 return match reply.as_slice() {
                     [1, token, _count] => u64::try_from(*token)
                         .map(|token| Attempt::Acquired { token, sent_at })
@@ -583,17 +579,10 @@ impl Inner {
                     _ => Err(LockError::backend("acquire", UnexpectedReply("acquire"))),
                 };
             }
-            Ok(Err(e)) if e.is_wrong_type() => {
-                in_flight.settled = true;
-                LockError::WrongType {
-                    key: c.key.user.clone(),
-                }
-            }
-            Ok(Err(e)) => {
-                in_flight.settled = !e.is_ambiguous();
-                LockError::backend("acquire", e)
-            }
-            Err(elapsed) => LockError::backend("acquire", elapsed),
+            Err(e) if e.is_wrong_type() => LockError::WrongType {
+                key: c.key.user.clone(),
+            },
+            Err(e) => LockError::backend("acquire", e),
         };
         Err(error)
     }
@@ -670,38 +659,79 @@ fn outcome(error: &LockError) -> &'static str {
 /// although its reply never came (Redis paused, a slow network), or the acquisition may
 /// have been cancelled while waiting for the reply (client gone, an outer timeout).
 /// Dropping it unsettled undoes the script in the background; otherwise the lock would
-/// stay taken, by an owner nobody holds a guard for, for a whole lease.
+/// The arguments of one acquire script call.
+struct AcquireArgs {
+    lock: String,
+    fence: String,
+    owner: String,
+    lease_ms: u64,
+    fence_ttl_ms: u64,
+}
+
+fn invocation_args(c: &Contender, fence_ttl: Duration) -> AcquireArgs {
+    AcquireArgs {
+        lock: c.key.lock.clone(),
+        fence: c.key.fence.clone(),
+        owner: c.claim.owner.as_str().to_owned(),
+        lease_ms: millis(c.claim.lease),
+        fence_ttl_ms: millis(fence_ttl),
+    }
+}
+
+/// An acquire script call whose reply may find nobody waiting for it.
 struct InFlight {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
     owner: LockOwner,
     lease: Duration,
-    /// The connection the script was sent on, once it was.
-    conn: Option<Conn>,
-    /// The reply arrived, or the command certainly did not run.
-    settled: bool,
 }
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        // Nothing to undo if the script was never handed to a connection. And not when
-        // the owner already holds the key (a re-entry through a shared owner): there one
-        // release too many would take the outer hold away.
-        if self.settled
-            || self.conn.is_none()
-            || self.inner.watchdog.is_held(&self.key.lock, &self.owner)
-        {
-            return;
+impl InFlight {
+    /// Runs the script and hands the reply to the attempt; if the attempt is gone, gives
+    /// back what the script took.
+    async fn run(
+        self,
+        args: AcquireArgs,
+        reply_tx: tokio::sync::oneshot::Sender<Result<Vec<i64>, CommandError>>,
+    ) {
+        let mut conn = match self.inner.pool.connection().await {
+            Ok(conn) => conn,
+            // Nothing was sent, so nothing to undo.
+            Err(e) => return drop(reply_tx.send(Err(e))),
+        };
+        let mut invocation = self.inner.scripts.acquire.key(&args.lock);
+        invocation
+            .key(&args.fence)
+            .arg(&args.owner)
+            .arg(args.lease_ms)
+            .arg(args.fence_ttl_ms);
+        let reply = conn.invoke::<Vec<i64>>(&invocation).await;
+        let ambiguous = matches!(&reply, Err(e) if e.is_ambiguous());
+        let undelivered = reply_tx.send(reply).err();
+        let hold = || {
+            RedisHold::new(
+                self.inner.clone(),
+                self.key.clone(),
+                self.owner.clone(),
+                self.lease,
+                None,
+            )
+        };
+        match undelivered {
+            // Acquired (or re-entered) for an attempt that gave up: release that one hold.
+            Some(Ok(reply)) if reply.first() == Some(&1) => {
+                let mut hold = hold();
+                let retry_for = self.lease;
+                let _ = hold.run(retry_for).await;
+            }
+            // No reply: the script may have run. Undo it on the same connection, so Redis
+            // runs the undo after it; not when the owner holds the key already (a re-entry),
+            // where a release that the script did not need would take the outer hold away.
+            _ if ambiguous && !self.inner.watchdog.is_held(&self.key.lock, &self.owner) => {
+                hold().undo(Some(conn)).await;
+            }
+            _ => {}
         }
-        let hold = RedisHold::new(
-            self.inner.clone(),
-            self.key.clone(),
-            self.owner.clone(),
-            self.lease,
-            None,
-        );
-        let conn = self.conn.take();
-        self.inner.runtime.spawn(hold.undo(conn));
     }
 }
 

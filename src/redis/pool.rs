@@ -85,6 +85,8 @@ pub(crate) enum CommandError {
     Connect(bb8::RunError<RedisError>),
     /// Redis answered with an error, or the transport failed after sending.
     Redis(RedisError),
+    /// The runtime is shutting down and the command's task was dropped.
+    Shutdown,
 }
 
 impl CommandError {
@@ -99,6 +101,7 @@ impl CommandError {
         match self {
             CommandError::Connect(_) => false,
             CommandError::Redis(e) => is_transport(e),
+            CommandError::Shutdown => true,
         }
     }
 }
@@ -113,6 +116,7 @@ impl fmt::Display for CommandError {
                 write!(f, "cannot connect to Redis: {e}")
             }
             CommandError::Redis(e) => write!(f, "Redis command failed: {e}"),
+            CommandError::Shutdown => f.write_str("the runtime is shutting down"),
         }
     }
 }
