@@ -22,7 +22,8 @@ for _ in $(seq 1 50); do
         --dir "$dir" --logfile "$dir/redis.log" &
     pid=$!
     for _ in $(seq 1 100); do
-        if [[ "$(redis-cli -p "$port" ping 2>/dev/null)" == "PONG" ]]; then
+        # Only our own server counts: another Redis may already listen on that port.
+        if redis-cli -p "$port" info server 2>/dev/null | grep -q "^process_id:$pid"$'\r'; then
             export REDIS_URL="redis://127.0.0.1:$port"
             echo "throwaway redis-server on $REDIS_URL" >&2
             "$@"

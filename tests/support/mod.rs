@@ -70,7 +70,9 @@ impl RedisServer {
                     return false;
                 }
             }
-            if ping(self.port) {
+            // Another test's server may have won the port race: only ours counts.
+            let pid = self.child.as_ref().map(Child::id);
+            if pid.is_some_and(|pid| serves_pid(self.port, pid)) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -267,15 +269,34 @@ fn free_port() -> u16 {
         .expect("free port")
 }
 
-fn ping(port: u16) -> bool {
+/// Whether the Redis answering on `port` is the process `pid`.
+fn serves_pid(port: u16, pid: u32) -> bool {
     let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut reply = [0u8; 7];
-    stream.write_all(b"PING\r\n").is_ok()
-        && stream.read_exact(&mut reply).is_ok()
-        && &reply == b"+PONG\r\n"
+    if stream.write_all(b"INFO server\r\n").is_err() {
+        return false;
+    }
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some(at) = text.find("process_id:") {
+            if let Some(line) = text[at..]
+                .split("\r\n")
+                .next()
+                .filter(|_| text[at..].contains("\r\n"))
+            {
+                return line == format!("process_id:{pid}");
+            }
+        }
+    }
+    false
 }
 
 /// Serves `app` on a free loopback port; the server runs until the test's runtime ends.
