@@ -10,7 +10,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::routing;
 use redis::AsyncCommands;
-use support::{RedisServer, eventually, http_client, post, serve};
+use support::{Gate, RedisServer, eventually, http_client, post, serve};
 use tokio::io::AsyncWriteExt;
 use tower_lock::{LockError, LockLayer, RedisBackend};
 
@@ -56,7 +56,14 @@ async fn flash_sale(server: &RedisServer, locked: bool) -> (i64, Vec<u16>) {
     for _ in 0..3 {
         let layer = if locked {
             let key_fn: fn(&Request) -> Option<&'static str> = stock_key;
-            Some(LockLayer::new(server.backend().await, key_fn).wait(Duration::from_secs(60)))
+            // A generous command timeout: this test is about exclusion, not about a
+            // loaded machine's stalls.
+            let backend = RedisBackend::builder(server.url())
+                .command_timeout(Duration::from_secs(5))
+                .build()
+                .await
+                .unwrap();
+            Some(LockLayer::new(backend, key_fn).wait(Duration::from_secs(60)))
         } else {
             None
         };
@@ -80,8 +87,12 @@ async fn three_instances_sell_exactly_the_stock() {
     let server = RedisServer::start();
     let (sold, statuses) = flash_sale(&server, true).await;
     assert_eq!(sold, 100);
+    let other: Vec<_> = statuses
+        .iter()
+        .filter(|s| ![200, 410].contains(*s))
+        .collect();
+    assert!(other.is_empty(), "unexpected statuses {other:?}");
     assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 100);
-    assert_eq!(statuses.iter().filter(|s| **s == 410).count(), 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,57 +262,74 @@ async fn nested_layers_on_one_key_reenter_and_leave_no_hash() {
     assert!(!conn.exists::<_, bool>(lock_name("k")).await.unwrap());
 }
 
-async fn panics() -> &'static str {
-    tokio::time::sleep(Duration::from_millis(300)).await;
+async fn panics(State(gate): State<Gate>) -> &'static str {
+    gate.pass().await;
     panic!("handler bug")
 }
 
 #[tokio::test]
 async fn handler_panic_releases_the_lock_and_its_channel() {
     let server = RedisServer::start();
-    let backend = server.backend().await;
-    let app = Router::new()
-        .route("/panic", routing::post(panics))
-        .route_layer(
-            LockLayer::new(backend.clone(), |_: &Request| Some("k")).wait(Duration::from_secs(10)),
-        );
-    let addr = serve(app).await;
+    let gate = Gate::default();
+    // Two instances, so that the waiter on the second one subscribes in Redis.
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let backend = server.backend().await;
+        let app = Router::new()
+            .route("/panic", routing::post(panics))
+            .with_state(gate.clone())
+            .route_layer(
+                LockLayer::new(backend.clone(), |_: &Request| Some("k"))
+                    .wait(Duration::from_secs(10)),
+            );
+        instances.push((serve(app).await, backend));
+    }
     let client = http_client();
-    // A second request waits behind the panicking one, so a channel is subscribed.
     let first = tokio::spawn({
-        let client = client.clone();
+        let (client, addr) = (client.clone(), instances[0].0);
         async move { client.request(empty_post(addr, "/panic")).await.is_err() }
     });
-    eventually("the first request holds the lock", || {
-        lock_exists(&server, "k")
+    gate.wait_inside(1).await;
+    let second = tokio::spawn({
+        let (client, addr) = (client.clone(), instances[1].0);
+        async move { client.request(empty_post(addr, "/panic")).await.is_err() }
+    });
+    eventually("the second instance waits in Redis", || async {
+        server.numsub(&format!("{}:released", lock_name("k"))).await == 1
     })
     .await;
-    let second =
-        tokio::spawn(async move { client.request(empty_post(addr, "/panic")).await.is_err() });
+    gate.open();
     assert!(
         first.await.unwrap(),
         "the panicking request's connection is closed"
     );
-    assert!(second.await.unwrap());
+    assert!(
+        second.await.unwrap(),
+        "the waiter got the lock and panicked too"
+    );
     assert_released(&server, "k").await;
+    assert_eq!(instances[1].1.stats().channels_with_waiters, 0);
 }
 
 #[tokio::test]
 async fn client_disconnect_releases_the_lock_and_its_channel() {
     let server = RedisServer::start();
-    let app = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
-    let mut holder = raw_post(app.addr, "/hold/k").await;
+    let holding = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
+    // The waiter is on a second instance, so that it subscribes in Redis.
+    let waiting = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
+    let mut holder = raw_post(holding.addr, "/hold/k").await;
     eventually("the handler holds the lock", || lock_exists(&server, "k")).await;
-    let waiter = raw_post(app.addr, "/hold/k").await;
-    eventually("a second request waits", || async {
-        app.backend.stats().local_waiters == 1
+    let waiter = raw_post(waiting.addr, "/hold/k").await;
+    eventually("the second instance waits in Redis", || async {
+        server.numsub(&format!("{}:released", lock_name("k"))).await == 1
     })
     .await;
     drop(waiter);
     holder.shutdown().await.unwrap();
     drop(holder);
     assert_released(&server, "k").await;
-    assert_eq!(app.backend.stats().watched_locks, 0);
+    assert_eq!(holding.backend.stats().watched_locks, 0);
+    assert_eq!(waiting.backend.stats().channels_with_waiters, 0);
 }
 
 #[tokio::test]
@@ -324,33 +352,33 @@ async fn lock_deleted_from_outside_aborts_the_handler_with_503() {
 async fn watchdog_keeps_the_lock_through_a_handler_running_three_leases() {
     let server = RedisServer::start();
     let backend = server.backend().await;
+    let gate = Gate::default();
     let app = Router::new()
         .route(
             "/slow",
-            routing::post(|| async {
-                tokio::time::sleep(Duration::from_millis(1800)).await;
+            routing::post(|State(gate): State<Gate>| async move {
+                gate.pass().await;
                 "slow"
             }),
         )
         .route("/try", routing::post(|| async { "got it" }))
+        .with_state(gate.clone())
         .route_layer(
             LockLayer::new(backend, |_: &Request| Some("k"))
                 .fail_fast()
-                .lease(Duration::from_millis(600)),
+                .lease(Duration::from_secs(1)),
         );
     let addr = serve(app).await;
     let slow = tokio::spawn(async move { post(&http_client(), addr, "/slow").await.status });
-    eventually("the slow handler holds the lock", || {
-        lock_exists(&server, "k")
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    gate.wait_inside(1).await;
+    tokio::time::sleep(Duration::from_millis(3200)).await;
     assert_eq!(
         post(&http_client(), addr, "/try").await.status,
         409,
-        "still held after two leases"
+        "still held after three leases"
     );
-    assert_eq!(slow.await.unwrap(), 200);
+    gate.open();
+    assert_eq!(slow.await.unwrap(), 200, "finished, not aborted as lost");
     assert_eq!(post(&http_client(), addr, "/try").await.status, 200);
 }
 
