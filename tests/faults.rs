@@ -752,11 +752,12 @@ async fn hold_until_killed() {
 #[tokio::test]
 async fn killed_holder_process_loses_its_lock_within_the_lease() {
     let server = RedisServer::start();
+    // Ready before the holder starts, so the check below runs well inside its lease.
+    let backend = server.backend().await;
     let mut holder = spawn_child("holder", &server, 0);
     let killed_token = held_token(&mut holder).await;
     holder.kill().await;
 
-    let backend = server.backend().await;
     let still_held = backend.lock(SHARED_KEY).try_once().await;
     assert!(
         matches!(still_held, Err(LockError::Contended { .. })),
@@ -942,9 +943,11 @@ async fn increment_counters() {
     let ops: usize = child::setting(OPS).parse().expect("OPS is a number");
     for _ in 0..ops {
         let key = COUNTERS[fastrand::usize(..COUNTERS.len())];
+        // A lease well above the nemesis' pauses: the workload checks exclusion, and a
+        // lease lost to a stalled machine would only show fencing at work.
         let Ok(guard) = backend
             .lock(key)
-            .lease(CHILD_LEASE)
+            .lease(Duration::from_secs(10))
             .wait(Duration::from_secs(5))
             .await
         else {
