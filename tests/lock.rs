@@ -118,6 +118,25 @@ async fn watchdog_keeps_the_lock_through_three_leases() {
 async fn lost_fires_when_the_lock_is_deleted_from_outside() {
     let server = RedisServer::start();
     let backend = server.backend().await;
+    let guard = lost_by_deletion(&server, &backend).await;
+    assert!(guard.is_lost());
+}
+
+/// Takes KEY, then re-enters it as the same owner.
+async fn nested_holds(backend: &RedisBackend) -> (tower_lock::LockGuard, tower_lock::LockGuard) {
+    let outer = backend.lock(KEY).try_once().await.unwrap();
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .try_once()
+        .await
+        .unwrap();
+    (outer, inner)
+}
+
+/// Takes KEY with a short lease, deletes it from outside and waits until the watchdog
+/// has noticed.
+async fn lost_by_deletion(server: &RedisServer, backend: &RedisBackend) -> tower_lock::LockGuard {
     let guard = backend
         .lock(KEY)
         .lease(Duration::from_millis(600))
@@ -128,7 +147,7 @@ async fn lost_fires_when_the_lock_is_deleted_from_outside() {
     tokio::time::timeout(Duration::from_secs(5), guard.lost())
         .await
         .expect("lost() fires at the next renewal");
-    assert!(guard.is_lost());
+    guard
 }
 
 #[tokio::test]
@@ -136,13 +155,7 @@ async fn reentry_counts_up_and_the_last_release_frees_the_lock() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let mut conn = server.conn().await;
-    let outer = backend.lock(KEY).try_once().await.unwrap();
-    let inner = backend
-        .lock(KEY)
-        .reentrant(outer.held())
-        .try_once()
-        .await
-        .unwrap();
+    let (outer, inner) = nested_holds(&backend).await;
     assert_eq!(inner.fencing_token(), outer.fencing_token());
     let owner = outer.held().owner().as_str().to_owned();
     assert_eq!(conn.hget::<_, _, i64>(LOCK, &owner).await.unwrap(), 2);
@@ -260,13 +273,7 @@ async fn a_release_retried_after_a_lost_reply_decrements_once() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let mut conn = server.conn().await;
-    let outer = backend.lock(KEY).try_once().await.unwrap();
-    let inner = backend
-        .lock(KEY)
-        .reentrant(outer.held())
-        .try_once()
-        .await
-        .unwrap();
+    let (outer, inner) = nested_holds(&backend).await;
     let owner = outer.held().owner().as_str().to_owned();
     let scripts = ["evalsha", "eval"];
     let before = server.command_calls(&scripts).await;
@@ -386,16 +393,7 @@ async fn a_shorter_reentry_lease_never_shortens_the_outer_hold() {
 async fn releasing_a_lost_guard_leaves_the_same_owners_new_hold_alone() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let old = backend
-        .lock(KEY)
-        .lease(Duration::from_millis(600))
-        .try_once()
-        .await
-        .unwrap();
-    let _: () = server.conn().await.del(LOCK).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), old.lost())
-        .await
-        .expect("lost() fires");
+    let old = lost_by_deletion(&server, &backend).await;
     let new = backend
         .lock(KEY)
         .reentrant(old.held())
