@@ -465,3 +465,28 @@ async fn a_reentry_cancelled_in_flight_is_undone_exactly_once() {
         "nothing is left held"
     );
 }
+
+#[tokio::test]
+async fn an_unrenewed_hold_stops_being_renewed_when_a_renewing_reentry_leaves() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let outer = backend
+        .lock(KEY)
+        .lease(Duration::from_secs(1))
+        .without_watchdog()
+        .try_once()
+        .await
+        .unwrap();
+    let inner = backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .lease(Duration::from_secs(1))
+        .try_once()
+        .await
+        .unwrap();
+    inner.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), outer.lost())
+        .await
+        .expect("the outer hold's lease runs out as it promised");
+    assert!(server.backend().await.lock(KEY).try_once().await.is_ok());
+}

@@ -607,6 +607,7 @@ impl Inner {
             sent_at,
             on_lost,
         );
+        let renew = claim.renew;
         let held = HeldLock::new(
             hold.key.user.clone(),
             hold.owner.clone(),
@@ -618,6 +619,7 @@ impl Inner {
             Box::new(WatchedHold {
                 hold,
                 generation,
+                renew,
                 lost,
             }),
         )
@@ -926,6 +928,8 @@ impl RedisHold {
 struct WatchedHold {
     hold: RedisHold,
     generation: u64,
+    /// Whether this hold asked for renewal (see `LockRequest::without_watchdog`).
+    renew: bool,
     /// Fired by the watchdog when the lock was found lost.
     lost: CancellationToken,
 }
@@ -938,7 +942,7 @@ impl WatchedHold {
         let hold = self.hold;
         hold.inner
             .watchdog
-            .unregister(&hold.lock_key, &hold.owner, self.generation);
+            .unregister(&hold.lock_key, &hold.owner, self.generation, self.renew);
         (!self.lost.is_cancelled()).then_some(hold)
     }
 }

@@ -36,7 +36,8 @@ struct Entry {
     /// Holds of the same owner on the same key (re-entries) share one entry.
     refs: usize,
     lease: Duration,
-    renew: bool,
+    /// Holds that asked for renewal; with none left the lease is only watched.
+    renewing: usize,
     next: Instant,
     /// When the last acquisition or renewal that Redis confirmed was sent: the lease runs
     /// until at least this instant plus `lease`.
@@ -131,7 +132,7 @@ impl Watchdog {
                 generation,
                 refs: 0,
                 lease,
-                renew,
+                renewing: 0,
                 next: sent_at + if renew { lease / 3 } else { lease },
                 confirmed: sent_at,
                 lost: CancellationToken::new(),
@@ -143,10 +144,13 @@ impl Watchdog {
         if lease > entry.lease {
             entry.lease = lease;
         }
-        // A re-entry that asks for renewal turns it on for the shared entry.
-        if renew && !entry.renew {
-            entry.renew = true;
-            entry.next = sent_at + lease / 3;
+        // A re-entry that asks for renewal turns it on for the shared entry, until it is
+        // released again.
+        if renew {
+            if entry.renewing == 0 {
+                entry.next = entry.next.min(sent_at + lease / 3);
+            }
+            entry.renewing += 1;
         }
         entry.confirmed = entry.confirmed.max(sent_at);
         let lost = entry.lost.clone();
@@ -161,7 +165,13 @@ impl Watchdog {
     }
 
     /// Stops watching one hold of `generation`. Called before its release is sent.
-    pub(crate) fn unregister(&self, lock_key: &Arc<str>, owner: &LockOwner, generation: u64) {
+    pub(crate) fn unregister(
+        &self,
+        lock_key: &Arc<str>,
+        owner: &LockOwner,
+        generation: u64,
+        renew: bool,
+    ) {
         let mut state = self.shared.state();
         let key = (lock_key.clone(), owner.clone());
         if let Some(entry) = state
@@ -170,6 +180,9 @@ impl Watchdog {
             .filter(|e| e.generation == generation)
         {
             entry.refs -= 1;
+            if renew {
+                entry.renewing -= 1;
+            }
             if entry.refs == 0 {
                 state.holds.remove(&key);
             }
@@ -240,7 +253,7 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
             hooks.extend(entry.lose());
             return false;
         }
-        if entry.renew && entry.next <= now + BATCH_WINDOW {
+        if entry.renewing > 0 && entry.next <= now + BATCH_WINDOW {
             due.push(Due {
                 key: key.clone(),
                 generation: entry.generation,
@@ -250,7 +263,7 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
         true
     });
     // Unrenewed holds wake the loop when their lease ends, to fire `lost`.
-    for entry in state.holds.values_mut().filter(|e| !e.renew) {
+    for entry in state.holds.values_mut().filter(|e| e.renewing == 0) {
         entry.next = entry.confirmed + entry.lease;
     }
     (due, hooks)
