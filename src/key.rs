@@ -13,6 +13,8 @@
 //! assert_eq!(by_path.extract(&req), Ok(Some("42".to_owned())));
 //! ```
 
+use std::sync::Arc;
+
 use http::Request;
 
 use crate::error::KeyError;
@@ -47,7 +49,7 @@ pub(crate) struct LockKey {
     /// The key as the application gave it (for errors, spans and `HeldLock::key`).
     pub(crate) user: String,
     /// The lock hash: `owner -> reentry count`, plus the token field.
-    pub(crate) lock: String,
+    pub(crate) lock: Arc<str>,
     /// The fencing counter, kept apart from the lock so tokens survive its deletion.
     pub(crate) fence: String,
     /// The channel a release is published on.
@@ -61,7 +63,7 @@ impl LockKey {
         Ok(LockKey {
             fence: format!("{tagged}:fence"),
             channel: format!("{tagged}:released"),
-            lock: tagged,
+            lock: tagged.into(),
             user,
         })
     }
@@ -105,7 +107,7 @@ mod tests {
     #[test]
     fn braces_cannot_move_the_hash_tag() {
         let k = LockKey::new("ns", "a}b{c".into(), 64).unwrap();
-        assert_eq!(k.lock, "ns:{a%7Db%7Bc}");
+        assert_eq!(&*k.lock, "ns:{a%7Db%7Bc}");
         assert_eq!(k.channel, "ns:{a%7Db%7Bc}:released");
     }
 

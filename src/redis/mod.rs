@@ -429,7 +429,6 @@ impl Inner {
             Mode::Wait(wait) => Some(started + wait),
         };
         let c = Contender {
-            lock_key: key.lock.as_str().into(),
             key,
             claim: Claim {
                 owner,
@@ -441,7 +440,7 @@ impl Inner {
         };
         let limit = deadline.map(|_| request.max_local_waiters);
         loop {
-            let slot = match (self.queues.enter(&c.lock_key, &c.claim, limit), deadline) {
+            let slot = match (self.queues.enter(&c.key.lock, &c.claim, limit), deadline) {
                 (Entry::Head(slot), _) => Some(slot),
                 (Entry::Reentrant, _) => None,
                 (Entry::Full, _) => {
@@ -478,7 +477,7 @@ impl Inner {
     /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
     async fn busy(&self, c: &Contender) -> LockError {
         let mut pttl = redis::cmd("PTTL");
-        pttl.arg(&c.key.lock);
+        pttl.arg(&*c.key.lock);
         let retry_after = match timeout(self.command_timeout, self.pool.query::<i64>(&pttl)).await {
             Ok(Ok(ms)) => u64::try_from(ms).ok().map(Duration::from_millis),
             _ => None,
@@ -560,31 +559,28 @@ impl Inner {
             owner: c.claim.owner.clone(),
             lease: c.claim.lease,
         };
-        self.runtime
-            .spawn(unclaimed.run(invocation_args(c, self.fence_ttl), reply_tx));
+        self.runtime.spawn(unclaimed.run(reply_tx));
         let reply = match timeout(budget, reply_rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(CommandError::Shutdown),
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
-        let error = match reply {
-            Ok(reply) => {
-                return match reply.as_slice() {
-                    [1, token, _count] => u64::try_from(*token)
-                        .map(|token| Attempt::Acquired { token, sent_at })
-                        .map_err(|_| LockError::backend("acquire", UnexpectedReply("acquire"))),
-                    [0, pttl] => Ok(Attempt::Held(
-                        u64::try_from(*pttl).ok().map(Duration::from_millis),
-                    )),
-                    _ => Err(LockError::backend("acquire", UnexpectedReply("acquire"))),
-                };
-            }
-            Err(e) if e.is_wrong_type() => LockError::WrongType {
-                key: c.key.user.clone(),
+        let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
+        match reply {
+            Ok(reply) => match reply.as_slice() {
+                [1, token, _count] => u64::try_from(*token)
+                    .map(|token| Attempt::Acquired { token, sent_at })
+                    .map_err(|_| unexpected()),
+                [0, pttl] => Ok(Attempt::Held(
+                    u64::try_from(*pttl).ok().map(Duration::from_millis),
+                )),
+                _ => Err(unexpected()),
             },
-            Err(e) => LockError::backend("acquire", e),
-        };
-        Err(error)
+            Err(e) if e.is_wrong_type() => Err(LockError::WrongType {
+                key: c.key.user.clone(),
+            }),
+            Err(e) => Err(LockError::backend("acquire", e)),
+        }
     }
 
     /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
@@ -600,7 +596,7 @@ impl Inner {
         let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
         let hold = RedisHold::new(self.clone(), key, claim.owner, claim.lease, slot);
         let (lost, generation) = self.watchdog.register(
-            hold.lock_key.clone(),
+            hold.key.lock.clone(),
             hold.owner.clone(),
             claim.lease,
             claim.renew,
@@ -629,7 +625,6 @@ impl Inner {
 /// One acquisition in progress.
 struct Contender {
     key: Arc<LockKey>,
-    lock_key: Arc<str>,
     claim: Claim,
     started: Instant,
     deadline: Option<Instant>,
@@ -657,30 +652,9 @@ fn outcome(error: &LockError) -> &'static str {
     }
 }
 
-/// An acquire script that was sent and whose outcome is not known. It may have run
-/// although its reply never came (Redis paused, a slow network), or the acquisition may
-/// have been cancelled while waiting for the reply (client gone, an outer timeout).
-/// Dropping it unsettled undoes the script in the background; otherwise the lock would
-/// The arguments of one acquire script call.
-struct AcquireArgs {
-    lock: String,
-    fence: String,
-    owner: String,
-    lease_ms: u64,
-    fence_ttl_ms: u64,
-}
-
-fn invocation_args(c: &Contender, fence_ttl: Duration) -> AcquireArgs {
-    AcquireArgs {
-        lock: c.key.lock.clone(),
-        fence: c.key.fence.clone(),
-        owner: c.claim.owner.as_str().to_owned(),
-        lease_ms: millis(c.claim.lease),
-        fence_ttl_ms: millis(fence_ttl),
-    }
-}
-
 /// An acquire script call whose reply may find nobody waiting for it.
+/// It may run although its reply never comes (Redis paused, a slow network), or its
+/// attempt may be cancelled while it runs (client gone, an outer timeout).
 struct InFlight {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
@@ -691,22 +665,18 @@ struct InFlight {
 impl InFlight {
     /// Runs the script and hands the reply to the attempt; if the attempt is gone, gives
     /// back what the script took.
-    async fn run(
-        self,
-        args: AcquireArgs,
-        reply_tx: tokio::sync::oneshot::Sender<Result<Vec<i64>, CommandError>>,
-    ) {
+    async fn run(self, reply_tx: tokio::sync::oneshot::Sender<Result<Vec<i64>, CommandError>>) {
         let mut conn = match self.inner.pool.connection().await {
             Ok(conn) => conn,
             // Nothing was sent, so nothing to undo.
             Err(e) => return drop(reply_tx.send(Err(e))),
         };
-        let mut invocation = self.inner.scripts.acquire.key(&args.lock);
+        let mut invocation = self.inner.scripts.acquire.key(&*self.key.lock);
         invocation
-            .key(&args.fence)
-            .arg(&args.owner)
-            .arg(args.lease_ms)
-            .arg(args.fence_ttl_ms);
+            .key(&self.key.fence)
+            .arg(self.owner.as_str())
+            .arg(millis(self.lease))
+            .arg(millis(self.inner.fence_ttl));
         let reply = conn.invoke::<Vec<i64>>(&invocation).await;
         let ambiguous = matches!(&reply, Err(e) if e.is_ambiguous());
         let undelivered = reply_tx.send(reply).err();
@@ -730,7 +700,7 @@ impl InFlight {
             // runs the undo after it; not when the owner holds the key already (a re-entry),
             // where a release that the script did not need would take the outer hold away.
             _ if ambiguous && !self.inner.watchdog.is_held(&self.key.lock, &self.owner) => {
-                hold().undo(Some(conn)).await;
+                hold().undo(conn).await;
             }
             _ => {}
         }
@@ -741,7 +711,6 @@ impl InFlight {
 struct RedisHold {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
-    lock_key: Arc<str>,
     owner: LockOwner,
     /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
     latch: String,
@@ -764,7 +733,6 @@ impl RedisHold {
         let seq = inner.sequence.fetch_add(1, Ordering::Relaxed);
         RedisHold {
             latch: format!("{}#{seq}", owner.as_str()),
-            lock_key: key.lock.as_str().into(),
             inner,
             key,
             owner,
@@ -776,7 +744,7 @@ impl RedisHold {
 
     /// The release script for this hold, handing the lock to `successor` if given.
     fn invocation(&self, successor: Option<&Claim>, streak_spent: bool) -> ScriptInvocation<'_> {
-        let mut invocation = self.inner.scripts.release.key(&*self.lock_key);
+        let mut invocation = self.inner.scripts.release.key(&*self.key.lock);
         invocation
             .key(&self.key.fence)
             .arg(self.owner.as_str())
@@ -795,17 +763,15 @@ impl RedisHold {
     /// connection the acquire script was sent on, so Redis runs it after that script even
     /// if both are still queued (Redis paused); a plain retry on another connection could
     /// find nothing to release, stop, and let the late acquisition stand.
-    async fn undo(mut self, conn: Option<Conn>) {
-        if let Some(mut conn) = conn {
-            let invocation = self.invocation(None, false);
-            let sent = timeout(
-                self.inner.command_timeout,
-                conn.invoke::<Vec<i64>>(&invocation),
-            );
-            // Any reply settles it; without one, the queued release still runs in order.
-            if matches!(sent.await, Ok(Ok(_))) {
-                return;
-            }
+    async fn undo(mut self, mut conn: Conn) {
+        let invocation = self.invocation(None, false);
+        let sent = timeout(
+            self.inner.command_timeout,
+            conn.invoke::<Vec<i64>>(&invocation),
+        );
+        // Any reply settles it; without one, the queued release still runs in order.
+        if matches!(sent.await, Ok(Ok(_))) {
+            return;
         }
         let retry_for = self.lease;
         let _ = self.run(retry_for).await;
@@ -938,20 +904,25 @@ impl WatchedHold {
     /// Stops renewal; returns the hold if a release is still owed to Redis. A hold known
     /// lost is owed nothing: its owner may hold the key again under a new hold, which a
     /// release of the old one would take away.
-    fn stop(self) -> Option<RedisHold> {
+    fn stop(self) -> Result<RedisHold, LockError> {
         let hold = self.hold;
         hold.inner
             .watchdog
-            .unregister(&hold.lock_key, &hold.owner, self.generation, self.renew);
-        (!self.lost.is_cancelled()).then_some(hold)
+            .unregister(&hold.key.lock, &hold.owner, self.generation, self.renew);
+        if self.lost.is_cancelled() {
+            return Err(LockError::Lost {
+                key: hold.key.user.clone(),
+            });
+        }
+        Ok(hold)
     }
 }
 
 impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let lost_key = self.hold.key.user.clone();
-        let Some(hold) = self.stop() else {
-            return Box::pin(std::future::ready(Err(LockError::Lost { key: lost_key })));
+        let hold = match self.stop() {
+            Ok(hold) => hold,
+            Err(lost) => return Box::pin(std::future::ready(Err(lost))),
         };
         // The caller awaits this one: retry briefly, then report. What is still owed then
         // (or when the caller stops waiting) is finished in the background, so a release
@@ -962,7 +933,7 @@ impl ReleaseHold for WatchedHold {
     }
 
     fn release_in_background(self: Box<Self>) {
-        if let Some(hold) = self.stop() {
+        if let Ok(hold) = self.stop() {
             hold.finish_in_background();
         }
     }

@@ -190,11 +190,11 @@ impl Watchdog {
     }
 
     /// Whether `owner` has a hold on `lock_key` that has not been released.
-    pub(crate) fn is_held(&self, lock_key: &str, owner: &LockOwner) -> bool {
+    pub(crate) fn is_held(&self, lock_key: &Arc<str>, owner: &LockOwner) -> bool {
         self.shared
             .state()
             .holds
-            .contains_key(&(Arc::from(lock_key), owner.clone()))
+            .contains_key(&(lock_key.clone(), owner.clone()))
     }
 
     /// Number of locks currently watched.
