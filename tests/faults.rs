@@ -19,8 +19,8 @@ use http::StatusCode;
 use redis::AsyncCommands;
 use support::child::{self, ChildProcess};
 use support::{
-    RedisServer, Reply, channel, eventually, http_client, lock_key, post, post_request, queued,
-    serve, try_send,
+    RedisServer, Reply, eventually, http_client, lock_key, post, post_request, queued, serve,
+    try_send,
 };
 use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
@@ -117,30 +117,6 @@ fn assert_problem_json(reply: &Reply) {
     );
 }
 
-async fn wait_until_held(server: &RedisServer, key: &str) {
-    let lock = lock_key(key);
-    eventually("the lock is held", || server.exists(&lock)).await;
-}
-
-async fn wait_until_released(server: &RedisServer, key: &str) {
-    wait_until_gone(server, &lock_key(key)).await;
-}
-
-async fn wait_until_gone(server: &RedisServer, redis_key: &str) {
-    eventually(&format!("{redis_key} is gone"), || async {
-        !server.exists(redis_key).await
-    })
-    .await;
-}
-
-async fn wait_for_subscribers(server: &RedisServer, key: &str, n: i64) {
-    let channel = channel(key);
-    eventually(&format!("{n} subscriber(s) on {channel}"), || async {
-        server.numsub(&channel).await == n
-    })
-    .await;
-}
-
 // ---------------------------------------------------------------------------------------
 // Redis faults
 
@@ -150,7 +126,7 @@ async fn redis_killed_mid_request_answers_503_and_recovers_after_restart() {
         start_app(|layer| layer.wait(RECOVERY_WAIT).lease(Duration::from_secs(2))).await;
 
     let holder = spawn_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
     let waiters: Vec<_> = (0..3).map(|_| spawn_post(addr, "/quick/a")).collect();
     queued(&backend, 3).await;
 
@@ -225,7 +201,7 @@ async fn redis_restarted_under_a_holder_aborts_it_and_tokens_keep_increasing() {
     let (mut server, _, addr) = start_app(|layer| layer.lease(Duration::from_secs(3))).await;
     let before = fencing_token(addr, "a").await;
     let holder = spawn_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
 
     // Without persistence the restarted server has lost the lock and its fence counter.
     server.restart();
@@ -245,7 +221,7 @@ async fn redis_restarted_under_a_holder_aborts_it_and_tokens_keep_increasing() {
 async fn lock_key_overwritten_while_held_aborts_the_holder_and_keeps_the_overwrite() {
     let (server, backend, addr) = start_app(|layer| layer.lease(Duration::from_secs(1))).await;
     let holder = spawn_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
 
     let mut conn = server.conn().await;
     let _: () = conn.set(lock_key("a"), "someone else's").await.unwrap();
@@ -297,7 +273,7 @@ async fn redis_paused_past_the_lease_stops_the_holder_with_503_then_recovers() {
     let (server, _, addr) =
         start_app(|layer| layer.wait(RECOVERY_WAIT).lease(Duration::from_secs(1))).await;
     let holder = spawn_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
 
     server.pause();
     // Renewals time out; once the lease has certainly run out the handler is stopped.
@@ -305,7 +281,7 @@ async fn redis_paused_past_the_lease_stops_the_holder_with_503_then_recovers() {
     server.resume();
     assert_eq!(rejection(&reply), (503, "Lost".to_owned()));
     // Redis expired the lease on its own clock meanwhile.
-    wait_until_released(&server, "a").await;
+    server.wait_until_released("a").await;
     assert_recovered(&server, addr).await;
 }
 
@@ -329,7 +305,7 @@ async fn release_that_cannot_reach_a_paused_redis_completes_after_sigcont() {
         .layer(Extension(gate.clone()));
     let addr = serve(app).await;
     let request = spawn_post(addr, "/gate/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
 
     // Freeze Redis until the backend has noticed (its subscriber's ping timed out), so the
     // release cannot even be sent before the handler's answer is due.
@@ -346,7 +322,7 @@ async fn release_that_cannot_reach_a_paused_redis_completes_after_sigcont() {
         "the work was done under the lock: {reply:?}"
     );
     // The default lease (30 s) is far beyond this wait: the release itself freed it.
-    wait_until_released(&server, "a").await;
+    server.wait_until_released("a").await;
 }
 
 /// Takes `key` with a lease (30 s) far beyond any wait in these tests, so that a waiter
@@ -368,7 +344,7 @@ async fn assert_recovered(server: &RedisServer, addr: SocketAddr) {
     assert_eq!(reply.status, 200, "uncontended after the fault: {reply:?}");
     let guard = hold_long(&server.backend().await, "contended").await;
     let waiter = spawn_post(addr, "/quick/contended");
-    wait_for_subscribers(server, "contended", 1).await;
+    server.wait_for_subscribers("contended", 1).await;
     guard.release().await.expect("release");
     assert_eq!(
         statuses(vec![waiter]).await,
@@ -393,12 +369,12 @@ async fn subscriber_killed_while_waiting_waiters_are_served_after_the_release() 
             waiters.extend((0..3).map(|_| spawn_post(addr, &format!("/quick/{key}"))));
         }
         for key in keys {
-            wait_for_subscribers(&server, key, 1).await;
+            server.wait_for_subscribers(key, 1).await;
         }
         assert!(server.kill_subscribers().await >= 1);
         if resubscribed_before_release {
             for key in keys {
-                wait_for_subscribers(&server, key, 1).await;
+                server.wait_for_subscribers(key, 1).await;
             }
         }
         for holder in holders {
@@ -407,7 +383,7 @@ async fn subscriber_killed_while_waiting_waiters_are_served_after_the_release() 
         assert_eq!(statuses(waiters).await, [200; 15]);
     }
     for key in keys {
-        wait_for_subscribers(&server, key, 0).await;
+        server.wait_for_subscribers(key, 0).await;
     }
 }
 
@@ -433,8 +409,8 @@ async fn handler_panic_releases_the_lock_and_leaves_no_subscription() {
         outcome.is_err(),
         "the panic drops the connection: {outcome:?}"
     );
-    wait_until_released(&server, "a").await;
-    wait_for_subscribers(&server, "a", 0).await;
+    server.wait_until_released("a").await;
+    server.wait_for_subscribers("a", 0).await;
     assert_eq!(post(&http_client(), addr, "/quick/a").await.status, 200);
 }
 
@@ -453,7 +429,7 @@ fn raw_post(addr: SocketAddr, path: &str) -> TcpStream {
 async fn client_disconnect_releases_the_lock_and_leaves_no_subscription() {
     let (server, backend, addr) = start_app(|layer| layer.wait(Duration::from_secs(30))).await;
     let holding = raw_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
     let waiting = raw_post(addr, "/hold/a");
     queued(&backend, 1).await;
 
@@ -464,7 +440,7 @@ async fn client_disconnect_releases_the_lock_and_leaves_no_subscription() {
         "the holder is unaffected"
     );
     drop(holding);
-    wait_until_released(&server, "a").await;
+    server.wait_until_released("a").await;
     assert_eq!(backend.stats().channels_with_waiters, 0);
     assert_eq!(backend.stats().watched_locks, 0);
 }
@@ -487,7 +463,7 @@ async fn acquisition_cancelled_while_its_script_is_in_flight_leaves_no_lock() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     acquiring.abort();
     server.resume();
-    wait_until_released(&server, "a").await;
+    server.wait_until_released("a").await;
     assert!(backend.lock("a").try_once().await.is_ok());
 }
 
@@ -502,14 +478,14 @@ async fn outer_timeout_layer_releases_the_lock_and_leaves_no_subscription() {
     ));
     let addr = serve(app).await;
     let holding = spawn_post(addr, "/hold/a");
-    wait_until_held(&server, "a").await;
+    server.wait_until_held("a").await;
     let waiting = spawn_post(addr, "/hold/a");
     queued(&backend, 1).await;
 
     // The holder's handler and the waiter's acquisition are both cut off by the timeout.
     assert_eq!(statuses(vec![holding, waiting]).await, [504, 504]);
-    wait_until_released(&server, "a").await;
-    wait_for_subscribers(&server, "a", 0).await;
+    server.wait_until_released("a").await;
+    server.wait_for_subscribers("a", 0).await;
     assert_eq!(backend.stats().channels_with_waiters, 0);
 }
 
@@ -683,7 +659,7 @@ async fn braces_in_keys_stay_in_the_namespace_and_the_slot_of_their_channel() {
         );
         guard.release().await.expect("release");
         finish(waiting).await.expect("the waiter gets the lock");
-        wait_until_gone(&server, &names[0]).await;
+        server.wait_until_gone(&names[0]).await;
         lock_names.push(names[0].clone());
     }
     let distinct: std::collections::HashSet<_> = lock_names.iter().collect();

@@ -10,7 +10,9 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::routing;
 use redis::AsyncCommands;
-use support::{Gate, RedisServer, eventually, http_client, post, serve};
+use support::{
+    Gate, RedisServer, eventually, http_client, lock_key, post, post_request, queued, serve,
+};
 use tokio::io::AsyncWriteExt;
 use tower_lock::{LockError, LockLayer, RedisBackend};
 
@@ -131,10 +133,6 @@ fn path_key(req: &Request) -> Option<String> {
     req.uri().path().rsplit('/').next().map(str::to_owned)
 }
 
-fn lock_name(key: &str) -> String {
-    format!("tower-lock:{{{key}}}")
-}
-
 #[tokio::test]
 async fn fail_fast_answers_409_while_the_lock_is_held() {
     let server = RedisServer::start();
@@ -178,10 +176,7 @@ async fn waiting_request_is_served_when_released_within_the_wait() {
     let held = app.backend.lock("k").try_once().await.unwrap();
     let addr = app.addr;
     let request = tokio::spawn(async move { post(&http_client(), addr, "/quick/k").await });
-    eventually("the request waits on the lock", || async {
-        app.backend.stats().local_waiters == 1
-    })
-    .await;
+    queued(&app.backend, 1).await;
     held.release().await.unwrap();
     assert_eq!(request.await.unwrap().status, 200);
 }
@@ -254,12 +249,12 @@ async fn nested_layers_on_one_key_reenter_and_leave_no_hash() {
     let first = tokio::spawn(async move { post(&http_client(), addr, "/nested").await.status });
     entered_rx.await.unwrap();
     let mut conn = server.conn().await;
-    let counts: Vec<i64> = conn.hvals(lock_name("k")).await.unwrap();
+    let counts: Vec<i64> = conn.hvals(lock_key("k")).await.unwrap();
     assert!(counts.contains(&2), "the owner entered twice: {counts:?}");
     assert_eq!(post(&http_client(), addr, "/nested").await.status, 409);
     go_tx.send(()).unwrap();
     assert_eq!(first.await.unwrap(), 200);
-    assert!(!conn.exists::<_, bool>(lock_name("k")).await.unwrap());
+    assert!(!server.exists(&lock_key("k")).await);
 }
 
 async fn panics(State(gate): State<Gate>) -> &'static str {
@@ -287,17 +282,14 @@ async fn handler_panic_releases_the_lock_and_its_channel() {
     let client = http_client();
     let first = tokio::spawn({
         let (client, addr) = (client.clone(), instances[0].0);
-        async move { client.request(empty_post(addr, "/panic")).await.is_err() }
+        async move { client.request(post_request(addr, "/panic")).await.is_err() }
     });
     gate.wait_inside(1).await;
     let second = tokio::spawn({
         let (client, addr) = (client.clone(), instances[1].0);
-        async move { client.request(empty_post(addr, "/panic")).await.is_err() }
+        async move { client.request(post_request(addr, "/panic")).await.is_err() }
     });
-    eventually("the second instance waits in Redis", || async {
-        server.numsub(&format!("{}:released", lock_name("k"))).await == 1
-    })
-    .await;
+    server.wait_for_subscribers("k", 1).await;
     gate.open();
     assert!(
         first.await.unwrap(),
@@ -307,7 +299,8 @@ async fn handler_panic_releases_the_lock_and_its_channel() {
         second.await.unwrap(),
         "the waiter got the lock and panicked too"
     );
-    assert_released(&server, "k").await;
+    server.wait_until_released("k").await;
+    server.wait_for_subscribers("k", 0).await;
     assert_eq!(instances[1].1.stats().channels_with_waiters, 0);
 }
 
@@ -318,16 +311,14 @@ async fn client_disconnect_releases_the_lock_and_its_channel() {
     // The waiter is on a second instance, so that it subscribes in Redis.
     let waiting = holding_app(&server, |l| l.wait(Duration::from_secs(10))).await;
     let mut holder = raw_post(holding.addr, "/hold/k").await;
-    eventually("the handler holds the lock", || lock_exists(&server, "k")).await;
+    server.wait_until_held("k").await;
     let waiter = raw_post(waiting.addr, "/hold/k").await;
-    eventually("the second instance waits in Redis", || async {
-        server.numsub(&format!("{}:released", lock_name("k"))).await == 1
-    })
-    .await;
+    server.wait_for_subscribers("k", 1).await;
     drop(waiter);
     holder.shutdown().await.unwrap();
     drop(holder);
-    assert_released(&server, "k").await;
+    server.wait_until_released("k").await;
+    server.wait_for_subscribers("k", 0).await;
     assert_eq!(holding.backend.stats().watched_locks, 0);
     assert_eq!(waiting.backend.stats().channels_with_waiters, 0);
 }
@@ -338,8 +329,8 @@ async fn lock_deleted_from_outside_aborts_the_handler_with_503() {
     let app = holding_app(&server, |l| l.lease(Duration::from_millis(600))).await;
     let addr = app.addr;
     let request = tokio::spawn(async move { post(&http_client(), addr, "/hold/k").await });
-    eventually("the handler holds the lock", || lock_exists(&server, "k")).await;
-    let _: () = server.conn().await.del(lock_name("k")).await.unwrap();
+    server.wait_until_held("k").await;
+    let _: () = server.conn().await.del(lock_key("k")).await.unwrap();
     let reply = tokio::time::timeout(Duration::from_secs(10), request)
         .await
         .expect("aborted, not left running")
@@ -444,39 +435,10 @@ async fn rejections_can_be_overridden() {
     );
 }
 
-fn empty_post(addr: SocketAddr, path: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    http::Request::post(format!("http://{addr}{path}"))
-        .body(Default::default())
-        .unwrap()
-}
-
 /// Sends a request on a raw connection that the test can drop mid-request.
 async fn raw_post(addr: SocketAddr, path: &str) -> tokio::net::TcpStream {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = format!("POST {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     stream
-}
-
-async fn lock_exists(server: &RedisServer, key: &str) -> bool {
-    server.conn().await.exists(lock_name(key)).await.unwrap()
-}
-
-/// The lock is gone and nobody is subscribed to its release channel any more.
-async fn assert_released(server: &RedisServer, key: &str) {
-    eventually("the lock is released", || async {
-        !lock_exists(server, key).await
-    })
-    .await;
-    let channel = format!("{}:released", lock_name(key));
-    eventually("the release channel has no subscribers", || async {
-        let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg(&channel)
-            .query_async(&mut server.conn().await)
-            .await
-            .unwrap();
-        subscribers == 0
-    })
-    .await;
 }

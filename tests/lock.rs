@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use support::{RedisServer, eventually};
-use tower_lock::{KeyError, LockError, RedisBackend};
+use tower_lock::{KeyError, LockError, LockGuard, RedisBackend};
 
 const KEY: &str = "order:42";
 const LOCK: &str = "tower-lock:{order:42}";
@@ -42,13 +42,7 @@ async fn fencing_tokens_strictly_increase_even_after_external_delete() {
 async fn expired_guard_releases_nothing_of_the_new_owner() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let stale = backend
-        .lock(KEY)
-        .lease(Duration::from_millis(200))
-        .without_watchdog()
-        .try_once()
-        .await
-        .unwrap();
+    let stale = take_unrenewed(&backend, Duration::from_millis(200)).await;
     let fresh = backend
         .lock(KEY)
         .wait(Duration::from_secs(5))
@@ -73,13 +67,7 @@ async fn expired_guard_releases_nothing_of_the_new_owner() {
 async fn leaked_guard_is_acquired_after_its_lease_without_a_release_message() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let leaked = backend
-        .lock(KEY)
-        .lease(Duration::from_secs(1))
-        .without_watchdog()
-        .try_once()
-        .await
-        .unwrap();
+    let leaked = take_unrenewed(&backend, Duration::from_secs(1)).await;
     std::mem::forget(leaked);
 
     let guard = backend.lock(KEY).wait(Duration::from_secs(10)).await;
@@ -96,12 +84,7 @@ async fn watchdog_keeps_the_lock_through_three_leases() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let other = server.backend().await;
-    let guard = backend
-        .lock(KEY)
-        .lease(Duration::from_millis(600))
-        .try_once()
-        .await
-        .unwrap();
+    let guard = take(&backend, Duration::from_millis(600)).await;
     tokio::time::sleep(Duration::from_millis(1800)).await;
     assert!(!guard.is_lost());
     assert!(matches!(
@@ -122,8 +105,35 @@ async fn lost_fires_when_the_lock_is_deleted_from_outside() {
     assert!(guard.is_lost());
 }
 
+/// Takes KEY uncontended with `lease`, renewed by the watchdog.
+async fn take(backend: &RedisBackend, lease: Duration) -> LockGuard {
+    backend.lock(KEY).lease(lease).try_once().await.unwrap()
+}
+
+/// Takes KEY uncontended with `lease` and no renewal: it expires after the lease.
+async fn take_unrenewed(backend: &RedisBackend, lease: Duration) -> LockGuard {
+    backend
+        .lock(KEY)
+        .lease(lease)
+        .without_watchdog()
+        .try_once()
+        .await
+        .unwrap()
+}
+
+/// Re-enters `outer`'s lock on KEY as its owner, with `lease`.
+async fn reenter(backend: &RedisBackend, outer: &LockGuard, lease: Duration) -> LockGuard {
+    backend
+        .lock(KEY)
+        .reentrant(outer.held())
+        .lease(lease)
+        .try_once()
+        .await
+        .unwrap()
+}
+
 /// Takes KEY, then re-enters it as the same owner.
-async fn nested_holds(backend: &RedisBackend) -> (tower_lock::LockGuard, tower_lock::LockGuard) {
+async fn nested_holds(backend: &RedisBackend) -> (LockGuard, LockGuard) {
     let outer = backend.lock(KEY).try_once().await.unwrap();
     let inner = backend
         .lock(KEY)
@@ -136,13 +146,8 @@ async fn nested_holds(backend: &RedisBackend) -> (tower_lock::LockGuard, tower_l
 
 /// Takes KEY with a short lease, deletes it from outside and waits until the watchdog
 /// has noticed.
-async fn lost_by_deletion(server: &RedisServer, backend: &RedisBackend) -> tower_lock::LockGuard {
-    let guard = backend
-        .lock(KEY)
-        .lease(Duration::from_millis(600))
-        .try_once()
-        .await
-        .unwrap();
+async fn lost_by_deletion(server: &RedisServer, backend: &RedisBackend) -> LockGuard {
+    let guard = take(backend, Duration::from_millis(600)).await;
     let _: () = server.conn().await.del(LOCK).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), guard.lost())
         .await
@@ -174,12 +179,7 @@ async fn reentry_counts_up_and_the_last_release_frees_the_lock() {
 async fn contended_try_reports_the_holders_remaining_lease() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let _held = backend
-        .lock(KEY)
-        .lease(Duration::from_secs(20))
-        .try_once()
-        .await
-        .unwrap();
+    let _held = take(&backend, Duration::from_secs(20)).await;
     match backend.lock(KEY).try_once().await {
         Err(LockError::Contended {
             retry_after: Some(left),
@@ -207,15 +207,11 @@ async fn waiter_wakes_on_release_and_leaves_no_subscription() {
             .await
             .map(|g| (g, waiter))
     });
-    let channel = format!("{LOCK}:released");
-    eventually("the waiter subscribed", || async {
-        server.numsub(&channel).await == 1
-    })
-    .await;
+    server.wait_for_subscribers(KEY, 1).await;
     guard.release().await.unwrap();
     let (guard, waiter) = waiting.await.unwrap().expect("woken by the release");
     assert_eq!(
-        server.numsub(&channel).await,
+        server.numsub(&support::channel(KEY)).await,
         0,
         "unsubscribed after the last waiter left"
     );
@@ -228,10 +224,7 @@ async fn dropped_guard_is_released_in_the_background() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     drop(backend.lock(KEY).try_once().await.unwrap());
-    eventually("the dropped guard is released", || async {
-        !server.exists(LOCK).await
-    })
-    .await;
+    server.wait_until_released(KEY).await;
     assert!(backend.lock(KEY).try_once().await.is_ok());
 }
 
@@ -366,19 +359,8 @@ async fn a_shorter_reentry_lease_never_shortens_the_outer_hold() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let other_instance = server.backend().await;
-    let outer = backend
-        .lock(KEY)
-        .lease(Duration::from_secs(3))
-        .try_once()
-        .await
-        .unwrap();
-    let inner = backend
-        .lock(KEY)
-        .reentrant(outer.held())
-        .lease(Duration::from_millis(200))
-        .try_once()
-        .await
-        .unwrap();
+    let outer = take(&backend, Duration::from_secs(3)).await;
+    let inner = reenter(&backend, &outer, Duration::from_millis(200)).await;
     // Well past the re-entry's own lease, with both guards alive.
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(matches!(
@@ -394,13 +376,7 @@ async fn releasing_a_lost_guard_leaves_the_same_owners_new_hold_alone() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let old = lost_by_deletion(&server, &backend).await;
-    let new = backend
-        .lock(KEY)
-        .reentrant(old.held())
-        .lease(Duration::from_millis(600))
-        .try_once()
-        .await
-        .unwrap();
+    let new = reenter(&backend, &old, Duration::from_millis(600)).await;
 
     assert!(matches!(old.release().await, Err(LockError::Lost { .. })));
     assert!(server.exists(LOCK).await, "the new hold is untouched");
@@ -470,20 +446,8 @@ async fn a_reentry_cancelled_in_flight_is_undone_exactly_once() {
 async fn an_unrenewed_hold_stops_being_renewed_when_a_renewing_reentry_leaves() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let outer = backend
-        .lock(KEY)
-        .lease(Duration::from_secs(1))
-        .without_watchdog()
-        .try_once()
-        .await
-        .unwrap();
-    let inner = backend
-        .lock(KEY)
-        .reentrant(outer.held())
-        .lease(Duration::from_secs(1))
-        .try_once()
-        .await
-        .unwrap();
+    let outer = take_unrenewed(&backend, Duration::from_secs(1)).await;
+    let inner = reenter(&backend, &outer, Duration::from_secs(1)).await;
     inner.release().await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), outer.lost())
         .await

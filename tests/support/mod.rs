@@ -187,6 +187,34 @@ impl RedisServer {
     }
 
     /// Whether `key` exists.
+    /// Waits (generously) until the lock of user key `key` exists.
+    pub async fn wait_until_held(&self, key: &str) {
+        let lock = lock_key(key);
+        eventually("the lock is held", || self.exists(&lock)).await;
+    }
+
+    /// Waits until the lock of user key `key` is gone.
+    pub async fn wait_until_released(&self, key: &str) {
+        self.wait_until_gone(&lock_key(key)).await;
+    }
+
+    /// Waits until the Redis key `redis_key` is gone.
+    pub async fn wait_until_gone(&self, redis_key: &str) {
+        eventually(&format!("{redis_key} is gone"), || async {
+            !self.exists(redis_key).await
+        })
+        .await;
+    }
+
+    /// Waits until the release channel of user key `key` has `n` subscribers.
+    pub async fn wait_for_subscribers(&self, key: &str, n: i64) {
+        let channel = channel(key);
+        eventually(&format!("{n} subscriber(s) on {channel}"), || async {
+            self.numsub(&channel).await == n
+        })
+        .await;
+    }
+
     pub async fn exists(&self, key: &str) -> bool {
         redis::cmd("EXISTS")
             .arg(key)
