@@ -155,24 +155,21 @@ async fn uncontended(server: &RedisServer) -> String {
     );
     let mut out = String::from("### Uncontended acquire + release\n\n");
     out += "| | p50 | p99 |\n|---|---|---|\n";
-    let _ = writeln!(
-        out,
-        "| Redis PING round trip | {} | {} |",
-        us(ping.p50),
-        us(ping.p99)
-    );
-    let _ = writeln!(
-        out,
-        "| two EVALSHA of `return 1` (the floor of one script per step) | {} | {} |",
-        us(script.p50),
-        us(script.p99)
-    );
-    let _ = writeln!(
-        out,
-        "| tower-lock `try_once` + `release` | {} | {} |",
-        us(lock.p50),
-        us(lock.p99)
-    );
+    for (name, latency) in [
+        ("Redis PING round trip", &ping),
+        (
+            "two EVALSHA of `return 1` (the floor of one script per step)",
+            &script,
+        ),
+        ("tower-lock `try_once` + `release`", &lock),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} |",
+            us(latency.p50),
+            us(latency.p99)
+        );
+    }
     let _ = writeln!(
         out,
         "\nRound trips per acquire + release (p50 / PING p50): **{:.2}** (target <= 2.5); \
