@@ -10,7 +10,7 @@ use axum::routing::post as route_post;
 use http_body_util::Full;
 use support::{Gate, HttpClient, RedisServer, Reply, http_client, post, request, send, serve};
 use tower::Layer;
-use tower_lock::{Header, HeldLock, LockLayer, PathParam, QueryParam, RedisBackend};
+use tower_lock::{Header, HeldLock, KeyExtractor, LockLayer, PathParam, QueryParam, RedisBackend};
 
 /// Answers with the key the request is locked on, or `unlocked`.
 async fn echo(req: Request) -> String {
@@ -27,6 +27,17 @@ async fn gated(State(gate): State<Gate>, req: Request) -> String {
 
 fn fail_fast<K>(backend: &RedisBackend, key: K) -> LockLayer<RedisBackend, K> {
     LockLayer::new(backend.clone(), key).fail_fast()
+}
+
+/// `path` answers with the key it is locked on, behind a fail-fast layer keyed by `key`.
+fn echo_route<S, K>(backend: &RedisBackend, path: &str, key: K) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    K: KeyExtractor<axum::body::Body>,
+{
+    Router::new()
+        .route(path, route_post(echo))
+        .route_layer(fail_fast(backend, key))
 }
 
 /// One server and client for a test; `post` is 200 with the locked key, or a problem.
@@ -83,9 +94,11 @@ impl Shop {
 #[tokio::test]
 async fn path_param_locks_the_named_parameter_under_its_prefix() {
     let shop = Shop::start(|backend| {
-        Router::new()
-            .route("/shops/{shop}/orders/{id}/pay", route_post(echo))
-            .route_layer(fail_fast(backend, PathParam::new("id").prefix("order")))
+        echo_route(
+            backend,
+            "/shops/{shop}/orders/{id}/pay",
+            PathParam::new("id").prefix("order"),
+        )
     })
     .await;
     shop.assert_locks("order:42", || shop.post("/shops/7/orders/42/pay"))
@@ -97,17 +110,13 @@ async fn path_param_locks_the_named_parameter_under_its_prefix() {
 #[tokio::test]
 async fn path_param_absent_from_the_route_or_not_utf8_is_400() {
     let shop = Shop::start(|backend| {
-        let misnamed = Router::new()
-            .route("/orders/{id}", route_post(echo))
-            .route_layer(fail_fast(backend, PathParam::new("order_id")));
+        let misnamed = echo_route(backend, "/orders/{id}", PathParam::new("order_id"));
         // Wrapped around a router from outside, the layer runs before routing, where no
         // route parameters exist yet.
         let routed_inside = Router::new().route("/refunds/{id}", route_post(echo));
         let before_routing = Router::new()
             .fallback_service(fail_fast(backend, PathParam::new("id")).layer(routed_inside));
-        let right = Router::new()
-            .route("/carts/{id}", route_post(echo))
-            .route_layer(fail_fast(backend, PathParam::new("id")));
+        let right = echo_route(backend, "/carts/{id}", PathParam::new("id"));
         misnamed.merge(before_routing).merge(right)
     })
     .await;
@@ -129,9 +138,7 @@ async fn header_locks_its_value_and_rejects_missing_empty_repeated_and_non_utf8(
                 backend,
                 Header::new("Idempotency-Key").prefix("payment"),
             ));
-        let optional = Router::new()
-            .route("/quotes", route_post(echo))
-            .route_layer(fail_fast(backend, Header::new("x-quote").optional()));
+        let optional = echo_route(backend, "/quotes", Header::new("x-quote").optional());
         required.merge(optional)
     })
     .await;
@@ -166,9 +173,7 @@ async fn header_locks_its_value_and_rejects_missing_empty_repeated_and_non_utf8(
 #[tokio::test]
 async fn query_param_locks_its_value_and_rejects_missing_repeated_and_non_utf8() {
     let shop = Shop::start(|backend| {
-        Router::new()
-            .route("/checkout", route_post(echo))
-            .route_layer(fail_fast(backend, QueryParam::new("cart").prefix("cart")))
+        echo_route(backend, "/checkout", QueryParam::new("cart").prefix("cart"))
     })
     .await;
     shop.assert_locks("cart:7", || shop.post("/checkout?coupon=x&cart=7"))
@@ -193,9 +198,11 @@ async fn routes_contend_only_when_they_share_a_prefix() {
             .route("/orders/{id}/pay", route_post(gated))
             .route("/orders/{id}/cancel", route_post(echo))
             .route_layer(fail_fast(backend, PathParam::new("id").prefix("order")));
-        let refunds = Router::new()
-            .route("/refunds/{id}", route_post(echo))
-            .route_layer(fail_fast(backend, PathParam::new("id").prefix("refund")));
+        let refunds = echo_route(
+            backend,
+            "/refunds/{id}",
+            PathParam::new("id").prefix("refund"),
+        );
         orders.merge(refunds).with_state(gate.clone())
     })
     .await;
