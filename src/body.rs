@@ -8,8 +8,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 
-use crate::error::LockError;
-use crate::future::release_logged;
+use crate::future::{lost_error, release_logged};
 use crate::lock::{BoxFuture, LockGuard};
 
 /// Wraps a response body for [`LockLayer::hold_until_body_end`](crate::LockLayer::hold_until_body_end).
@@ -58,13 +57,7 @@ where
         }
         if let (Some(lost), Some(guard)) = (this.lost.as_mut(), this.guard.as_ref()) {
             if lost.as_mut().poll(cx).is_ready() {
-                let error = LockError::Lost {
-                    key: guard.key().to_owned(),
-                };
-                tracing::warn!(
-                    key = guard.key(),
-                    "lock lost while the body was sent; aborting it"
-                );
+                let error = lost_error(guard, "the body was sent");
                 *this.lost = None;
                 *this.guard = None;
                 return Poll::Ready(Some(Err(error.into())));

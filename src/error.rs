@@ -60,8 +60,10 @@ impl LockError {
     /// The layer uses this for the `Retry-After` header.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            LockError::Contended { retry_after, .. } | LockError::TimedOut { retry_after, .. } => {
-                *retry_after
+            LockError::Contended { retry_after, .. } => *retry_after,
+            // A 503 always says when to come back: the holder's lease, else a second.
+            LockError::TimedOut { retry_after, .. } => {
+                Some(retry_after.unwrap_or(Duration::from_secs(1)))
             }
             LockError::QueueFull { .. } | LockError::Backend(_) | LockError::Lost { .. } => {
                 Some(Duration::from_secs(1))

@@ -300,12 +300,17 @@ impl<B> KeyExtractor<B> for QueryParam {
 }
 
 /// Decodes one `application/x-www-form-urlencoded` component; `None` if not UTF-8.
-fn decode(component: &str) -> Option<String> {
+/// Decodes a query component; borrows it when there is nothing to decode, since every
+/// pair's name is decoded just to be compared.
+fn decode(component: &str) -> Option<std::borrow::Cow<'_, str>> {
+    if !component.contains(['+', '%']) {
+        return Some(component.into());
+    }
     let spaced = component.replace('+', " ");
     percent_encoding::percent_decode_str(&spaced)
         .decode_utf8()
         .ok()
-        .map(|s| s.into_owned())
+        .map(|s| s.into_owned().into())
 }
 
 #[cfg(test)]

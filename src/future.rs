@@ -119,17 +119,28 @@ where
 /// lock whose release failed is freed by its lease.
 pub(crate) fn release_logged(guard: LockGuard) -> BoxFuture<'static, ()> {
     Box::pin(async move {
-        let key = guard.key().to_owned();
+        let held = guard.held().clone();
         match guard.release().await {
             Ok(()) => {}
             Err(LockError::Lost { .. }) => {
-                tracing::warn!(%key, "lock was lost before the request finished");
+                tracing::warn!(
+                    key = held.key(),
+                    "lock was lost before the request finished"
+                );
             }
             Err(error) => {
-                tracing::warn!(%key, %error, "lock release not confirmed yet; retrying in the background")
+                tracing::warn!(key = held.key(), %error, "lock release not confirmed yet; retrying in the background")
             }
         }
     })
+}
+
+/// The error for a lock lost while `during`, logged once where it is found.
+pub(crate) fn lost_error(guard: &LockGuard, during: &str) -> LockError {
+    tracing::warn!(key = guard.key(), "lock lost while {during}; aborting it");
+    LockError::Lost {
+        key: guard.key().to_owned(),
+    }
 }
 
 const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
@@ -185,14 +196,7 @@ where
                     if let Some(lost) = lost {
                         if lost.as_mut().poll(cx).is_ready() {
                             let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                            let error = LockError::Lost {
-                                key: guard.key().to_owned(),
-                            };
-                            tracing::warn!(
-                                key = guard.key(),
-                                "lock lost while the handler ran; aborting it"
-                            );
-                            let response = config.reject(error);
+                            let response = config.reject(lost_error(&guard, "the handler ran"));
                             // Setting the state drops the handler future, then the guard
                             // releases whatever may be left in the background.
                             state.set(State::Ready {

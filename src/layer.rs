@@ -76,6 +76,7 @@ impl Config {
 ///
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
 /// route, see [`extract`](crate::extract).
+#[derive(Clone)]
 pub struct LockLayer<B, K> {
     backend: B,
     key: K,
@@ -157,16 +158,6 @@ impl<B: LockBackend, K> LockLayer<B, K> {
         Arc::make_mut(&mut self.config).rejection =
             Some(Arc::new(move |error| rejection(error).into_response()));
         self
-    }
-}
-
-impl<B: Clone, K: Clone> Clone for LockLayer<B, K> {
-    fn clone(&self) -> Self {
-        LockLayer {
-            backend: self.backend.clone(),
-            key: self.key.clone(),
-            config: self.config.clone(),
-        }
     }
 }
 

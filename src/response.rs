@@ -102,13 +102,7 @@ impl IntoResponse for LockError {
         let mut response = (status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        let retry_after = match &self {
-            LockError::TimedOut { .. } => {
-                Some(self.retry_after().unwrap_or(Duration::from_secs(1)))
-            }
-            _ => self.retry_after(),
-        };
-        if let Some(retry_after) = retry_after {
+        if let Some(retry_after) = self.retry_after() {
             headers.insert(
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after_secs(retry_after)),

@@ -15,15 +15,11 @@ use crate::error::LockError;
 use crate::future::ResponseFuture;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
-use crate::lock::LockOwner;
-
-/// The owner every lock of one request is held under, kept in the request extensions so
-/// that nested layers re-enter instead of deadlocking.
-#[derive(Clone)]
-pub(crate) struct RequestOwner(pub(crate) LockOwner);
+use crate::lock::HeldLock;
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
+#[derive(Clone)]
 pub struct LockService<S, B, K> {
     inner: S,
     backend: B,
@@ -38,17 +34,6 @@ impl<S, B, K> LockService<S, B, K> {
             backend,
             key,
             config,
-        }
-    }
-}
-
-impl<S: Clone, B: Clone, K: Clone> Clone for LockService<S, B, K> {
-    fn clone(&self) -> Self {
-        LockService {
-            inner: self.inner.clone(),
-            backend: self.backend.clone(),
-            key: self.key.clone(),
-            config: self.config.clone(),
         }
     }
 }
@@ -80,7 +65,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
@@ -88,13 +73,12 @@ where
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }
         };
-        let owner = match request.extensions().get::<RequestOwner>() {
-            Some(RequestOwner(owner)) => owner.clone(),
-            None => {
-                let owner = self.backend.new_owner();
-                request.extensions_mut().insert(RequestOwner(owner.clone()));
-                owner
-            }
+        // An outer layer has put its `HeldLock` into the extensions: nested layers take
+        // their locks under the same owner, so one request re-enters instead of
+        // deadlocking on itself.
+        let owner = match request.extensions().get::<HeldLock>() {
+            Some(held) => held.owner().clone(),
+            None => self.backend.new_owner(),
         };
         let acquire = self
             .backend
