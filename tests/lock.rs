@@ -454,3 +454,32 @@ async fn an_unrenewed_hold_stops_being_renewed_when_a_renewing_reentry_leaves() 
         .expect("the outer hold's lease runs out as it promised");
     assert!(server.backend().await.lock(KEY).try_once().await.is_ok());
 }
+
+#[tokio::test]
+async fn a_renewal_never_shortens_a_longer_reentry_of_another_instance() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let other_instance = server.backend().await;
+    let short = Duration::from_millis(600);
+    let outer = take(&backend, short).await;
+    // The same owner re-enters through another backend (another layer's, another
+    // process's): only that backend's watchdog knows the long lease.
+    let inner = reenter(&other_instance, &outer, Duration::from_secs(60)).await;
+    let scripts = ["evalsha", "eval"];
+    let before = server.command_calls(&scripts).await;
+    // The outer backend renews every 200 ms; nothing else runs a script now.
+    eventually("the outer hold was renewed twice", || async {
+        server.command_calls(&scripts).await - before >= 2
+    })
+    .await;
+    tokio::time::sleep(short).await;
+    assert!(server.exists(LOCK).await, "renewed past the short lease");
+    let pttl: i64 = server.conn().await.pttl(LOCK).await.unwrap();
+    assert!(
+        pttl > 30_000,
+        "a renewal shortened the 60 s re-entry's lease to PTTL {pttl} ms"
+    );
+    assert!(!outer.is_lost());
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+}

@@ -18,9 +18,7 @@ if kind == 'hash' then
   end
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
   -- A re-entry may extend the lease but never shorten the outer hold's.
-  if redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) then
-    redis.call('pexpire', KEYS[1], ARGV[2])
-  end
+  extend_lease(KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
 end
 

@@ -37,9 +37,7 @@ end
 if count > 1 then
   redis.call('hincrby', KEYS[1], ARGV[1], -1)
   redis.call('hset', KEYS[1], ARGV[2], 1)
-  if redis.call('pttl', KEYS[1]) < tonumber(ARGV[3]) then
-    redis.call('pexpire', KEYS[1], ARGV[3])
-  end
+  extend_lease(KEYS[1], ARGV[3])
   return {1}
 end
 redis.call('del', KEYS[1])

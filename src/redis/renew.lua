@@ -4,14 +4,19 @@
 -- ARGV[2i-1]  the owner id that should hold KEYS[i]
 -- ARGV[2i]    the new lease for KEYS[i] in milliseconds
 --
--- Returns one entry per key: 1 when the owner still holds it (lease reset), 0 when it
--- does not (expired, deleted, or replaced by a value of another type), so that one bad
--- key cannot fail the renewal of the others.
+-- A renewal only extends (extend_lease, from lease.lua), never shortens: the same owner
+-- may hold KEYS[i] with a longer lease that ARGV[2i] does not reflect, taken through
+-- another backend (another layer or instance, with its own watchdog) or by a re-entry
+-- that ran while this renewal was in flight. A plain PEXPIRE cut that lease short.
+--
+-- Returns one entry per key: 1 when the owner still holds it (its lease now at least
+-- ARGV[2i]), 0 when it does not (expired, deleted, or replaced by a value of another
+-- type), so that one bad key cannot fail the renewal of the others.
 local renewed = {}
 for i, key in ipairs(KEYS) do
   local held = redis.pcall('hexists', key, ARGV[2 * i - 1])
   if held == 1 then
-    redis.call('pexpire', key, ARGV[2 * i])
+    extend_lease(key, ARGV[2 * i])
     renewed[i] = 1
   else
     renewed[i] = 0

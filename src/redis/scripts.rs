@@ -2,8 +2,8 @@
 //!
 //! `redis::Script` sends EVALSHA and, on NOSCRIPT (a restarted or flushed server), loads
 //! the script and retries once, so a script is shipped over the wire only when needed.
-//! Lua has no includes: the token logic shared by acquire and release (`token.lua`) is
-//! prepended to both at compile time.
+//! Lua has no includes: the helpers the scripts share (`lease.lua`: extend a lease, never
+//! shorten it; `token.lua`: the next fencing token) are prepended at compile time.
 
 use redis::Script;
 
@@ -19,14 +19,19 @@ impl Scripts {
     pub(crate) fn new() -> Self {
         Scripts {
             acquire: Script::new(concat!(
+                include_str!("lease.lua"),
                 include_str!("token.lua"),
                 include_str!("acquire.lua")
             )),
             release: Script::new(concat!(
+                include_str!("lease.lua"),
                 include_str!("token.lua"),
                 include_str!("release.lua")
             )),
-            renew: Script::new(include_str!("renew.lua")),
+            renew: Script::new(concat!(
+                include_str!("lease.lua"),
+                include_str!("renew.lua")
+            )),
             fence: Script::new(include_str!("fence.lua")),
         }
     }
