@@ -483,3 +483,59 @@ async fn a_renewal_never_shortens_a_longer_reentry_of_another_instance() {
     inner.release().await.unwrap();
     outer.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn released_keys_leave_only_short_lived_fence_counters() {
+    const KEYS: usize = 2_000;
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    // A new key per request, as a route keyed on an Idempotency-Key header sees them.
+    for batch in (0..KEYS).collect::<Vec<_>>().chunks(200) {
+        let takes = batch.iter().map(|i| {
+            let backend = backend.clone();
+            async move {
+                let guard = backend.lock(format!("request:{i}")).try_once().await?;
+                guard.release().await
+            }
+        });
+        for released in futures_util::future::join_all(takes).await {
+            released.expect("uncontended take and release");
+        }
+    }
+    let left = namespace_ttls(&server).await;
+    assert!(
+        left.iter().all(|(key, _)| key.ends_with(":fence")),
+        "only fence counters are left: {:?}",
+        left.iter().find(|(key, _)| !key.ends_with(":fence"))
+    );
+    assert_eq!(left.len(), KEYS, "one counter per released key");
+    // The documented default of `fence_ttl`, well under the hour the issue allows.
+    let bound = 600;
+    for (key, ttl) in &left {
+        assert!(
+            (1..=bound).contains(ttl),
+            "{key} outlives its release by {ttl} s (bound {bound} s; -1: never expires)"
+        );
+    }
+}
+
+/// Every key of the test backends' namespace with its TTL in seconds (-1: none), by SCAN
+/// as an operator would look.
+async fn namespace_ttls(server: &RedisServer) -> Vec<(String, i64)> {
+    let mut conn = server.conn().await;
+    let keys: Vec<String> = {
+        let mut iter: redis::AsyncIter<String> =
+            conn.scan_match("tower-lock:*").await.expect("SCAN");
+        let mut keys = Vec::new();
+        while let Some(key) = iter.next_item().await {
+            keys.push(key.expect("SCAN reply"));
+        }
+        keys
+    };
+    let mut ttls = Vec::with_capacity(keys.len());
+    for key in keys {
+        let ttl: i64 = conn.ttl(&key).await.expect("TTL");
+        ttls.push((key, ttl));
+    }
+    ttls
+}

@@ -113,7 +113,8 @@ impl RedisBackend {
             max_key_len: DEFAULT_MAX_KEY_LEN,
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_secs(1),
-            fence_ttl: Duration::from_secs(7 * 24 * 3600),
+            // Ten minutes: see `fence_ttl` for why.
+            fence_ttl: Duration::from_secs(10 * 60),
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
@@ -224,9 +225,32 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How long a key's fencing counter is kept after its last acquisition (default
-    /// 7 days). Tokens never fall below the Redis clock in microseconds, so they keep
-    /// increasing after the counter expires as long as that clock does not go back.
+    /// How long a key's fencing counter is kept after the last token was issued for it
+    /// (default 10 minutes).
+    ///
+    /// The counter is the only state a released key leaves in Redis: with a new key per
+    /// request (say, keyed on an `Idempotency-Key` header) Redis holds one counter, about
+    /// 165 bytes, per key taken in the last `ttl`. Under the default that is some 100 MB
+    /// at 1,000 new keys a second, where the former 7 days meant 600 M counters and an
+    /// out-of-memory Redis within hours.
+    ///
+    /// Once the counter is gone, a key's next token is the Redis clock (`TIME`) in
+    /// microseconds. Tokens stay strictly increasing as long as the Redis server clock
+    /// does not step back by more than `ttl` − *L*, where *L* is how many microseconds the
+    /// key's last token ran ahead of that clock when the script issuing it started. Redis
+    /// deletes the counter only once its clock is more than `ttl` past the counter's last
+    /// write, so a clock that has since lost no more than `ttl` − *L* still reads above
+    /// that token. *L* is at most the few microseconds a script runs unless the clock
+    /// already stepped back while the counter was kept (tokens then continue from the
+    /// counter, ahead of the clock, so such steps count against the same window) or the
+    /// key got more than one token per microsecond, which one Redis cannot serve.
+    ///
+    /// NTP and chrony corrections and leap seconds are a second or less: ten minutes
+    /// covers them many times over while keeping the counters small, and a clock wrong by
+    /// more is a misconfigured host that an hour would not cover either. A counter lost
+    /// another way (`DEL`, `FLUSHALL`, eviction under an `allkeys-*` policy, a restart
+    /// without persistence) leaves only the clock: tokens then keep increasing as long as
+    /// it has not stepped back since the last token was issued.
     pub fn fence_ttl(mut self, ttl: Duration) -> Self {
         self.fence_ttl = ttl;
         self
