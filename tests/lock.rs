@@ -519,6 +519,33 @@ async fn released_keys_leave_only_short_lived_fence_counters() {
     }
 }
 
+#[tokio::test]
+async fn unbounded_and_zero_fence_ttls_are_clamped_not_fatal() {
+    let server = RedisServer::start();
+    let mut conn = server.conn().await;
+    let year = 365 * 24 * 3600;
+    for (ttl, expected) in [(Duration::MAX, year - 60..=year), (Duration::ZERO, -2..=0)] {
+        let backend = RedisBackend::builder(server.url())
+            .fence_ttl(ttl)
+            .build()
+            .await
+            .expect("builds");
+        let first = backend.lock(KEY).try_once().await.expect("acquires");
+        let first_token = first.fencing_token();
+        first.release().await.expect("releases");
+        let next = backend.lock(KEY).try_once().await.expect("acquires again");
+        assert!(next.fencing_token() > first_token);
+        next.release().await.expect("releases again");
+        // -2: the counter is already gone, as a zero retention asks.
+        let left: i64 = conn.ttl(format!("{LOCK}:fence")).await.unwrap();
+        assert!(
+            expected.contains(&left),
+            "fence_ttl({ttl:?}) kept the counter for {left} s, not {expected:?}"
+        );
+        let _: () = conn.del(format!("{LOCK}:fence")).await.unwrap();
+    }
+}
+
 /// Every key of the test backends' namespace with its TTL in seconds (-1: none), by SCAN
 /// as an operator would look.
 async fn namespace_ttls(server: &RedisServer) -> Vec<(String, i64)> {

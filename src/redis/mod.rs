@@ -226,7 +226,8 @@ impl RedisBackendBuilder {
     }
 
     /// How long a key's fencing counter is kept after the last token was issued for it
-    /// (default 10 minutes).
+    /// (default 10 minutes; clamped to 1 ms ..= [`MAX_DURATION`](crate::lock::MAX_DURATION),
+    /// so that `Duration::MAX` or zero still give `SET .. PX` a value Redis accepts).
     ///
     /// The counter is the only state a released key leaves in Redis: with a new key per
     /// request (say, keyed on an `Idempotency-Key` header) Redis holds one counter, about
@@ -252,7 +253,7 @@ impl RedisBackendBuilder {
     /// without persistence) leaves only the clock: tokens then keep increasing as long as
     /// it has not stepped back since the last token was issued.
     pub fn fence_ttl(mut self, ttl: Duration) -> Self {
-        self.fence_ttl = ttl;
+        self.fence_ttl = ttl.clamp(Duration::from_millis(1), crate::lock::MAX_DURATION);
         self
     }
 

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pool::Pool;
 use super::scripts::Scripts;
-use crate::lock::LockOwner;
+use crate::lock::{LockOwner, MAX_DURATION};
 
 /// Leases due within this window of the earliest are renewed in the same call.
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
@@ -332,6 +332,10 @@ async fn renew_batch(
     run_hooks(hooks);
 }
 
+/// `d` as the milliseconds of a `PEXPIRE` or `SET .. PX`: at least 1 (Redis refuses 0)
+/// and at most [`MAX_DURATION`], since Redis refuses a deadline past its 64-bit clock
+/// ("value is not an integer or out of range", once on every acquisition).
 pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
+    u64::try_from(ms).unwrap_or(u64::MAX)
 }
