@@ -549,20 +549,8 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        // The script runs in its own task, so that its reply is read even when this
-        // attempt is cancelled or runs out of budget: an acquisition nobody is waiting for
-        // any more is then released, exactly one hold, re-entries included.
-        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-        let unclaimed = InFlight {
-            inner: self.clone(),
-            key: c.key.clone(),
-            owner: c.claim.owner.clone(),
-            lease: c.claim.lease,
-        };
-        self.runtime.spawn(unclaimed.run(reply_tx));
-        let reply = match timeout(budget, reply_rx).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(_)) => Err(CommandError::Shutdown),
+        let reply = match timeout(budget, AcquireCall::start(self, c)).await {
+            Ok(reply) => reply,
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
         let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
@@ -652,57 +640,134 @@ fn outcome(error: &LockError) -> &'static str {
     }
 }
 
-/// An acquire script call whose reply may find nobody waiting for it.
-/// It may run although its reply never comes (Redis paused, a slow network), or its
-/// attempt may be cancelled while it runs (client gone, an outer timeout).
-struct InFlight {
+/// What an acquire script call came back with, and the connection it went out on (none
+/// when no connection could be had, so nothing was sent).
+type Sent = (Result<Vec<i64>, CommandError>, Option<Conn>);
+
+/// One run of the acquire script, awaited inline by its attempt.
+///
+/// Its reply may find nobody to read it: the attempt can be cancelled (client gone, an
+/// outer timeout) or run out of budget while Redis runs the script, or right after the
+/// reply arrived. Dropped unfinished, the call is detached into a task that reads the
+/// reply and gives back exactly the hold it took, re-entries included, so no lock is left
+/// held without a guard for a whole lease.
+struct AcquireCall {
+    call: Option<BoxFuture<'static, Sent>>,
+    unclaimed: Unclaimed,
+}
+
+/// What is needed to give back an acquisition nobody claimed.
+#[derive(Clone)]
+struct Unclaimed {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
     owner: LockOwner,
     lease: Duration,
 }
 
-impl InFlight {
-    /// Runs the script and hands the reply to the attempt; if the attempt is gone, gives
-    /// back what the script took.
-    async fn run(self, reply_tx: tokio::sync::oneshot::Sender<Result<Vec<i64>, CommandError>>) {
-        let mut conn = match self.inner.pool.connection().await {
-            Ok(conn) => conn,
-            // Nothing was sent, so nothing to undo.
-            Err(e) => return drop(reply_tx.send(Err(e))),
+impl AcquireCall {
+    fn start(inner: &Arc<Inner>, c: &Contender) -> Self {
+        let unclaimed = Unclaimed {
+            inner: inner.clone(),
+            key: c.key.clone(),
+            owner: c.claim.owner.clone(),
+            lease: c.claim.lease,
         };
-        let mut invocation = self.inner.scripts.acquire.key(&*self.key.lock);
-        invocation
-            .key(&self.key.fence)
-            .arg(self.owner.as_str())
-            .arg(millis(self.lease))
-            .arg(millis(self.inner.fence_ttl));
-        let reply = conn.invoke::<Vec<i64>>(&invocation).await;
-        let ambiguous = matches!(&reply, Err(e) if e.is_ambiguous());
-        let undelivered = reply_tx.send(reply).err();
-        let hold = || {
-            RedisHold::new(
-                self.inner.clone(),
-                self.key.clone(),
-                self.owner.clone(),
-                self.lease,
-                None,
-            )
+        let call = {
+            let Unclaimed {
+                inner,
+                key,
+                owner,
+                lease,
+            } = unclaimed.clone();
+            async move {
+                let mut conn = match inner.pool.connection().await {
+                    Ok(conn) => conn,
+                    Err(e) => return (Err(e), None),
+                };
+                let mut invocation = inner.scripts.acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .arg(owner.as_str())
+                    .arg(millis(lease))
+                    .arg(millis(inner.fence_ttl));
+                let reply = conn.invoke::<Vec<i64>>(&invocation).await;
+                (reply, Some(conn))
+            }
         };
-        match undelivered {
-            // Acquired (or re-entered) for an attempt that gave up: release that one hold.
-            Some(Ok(reply)) if reply.first() == Some(&1) => {
-                let mut hold = hold();
-                let retry_for = self.lease;
-                let _ = hold.run(retry_for).await;
+        AcquireCall {
+            call: Some(Box::pin(call)),
+            unclaimed,
+        }
+    }
+}
+
+impl Future for AcquireCall {
+    type Output = Result<Vec<i64>, CommandError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return std::task::Poll::Ready(Err(CommandError::Shutdown));
+        };
+        let (reply, conn) = std::task::ready!(call.as_mut().poll(cx));
+        self.call = None;
+        if let (Err(e), Some(conn)) = (&reply, conn) {
+            // No reply: the script may still run. Its attempt fails, but what it may take
+            // is given back.
+            if e.is_ambiguous() {
+                let unclaimed = self.unclaimed.clone();
+                self.unclaimed.inner.runtime.spawn(unclaimed.undo(conn));
             }
-            // No reply: the script may have run. Undo it on the same connection, so Redis
-            // runs the undo after it; not when the owner holds the key already (a re-entry),
-            // where a release that the script did not need would take the outer hold away.
-            _ if ambiguous && !self.inner.watchdog.is_held(&self.key.lock, &self.owner) => {
-                hold().undo(conn).await;
+        }
+        std::task::Poll::Ready(reply)
+    }
+}
+
+impl Drop for AcquireCall {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let unclaimed = self.unclaimed.clone();
+            self.unclaimed
+                .inner
+                .runtime
+                .spawn(async move { unclaimed.give_back(call.await).await });
+        }
+    }
+}
+
+impl Unclaimed {
+    fn hold(&self) -> RedisHold {
+        RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+            None,
+        )
+    }
+
+    /// Gives back what a call nobody waited for took.
+    async fn give_back(self, (reply, conn): Sent) {
+        match (reply, conn) {
+            // Acquired (or re-entered) for an attempt that is gone: release that one hold.
+            (Ok(reply), _) if reply.first() == Some(&1) => {
+                let _ = self.hold().run(self.lease).await;
             }
+            (Err(e), Some(conn)) if e.is_ambiguous() => self.undo(conn).await,
             _ => {}
+        }
+    }
+
+    /// Undoes a script that may have run without its reply reaching us, on the connection
+    /// it was sent on, so Redis runs the undo after it. Not when the owner holds the key
+    /// already (a re-entry): a release the script did not need would take the outer hold
+    /// away.
+    async fn undo(self, conn: Conn) {
+        if !self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
+            self.hold().undo(conn).await;
         }
     }
 }
