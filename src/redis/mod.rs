@@ -5,7 +5,7 @@
 //! watchdog task that renews held leases in batches. Its background tasks stop when the
 //! last clone of the backend and the last guard it issued are dropped.
 //!
-//! Tasks of one backend that wait for the same key queue in-process (see `queue.rs`):
+//! Tasks of one backend that wait for the same key queue in-process (see `src/queue.rs`):
 //! only the first talks to Redis, and a release hands the lock straight to the next task
 //! in line, in one script, for up to
 //! [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times in a row while
@@ -30,7 +30,6 @@
 mod fence;
 mod pool;
 mod pubsub;
-mod queue;
 mod scripts;
 mod watchdog;
 
@@ -42,18 +41,17 @@ use std::time::Duration;
 use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
-use self::queue::{Claim, Entry, Grant, Queues, Slot};
 use self::scripts::Scripts;
 use self::watchdog::{OnLost, Watchdog, millis};
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, acquire_span, traced};
 use crate::error::{KeyError, LockError};
 use crate::key::LockKey;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
+use crate::queue::{Claim, Entry, Grant, Queues, Slot};
 
 /// Default upper bound on a key's length in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
@@ -372,42 +370,8 @@ impl Inner {
         self: &Arc<Self>,
         request: LockRequest<RedisBackend>,
     ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
-        // A rejected key may be huge or hold control characters: never log it raw.
-        let shown = if request.key.len() <= self.max_key_len {
-            request.key.as_str()
-        } else {
-            "<oversized key>"
-        };
-        let span = tracing::info_span!(
-            "lock.acquire",
-            key = ?shown,
-            mode = match request.mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
-            waited_ms = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            token = tracing::field::Empty,
-        );
-        let this = self.clone();
-        async move {
-            let started = Instant::now();
-            let result = this.acquire_traced(request).await;
-            let span = tracing::Span::current();
-            span.record(
-                "waited_ms",
-                u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            );
-            match &result {
-                Ok(guard) => {
-                    span.record("outcome", "acquired");
-                    span.record("token", guard.fencing_token());
-                }
-                Err(e) => {
-                    span.record("outcome", outcome(e));
-                }
-            }
-            tracing::debug!("lock acquisition finished");
-            result
-        }
-        .instrument(span)
+        let span = acquire_span(&request.key, self.max_key_len, request.mode);
+        traced(span, self.clone().acquire_traced(request))
     }
 
     async fn acquire_traced(
@@ -625,18 +589,6 @@ impl Contender {
             waited: self.started.elapsed(),
             retry_after,
         }
-    }
-}
-
-fn outcome(error: &LockError) -> &'static str {
-    match error {
-        LockError::Contended { .. } => "contended",
-        LockError::TimedOut { .. } => "timed_out",
-        LockError::QueueFull { .. } => "queue_full",
-        LockError::InvalidKey(_) => "invalid_key",
-        LockError::Lost { .. } => "lost",
-        LockError::WrongType { .. } => "wrong_type",
-        LockError::Backend(_) => "backend_error",
     }
 }
 

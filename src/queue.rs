@@ -1,12 +1,13 @@
-//! The in-process queue per key: one contender per key per backend.
+//! The in-process queue per key, shared by every backend: one contender per key per
+//! backend.
 //!
 //! Tasks of one backend that want the same key line up here in FIFO order, and only the
-//! task holding the key's [`Slot`] talks to Redis: it tries, subscribes and waits, and
+//! task holding the key's [`Slot`] talks to the store: it tries, waits if it must, and
 //! then holds the lock. When its hold is released the slot passes to the next task in
-//! line, either bare (the task then contends in Redis) or together with the lock itself
-//! when the release handed it over in one script (see `release.lua`). So a hot key costs
-//! one Redis contender per process instead of one per task, and no herd of local waiters
-//! races for it after every release.
+//! line, either bare (the task then contends in the store) or together with the lock
+//! itself when the store handed it over in the same step (the Redis backend's release
+//! script can). So a hot key costs one contender per process instead of one per task,
+//! and no herd of local waiters races for it after every release.
 //!
 //! A key has an entry in the registry exactly while its slot is taken: the last task to
 //! leave removes it, so keys that come and go leave nothing behind. A holder that loses
@@ -95,10 +96,10 @@ pub(crate) struct Queues {
 
 /// The outcome of [`Queues::enter`].
 pub(crate) enum Entry {
-    /// The key was free in this process: contend in Redis, holding its slot.
+    /// The key was free in this process: contend in the store, holding its slot.
     Head(Slot),
     /// The claimant already holds the slot (a nested acquisition by the same request):
-    /// re-enter in Redis without queueing.
+    /// re-enter without queueing.
     Reentrant,
     /// Another task holds the slot and the caller does not wait.
     Busy,
@@ -200,7 +201,7 @@ impl Drop for Ticket {
     }
 }
 
-/// The right to contend for a key in Redis and, once the lock is taken, to hold it.
+/// The right to contend for a key in the store and, once the lock is taken, to hold it.
 /// Dropping it passes it to the next queued task, or removes the key's queue.
 pub(crate) struct Slot {
     shared: Arc<Shared>,
