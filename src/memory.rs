@@ -39,7 +39,7 @@ use crate::backend::{LockBackend, OwnerIds, acquire_span, traced};
 use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
-use crate::queue::{Claim, Entry, Grant, Queues, Slot};
+use crate::queue::{Claim, Grant, Place, Queues, Slot};
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.
 const MAX_KEY_LEN: usize = 1024;
@@ -162,20 +162,20 @@ impl Inner {
         let limit = deadline.map(|_| request.max_local_waiters);
         loop {
             let (mut ticket, deadline) = match (self.queues.enter(&key, &claim, limit), deadline) {
-                (Entry::Head(slot), _) => return self.take(&key, &claim, Some(slot)),
-                (Entry::Reentrant, _) => return self.take(&key, &claim, None),
-                (Entry::Full, _) => {
+                (Place::Head(slot), _) => return self.take(&key, &claim, Some(slot)),
+                (Place::Reentrant, _) => return self.take(&key, &claim, None),
+                (Place::Full, _) => {
                     return Err(LockError::QueueFull {
                         key: key.to_string(),
                     });
                 }
-                (Entry::Busy, _) | (Entry::Queued(_), None) => {
+                (Place::Busy, _) | (Place::Queued(_), None) => {
                     return Err(LockError::Contended {
                         key: key.to_string(),
                         retry_after: self.remaining(&key),
                     });
                 }
-                (Entry::Queued(ticket), Some(deadline)) => (ticket, deadline),
+                (Place::Queued(ticket), Some(deadline)) => (ticket, deadline),
             };
             let grant = tokio::select! {
                 grant = ticket.granted() => grant,

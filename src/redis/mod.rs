@@ -51,7 +51,7 @@ use crate::backend::{LockBackend, acquire_span, traced};
 use crate::error::{KeyError, LockError};
 use crate::key::LockKey;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
-use crate::queue::{Claim, Entry, Grant, Queues, Slot};
+use crate::queue::{Claim, Grant, Place, Queues, Slot};
 
 /// Default upper bound on a key's length in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
@@ -405,17 +405,17 @@ impl Inner {
         let limit = deadline.map(|_| request.max_local_waiters);
         loop {
             let slot = match (self.queues.enter(&c.key.lock, &c.claim, limit), deadline) {
-                (Entry::Head(slot), _) => Some(slot),
-                (Entry::Reentrant, _) => None,
-                (Entry::Full, _) => {
+                (Place::Head(slot), _) => Some(slot),
+                (Place::Reentrant, _) => None,
+                (Place::Full, _) => {
                     return Err(LockError::QueueFull {
                         key: c.key.user.clone(),
                     });
                 }
-                (Entry::Busy, _) | (Entry::Queued(_), None) => {
+                (Place::Busy, _) | (Place::Queued(_), None) => {
                     return Err(Box::pin(self.busy(&c)).await);
                 }
-                (Entry::Queued(mut ticket), Some(deadline)) => {
+                (Place::Queued(mut ticket), Some(deadline)) => {
                     let grant = tokio::select! {
                         grant = ticket.granted() => grant,
                         _ = sleep_until(deadline) => match ticket.try_granted() {
@@ -706,7 +706,7 @@ impl Unclaimed {
         match (reply, conn) {
             // Acquired (or re-entered) for an attempt that is gone: release that one hold.
             (Ok(reply), _) if reply.first() == Some(&1) => {
-                let _ = self.hold().run(self.lease).await;
+                let _ = self.hold().release_retrying(self.lease).await;
             }
             (Err(e), Some(conn)) if e.is_ambiguous() => self.undo(conn).await,
             _ => {}
@@ -791,7 +791,7 @@ impl RedisHold {
             return;
         }
         let retry_for = self.lease;
-        let _ = self.run(retry_for).await;
+        let _ = self.release_retrying(retry_for).await;
     }
 
     /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
@@ -800,7 +800,7 @@ impl RedisHold {
         let runtime = self.inner.runtime.clone();
         runtime.spawn(async move {
             let lease = self.lease;
-            match self.run(lease).await {
+            match self.release_retrying(lease).await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => {
                     let key = &self.key.user;
@@ -816,7 +816,7 @@ impl RedisHold {
     /// When a task of this backend is queued for the key, the script hands the lock to it
     /// instead of freeing it, unless this process's run of handoffs is used up while other
     /// instances wait. Either way the queued task gets the slot when the hold is dropped.
-    async fn run(&mut self, retry_for: Duration) -> Result<(), LockError> {
+    async fn release_retrying(&mut self, retry_for: Duration) -> Result<(), LockError> {
         let inner = self.inner.clone();
         let successor = self.reserve_successor();
         let streak_spent = self
@@ -946,7 +946,7 @@ impl ReleaseHold for WatchedHold {
         // that could not reach Redis (paused, restarting) happens once it can, instead of
         // leaving the lock to its lease.
         let retry_for = hold.inner.command_timeout * 2;
-        Box::pin(Owed(Some(hold)).settle(retry_for))
+        Box::pin(PendingRelease(Some(hold)).settle(retry_for))
     }
 
     fn release_in_background(self: Box<Self>) {
@@ -957,12 +957,12 @@ impl ReleaseHold for WatchedHold {
 }
 
 /// A release still owed to Redis: dropped unsettled, it is finished in the background.
-struct Owed(Option<RedisHold>);
+struct PendingRelease(Option<RedisHold>);
 
-impl Owed {
+impl PendingRelease {
     async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
         let result = match &mut self.0 {
-            Some(hold) => hold.run(retry_for).await,
+            Some(hold) => hold.release_retrying(retry_for).await,
             None => Ok(()),
         };
         // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
@@ -974,7 +974,7 @@ impl Owed {
     }
 }
 
-impl Drop for Owed {
+impl Drop for PendingRelease {
     fn drop(&mut self) {
         if let Some(mut hold) = self.0.take() {
             // Dropped while its script was in flight, the release may have run: the retry
