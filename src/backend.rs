@@ -1,7 +1,12 @@
 //! The seam between the layer and where locks live.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
 use crate::error::LockError;
-use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
+use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
 
 /// A store of distributed locks. [`RedisBackend`](crate::RedisBackend) is the one this
 /// crate ships; the layer is written against this trait so that other stores (an
@@ -23,4 +28,91 @@ pub trait LockBackend: Clone + Send + Sync + 'static {
 
     #[doc(hidden)]
     fn new_owner(&self) -> LockOwner;
+}
+
+/// The `lock.acquire` span every backend opens per acquisition.
+pub(crate) fn acquire_span(key: &str, max_key_len: usize, mode: Mode) -> tracing::Span {
+    // A rejected key may be huge or hold control characters: never log it raw.
+    let shown = if key.len() <= max_key_len {
+        key
+    } else {
+        "<oversized key>"
+    };
+    tracing::info_span!(
+        "lock.acquire",
+        key = ?shown,
+        mode = match mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
+        waited_ms = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        token = tracing::field::Empty,
+    )
+}
+
+/// Runs `acquire` in `span` and records how long it waited, its outcome and its token.
+pub(crate) fn traced<F>(
+    span: tracing::Span,
+    acquire: F,
+) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
+where
+    F: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
+{
+    async move {
+        let started = Instant::now();
+        let result = acquire.await;
+        let span = tracing::Span::current();
+        span.record(
+            "waited_ms",
+            u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        );
+        match &result {
+            Ok(guard) => {
+                span.record("outcome", "acquired");
+                span.record("token", guard.fencing_token());
+            }
+            Err(e) => {
+                span.record("outcome", outcome(e));
+            }
+        }
+        tracing::debug!("lock acquisition finished");
+        result
+    }
+    .instrument(span)
+}
+
+fn outcome(error: &LockError) -> &'static str {
+    match error {
+        LockError::Contended { .. } => "contended",
+        LockError::TimedOut { .. } => "timed_out",
+        LockError::QueueFull { .. } => "queue_full",
+        LockError::InvalidKey(_) => "invalid_key",
+        LockError::Lost { .. } => "lost",
+        LockError::WrongType { .. } => "wrong_type",
+        LockError::Backend(_) => "backend_error",
+    }
+}
+
+/// Owner ids of one backend: `instance-uuid:sequence`, a fresh one per request.
+pub(crate) struct OwnerIds {
+    instance: String,
+    sequence: AtomicU64,
+}
+
+impl OwnerIds {
+    pub(crate) fn new() -> Self {
+        OwnerIds {
+            instance: uuid::Uuid::new_v4().simple().to_string(),
+            sequence: AtomicU64::new(0),
+        }
+    }
+
+    /// A new owner, never handed out before by any backend.
+    pub(crate) fn next(&self) -> LockOwner {
+        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
+        LockOwner::new(format!("{}:{seq}", self.instance))
+    }
+
+    /// The instance part of every owner id.
+    pub(crate) fn instance(&self) -> &str {
+        &self.instance
+    }
 }

@@ -10,6 +10,8 @@ mod future;
 pub mod key;
 mod layer;
 pub mod lock;
+mod memory;
+mod queue;
 pub mod redis;
 pub mod response;
 mod service;
@@ -21,6 +23,7 @@ pub use crate::future::ResponseFuture;
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
 pub use crate::lock::{HeldLock, LockGuard, LockOwner, LockRequest};
+pub use crate::memory::MemoryBackend;
 pub use crate::redis::{
     BackendStats, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
 };

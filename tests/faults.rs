@@ -467,6 +467,69 @@ async fn acquisition_cancelled_while_its_script_is_in_flight_leaves_no_lock() {
     assert!(backend.lock("a").try_once().await.is_ok());
 }
 
+/// Polls `acquiring` (without a waker) until Redis has run its script for `key`, lets the
+/// reply reach this process, then drops the acquisition without reading the reply: a
+/// client gone, or an outer timeout firing, just after Redis answered.
+async fn cancel_after_the_reply<F: Future>(server: &RedisServer, key: &str, acquiring: F) {
+    let mut acquiring = std::pin::pin!(acquiring);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let lock = lock_key(key);
+    eventually("the acquire script ran", || {
+        let ready = acquiring.as_mut().poll(&mut cx).is_ready();
+        assert!(
+            !ready,
+            "the acquisition was meant to be cancelled, not finished"
+        );
+        server.exists(&lock)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+#[tokio::test]
+async fn acquisition_cancelled_just_after_its_reply_arrived_leaves_no_lock() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    drop(backend.lock("warm-up").try_once().await.expect("connects"));
+    // A 60 s lease: a leaked hold would outlive every wait below.
+    let acquiring = backend.lock("a").lease(Duration::from_secs(60)).try_once();
+    cancel_after_the_reply(&server, "a", acquiring).await;
+    server.wait_until_released("a").await;
+    assert_eq!(backend.stats().watched_locks, 0);
+}
+
+#[tokio::test]
+async fn reentry_cancelled_just_after_its_reply_arrived_leaves_only_the_outer_hold() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let outer = backend
+        .lock("a")
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .await
+        .expect("uncontended");
+    let owner = outer.held().owner().as_str().to_owned();
+    let lock = lock_key("a");
+    let reentering = backend.lock("a").reentrant(outer.held()).try_once();
+    // The outer hold already makes the key exist: wait for the re-entry's count instead.
+    let mut reentering = Box::pin(reentering);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    eventually("the re-entry's script ran", || {
+        assert!(reentering.as_mut().poll(&mut cx).is_pending());
+        let count = server.hold_count(&lock, &owner);
+        async move { count.await == Some(2) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(reentering);
+    eventually("the cancelled re-entry was given back", || async {
+        server.hold_count(&lock, &owner).await == Some(1)
+    })
+    .await;
+    outer.release().await.expect("the outer hold is intact");
+    assert!(!server.exists(&lock).await, "nothing is left held");
+}
+
 #[tokio::test]
 async fn outer_timeout_layer_releases_the_lock_and_leaves_no_subscription() {
     let server = RedisServer::start();

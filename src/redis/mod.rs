@@ -5,7 +5,7 @@
 //! watchdog task that renews held leases in batches. Its background tasks stop when the
 //! last clone of the backend and the last guard it issued are dropped.
 //!
-//! Tasks of one backend that wait for the same key queue in-process (see `queue.rs`):
+//! Tasks of one backend that wait for the same key queue in-process (see `src/queue.rs`):
 //! only the first talks to Redis, and a release hands the lock straight to the next task
 //! in line, in one script, for up to
 //! [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times in a row while
@@ -30,7 +30,6 @@
 mod fence;
 mod pool;
 mod pubsub;
-mod queue;
 mod scripts;
 mod watchdog;
 
@@ -42,18 +41,17 @@ use std::time::Duration;
 use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
-use self::queue::{Claim, Entry, Grant, Queues, Slot};
 use self::scripts::Scripts;
 use self::watchdog::{OnLost, Watchdog, millis};
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, acquire_span, traced};
 use crate::error::{KeyError, LockError};
 use crate::key::LockKey;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
+use crate::queue::{Claim, Grant, Place, Queues, Slot};
 
 /// Default upper bound on a key's length in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
@@ -397,42 +395,8 @@ impl Inner {
         self: &Arc<Self>,
         request: LockRequest<RedisBackend>,
     ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
-        // A rejected key may be huge or hold control characters: never log it raw.
-        let shown = if request.key.len() <= self.max_key_len {
-            request.key.as_str()
-        } else {
-            "<oversized key>"
-        };
-        let span = tracing::info_span!(
-            "lock.acquire",
-            key = ?shown,
-            mode = match request.mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
-            waited_ms = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            token = tracing::field::Empty,
-        );
-        let this = self.clone();
-        async move {
-            let started = Instant::now();
-            let result = this.acquire_traced(request).await;
-            let span = tracing::Span::current();
-            span.record(
-                "waited_ms",
-                u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            );
-            match &result {
-                Ok(guard) => {
-                    span.record("outcome", "acquired");
-                    span.record("token", guard.fencing_token());
-                }
-                Err(e) => {
-                    span.record("outcome", outcome(e));
-                }
-            }
-            tracing::debug!("lock acquisition finished");
-            result
-        }
-        .instrument(span)
+        let span = acquire_span(&request.key, self.max_key_len, request.mode);
+        traced(span, self.clone().acquire_traced(request))
     }
 
     async fn acquire_traced(
@@ -466,17 +430,17 @@ impl Inner {
         let limit = deadline.map(|_| request.max_local_waiters);
         loop {
             let slot = match (self.queues.enter(&c.key.lock, &c.claim, limit), deadline) {
-                (Entry::Head(slot), _) => Some(slot),
-                (Entry::Reentrant, _) => None,
-                (Entry::Full, _) => {
+                (Place::Head(slot), _) => Some(slot),
+                (Place::Reentrant, _) => None,
+                (Place::Full, _) => {
                     return Err(LockError::QueueFull {
                         key: c.key.user.clone(),
                     });
                 }
-                (Entry::Busy, _) | (Entry::Queued(_), None) => {
+                (Place::Busy, _) | (Place::Queued(_), None) => {
                     return Err(Box::pin(self.busy(&c)).await);
                 }
-                (Entry::Queued(mut ticket), Some(deadline)) => {
+                (Place::Queued(mut ticket), Some(deadline)) => {
                     let grant = tokio::select! {
                         grant = ticket.granted() => grant,
                         _ = sleep_until(deadline) => match ticket.try_granted() {
@@ -574,20 +538,8 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        // The script runs in its own task, so that its reply is read even when this
-        // attempt is cancelled or runs out of budget: an acquisition nobody is waiting for
-        // any more is then released, exactly one hold, re-entries included.
-        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-        let unclaimed = InFlight {
-            inner: self.clone(),
-            key: c.key.clone(),
-            owner: c.claim.owner.clone(),
-            lease: c.claim.lease,
-        };
-        self.runtime.spawn(unclaimed.run(reply_tx));
-        let reply = match timeout(budget, reply_rx).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(_)) => Err(CommandError::Shutdown),
+        let reply = match timeout(budget, AcquireCall::start(self, c)).await {
+            Ok(reply) => reply,
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
         let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
@@ -665,69 +617,134 @@ impl Contender {
     }
 }
 
-fn outcome(error: &LockError) -> &'static str {
-    match error {
-        LockError::Contended { .. } => "contended",
-        LockError::TimedOut { .. } => "timed_out",
-        LockError::QueueFull { .. } => "queue_full",
-        LockError::InvalidKey(_) => "invalid_key",
-        LockError::Lost { .. } => "lost",
-        LockError::WrongType { .. } => "wrong_type",
-        LockError::Backend(_) => "backend_error",
-    }
+/// What an acquire script call came back with, and the connection it went out on (none
+/// when no connection could be had, so nothing was sent).
+type Sent = (Result<Vec<i64>, CommandError>, Option<Conn>);
+
+/// One run of the acquire script, awaited inline by its attempt.
+///
+/// Its reply may find nobody to read it: the attempt can be cancelled (client gone, an
+/// outer timeout) or run out of budget while Redis runs the script, or right after the
+/// reply arrived. Dropped unfinished, the call is detached into a task that reads the
+/// reply and gives back exactly the hold it took, re-entries included, so no lock is left
+/// held without a guard for a whole lease.
+struct AcquireCall {
+    call: Option<BoxFuture<'static, Sent>>,
+    unclaimed: Unclaimed,
 }
 
-/// An acquire script call whose reply may find nobody waiting for it.
-/// It may run although its reply never comes (Redis paused, a slow network), or its
-/// attempt may be cancelled while it runs (client gone, an outer timeout).
-struct InFlight {
+/// What is needed to give back an acquisition nobody claimed.
+#[derive(Clone)]
+struct Unclaimed {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
     owner: LockOwner,
     lease: Duration,
 }
 
-impl InFlight {
-    /// Runs the script and hands the reply to the attempt; if the attempt is gone, gives
-    /// back what the script took.
-    async fn run(self, reply_tx: tokio::sync::oneshot::Sender<Result<Vec<i64>, CommandError>>) {
-        let mut conn = match self.inner.pool.connection().await {
-            Ok(conn) => conn,
-            // Nothing was sent, so nothing to undo.
-            Err(e) => return drop(reply_tx.send(Err(e))),
+impl AcquireCall {
+    fn start(inner: &Arc<Inner>, c: &Contender) -> Self {
+        let unclaimed = Unclaimed {
+            inner: inner.clone(),
+            key: c.key.clone(),
+            owner: c.claim.owner.clone(),
+            lease: c.claim.lease,
         };
-        let mut invocation = self.inner.scripts.acquire.key(&*self.key.lock);
-        invocation
-            .key(&self.key.fence)
-            .arg(self.owner.as_str())
-            .arg(millis(self.lease))
-            .arg(millis(self.inner.fence_ttl));
-        let reply = conn.invoke::<Vec<i64>>(&invocation).await;
-        let ambiguous = matches!(&reply, Err(e) if e.is_ambiguous());
-        let undelivered = reply_tx.send(reply).err();
-        let hold = || {
-            RedisHold::new(
-                self.inner.clone(),
-                self.key.clone(),
-                self.owner.clone(),
-                self.lease,
-                None,
-            )
+        let call = {
+            let Unclaimed {
+                inner,
+                key,
+                owner,
+                lease,
+            } = unclaimed.clone();
+            async move {
+                let mut conn = match inner.pool.connection().await {
+                    Ok(conn) => conn,
+                    Err(e) => return (Err(e), None),
+                };
+                let mut invocation = inner.scripts.acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .arg(owner.as_str())
+                    .arg(millis(lease))
+                    .arg(millis(inner.fence_ttl));
+                let reply = conn.invoke::<Vec<i64>>(&invocation).await;
+                (reply, Some(conn))
+            }
         };
-        match undelivered {
-            // Acquired (or re-entered) for an attempt that gave up: release that one hold.
-            Some(Ok(reply)) if reply.first() == Some(&1) => {
-                let mut hold = hold();
-                let retry_for = self.lease;
-                let _ = hold.run(retry_for).await;
+        AcquireCall {
+            call: Some(Box::pin(call)),
+            unclaimed,
+        }
+    }
+}
+
+impl Future for AcquireCall {
+    type Output = Result<Vec<i64>, CommandError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return std::task::Poll::Ready(Err(CommandError::Shutdown));
+        };
+        let (reply, conn) = std::task::ready!(call.as_mut().poll(cx));
+        self.call = None;
+        if let (Err(e), Some(conn)) = (&reply, conn) {
+            // No reply: the script may still run. Its attempt fails, but what it may take
+            // is given back.
+            if e.is_ambiguous() {
+                let unclaimed = self.unclaimed.clone();
+                self.unclaimed.inner.runtime.spawn(unclaimed.undo(conn));
             }
-            // No reply: the script may have run. Undo it on the same connection, so Redis
-            // runs the undo after it; not when the owner holds the key already (a re-entry),
-            // where a release that the script did not need would take the outer hold away.
-            _ if ambiguous && !self.inner.watchdog.is_held(&self.key.lock, &self.owner) => {
-                hold().undo(conn).await;
+        }
+        std::task::Poll::Ready(reply)
+    }
+}
+
+impl Drop for AcquireCall {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let unclaimed = self.unclaimed.clone();
+            self.unclaimed
+                .inner
+                .runtime
+                .spawn(async move { unclaimed.give_back(call.await).await });
+        }
+    }
+}
+
+impl Unclaimed {
+    fn hold(&self) -> RedisHold {
+        RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+            None,
+        )
+    }
+
+    /// Gives back what a call nobody waited for took.
+    async fn give_back(self, (reply, conn): Sent) {
+        match (reply, conn) {
+            // Acquired (or re-entered) for an attempt that is gone: release that one hold.
+            (Ok(reply), _) if reply.first() == Some(&1) => {
+                let _ = self.hold().release_retrying(self.lease).await;
             }
+            (Err(e), Some(conn)) if e.is_ambiguous() => self.undo(conn).await,
             _ => {}
+        }
+    }
+
+    /// Undoes a script that may have run without its reply reaching us, on the connection
+    /// it was sent on, so Redis runs the undo after it. Not when the owner holds the key
+    /// already (a re-entry): a release the script did not need would take the outer hold
+    /// away.
+    async fn undo(self, conn: Conn) {
+        if !self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
+            self.hold().undo(conn).await;
         }
     }
 }
@@ -799,7 +816,7 @@ impl RedisHold {
             return;
         }
         let retry_for = self.lease;
-        let _ = self.run(retry_for).await;
+        let _ = self.release_retrying(retry_for).await;
     }
 
     /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
@@ -808,7 +825,7 @@ impl RedisHold {
         let runtime = self.inner.runtime.clone();
         runtime.spawn(async move {
             let lease = self.lease;
-            match self.run(lease).await {
+            match self.release_retrying(lease).await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => {
                     let key = &self.key.user;
@@ -824,7 +841,7 @@ impl RedisHold {
     /// When a task of this backend is queued for the key, the script hands the lock to it
     /// instead of freeing it, unless this process's run of handoffs is used up while other
     /// instances wait. Either way the queued task gets the slot when the hold is dropped.
-    async fn run(&mut self, retry_for: Duration) -> Result<(), LockError> {
+    async fn release_retrying(&mut self, retry_for: Duration) -> Result<(), LockError> {
         let inner = self.inner.clone();
         let successor = self.reserve_successor();
         let streak_spent = self
@@ -954,7 +971,7 @@ impl ReleaseHold for WatchedHold {
         // that could not reach Redis (paused, restarting) happens once it can, instead of
         // leaving the lock to its lease.
         let retry_for = hold.inner.command_timeout * 2;
-        Box::pin(Owed(Some(hold)).settle(retry_for))
+        Box::pin(PendingRelease(Some(hold)).settle(retry_for))
     }
 
     fn release_in_background(self: Box<Self>) {
@@ -965,12 +982,12 @@ impl ReleaseHold for WatchedHold {
 }
 
 /// A release still owed to Redis: dropped unsettled, it is finished in the background.
-struct Owed(Option<RedisHold>);
+struct PendingRelease(Option<RedisHold>);
 
-impl Owed {
+impl PendingRelease {
     async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
         let result = match &mut self.0 {
-            Some(hold) => hold.run(retry_for).await,
+            Some(hold) => hold.release_retrying(retry_for).await,
             None => Ok(()),
         };
         // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
@@ -982,7 +999,7 @@ impl Owed {
     }
 }
 
-impl Drop for Owed {
+impl Drop for PendingRelease {
     fn drop(&mut self) {
         if let Some(mut hold) = self.0.take() {
             // Dropped while its script was in flight, the release may have run: the retry

@@ -1,12 +1,13 @@
-//! The in-process queue per key: one contender per key per backend.
+//! The in-process queue per key, shared by every backend: one contender per key per
+//! backend.
 //!
 //! Tasks of one backend that want the same key line up here in FIFO order, and only the
-//! task holding the key's [`Slot`] talks to Redis: it tries, subscribes and waits, and
+//! task holding the key's [`Slot`] talks to the store: it tries, waits if it must, and
 //! then holds the lock. When its hold is released the slot passes to the next task in
-//! line, either bare (the task then contends in Redis) or together with the lock itself
-//! when the release handed it over in one script (see `release.lua`). So a hot key costs
-//! one Redis contender per process instead of one per task, and no herd of local waiters
-//! races for it after every release.
+//! line, either bare (the task then contends in the store) or together with the lock
+//! itself when the store handed it over in the same step (the Redis backend's release
+//! script can). So a hot key costs one contender per process instead of one per task,
+//! and no herd of local waiters races for it after every release.
 //!
 //! A key has an entry in the registry exactly while its slot is taken: the last task to
 //! leave removes it, so keys that come and go leave nothing behind. A holder that loses
@@ -93,12 +94,12 @@ pub(crate) struct Queues {
     shared: Arc<Shared>,
 }
 
-/// The outcome of [`Queues::enter`].
-pub(crate) enum Entry {
-    /// The key was free in this process: contend in Redis, holding its slot.
+/// Where a task stands in its key's line: the outcome of [`Queues::enter`].
+pub(crate) enum Place {
+    /// The key was free in this process: contend in the store, holding its slot.
     Head(Slot),
     /// The claimant already holds the slot (a nested acquisition by the same request):
-    /// re-enter in Redis without queueing.
+    /// re-enter without queueing.
     Reentrant,
     /// Another task holds the slot and the caller does not wait.
     Busy,
@@ -121,21 +122,21 @@ impl KeyQueue {
 impl Queues {
     /// Joins the queue of `key`. `limit` is the most tasks that may wait behind the slot's
     /// holder; `None` means the caller does not wait at all.
-    pub(crate) fn enter(&self, key: &Arc<str>, claim: &Claim, limit: Option<usize>) -> Entry {
+    pub(crate) fn enter(&self, key: &Arc<str>, claim: &Claim, limit: Option<usize>) -> Place {
         let mut keys = self.shared.keys();
         let Some(queue) = keys.get_mut(key) else {
             let epoch = self.shared.next_id();
             keys.insert(key.clone(), KeyQueue::new(claim.owner.clone(), epoch));
-            return Entry::Head(Slot::new(self.shared.clone(), key.clone(), epoch, 0));
+            return Place::Head(Slot::new(self.shared.clone(), key.clone(), epoch, 0));
         };
         if queue.holder == claim.owner {
-            return Entry::Reentrant;
+            return Place::Reentrant;
         }
         let Some(limit) = limit else {
-            return Entry::Busy;
+            return Place::Busy;
         };
         if queue.waiting.len() >= limit {
-            return Entry::Full;
+            return Place::Full;
         }
         let id = self.shared.next_id();
         let (grant, granted) = oneshot::channel();
@@ -144,7 +145,7 @@ impl Queues {
             claim: claim.clone(),
             grant,
         });
-        Entry::Queued(Ticket {
+        Place::Queued(Ticket {
             shared: self.shared.clone(),
             key: key.clone(),
             id,
@@ -200,7 +201,7 @@ impl Drop for Ticket {
     }
 }
 
-/// The right to contend for a key in Redis and, once the lock is taken, to hold it.
+/// The right to contend for a key in the store and, once the lock is taken, to hold it.
 /// Dropping it passes it to the next queued task, or removes the key's queue.
 pub(crate) struct Slot {
     shared: Arc<Shared>,
@@ -213,7 +214,9 @@ pub(crate) struct Slot {
     yielded: bool,
     /// The task picked to receive the slot, taken out of the queue for a handoff.
     successor: Option<Successor>,
-    armed: bool,
+    /// Whether dropping this slot passes it on (false once it went along with a
+    /// handoff, or came back from a task that left).
+    passes_on: bool,
 }
 
 impl Slot {
@@ -225,7 +228,7 @@ impl Slot {
             streak,
             yielded: false,
             successor: None,
-            armed: true,
+            passes_on: true,
         }
     }
 
@@ -257,7 +260,7 @@ impl Slot {
     /// The lock went to the successor: returns it, with the slot its hold will carry.
     pub(crate) fn hand_over(mut self) -> Option<(Successor, Slot)> {
         let successor = self.successor.take()?;
-        self.armed = false;
+        self.passes_on = false;
         let slot = Slot::new(
             self.shared.clone(),
             self.key.clone(),
@@ -290,7 +293,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if !self.armed {
+        if !self.passes_on {
             return;
         }
         let successor = self.successor.take();
@@ -340,11 +343,11 @@ fn pass_on(
         slot.yielded = yielded;
         match next.grant.send(Grant::Slot(slot)) {
             Ok(()) => return,
-            // The task left: disarm the returned slot (its drop would take the registry
+            // The task left: the returned slot must not pass itself on (its drop would take the registry
             // lock again) and try the next one.
             Err(grant) => {
                 if let Grant::Slot(mut slot) = grant {
-                    slot.armed = false;
+                    slot.passes_on = false;
                 }
             }
         }

@@ -1,0 +1,276 @@
+//! The semantics every backend must keep, written once and run against each of them:
+//! a difference between `RedisBackend` and `MemoryBackend` shows up as a failing test.
+
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::routing;
+use http::StatusCode;
+use tower::ServiceExt;
+use tower_lock::{HeldLock, LockBackend, LockError, LockLayer};
+
+/// Generous bound on anything that should happen at once: catches hangs only.
+const HANG: Duration = Duration::from_secs(10);
+
+/// Runs each named body once per backend: `redis::NAME` on a throwaway redis-server,
+/// `memory::NAME` on a fresh `MemoryBackend`.
+macro_rules! for_each_backend {
+    ($($name:ident),* $(,)?) => {
+        mod redis {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let server = crate::support::RedisServer::start();
+                    super::$name(server.backend().await).await;
+                }
+            )*
+        }
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(tower_lock::MemoryBackend::new()).await;
+                }
+            )*
+        }
+    };
+}
+
+for_each_backend!(
+    fail_fast_route_answers_409_while_another_owner_holds_the_key,
+    waiting_route_is_served_once_the_holder_releases,
+    waiting_route_times_out_with_503_and_retry_after,
+    nested_layers_reenter_under_one_owner,
+    fencing_tokens_strictly_increase_per_key,
+    handler_panic_releases_the_lock,
+    empty_and_oversized_keys_are_400_and_lock_nothing,
+    reentry_counts_up_and_the_last_release_frees_the_key,
+    unrenewed_lease_runs_out_fires_lost_and_frees_the_key,
+    renewed_hold_outlives_its_lease,
+    local_queue_bound_sheds_with_queue_full,
+    waiters_are_served_in_arrival_order,
+);
+
+fn path_key(req: &Request) -> Option<String> {
+    req.uri().path().strip_prefix("/lock/").map(str::to_owned)
+}
+
+async fn token(lock: axum::Extension<HeldLock>) -> String {
+    lock.fencing_token().to_string()
+}
+
+async fn panics() -> &'static str {
+    panic!("handler panics")
+}
+
+fn app<B: LockBackend>(layer: LockLayer<B, fn(&Request) -> Option<String>>) -> Router {
+    Router::new()
+        .route("/lock/{key}", routing::post(token))
+        // The empty key.
+        .route("/lock/", routing::post(token))
+        .route("/panic/{key}", routing::post(panics))
+        .route_layer(layer)
+}
+
+fn layer<B: LockBackend>(backend: &B) -> LockLayer<B, fn(&Request) -> Option<String>> {
+    LockLayer::new(backend.clone(), path_key as fn(&Request) -> Option<String>)
+}
+
+async fn call(app: &Router, path: &str) -> (StatusCode, http::HeaderMap, String) {
+    let request = Request::post(path).body(Body::empty()).expect("request");
+    let response = tokio::time::timeout(HANG, app.clone().oneshot(request))
+        .await
+        .expect("no hang")
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.expect("body");
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+async fn fail_fast_route_answers_409_while_another_owner_holds_the_key<B: LockBackend>(b: B) {
+    let app = app(layer(&b).fail_fast());
+    let guard = b.lock("a").try_once().await.expect("free");
+    assert_eq!(call(&app, "/lock/a").await.0, StatusCode::CONFLICT);
+    assert_eq!(
+        call(&app, "/lock/b").await.0,
+        StatusCode::OK,
+        "other keys are free"
+    );
+    guard.release().await.expect("released");
+    assert_eq!(call(&app, "/lock/a").await.0, StatusCode::OK);
+}
+
+async fn waiting_route_is_served_once_the_holder_releases<B: LockBackend>(b: B) {
+    let app = app(layer(&b).wait(HANG));
+    let guard = b.lock("a").try_once().await.expect("free");
+    let waiting = tokio::spawn({
+        let app = app.clone();
+        async move { call(&app, "/lock/a").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "the request waits for the holder");
+    let held_token = guard.fencing_token();
+    guard.release().await.expect("released");
+    let (status, _, body) = waiting.await.expect("no panic");
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.parse::<u64>().expect("a token") > held_token);
+}
+
+async fn waiting_route_times_out_with_503_and_retry_after<B: LockBackend>(b: B) {
+    let app = app(layer(&b).wait(Duration::from_millis(200)));
+    let _guard = b.lock("a").try_once().await.expect("free");
+    let (status, headers, _) = call(&app, "/lock/a").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let retry_after: u64 = headers
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After in seconds");
+    assert!(retry_after >= 1);
+}
+
+async fn nested_layers_reenter_under_one_owner<B: LockBackend>(b: B) {
+    let app = Router::new()
+        .route("/lock/{key}", routing::post(token))
+        .route_layer(layer(&b).wait(Duration::from_secs(1)))
+        .route_layer(layer(&b).wait(Duration::from_secs(1)));
+    let (status, _, _) = call(&app, "/lock/a").await;
+    assert_eq!(status, StatusCode::OK, "the inner layer re-entered");
+    assert!(
+        b.lock("a").try_once().await.is_ok(),
+        "both holds were released"
+    );
+}
+
+async fn fencing_tokens_strictly_increase_per_key<B: LockBackend>(b: B) {
+    let mut last = 0;
+    for key in ["a", "b", "a", "a", "b"] {
+        let guard = b.lock(key).try_once().await.expect("free");
+        assert!(guard.fencing_token() > last);
+        last = guard.fencing_token();
+        guard.release().await.expect("released");
+    }
+}
+
+async fn handler_panic_releases_the_lock<B: LockBackend>(b: B) {
+    let app = app(layer(&b).fail_fast()).layer(tower_http::catch_panic::CatchPanicLayer::new());
+    assert_eq!(
+        call(&app, "/panic/a").await.0,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    let guard = tokio::time::timeout(HANG, b.lock("a").wait(HANG))
+        .await
+        .expect("no hang");
+    assert!(guard.is_ok(), "the panicking request's lock was released");
+}
+
+async fn empty_and_oversized_keys_are_400_and_lock_nothing<B: LockBackend>(b: B) {
+    let app = app(layer(&b).fail_fast());
+    let long = format!("/lock/{}", "k".repeat(2000));
+    for path in ["/lock/", long.as_str()] {
+        let (status, headers, _) = call(&app, path).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path:.20}");
+        assert_eq!(
+            headers.get(http::header::CONTENT_TYPE).expect("typed"),
+            "application/problem+json"
+        );
+    }
+    assert!(matches!(
+        b.lock("").try_once().await,
+        Err(LockError::InvalidKey(_))
+    ));
+}
+
+async fn reentry_counts_up_and_the_last_release_frees_the_key<B: LockBackend>(b: B) {
+    let outer = b.lock("a").try_once().await.expect("free");
+    let inner = b
+        .lock("a")
+        .reentrant(outer.held())
+        .try_once()
+        .await
+        .expect("re-enters");
+    assert_eq!(inner.fencing_token(), outer.fencing_token());
+    inner.release().await.expect("released");
+    assert!(matches!(
+        b.lock("a").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    outer.release().await.expect("released");
+    assert!(b.lock("a").try_once().await.is_ok());
+}
+
+async fn unrenewed_lease_runs_out_fires_lost_and_frees_the_key<B: LockBackend>(b: B) {
+    let guard = b
+        .lock("a")
+        .lease(Duration::from_millis(300))
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("free");
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("lost fires when the lease runs out");
+    let next = b.lock("a").try_once().await.expect("the key is free");
+    assert!(next.fencing_token() > guard.fencing_token());
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    assert!(!next.is_lost(), "the stale release left the new hold alone");
+}
+
+async fn renewed_hold_outlives_its_lease<B: LockBackend>(b: B) {
+    let guard = b
+        .lock("a")
+        .lease(Duration::from_millis(300))
+        .try_once()
+        .await
+        .expect("free");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(!guard.is_lost());
+    assert!(matches!(
+        b.lock("a").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    guard.release().await.expect("still held, so released");
+}
+
+async fn local_queue_bound_sheds_with_queue_full<B: LockBackend>(b: B) {
+    let guard = b.lock("a").try_once().await.expect("free");
+    let queued = {
+        let b = b.clone();
+        tokio::spawn(async move { b.lock("a").max_local_waiters(1).wait(HANG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let shed = b.lock("a").max_local_waiters(1).wait(HANG).await;
+    assert!(matches!(shed, Err(LockError::QueueFull { .. })), "{shed:?}");
+    guard.release().await.expect("released");
+    assert!(queued.await.expect("no panic").is_ok());
+}
+
+async fn waiters_are_served_in_arrival_order<B: LockBackend>(b: B) {
+    let guard = b.lock("a").try_once().await.expect("free");
+    let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..5 {
+        let (b, order_tx) = (b.clone(), order_tx.clone());
+        tokio::spawn(async move {
+            let guard = b.lock("a").wait(HANG).await.expect("served");
+            order_tx.send(i).expect("receiver lives");
+            guard.release().await.expect("released");
+        });
+        // Arrival order is what the test controls.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    drop(order_tx);
+    guard.release().await.expect("released");
+    let mut served = Vec::new();
+    while let Some(i) = order.recv().await {
+        served.push(i);
+    }
+    assert_eq!(served, [0, 1, 2, 3, 4]);
+}
