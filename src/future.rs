@@ -16,7 +16,7 @@ use http::{Request, Response};
 use pin_project::pin_project;
 use tower_service::Service;
 
-use crate::body::GuardedBody;
+use crate::body::{GuardedBody, sent_length};
 use crate::error::LockError;
 use crate::layer::{Config, OnLockLost};
 use crate::lock::{BoxFuture, LockGuard};
@@ -48,6 +48,7 @@ where
         guard: Option<LockGuard>,
         lost: Option<BoxFuture<'static, ()>>,
         config: Arc<Config>,
+        method: http::Method,
     },
     Releasing {
         release: BoxFuture<'static, ()>,
@@ -175,6 +176,7 @@ where
                                 OnLockLost::Continue => None,
                             };
                             State::Running {
+                                method: request.method().clone(),
                                 future: inner.call(request),
                                 guard: Some(guard),
                                 lost,
@@ -192,6 +194,7 @@ where
                     guard,
                     lost,
                     config,
+                    method,
                 } => {
                     if let Some(lost) = lost {
                         if lost.as_mut().poll(cx).is_ready() {
@@ -212,11 +215,16 @@ where
                         Err(error) => return Poll::Ready(Err(error)),
                     };
                     let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                    if config.hold_body {
+                    let sent = sent_length(
+                        method,
+                        response.status(),
+                        response.headers(),
+                        response.body(),
+                    );
+                    if let (true, Some(length)) = (config.hold_body, sent) {
                         let lost = lost.take();
-                        return Poll::Ready(Ok(
-                            response.map(|body| Body::new(GuardedBody::new(body, guard, lost)))
-                        ));
+                        return Poll::Ready(Ok(response
+                            .map(|body| Body::new(GuardedBody::new(body, guard, lost, length)))));
                     }
                     let release = release_logged(guard);
                     state.set(State::Releasing {
