@@ -12,7 +12,7 @@ use std::task::{Context, Poll, ready};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use pin_project::pin_project;
 use tower_service::Service;
 
@@ -28,39 +28,47 @@ where
     S: Service<Request<ReqBody>>,
 {
     #[pin]
-    state: State<S, ReqBody>,
+    kind: Kind<S, ReqBody>,
 }
 
-#[pin_project(project = StateProj)]
-enum State<S, ReqBody>
+#[pin_project(project = KindProj)]
+enum Kind<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
-    Acquiring {
-        acquire: BoxFuture<'static, Result<LockGuard, LockError>>,
+    /// Waits for the lock (while `acquire` is set), then for the inner service's
+    /// readiness, then calls it: a request that only waits for its lock pins none of the
+    /// inner service's capacity.
+    Calling {
+        acquire: Option<BoxFuture<'static, Result<LockGuard, LockError>>>,
+        guard: Option<LockGuard>,
+        inner: S,
         request: Option<Request<ReqBody>>,
-        inner: Option<S>,
         config: Arc<Config>,
     },
+    /// The inner service handles the request, under `held` unless it is unlocked.
     Running {
         #[pin]
         future: S::Future,
-        guard: Option<LockGuard>,
-        lost: Option<BoxFuture<'static, ()>>,
+        held: Option<Holding>,
         config: Arc<Config>,
-        method: http::Method,
     },
+    /// The handler's response waits for the release.
     Releasing {
         release: BoxFuture<'static, ()>,
         response: Option<Response<Body>>,
     },
-    Unlocked {
-        #[pin]
-        future: S::Future,
-    },
-    Ready {
-        response: Option<Response<Body>>,
-    },
+    /// A rejection, answered without the inner service.
+    Rejected { response: Option<Response<Body>> },
+}
+
+/// What a locked request holds while its handler runs.
+struct Holding {
+    guard: LockGuard,
+    /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
+    lost: Option<BoxFuture<'static, ()>>,
+    /// The request's method: the server sends no body in answer to `HEAD`.
+    method: Method,
 }
 
 impl<S, ReqBody> ResponseFuture<S, ReqBody>
@@ -73,25 +81,33 @@ where
         inner: S,
         config: Arc<Config>,
     ) -> Self {
+        Self::calling(Some(acquire), request, inner, config)
+    }
+
+    pub(crate) fn pass_through(request: Request<ReqBody>, inner: S, config: Arc<Config>) -> Self {
+        Self::calling(None, request, inner, config)
+    }
+
+    fn calling(
+        acquire: Option<BoxFuture<'static, Result<LockGuard, LockError>>>,
+        request: Request<ReqBody>,
+        inner: S,
+        config: Arc<Config>,
+    ) -> Self {
         ResponseFuture {
-            state: State::Acquiring {
+            kind: Kind::Calling {
                 acquire,
+                guard: None,
+                inner,
                 request: Some(request),
-                inner: Some(inner),
                 config,
             },
         }
     }
 
-    pub(crate) fn pass_through(future: S::Future) -> Self {
-        ResponseFuture {
-            state: State::Unlocked { future },
-        }
-    }
-
     pub(crate) fn rejected(response: Response<Body>) -> Self {
         ResponseFuture {
-            state: State::Ready {
+            kind: Kind::Rejected {
                 response: Some(response),
             },
         }
@@ -103,12 +119,14 @@ where
     S: Service<Request<ReqBody>>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = match &self.state {
-            State::Acquiring { .. } => "acquiring",
-            State::Running { .. } => "running",
-            State::Releasing { .. } => "releasing",
-            State::Unlocked { .. } => "unlocked",
-            State::Ready { .. } => "ready",
+        let state = match &self.kind {
+            Kind::Calling {
+                acquire: Some(_), ..
+            } => "acquiring",
+            Kind::Calling { .. } => "calling",
+            Kind::Running { .. } => "running",
+            Kind::Releasing { .. } => "releasing",
+            Kind::Rejected { .. } => "rejected",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
@@ -155,94 +173,103 @@ where
     type Output = Result<Response<Body>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.project().state;
+        let mut kind = self.project().kind;
         loop {
-            match state.as_mut().project() {
-                StateProj::Acquiring {
+            let next = match kind.as_mut().project() {
+                KindProj::Calling {
                     acquire,
-                    request,
+                    guard,
                     inner,
+                    request,
                     config,
                 } => {
-                    let next = match ready!(acquire.as_mut().poll(cx)) {
-                        Ok(guard) => {
-                            let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
-                            let mut inner = inner.take().expect(POLLED_AFTER_COMPLETION);
-                            request.extensions_mut().insert(guard.held().clone());
-                            let lost = match config.on_lost {
-                                OnLockLost::Abort => {
-                                    Some(Box::pin(guard.lost()) as BoxFuture<'static, ()>)
-                                }
-                                OnLockLost::Continue => None,
-                            };
-                            State::Running {
-                                method: request.method().clone(),
-                                future: inner.call(request),
-                                guard: Some(guard),
-                                lost,
-                                config: config.clone(),
+                    if let Some(acquiring) = acquire {
+                        match ready!(acquiring.as_mut().poll(cx)) {
+                            Ok(taken) => {
+                                *guard = Some(taken);
+                                *acquire = None;
+                            }
+                            Err(error) => {
+                                let response = config.reject(error);
+                                kind.set(Kind::Rejected {
+                                    response: Some(response),
+                                });
+                                continue;
                             }
                         }
-                        Err(error) => State::Ready {
-                            response: Some(config.reject(error)),
-                        },
-                    };
-                    state.set(next);
-                }
-                StateProj::Running {
-                    future,
-                    guard,
-                    lost,
-                    config,
-                    method,
-                } => {
-                    if let Some(lost) = lost {
-                        if lost.as_mut().poll(cx).is_ready() {
-                            let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                            let response = config.reject(lost_error(&guard, "the handler ran"));
-                            // Setting the state drops the handler future, then the guard
-                            // releases whatever may be left in the background.
-                            state.set(State::Ready {
-                                response: Some(response),
-                            });
-                            drop(guard);
-                            continue;
-                        }
                     }
-                    let response = match ready!(future.poll(cx)) {
-                        Ok(response) => response.map(Body::new),
-                        // Dropping the guard with the state releases in the background.
-                        Err(error) => return Poll::Ready(Err(error)),
+                    // An error drops the guard with the state: released in the background.
+                    ready!(inner.poll_ready(cx))?;
+                    let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
+                    let held = guard.take().map(|guard| {
+                        request.extensions_mut().insert(guard.held().clone());
+                        let lost = match config.on_lost {
+                            OnLockLost::Abort => {
+                                Some(Box::pin(guard.lost()) as BoxFuture<'static, ()>)
+                            }
+                            OnLockLost::Continue => None,
+                        };
+                        Holding {
+                            guard,
+                            lost,
+                            method: request.method().clone(),
+                        }
+                    });
+                    Kind::Running {
+                        future: inner.call(request),
+                        held,
+                        config: config.clone(),
+                    }
+                }
+                KindProj::Running {
+                    future,
+                    held,
+                    config,
+                } => {
+                    let lost = held
+                        .as_mut()
+                        .and_then(|held| held.lost.as_mut())
+                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready());
+                    if let Some(held) = held.take_if(|_| lost) {
+                        let response = config.reject(lost_error(&held.guard, "the handler ran"));
+                        // Setting the state drops the handler future, then the guard
+                        // releases whatever may be left in the background.
+                        kind.set(Kind::Rejected {
+                            response: Some(response),
+                        });
+                        drop(held);
+                        continue;
+                    }
+                    // An error drops the guard with the state: released in the background.
+                    let response = ready!(future.poll(cx))?;
+                    let Some(held) = held.take() else {
+                        return Poll::Ready(Ok(response.map(Body::new)));
                     };
-                    let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
                     let sent = sent_length(
-                        method,
+                        &held.method,
                         response.status(),
                         response.headers(),
                         response.body(),
                     );
                     if let (true, Some(length)) = (config.hold_body, sent) {
-                        let lost = lost.take();
-                        return Poll::Ready(Ok(response
-                            .map(|body| Body::new(GuardedBody::new(body, guard, lost, length)))));
+                        return Poll::Ready(Ok(response.map(|body| {
+                            Body::new(GuardedBody::new(body, held.guard, held.lost, length))
+                        })));
                     }
-                    let release = release_logged(guard);
-                    state.set(State::Releasing {
-                        release,
-                        response: Some(response),
-                    });
+                    Kind::Releasing {
+                        release: release_logged(held.guard),
+                        response: Some(response.map(Body::new)),
+                    }
                 }
-                StateProj::Releasing { release, response } => {
+                KindProj::Releasing { release, response } => {
                     ready!(release.as_mut().poll(cx));
                     return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
                 }
-                StateProj::Unlocked { future } => {
-                    return future.poll(cx).map_ok(|response| response.map(Body::new));
-                }
-                StateProj::Ready { response } => {
+                KindProj::Rejected { response } => {
                     return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
                 }
-            }
+            };
+            kind.set(next);
         }
     }
 }
