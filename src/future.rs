@@ -10,16 +10,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use axum::body::Body;
-use bytes::Bytes;
 use http::{Method, Request, Response};
 use pin_project::pin_project;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
-use crate::body::{GuardedBody, sent_length};
+use crate::body::{BodyHold, ResponseBody, sent_length};
 use crate::error::LockError;
 use crate::layer::{Config, OnLockLost};
-use crate::lock::{BoxFuture, LockGuard};
+use crate::lock::{BoxFuture, HeldLock, LockGuard};
 
 /// Response future of [`LockService`](crate::LockService).
 #[pin_project]
@@ -46,29 +45,27 @@ where
         request: Option<Request<ReqBody>>,
         config: Arc<Config>,
     },
-    /// The inner service handles the request, under `held` unless it is unlocked.
+    /// The inner service handles the request, under `guard` unless it is unlocked.
     Running {
         #[pin]
         future: S::Future,
-        held: Option<Holding>,
+        guard: Option<LockGuard>,
+        /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
+        #[pin]
+        lost: Option<WaitForCancellationFutureOwned>,
+        /// The server sends no body in answer to `HEAD`: nothing to hold the lock through.
+        method: Method,
         config: Arc<Config>,
     },
     /// The handler's response waits for the release.
     Releasing {
-        release: BoxFuture<'static, ()>,
-        response: Option<Response<Body>>,
+        release: Release,
+        response: Option<S::Response>,
     },
     /// A rejection, answered without the inner service.
-    Rejected { response: Option<Response<Body>> },
-}
-
-/// What a locked request holds while its handler runs.
-struct Holding {
-    guard: LockGuard,
-    /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
-    lost: Option<BoxFuture<'static, ()>>,
-    /// The request's method: the server sends no body in answer to `HEAD`.
-    method: Method,
+    Rejected {
+        response: Option<Response<axum::body::Body>>,
+    },
 }
 
 impl<S, ReqBody> ResponseFuture<S, ReqBody>
@@ -105,7 +102,7 @@ where
         }
     }
 
-    pub(crate) fn rejected(response: Response<Body>) -> Self {
+    pub(crate) fn rejected(response: Response<axum::body::Body>) -> Self {
         ResponseFuture {
             kind: Kind::Rejected {
                 response: Some(response),
@@ -134,24 +131,44 @@ where
     }
 }
 
-/// Releases `guard`, logging instead of failing: the response is ready either way, and a
-/// lock whose release failed is freed by its lease.
-pub(crate) fn release_logged(guard: LockGuard) -> BoxFuture<'static, ()> {
-    Box::pin(async move {
-        let held = guard.held().clone();
-        match guard.release().await {
+/// A release whose outcome is logged instead of returned: the response is ready either
+/// way, and a lock whose release failed is freed by its lease.
+pub(crate) struct Release {
+    held: HeldLock,
+    /// The backend's release; `None` if the guard had been released already.
+    release: Option<BoxFuture<'static, Result<(), LockError>>>,
+}
+
+impl Release {
+    pub(crate) fn new(guard: LockGuard) -> Self {
+        Release {
+            held: guard.held().clone(),
+            release: guard.into_release(),
+        }
+    }
+}
+
+impl Future for Release {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(release) = self.release.as_mut() else {
+            return Poll::Ready(());
+        };
+        let outcome = ready!(release.as_mut().poll(cx));
+        self.release = None;
+        let key = self.held.key();
+        match outcome {
             Ok(()) => {}
             Err(LockError::Lost { .. }) => {
-                tracing::warn!(
-                    key = held.key(),
-                    "lock was lost before the request finished"
-                );
+                tracing::warn!(key, "lock was lost before the request finished");
             }
             Err(error) => {
-                tracing::warn!(key = held.key(), %error, "lock release not confirmed yet; retrying in the background")
+                tracing::warn!(key, %error, "lock release not confirmed yet; retrying in the background")
             }
         }
-    })
+        Poll::Ready(())
+    }
 }
 
 /// The error for a lock lost while `during`, logged once where it is found.
@@ -162,15 +179,22 @@ pub(crate) fn lost_error(guard: &LockGuard, during: &str) -> LockError {
     }
 }
 
+/// The signal a guarded handler or body watches: only when the layer aborts on loss.
+fn lost_signal(config: &Config, guard: &LockGuard) -> Option<WaitForCancellationFutureOwned> {
+    match config.on_lost {
+        OnLockLost::Abort => Some(guard.held().lost_signal()),
+        OnLockLost::Continue => None,
+    }
+}
+
 const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
 
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body,
 {
-    type Output = Result<Response<Body>, S::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
@@ -201,72 +225,66 @@ where
                     // An error drops the guard with the state: released in the background.
                     ready!(inner.poll_ready(cx))?;
                     let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
-                    let held = guard.take().map(|guard| {
+                    if let Some(guard) = guard {
                         request.extensions_mut().insert(guard.held().clone());
-                        let lost = match config.on_lost {
-                            OnLockLost::Abort => {
-                                Some(Box::pin(guard.lost()) as BoxFuture<'static, ()>)
-                            }
-                            OnLockLost::Continue => None,
-                        };
-                        Holding {
-                            guard,
-                            lost,
-                            method: request.method().clone(),
-                        }
-                    });
+                    }
                     Kind::Running {
+                        method: request.method().clone(),
                         future: inner.call(request),
-                        held,
+                        lost: guard.as_ref().and_then(|guard| lost_signal(config, guard)),
+                        guard: guard.take(),
                         config: config.clone(),
                     }
                 }
                 KindProj::Running {
                     future,
-                    held,
+                    guard,
+                    mut lost,
+                    method,
                     config,
                 } => {
-                    let lost = held
+                    let lost_now = lost
                         .as_mut()
-                        .and_then(|held| held.lost.as_mut())
-                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready());
-                    if let Some(held) = held.take_if(|_| lost) {
-                        let response = config.reject(lost_error(&held.guard, "the handler ran"));
+                        .as_pin_mut()
+                        .is_some_and(|lost| lost.poll(cx).is_ready());
+                    if let Some(guard) = guard.take_if(|_| lost_now) {
+                        let response = config.reject(lost_error(&guard, "the handler ran"));
                         // Setting the state drops the handler future, then the guard
                         // releases whatever may be left in the background.
                         kind.set(Kind::Rejected {
                             response: Some(response),
                         });
-                        drop(held);
+                        drop(guard);
                         continue;
                     }
                     // An error drops the guard with the state: released in the background.
                     let response = ready!(future.poll(cx))?;
-                    let Some(held) = held.take() else {
-                        return Poll::Ready(Ok(response.map(Body::new)));
+                    let Some(guard) = guard.take() else {
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
-                    let sent = sent_length(
-                        &held.method,
-                        response.status(),
-                        response.headers(),
-                        response.body(),
-                    );
-                    if let (true, Some(length)) = (config.hold_body, sent) {
-                        return Poll::Ready(Ok(response.map(|body| {
-                            Body::new(GuardedBody::new(body, held.guard, held.lost, length))
-                        })));
-                    }
-                    Kind::Releasing {
-                        release: release_logged(held.guard),
-                        response: Some(response.map(Body::new)),
+                    let (status, headers) = (response.status(), response.headers());
+                    match sent_length(method, status, headers, response.body()) {
+                        Some(length) if config.hold_body => {
+                            let lost = lost_signal(config, &guard);
+                            let hold = BodyHold::new(guard, lost, length);
+                            return Poll::Ready(Ok(
+                                response.map(|body| ResponseBody::guarded(body, hold))
+                            ));
+                        }
+                        _ => Kind::Releasing {
+                            release: Release::new(guard),
+                            response: Some(response),
+                        },
                     }
                 }
                 KindProj::Releasing { release, response } => {
-                    ready!(release.as_mut().poll(cx));
-                    return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
+                    ready!(Pin::new(release).poll(cx));
+                    let response = response.take().expect(POLLED_AFTER_COMPLETION);
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 KindProj::Rejected { response } => {
-                    return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
+                    let response = response.take().expect(POLLED_AFTER_COMPLETION);
+                    return Poll::Ready(Ok(response.map(ResponseBody::rejection)));
                 }
             };
             kind.set(next);

@@ -4,12 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
-use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::backend::LockBackend;
+use crate::body::ResponseBody;
 use crate::error::LockError;
 use crate::future::ResponseFuture;
 use crate::key::KeyExtractor;
@@ -60,15 +59,12 @@ impl<S: fmt::Debug, B: fmt::Debug, K> fmt::Debug for LockService<S, B, K> {
 
 impl<S, B, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, B, K>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     B: LockBackend,
     K: KeyExtractor<ReqBody>,
-    ReqBody: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body,
 {
-    type Response = Response<Body>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqBody>;
 

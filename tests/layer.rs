@@ -11,14 +11,16 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
 use redis::AsyncCommands;
 use support::{
     Gate, RedisServer, eventually, http_client, lock_key, post, post_request, queued, serve,
 };
 use tokio::io::AsyncWriteExt;
-use tower::ServiceBuilder;
 use tower::limit::ConcurrencyLimitLayer;
-use tower_lock::{LockError, LockLayer, RedisBackend};
+use tower::{ServiceBuilder, ServiceExt};
+use tower_lock::{LockError, LockLayer, RedisBackend, ResponseBody};
 
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
@@ -211,6 +213,35 @@ async fn a_request_waiting_for_its_lock_leaves_an_inner_concurrency_limit_free()
     assert!(!waiting.is_finished(), "the request for a still waits");
     held.release().await.unwrap();
     assert_eq!(waiting.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn a_plain_tower_service_keeps_its_own_body_type() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(backend.clone(), |_: &http::Request<()>| Some("k")).fail_fast())
+        .service_fn(|_: http::Request<()>| async {
+            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"done"))))
+        });
+    let read = |response: http::Response<ResponseBody<Full<Bytes>>>| async move {
+        let status = response.status();
+        (
+            status,
+            response.into_body().collect().await.unwrap().to_bytes(),
+        )
+    };
+    let served = service
+        .clone()
+        .oneshot(http::Request::new(()))
+        .await
+        .unwrap();
+    assert_eq!(read(served).await, (StatusCode::OK, Bytes::from("done")));
+    let _held = backend.lock("k").try_once().await.unwrap();
+    let rejected = service.oneshot(http::Request::new(())).await.unwrap();
+    let (status, body) = read(rejected).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(body.starts_with(b"{"), "a problem+json body: {body:?}");
 }
 
 #[tokio::test]
