@@ -23,12 +23,15 @@ use crate::lock::HeldLock;
 /// `poll_ready` is always ready. Each request's response future takes its lock first and
 /// only then drives a clone of the inner service to readiness and calls it (as tower's
 /// `Oneshot` does), so a request waiting for a lock holds none of the inner service's
-/// capacity: a `ConcurrencyLimit` inside this layer counts requests that hold their lock,
-/// and the others for free keys go past waiters. The flip side is that this service does
-/// not pass the inner service's backpressure out: a limit meant to stop requests before
-/// they queue for locks belongs outside the layer, and the wait for the lock is bounded by
-/// [`LockLayer::wait`](crate::LockLayer::wait) and
-/// [`max_local_waiters`](crate::LockLayer::max_local_waiters), not by the inner service.
+/// capacity: a `ConcurrencyLimit` inside this layer counts only requests that hold their
+/// lock, and requests for free keys are not held up behind requests waiting for a lock.
+/// A request that has its lock keeps it while it waits for that capacity.
+///
+/// The flip side is that this service does not pass the inner service's backpressure
+/// out: a limit meant to stop requests before they queue for locks belongs outside the
+/// layer, and the wait for a lock is bounded by [`LockLayer::wait`](crate::LockLayer::wait)
+/// and [`max_local_waiters`](crate::LockLayer::max_local_waiters), not by the inner
+/// service.
 #[derive(Clone)]
 pub struct LockService<S, B, K> {
     inner: S,
