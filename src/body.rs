@@ -5,7 +5,6 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use axum::BoxError;
 use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
@@ -14,6 +13,9 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::future::{Release, lost_error};
 use crate::lock::LockGuard;
+
+/// The error type of [`ResponseBody`]: whatever the inner body or the lock failed with.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The response body of [`LockService`](crate::LockService): the inner service's body `B`
 /// as it is, or held under the request's lock until its end
