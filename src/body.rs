@@ -1,43 +1,86 @@
-//! [`GuardedBody`]: a response body that holds the request's lock until it has been sent.
+//! [`ResponseBody`]: the layer's response body, and the hold that keeps the request's
+//! lock until the body has been sent.
 
+use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use axum::BoxError;
 use bytes::Bytes;
+use http::{HeaderMap, Method, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use crate::future::{lost_error, release_logged};
-use crate::lock::{BoxFuture, LockGuard};
+use crate::future::{Release, lost_error};
+use crate::lock::LockGuard;
 
-/// Wraps a response body for [`LockLayer::hold_until_body_end`](crate::LockLayer::hold_until_body_end).
-///
-/// At the end of the stream the release is driven from `poll_frame` before the end is
-/// reported, so the client cannot see the whole body while the lock is still held. A body
-/// dropped before its end (client gone) drops the guard, which releases in a spawned task.
+/// The error type of [`ResponseBody`]: whatever the inner body or the lock failed with.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The response body of [`LockService`](crate::LockService): the inner service's body `B`
+/// as it is, or held under the request's lock until its end
+/// ([`LockLayer::hold_until_body_end`](crate::LockLayer::hold_until_body_end)), or the
+/// body of a rejection (409, 503, 400).
 #[pin_project]
-pub(crate) struct GuardedBody<B> {
+pub struct ResponseBody<B> {
     #[pin]
-    inner: B,
-    guard: Option<LockGuard>,
-    /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
-    lost: Option<BoxFuture<'static, ()>>,
-    release: Option<BoxFuture<'static, ()>>,
+    kind: Kind<B>,
 }
 
-impl<B> GuardedBody<B> {
-    pub(crate) fn new(inner: B, guard: LockGuard, lost: Option<BoxFuture<'static, ()>>) -> Self {
-        GuardedBody {
-            inner,
-            guard: Some(guard),
-            lost,
-            release: None,
+#[pin_project(project = KindProj)]
+enum Kind<B> {
+    Inner {
+        #[pin]
+        body: B,
+    },
+    /// The inner body, with the lock held until its end. The hold is boxed: it is the rare
+    /// case, and should not make every response's body larger.
+    Guarded {
+        #[pin]
+        body: B,
+        hold: Pin<Box<BodyHold>>,
+    },
+    Rejection {
+        #[pin]
+        body: axum::body::Body,
+    },
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        ResponseBody {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn guarded(body: B, hold: BodyHold) -> Self {
+        ResponseBody {
+            kind: Kind::Guarded {
+                body,
+                hold: Box::pin(hold),
+            },
+        }
+    }
+
+    pub(crate) fn rejection(body: axum::body::Body) -> Self {
+        ResponseBody {
+            kind: Kind::Rejection { body },
         }
     }
 }
 
-impl<B> Body for GuardedBody<B>
+impl<B> fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            Kind::Inner { .. } => "inner",
+            Kind::Guarded { .. } => "guarded",
+            Kind::Rejection { .. } => "rejection",
+        };
+        f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}
+
+impl<B> Body for ResponseBody<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -49,51 +92,153 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        if let Some(release) = this.release {
-            ready!(release.as_mut().poll(cx));
-            *this.release = None;
-            return Poll::Ready(None);
-        }
-        if let (Some(lost), Some(guard)) = (this.lost.as_mut(), this.guard.as_ref()) {
-            if lost.as_mut().poll(cx).is_ready() {
-                let error = lost_error(guard, "the body was sent");
-                *this.lost = None;
-                *this.guard = None;
-                return Poll::Ready(Some(Err(error.into())));
-            }
-        }
-        match ready!(this.inner.poll_frame(cx)) {
-            Some(Ok(frame)) => Poll::Ready(Some(Ok(frame))),
-            Some(Err(error)) => {
-                // The stream failed: release in the background, the body is over anyway.
-                *this.guard = None;
-                Poll::Ready(Some(Err(error.into())))
-            }
-            None => match this.guard.take() {
-                Some(guard) => {
-                    let mut release = release_logged(guard);
-                    if release.as_mut().poll(cx).is_pending() {
-                        *this.release = Some(release);
-                        return Poll::Pending;
-                    }
-                    Poll::Ready(None)
-                }
-                None => Poll::Ready(None),
-            },
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Guarded { body, hold } => hold.as_mut().poll_frame(body, cx),
+            KindProj::Rejection { body } => body.poll_frame(cx).map_err(Into::into),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        // While the lock is held the end is not reached: the release still has to run.
-        self.guard.is_none() && self.release.is_none() && self.inner.is_end_stream()
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Guarded { body, hold } => hold.is_end_stream(body),
+            Kind::Rejection { body } => body.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        // Never exact: an exact size lets the server send a `content-length` response whose
-        // last byte reaches the client before the release has run.
-        let mut hint = SizeHint::new();
-        hint.set_lower(self.inner.size_hint().lower());
-        hint
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Guarded { body, .. } => {
+                // Never exact: an exact size lets the server send a `content-length`
+                // response whose last byte reaches the client before the release has run.
+                let mut hint = SizeHint::new();
+                hint.set_lower(body.size_hint().lower());
+                hint
+            }
+            Kind::Rejection { body } => body.size_hint(),
+        }
     }
+}
+
+/// The lock a response body holds until it has been sent.
+///
+/// The frame that ends the body is held back until the release has run, so the client
+/// cannot see the whole body while the lock is still held. hyper stops polling a body
+/// once it has sent the `content-length` the handler declared, or once `is_end_stream` is
+/// true: a release after the last frame would run after the client had it all. A body
+/// dropped before its end (client gone) drops the guard, which releases in a spawned task.
+#[pin_project]
+pub(crate) struct BodyHold {
+    guard: Option<LockGuard>,
+    /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
+    #[pin]
+    lost: Option<WaitForCancellationFutureOwned>,
+    release: Option<Release>,
+    /// Bytes left until the declared `content-length`, where hyper stops polling.
+    remaining: Option<u64>,
+    /// The frame that ends the body, sent once the release has run.
+    last: Option<Frame<Bytes>>,
+}
+
+impl BodyHold {
+    /// `content_length` is the length the response declares in its headers, if any.
+    pub(crate) fn new(
+        guard: LockGuard,
+        lost: Option<WaitForCancellationFutureOwned>,
+        content_length: Option<u64>,
+    ) -> Self {
+        BodyHold {
+            guard: Some(guard),
+            lost,
+            release: None,
+            remaining: content_length,
+            last: None,
+        }
+    }
+
+    fn poll_frame<B>(
+        self: Pin<&mut Self>,
+        mut body: Pin<&mut B>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        let mut this = self.project();
+        if let Some(release) = this.release {
+            ready!(Pin::new(release).poll(cx));
+            *this.release = None;
+            return Poll::Ready(this.last.take().map(Ok));
+        }
+        if let (Some(lost), Some(guard)) = (this.lost.as_mut().as_pin_mut(), this.guard.as_ref()) {
+            if lost.poll(cx).is_ready() {
+                let error = lost_error(guard, "the body was sent");
+                this.lost.set(None);
+                *this.guard = None;
+                return Poll::Ready(Some(Err(error.into())));
+            }
+        }
+        let frame = match ready!(body.as_mut().poll_frame(cx)) {
+            Some(Ok(frame)) => Some(frame),
+            Some(Err(error)) => {
+                // The stream failed: release in the background, the body is over anyway.
+                *this.guard = None;
+                return Poll::Ready(Some(Err(error.into())));
+            }
+            None => None,
+        };
+        if let (Some(remaining), Some(data)) = (
+            this.remaining.as_mut(),
+            frame.as_ref().and_then(Frame::data_ref),
+        ) {
+            *remaining = remaining.saturating_sub(data.len() as u64);
+        }
+        let ends = frame.is_none()
+            || *this.remaining == Some(0)
+            || body.is_end_stream()
+            || body.size_hint().exact() == Some(0);
+        let Some(guard) = this.guard.take_if(|_| ends) else {
+            return Poll::Ready(frame.map(Ok));
+        };
+        let mut release = Release::new(guard);
+        if Pin::new(&mut release).poll(cx).is_pending() {
+            *this.release = Some(release);
+            *this.last = frame;
+            return Poll::Pending;
+        }
+        Poll::Ready(frame.map(Ok))
+    }
+
+    fn is_end_stream<B: Body>(&self, body: &B) -> bool {
+        // While the lock is held the end is not reached: the release still has to run.
+        self.guard.is_none()
+            && self.release.is_none()
+            && self.last.is_none()
+            && body.is_end_stream()
+    }
+}
+
+/// What the server will send of a response's body: `None` when it sends none or never
+/// polls it (a `HEAD` request, 1xx/204/304, an empty body: holding the lock through such
+/// a body would release it only after the client had the response), else the length it
+/// declares, if any.
+pub(crate) fn sent_length<B: Body>(
+    method: &Method,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &B,
+) -> Option<Option<u64>> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+    let bodyless = method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+        || body.is_end_stream()
+        || declared == Some(0);
+    (!bodyless).then_some(declared)
 }

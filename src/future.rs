@@ -10,16 +10,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use axum::body::Body;
-use bytes::Bytes;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use pin_project::pin_project;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
-use crate::body::GuardedBody;
+use crate::body::{BodyHold, ResponseBody, sent_length};
 use crate::error::LockError;
 use crate::layer::{Config, OnLockLost};
-use crate::lock::{BoxFuture, LockGuard};
+use crate::lock::{BoxFuture, HeldLock, LockGuard};
 
 /// Response future of [`LockService`](crate::LockService).
 #[pin_project]
@@ -28,37 +27,44 @@ where
     S: Service<Request<ReqBody>>,
 {
     #[pin]
-    state: State<S, ReqBody>,
+    kind: Kind<S, ReqBody>,
 }
 
-#[pin_project(project = StateProj)]
-enum State<S, ReqBody>
+#[pin_project(project = KindProj)]
+enum Kind<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
-    Acquiring {
-        acquire: BoxFuture<'static, Result<LockGuard, LockError>>,
+    /// Waits for the lock (while `acquire` is set), then for the inner service's
+    /// readiness, then calls it: a request that only waits for its lock pins none of the
+    /// inner service's capacity.
+    Calling {
+        acquire: Option<BoxFuture<'static, Result<LockGuard, LockError>>>,
+        guard: Option<LockGuard>,
+        inner: S,
         request: Option<Request<ReqBody>>,
-        inner: Option<S>,
         config: Arc<Config>,
     },
+    /// The inner service handles the request, under `guard` unless it is unlocked.
     Running {
         #[pin]
         future: S::Future,
         guard: Option<LockGuard>,
-        lost: Option<BoxFuture<'static, ()>>,
+        /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
+        #[pin]
+        lost: Option<WaitForCancellationFutureOwned>,
+        /// The server sends no body in answer to `HEAD`: nothing to hold the lock through.
+        method: Method,
         config: Arc<Config>,
     },
+    /// The handler's response waits for the release.
     Releasing {
-        release: BoxFuture<'static, ()>,
-        response: Option<Response<Body>>,
+        release: Release,
+        response: Option<S::Response>,
     },
-    Unlocked {
-        #[pin]
-        future: S::Future,
-    },
-    Ready {
-        response: Option<Response<Body>>,
+    /// A rejection, answered without the inner service.
+    Rejected {
+        response: Option<Response<axum::body::Body>>,
     },
 }
 
@@ -72,25 +78,33 @@ where
         inner: S,
         config: Arc<Config>,
     ) -> Self {
+        Self::calling(Some(acquire), request, inner, config)
+    }
+
+    pub(crate) fn pass_through(request: Request<ReqBody>, inner: S, config: Arc<Config>) -> Self {
+        Self::calling(None, request, inner, config)
+    }
+
+    fn calling(
+        acquire: Option<BoxFuture<'static, Result<LockGuard, LockError>>>,
+        request: Request<ReqBody>,
+        inner: S,
+        config: Arc<Config>,
+    ) -> Self {
         ResponseFuture {
-            state: State::Acquiring {
+            kind: Kind::Calling {
                 acquire,
+                guard: None,
+                inner,
                 request: Some(request),
-                inner: Some(inner),
                 config,
             },
         }
     }
 
-    pub(crate) fn pass_through(future: S::Future) -> Self {
+    pub(crate) fn rejected(response: Response<axum::body::Body>) -> Self {
         ResponseFuture {
-            state: State::Unlocked { future },
-        }
-    }
-
-    pub(crate) fn rejected(response: Response<Body>) -> Self {
-        ResponseFuture {
-            state: State::Ready {
+            kind: Kind::Rejected {
                 response: Some(response),
             },
         }
@@ -102,12 +116,14 @@ where
     S: Service<Request<ReqBody>>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = match &self.state {
-            State::Acquiring { .. } => "acquiring",
-            State::Running { .. } => "running",
-            State::Releasing { .. } => "releasing",
-            State::Unlocked { .. } => "unlocked",
-            State::Ready { .. } => "ready",
+        let state = match &self.kind {
+            Kind::Calling {
+                acquire: Some(_), ..
+            } => "acquiring",
+            Kind::Calling { .. } => "calling",
+            Kind::Running { .. } => "running",
+            Kind::Releasing { .. } => "releasing",
+            Kind::Rejected { .. } => "rejected",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
@@ -115,24 +131,44 @@ where
     }
 }
 
-/// Releases `guard`, logging instead of failing: the response is ready either way, and a
-/// lock whose release failed is freed by its lease.
-pub(crate) fn release_logged(guard: LockGuard) -> BoxFuture<'static, ()> {
-    Box::pin(async move {
-        let held = guard.held().clone();
-        match guard.release().await {
+/// A release whose outcome is logged instead of returned: the response is ready either
+/// way, and a lock whose release failed is freed by its lease.
+pub(crate) struct Release {
+    held: HeldLock,
+    /// The backend's release; `None` if the guard had been released already.
+    release: Option<BoxFuture<'static, Result<(), LockError>>>,
+}
+
+impl Release {
+    pub(crate) fn new(guard: LockGuard) -> Self {
+        Release {
+            held: guard.held().clone(),
+            release: guard.into_release(),
+        }
+    }
+}
+
+impl Future for Release {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(release) = self.release.as_mut() else {
+            return Poll::Ready(());
+        };
+        let outcome = ready!(release.as_mut().poll(cx));
+        self.release = None;
+        let key = self.held.key();
+        match outcome {
             Ok(()) => {}
             Err(LockError::Lost { .. }) => {
-                tracing::warn!(
-                    key = held.key(),
-                    "lock was lost before the request finished"
-                );
+                tracing::warn!(key, "lock was lost before the request finished");
             }
             Err(error) => {
-                tracing::warn!(key = held.key(), %error, "lock release not confirmed yet; retrying in the background")
+                tracing::warn!(key, %error, "lock release not confirmed yet; retrying in the background")
             }
         }
-    })
+        Poll::Ready(())
+    }
 }
 
 /// The error for a lock lost while `during`, logged once where it is found.
@@ -143,98 +179,115 @@ pub(crate) fn lost_error(guard: &LockGuard, during: &str) -> LockError {
     }
 }
 
+/// The signal a guarded handler or body watches: only when the layer aborts on loss.
+fn lost_signal(config: &Config, guard: &LockGuard) -> Option<WaitForCancellationFutureOwned> {
+    match config.on_lost {
+        OnLockLost::Abort => Some(guard.held().lost_signal()),
+        OnLockLost::Continue => None,
+    }
+}
+
 const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
 
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body,
 {
-    type Output = Result<Response<Body>, S::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.project().state;
+        let mut kind = self.project().kind;
         loop {
-            match state.as_mut().project() {
-                StateProj::Acquiring {
+            let next = match kind.as_mut().project() {
+                KindProj::Calling {
                     acquire,
-                    request,
+                    guard,
                     inner,
+                    request,
                     config,
                 } => {
-                    let next = match ready!(acquire.as_mut().poll(cx)) {
-                        Ok(guard) => {
-                            let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
-                            let mut inner = inner.take().expect(POLLED_AFTER_COMPLETION);
-                            request.extensions_mut().insert(guard.held().clone());
-                            let lost = match config.on_lost {
-                                OnLockLost::Abort => {
-                                    Some(Box::pin(guard.lost()) as BoxFuture<'static, ()>)
-                                }
-                                OnLockLost::Continue => None,
-                            };
-                            State::Running {
-                                future: inner.call(request),
-                                guard: Some(guard),
-                                lost,
-                                config: config.clone(),
+                    if let Some(acquiring) = acquire {
+                        match ready!(acquiring.as_mut().poll(cx)) {
+                            Ok(taken) => {
+                                *guard = Some(taken);
+                                *acquire = None;
+                            }
+                            Err(error) => {
+                                let response = config.reject(error);
+                                kind.set(Kind::Rejected {
+                                    response: Some(response),
+                                });
+                                continue;
                             }
                         }
-                        Err(error) => State::Ready {
-                            response: Some(config.reject(error)),
-                        },
-                    };
-                    state.set(next);
+                    }
+                    // An error drops the guard with the state: released in the background.
+                    ready!(inner.poll_ready(cx))?;
+                    let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
+                    if let Some(guard) = guard {
+                        request.extensions_mut().insert(guard.held().clone());
+                    }
+                    Kind::Running {
+                        method: request.method().clone(),
+                        future: inner.call(request),
+                        lost: guard.as_ref().and_then(|guard| lost_signal(config, guard)),
+                        guard: guard.take(),
+                        config: config.clone(),
+                    }
                 }
-                StateProj::Running {
+                KindProj::Running {
                     future,
                     guard,
-                    lost,
+                    mut lost,
+                    method,
                     config,
                 } => {
-                    if let Some(lost) = lost {
-                        if lost.as_mut().poll(cx).is_ready() {
-                            let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                            let response = config.reject(lost_error(&guard, "the handler ran"));
-                            // Setting the state drops the handler future, then the guard
-                            // releases whatever may be left in the background.
-                            state.set(State::Ready {
-                                response: Some(response),
-                            });
-                            drop(guard);
-                            continue;
-                        }
+                    let lost_now = lost
+                        .as_mut()
+                        .as_pin_mut()
+                        .is_some_and(|lost| lost.poll(cx).is_ready());
+                    if let Some(guard) = guard.take_if(|_| lost_now) {
+                        let response = config.reject(lost_error(&guard, "the handler ran"));
+                        // Setting the state drops the handler future, then the guard
+                        // releases whatever may be left in the background.
+                        kind.set(Kind::Rejected {
+                            response: Some(response),
+                        });
+                        drop(guard);
+                        continue;
                     }
-                    let response = match ready!(future.poll(cx)) {
-                        Ok(response) => response.map(Body::new),
-                        // Dropping the guard with the state releases in the background.
-                        Err(error) => return Poll::Ready(Err(error)),
+                    // An error drops the guard with the state: released in the background.
+                    let response = ready!(future.poll(cx))?;
+                    let Some(guard) = guard.take() else {
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
-                    let guard = guard.take().expect(POLLED_AFTER_COMPLETION);
-                    if config.hold_body {
-                        let lost = lost.take();
-                        return Poll::Ready(Ok(
-                            response.map(|body| Body::new(GuardedBody::new(body, guard, lost)))
-                        ));
+                    let (status, headers) = (response.status(), response.headers());
+                    match sent_length(method, status, headers, response.body()) {
+                        Some(length) if config.hold_body => {
+                            let lost = lost_signal(config, &guard);
+                            let hold = BodyHold::new(guard, lost, length);
+                            return Poll::Ready(Ok(
+                                response.map(|body| ResponseBody::guarded(body, hold))
+                            ));
+                        }
+                        _ => Kind::Releasing {
+                            release: Release::new(guard),
+                            response: Some(response),
+                        },
                     }
-                    let release = release_logged(guard);
-                    state.set(State::Releasing {
-                        release,
-                        response: Some(response),
-                    });
                 }
-                StateProj::Releasing { release, response } => {
-                    ready!(release.as_mut().poll(cx));
-                    return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
+                KindProj::Releasing { release, response } => {
+                    ready!(Pin::new(release).poll(cx));
+                    let response = response.take().expect(POLLED_AFTER_COMPLETION);
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
-                StateProj::Unlocked { future } => {
-                    return future.poll(cx).map_ok(|response| response.map(Body::new));
+                KindProj::Rejected { response } => {
+                    let response = response.take().expect(POLLED_AFTER_COMPLETION);
+                    return Poll::Ready(Ok(response.map(ResponseBody::rejection)));
                 }
-                StateProj::Ready { response } => {
-                    return Poll::Ready(Ok(response.take().expect(POLLED_AFTER_COMPLETION)));
-                }
-            }
+            };
+            kind.set(next);
         }
     }
 }

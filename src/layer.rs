@@ -139,8 +139,10 @@ impl<B: LockBackend, K> LockLayer<B, K> {
     /// releasing it when the handler returns. For handlers that stream work out in the
     /// body (an export, a long download) that must stay exclusive.
     ///
-    /// The client sees the end of the body only after the release (held bodies are sent
-    /// without `content-length` for that reason). A body dropped before its end (client
+    /// The client sees the end of the body only after the release: the frame that ends it
+    /// (by the stream's end or by a `content-length` the handler set) is sent after the
+    /// release has run. A response with no body to send (to `HEAD`, a 204 or 304, an
+    /// empty body) is released before it is returned, as without this option. A body dropped before its end (client
     /// gone) releases in the background. With [`OnLockLost::Abort`], losing the lock
     /// while the body is sent ends the body with an error, which aborts the response.
     pub fn hold_until_body_end(mut self) -> Self {

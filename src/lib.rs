@@ -17,6 +17,7 @@ pub mod response;
 mod service;
 
 pub use crate::backend::LockBackend;
+pub use crate::body::ResponseBody;
 pub use crate::error::{BackendError, KeyError, LockError};
 pub use crate::extract::{Header, PathParam, QueryParam};
 pub use crate::future::ResponseFuture;

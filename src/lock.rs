@@ -28,7 +28,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::backend::LockBackend;
 use crate::error::LockError;
@@ -236,6 +236,11 @@ impl HeldLock {
 
     /// Resolves when the lock is lost. Never resolves while it is held.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.lost_signal()
+    }
+
+    /// [`lost`](Self::lost) as a named type, so the layer's futures hold it unboxed.
+    pub(crate) fn lost_signal(&self) -> WaitForCancellationFutureOwned {
         self.inner.lost.clone().cancelled_owned()
     }
 }
@@ -307,11 +312,17 @@ impl LockGuard {
     /// idempotent, so a retry after a lost reply never releases twice. If Redis cannot be
     /// reached in time this returns `Err(LockError::Backend)` and keeps retrying in the
     /// background (as it does when this future is dropped), for up to one lease.
-    pub async fn release(mut self) -> Result<(), LockError> {
-        match self.hold.take() {
-            Some(hold) => hold.release().await,
+    pub async fn release(self) -> Result<(), LockError> {
+        match self.into_release() {
+            Some(release) => release.await,
             None => Ok(()),
         }
+    }
+
+    /// The backend's release future itself (`None` if already released), so the layer's
+    /// futures hold it without boxing it again.
+    pub(crate) fn into_release(mut self) -> Option<BoxFuture<'static, Result<(), LockError>>> {
+        self.hold.take().map(|hold| hold.release())
     }
 }
 

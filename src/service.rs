@@ -1,16 +1,14 @@
 //! [`LockService`]: the middleware service.
 
 use std::fmt;
-use std::mem;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
-use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::backend::LockBackend;
+use crate::body::ResponseBody;
 use crate::error::LockError;
 use crate::future::ResponseFuture;
 use crate::key::KeyExtractor;
@@ -19,6 +17,21 @@ use crate::lock::HeldLock;
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
+///
+/// # Backpressure
+///
+/// `poll_ready` is always ready. Each request's response future takes its lock first and
+/// only then drives a clone of the inner service to readiness and calls it (as tower's
+/// `Oneshot` does), so a request waiting for a lock holds none of the inner service's
+/// capacity: a `ConcurrencyLimit` inside this layer counts only requests that hold their
+/// lock, and requests for free keys are not held up behind requests waiting for a lock.
+/// A request that has its lock keeps it while it waits for that capacity.
+///
+/// The flip side is that this service does not pass the inner service's backpressure
+/// out: a limit meant to stop requests before they queue for locks belongs outside the
+/// layer, and the wait for a lock is bounded by [`LockLayer::wait`](crate::LockLayer::wait)
+/// and [`max_local_waiters`](crate::LockLayer::max_local_waiters), not by the inner
+/// service.
 #[derive(Clone)]
 pub struct LockService<S, B, K> {
     inner: S,
@@ -49,26 +62,25 @@ impl<S: fmt::Debug, B: fmt::Debug, K> fmt::Debug for LockService<S, B, K> {
 
 impl<S, B, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, B, K>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     B: LockBackend,
     K: KeyExtractor<ReqBody>,
-    ReqBody: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body,
 {
-    type Response = Response<Body>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqBody>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the inner service is driven to readiness by the response future, after
+    /// the lock is taken, so requests waiting for a lock hold none of its capacity.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
-            Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
+            Ok(None) => return self.pass_through(request),
             Err(e) => {
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }
@@ -88,10 +100,17 @@ where
             .max_local_waiters(self.config.max_local_waiters)
             .mode(self.config.mode)
             .into_future();
-        // The ready service handles this request after the lock is taken; the clone left
-        // behind will be driven to readiness by the next `poll_ready`.
-        let clone = self.inner.clone();
-        let inner = mem::replace(&mut self.inner, clone);
-        ResponseFuture::acquiring(acquire, request, inner, self.config.clone())
+        ResponseFuture::acquiring(acquire, request, self.inner.clone(), self.config.clone())
+    }
+}
+
+impl<S: Clone, B, K> LockService<S, B, K> {
+    /// A request served unlocked, by a clone of the inner service that its response
+    /// future drives to readiness, as a locked one's is.
+    fn pass_through<ReqBody>(&self, request: Request<ReqBody>) -> ResponseFuture<S, ReqBody>
+    where
+        S: Service<Request<ReqBody>>,
+    {
+        ResponseFuture::pass_through(request, self.inner.clone(), self.config.clone())
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::response::IntoResponse;
 use axum::routing::post;
+use http::header::CONTENT_LENGTH;
 use http_body_util::{BodyExt, Full};
 use redis::AsyncCommands;
 use support::{HttpClient, RedisServer, eventually, http_client, request, serve};
@@ -34,6 +36,21 @@ async fn download(State(feed): State<Feed>) -> Body {
     ))
 }
 
+/// `/download`'s stream with the `content-length` of "first" + "second", set by the handler.
+async fn sized_download(feed: State<Feed>) -> impl IntoResponse {
+    ([(CONTENT_LENGTH, "11")], download(feed).await)
+}
+
+/// Answers `response` once the test sends a chunk.
+async fn answer_when_fed(
+    State(feed): State<Feed>,
+    response: impl IntoResponse,
+) -> impl IntoResponse {
+    let mut go = feed.lock().unwrap().take().expect("one request per test");
+    go.recv().await;
+    response
+}
+
 /// The body of a `/download` response, read by the test chunk by chunk.
 type Download = http_body_util::combinators::BoxBody<bytes::Bytes, axum::BoxError>;
 
@@ -54,14 +71,29 @@ struct Streaming {
 
 impl Streaming {
     /// `/download` streams under the `report` lock, fail-fast and as `configure` sets it;
-    /// `/touch` takes the same lock and answers at once.
+    /// `/sized` streams it with a `content-length` of 11; `/fixed` answers "hello" with a
+    /// `content-length` of 5 and `/no-content` a 204, once the test sends a chunk; `/touch` takes the same lock and answers at once.
     async fn start(configure: impl FnOnce(Layer) -> Layer) -> Self {
         let server = RedisServer::start();
-        let backend = server.backend().await;
+        // Commands may wait out the write pauses of the content-length tests.
+        let backend = RedisBackend::builder(server.url())
+            .command_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .unwrap();
         let (chunks, feed) = mpsc::channel(4);
         let layer = configure(LockLayer::new(backend, report as KeyFn).fail_fast());
         let app = Router::new()
             .route("/download", post(download))
+            .route("/sized", post(sized_download))
+            .route(
+                "/fixed",
+                post(|feed| answer_when_fed(feed, ([(CONTENT_LENGTH, "5")], "hello"))),
+            )
+            .route(
+                "/no-content",
+                post(|feed| answer_when_fed(feed, http::StatusCode::NO_CONTENT)),
+            )
             .route("/touch", post(|| async { "touched" }))
             .route_layer(layer)
             .with_state(Arc::new(Mutex::new(Some(feed))));
@@ -84,10 +116,13 @@ impl Streaming {
 
     /// Starts `/download` and reads its first chunk; returns the headers and the rest.
     async fn download(&self) -> (http::HeaderMap, Download) {
+        self.download_from("/download").await
+    }
+
+    /// Starts the streamed `path` and reads its first chunk; returns the headers and the rest.
+    async fn download_from(&self, path: &str) -> (http::HeaderMap, Download) {
         assert!(self.send("first").await);
-        let request = request(self.addr, "/download")
-            .body(Full::default())
-            .unwrap();
+        let request = request(self.addr, path).body(Full::default()).unwrap();
         let response = self.client.request(request).await.expect("response");
         assert_eq!(response.status(), 200);
         let (parts, body) = response.into_parts();
@@ -127,6 +162,76 @@ async fn streamed_body_holds_the_lock_until_fully_read() {
         "released before the end reached the client"
     );
     assert_eq!(app.touch().await, 200);
+}
+
+/// Pauses Redis writes for a while (reads still run), so that a release which does not
+/// gate the end of the body is still pending when the client looks: without the pause a
+/// background release usually beats the client to Redis and hides the bug.
+async fn pause_writes(conn: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "1500", "WRITE"])
+        .query_async(conn)
+        .await
+        .unwrap();
+}
+
+/// Reads the whole of `body`, then tells whether the lock is still held at once.
+async fn held_after_reading(
+    conn: &mut redis::aio::MultiplexedConnection,
+    body: impl http_body::Body<Error: std::fmt::Debug>,
+) -> bool {
+    body.collect().await.expect("the whole body");
+    conn.exists(LOCK).await.unwrap()
+}
+
+/// Requests `path` (an `answer_when_fed` route) and tells whether the lock is still held
+/// at once after the client has read the whole response, whose `content-length` must be
+/// `length`.
+async fn held_after_answer(path: &str, length: Option<&str>) -> bool {
+    let app = Streaming::start(Layer::hold_until_body_end).await;
+    let request = request(app.addr, path).body(Full::default()).unwrap();
+    let response = tokio::spawn(app.client.request(request));
+    app.server.wait_until_held("report").await;
+    let mut conn = app.server.conn().await;
+    pause_writes(&mut conn).await;
+    assert!(app.send("answer").await, "the handler answers");
+    let response = response.await.unwrap().expect("response");
+    let declared = response.headers().get(CONTENT_LENGTH);
+    assert_eq!(declared.map(|v| v.to_str().unwrap()), length);
+    held_after_reading(&mut conn, response.into_body()).await
+}
+
+#[tokio::test]
+async fn fixed_body_with_content_length_is_released_before_the_client_has_read_it() {
+    assert!(
+        !held_after_answer("/fixed", Some("5")).await,
+        "the client read the whole body while the lock was held"
+    );
+}
+
+#[tokio::test]
+async fn bodyless_response_is_released_before_the_client_has_it() {
+    // hyper never polls the body of a 204 (nor of any response to HEAD).
+    assert!(
+        !held_after_answer("/no-content", None).await,
+        "the client had the whole response while the lock was held"
+    );
+}
+
+#[tokio::test]
+async fn streamed_body_with_content_length_is_released_before_the_client_has_read_it() {
+    let app = Streaming::start(Layer::hold_until_body_end).await;
+    let (headers, body) = app.download_from("/sized").await;
+    assert_eq!(headers[CONTENT_LENGTH], "11");
+    assert_eq!(app.touch().await, 409, "the body is still being sent");
+    let mut conn = app.server.conn().await;
+    pause_writes(&mut conn).await;
+    // The sender stays open: the content-length alone says where the body ends.
+    assert!(app.send("second").await);
+    assert!(
+        !held_after_reading(&mut conn, body).await,
+        "the client read the whole body while the lock was held"
+    );
 }
 
 #[tokio::test]

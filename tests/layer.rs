@@ -2,19 +2,25 @@
 
 mod support;
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
+use axum::response::IntoResponse;
 use axum::routing;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
 use redis::AsyncCommands;
 use support::{
     Gate, RedisServer, eventually, http_client, lock_key, post, post_request, queued, serve,
 };
 use tokio::io::AsyncWriteExt;
-use tower_lock::{LockError, LockLayer, RedisBackend};
+use tower::limit::ConcurrencyLimitLayer;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_lock::{LockError, LockLayer, RedisBackend, ResponseBody};
 
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
@@ -179,6 +185,63 @@ async fn waiting_request_is_served_when_released_within_the_wait() {
     queued(&app.backend, 1).await;
     held.release().await.unwrap();
     assert_eq!(request.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn a_request_waiting_for_its_lock_leaves_an_inner_concurrency_limit_free() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let key_fn: fn(&Request) -> Option<String> = path_key;
+    // A plain tower stack: axum's `route_layer` puts a `Route` (always ready) between
+    // layers, which would hide whose readiness the lock service holds.
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(backend, key_fn).wait(Duration::from_secs(30)))
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service_fn(|_: Request| async { Ok::<_, Infallible>("done".into_response()) });
+    let addr = serve(Router::new().route_service("/quick/{key}", service)).await;
+    // Held by another instance, so that the waiter subscribes where the test can see it.
+    let held = server.backend().await.lock("a").try_once().await.unwrap();
+    let waiting = tokio::spawn(async move { post(&http_client(), addr, "/quick/a").await.status });
+    server.wait_for_subscribers("a", 1).await;
+    let other = tokio::time::timeout(
+        Duration::from_secs(10),
+        post(&http_client(), addr, "/quick/b"),
+    )
+    .await
+    .expect("a request for another key is served while one waits for its lock");
+    assert_eq!(other.status, 200);
+    assert!(!waiting.is_finished(), "the request for a still waits");
+    held.release().await.unwrap();
+    assert_eq!(waiting.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn a_plain_tower_service_keeps_its_own_body_type() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(backend.clone(), |_: &http::Request<()>| Some("k")).fail_fast())
+        .service_fn(|_: http::Request<()>| async {
+            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"done"))))
+        });
+    let read = |response: http::Response<ResponseBody<Full<Bytes>>>| async move {
+        let status = response.status();
+        (
+            status,
+            response.into_body().collect().await.unwrap().to_bytes(),
+        )
+    };
+    let served = service
+        .clone()
+        .oneshot(http::Request::new(()))
+        .await
+        .unwrap();
+    assert_eq!(read(served).await, (StatusCode::OK, Bytes::from("done")));
+    let _held = backend.lock("k").try_once().await.unwrap();
+    let rejected = service.oneshot(http::Request::new(())).await.unwrap();
+    let (status, body) = read(rejected).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(body.starts_with(b"{"), "a problem+json body: {body:?}");
 }
 
 #[tokio::test]
