@@ -111,6 +111,11 @@ impl OwnerIds {
         LockOwner::new(format!("{}:{seq}", self.instance))
     }
 
+    /// A number never returned before by this backend, to tell holds of one owner apart.
+    pub(crate) fn serial(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// The instance part of every owner id.
     pub(crate) fn instance(&self) -> &str {
         &self.instance

@@ -24,9 +24,9 @@
 use redis::Value;
 use tokio::time::timeout;
 
+use super::keys::LockKey;
 use super::{RedisBackend, UnexpectedReply};
 use crate::error::LockError;
-use crate::key::LockKey;
 
 /// A set of string values, one per lock key, each written only by holders with a newer
 /// fencing token than the last writer. Cheap to clone.

@@ -1,0 +1,218 @@
+//! Taking a lock in Redis: the local queue first, then try -> subscribe -> try again ->
+//! wait for a release message or the holder's lease -> loop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{Instant, sleep_until, timeout};
+
+use super::call::AcquireCall;
+use super::keys::LockKey;
+use super::{Inner, MIN_COMMAND_BUDGET, RedisBackend, UnexpectedReply};
+use crate::backend::{acquire_span, traced};
+use crate::error::LockError;
+use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::queue::{Claim, Grant, Place, Slot};
+
+/// What one run of the acquire script found.
+enum Attempt {
+    Acquired {
+        token: u64,
+        sent_at: Instant,
+    },
+    /// Held by another owner, for about this much longer (`None`: no expiry set).
+    Held(Option<Duration>),
+}
+
+impl Inner {
+    pub(super) fn new_owner(&self) -> LockOwner {
+        self.owners.next()
+    }
+
+    pub(super) fn acquire(
+        self: &Arc<Self>,
+        request: LockRequest<RedisBackend>,
+    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        let span = acquire_span(&request.key, self.max_key_len, request.mode);
+        traced(span, self.clone().acquire_traced(request))
+    }
+
+    async fn acquire_traced(
+        self: Arc<Self>,
+        request: LockRequest<RedisBackend>,
+    ) -> Result<LockGuard, LockError> {
+        let key = Arc::new(LockKey::new(
+            &self.namespace,
+            request.key,
+            self.max_key_len,
+        )?);
+        let owner = match request.owner {
+            Some(owner) => owner,
+            None => self.new_owner(),
+        };
+        let started = Instant::now();
+        let deadline = match request.mode {
+            Mode::TryOnce => None,
+            Mode::Wait(wait) => Some(started + wait),
+        };
+        let c = Contender {
+            key,
+            claim: Claim {
+                owner,
+                lease: request.lease,
+                renew: request.watchdog,
+            },
+            started,
+            deadline,
+        };
+        let limit = deadline.map(|_| request.max_local_waiters);
+        loop {
+            let slot = match (self.queues.enter(&c.key.lock, &c.claim, limit), deadline) {
+                (Place::Head(slot), _) => Some(slot),
+                (Place::Reentrant, _) => None,
+                (Place::Full, _) => {
+                    return Err(LockError::QueueFull {
+                        key: c.key.user.clone(),
+                    });
+                }
+                (Place::Busy, _) | (Place::Queued(_), None) => {
+                    return Err(Box::pin(self.busy(&c)).await);
+                }
+                (Place::Queued(mut ticket), Some(deadline)) => {
+                    let grant = tokio::select! {
+                        grant = ticket.granted() => grant,
+                        _ = sleep_until(deadline) => match ticket.try_granted() {
+                            Some(Grant::Handoff(guard)) => return Ok(guard),
+                            // A slot that came just now passes on with the ticket.
+                            _ => return Err(c.timed_out(None)),
+                        },
+                    };
+                    match grant {
+                        Some(Grant::Handoff(guard)) => return Ok(guard),
+                        Some(Grant::Slot(slot)) => Some(*slot),
+                        None => continue,
+                    }
+                }
+            };
+            // Boxed, so that the many tasks waiting in a queue do not each carry the space
+            // of the Redis round trips that only the one contender makes.
+            return Box::pin(self.contend(&c, slot)).await;
+        }
+    }
+
+    /// The answer to a try while another task of this backend has the key: no attempt,
+    /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
+    async fn busy(&self, c: &Contender) -> LockError {
+        let mut pttl = redis::cmd("PTTL");
+        pttl.arg(&*c.key.lock);
+        let retry_after = match timeout(self.command_timeout, self.pool.query::<i64>(&pttl)).await {
+            Ok(Ok(ms)) => u64::try_from(ms).ok().map(Duration::from_millis),
+            _ => None,
+        };
+        LockError::Contended {
+            key: c.key.user.clone(),
+            retry_after,
+        }
+    }
+
+    /// Takes the lock in Redis: try -> subscribe -> try again -> wait for a release or for
+    /// the holder's lease -> loop. Holding `slot`, this is the only task of the backend
+    /// doing so for the key; the slot goes into the guard.
+    async fn contend(
+        self: &Arc<Self>,
+        c: &Contender,
+        slot: Option<Slot>,
+    ) -> Result<LockGuard, LockError> {
+        let mut pttl = None;
+        // A slot passed on by a release that ended a handoff streak skips the first try:
+        // the task waits for its subscription to be confirmed, a round trip in which the
+        // other instances, woken by that release, get their turn.
+        if !slot.as_ref().is_some_and(Slot::yielded) {
+            match self.attempt(c).await? {
+                Attempt::Acquired { token, sent_at } => {
+                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
+                }
+                Attempt::Held(p) => pttl = p,
+            }
+        }
+        let Some(deadline) = c.deadline else {
+            return Err(LockError::Contended {
+                key: c.key.user.clone(),
+                retry_after: pttl,
+            });
+        };
+        // Subscribe, then try again before sleeping: a release published between the
+        // failed attempt and the subscription would otherwise be missed (Redisson #5761).
+        // The waiter starts with a permit when its channel is already subscribed, and gets
+        // one when the subscription is confirmed, so the next attempt follows either way.
+        let waiter = self.subscriber.register(&c.key.channel);
+        loop {
+            let nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+            tokio::select! {
+                _ = waiter.woken() => {}
+                _ = sleep_until(nap) => {}
+            }
+            match self.attempt(c).await? {
+                Attempt::Acquired { token, sent_at } => {
+                    drop(waiter);
+                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
+                }
+                Attempt::Held(p) => pttl = p,
+            }
+            if Instant::now() >= deadline {
+                return Err(c.timed_out(pttl));
+            }
+        }
+    }
+
+    /// Runs the acquire script once.
+    async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
+        let budget = match c.deadline {
+            Some(deadline) => self.command_timeout.min(
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(MIN_COMMAND_BUDGET),
+            ),
+            None => self.command_timeout,
+        };
+        let sent_at = Instant::now();
+        let reply = match timeout(budget, AcquireCall::start(self, c)).await {
+            Ok(reply) => reply,
+            Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
+        };
+        let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
+        match reply {
+            Ok(reply) => match reply.as_slice() {
+                [1, token, _count] => u64::try_from(*token)
+                    .map(|token| Attempt::Acquired { token, sent_at })
+                    .map_err(|_| unexpected()),
+                [0, pttl] => Ok(Attempt::Held(
+                    u64::try_from(*pttl).ok().map(Duration::from_millis),
+                )),
+                _ => Err(unexpected()),
+            },
+            Err(e) if e.is_wrong_type() => Err(LockError::WrongType {
+                key: c.key.user.clone(),
+            }),
+            Err(e) => Err(LockError::backend("acquire", e)),
+        }
+    }
+}
+
+/// One acquisition in progress.
+pub(super) struct Contender {
+    pub(super) key: Arc<LockKey>,
+    pub(super) claim: Claim,
+    pub(super) started: Instant,
+    pub(super) deadline: Option<Instant>,
+}
+
+impl Contender {
+    fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
+        LockError::TimedOut {
+            key: self.key.user.clone(),
+            waited: self.started.elapsed(),
+            retry_after,
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! One acquire script call, and what happens to its reply when nobody waits for it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use super::Inner;
+use super::acquire::Contender;
+use super::hold::RedisHold;
+use super::keys::LockKey;
+use super::pool::{CommandError, Conn};
+use super::watchdog::millis;
+use crate::lock::{BoxFuture, LockOwner};
+
+/// What an acquire script call came back with, and the connection it went out on (none
+/// when no connection could be had, so nothing was sent).
+type Sent = (Result<Vec<i64>, CommandError>, Option<Conn>);
+
+/// One run of the acquire script, awaited inline by its attempt.
+///
+/// Its reply may find nobody to read it: the attempt can be cancelled (client gone, an
+/// outer timeout) or run out of budget while Redis runs the script, or right after the
+/// reply arrived. Dropped unfinished, the call is detached into a task that reads the
+/// reply and gives back exactly the hold it took, re-entries included, so no lock is left
+/// held without a guard for a whole lease.
+pub(super) struct AcquireCall {
+    call: Option<BoxFuture<'static, Sent>>,
+    unclaimed: Unclaimed,
+}
+
+/// What is needed to give back an acquisition nobody claimed.
+#[derive(Clone)]
+struct Unclaimed {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    lease: Duration,
+}
+
+impl AcquireCall {
+    pub(super) fn start(inner: &Arc<Inner>, c: &Contender) -> Self {
+        let unclaimed = Unclaimed {
+            inner: inner.clone(),
+            key: c.key.clone(),
+            owner: c.claim.owner.clone(),
+            lease: c.claim.lease,
+        };
+        let call = {
+            let Unclaimed {
+                inner,
+                key,
+                owner,
+                lease,
+            } = unclaimed.clone();
+            async move {
+                let mut conn = match inner.pool.connection().await {
+                    Ok(conn) => conn,
+                    Err(e) => return (Err(e), None),
+                };
+                let mut invocation = inner.scripts.acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .arg(owner.as_str())
+                    .arg(millis(lease))
+                    .arg(millis(inner.fence_ttl));
+                let reply = conn.invoke::<Vec<i64>>(&invocation).await;
+                (reply, Some(conn))
+            }
+        };
+        AcquireCall {
+            call: Some(Box::pin(call)),
+            unclaimed,
+        }
+    }
+}
+
+impl Future for AcquireCall {
+    type Output = Result<Vec<i64>, CommandError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(CommandError::Shutdown));
+        };
+        let (reply, conn) = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        if let (Err(e), Some(conn)) = (&reply, conn) {
+            // No reply: the script may still run. Its attempt fails, but what it may take
+            // is given back.
+            if e.is_ambiguous() {
+                let unclaimed = self.unclaimed.clone();
+                self.unclaimed.inner.runtime.spawn(unclaimed.undo(conn));
+            }
+        }
+        Poll::Ready(reply)
+    }
+}
+
+impl Drop for AcquireCall {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let unclaimed = self.unclaimed.clone();
+            self.unclaimed
+                .inner
+                .runtime
+                .spawn(async move { unclaimed.give_back(call.await).await });
+        }
+    }
+}
+
+impl Unclaimed {
+    fn hold(&self) -> RedisHold {
+        RedisHold::new(
+            self.inner.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lease,
+            None,
+        )
+    }
+
+    /// Gives back what a call nobody waited for took.
+    async fn give_back(self, (reply, conn): Sent) {
+        match (reply, conn) {
+            // Acquired (or re-entered) for an attempt that is gone: release that one hold.
+            (Ok(reply), _) if reply.first() == Some(&1) => {
+                let _ = self.hold().release_retrying(self.lease).await;
+            }
+            (Err(e), Some(conn)) if e.is_ambiguous() => self.undo(conn).await,
+            _ => {}
+        }
+    }
+
+    /// Undoes a script that may have run without its reply reaching us, on the connection
+    /// it was sent on, so Redis runs the undo after it. Not when the owner holds the key
+    /// already (a re-entry): a release the script did not need would take the outer hold
+    /// away.
+    async fn undo(self, conn: Conn) {
+        if !self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
+            self.hold().undo(conn).await;
+        }
+    }
+}

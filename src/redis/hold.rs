@@ -1,0 +1,318 @@
+//! Holds of a Redis lock and their release: retried, idempotent, finished in the
+//! background when nobody waits for it, and never outlived by renewal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::ScriptInvocation;
+use tokio::time::{Instant, sleep, timeout};
+use tokio_util::sync::CancellationToken;
+
+use super::keys::LockKey;
+use super::pool::{CommandError, Conn};
+use super::watchdog::{OnLost, millis};
+use super::{Inner, UnexpectedReply};
+use crate::error::LockError;
+use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, ReleaseHold};
+use crate::queue::{Claim, Slot};
+
+impl Inner {
+    /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
+    /// at `sent_at`) and starts watching its lease.
+    pub(super) fn guard(
+        self: &Arc<Self>,
+        key: Arc<LockKey>,
+        claim: Claim,
+        token: u64,
+        sent_at: Instant,
+        slot: Option<Slot>,
+    ) -> LockGuard {
+        let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
+        let hold = RedisHold::new(self.clone(), key, claim.owner, claim.lease, slot);
+        let (lost, generation) = self.watchdog.register(
+            hold.key.lock.clone(),
+            hold.owner.clone(),
+            claim.lease,
+            claim.renew,
+            sent_at,
+            on_lost,
+        );
+        let renew = claim.renew;
+        let held = HeldLock::new(
+            hold.key.user.clone(),
+            hold.owner.clone(),
+            token,
+            lost.clone(),
+        );
+        LockGuard::new(
+            held,
+            Box::new(WatchedHold {
+                hold,
+                generation,
+                renew,
+                lost,
+            }),
+        )
+    }
+}
+
+/// One hold of one lock, and everything needed to give it back.
+pub(super) struct RedisHold {
+    inner: Arc<Inner>,
+    key: Arc<LockKey>,
+    owner: LockOwner,
+    /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
+    latch: String,
+    lease: Duration,
+    /// The key's slot in this backend's queue, when this hold took it (re-entries and
+    /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
+    slot: Option<Slot>,
+    /// Whether a release script of this hold may have run without its reply reaching us.
+    may_have_run: bool,
+}
+
+impl RedisHold {
+    pub(super) fn new(
+        inner: Arc<Inner>,
+        key: Arc<LockKey>,
+        owner: LockOwner,
+        lease: Duration,
+        slot: Option<Slot>,
+    ) -> Self {
+        let seq = inner.owners.serial();
+        RedisHold {
+            latch: format!("{}#{seq}", owner.as_str()),
+            inner,
+            key,
+            owner,
+            lease,
+            slot,
+            may_have_run: false,
+        }
+    }
+
+    /// The release script for this hold, handing the lock to `successor` if given.
+    fn invocation(&self, successor: Option<&Claim>, streak_spent: bool) -> ScriptInvocation<'_> {
+        let mut invocation = self.inner.scripts.release.key(&*self.key.lock);
+        invocation
+            .key(&self.key.fence)
+            .arg(self.owner.as_str())
+            .arg(&self.latch)
+            .arg(millis(self.lease))
+            .arg(&self.key.channel)
+            .arg(successor.map_or("", |s| s.owner.as_str()))
+            .arg(successor.map_or(0, |s| millis(s.lease)))
+            .arg(millis(self.inner.fence_ttl))
+            .arg(u8::from(streak_spent))
+            .arg(u8::from(self.may_have_run));
+        invocation
+    }
+
+    /// Undoes an acquire script whose outcome is unknown. The release goes first on the
+    /// connection the acquire script was sent on, so Redis runs it after that script even
+    /// if both are still queued (Redis paused); a plain retry on another connection could
+    /// find nothing to release, stop, and let the late acquisition stand.
+    pub(super) async fn undo(mut self, mut conn: Conn) {
+        let invocation = self.invocation(None, false);
+        let sent = timeout(
+            self.inner.command_timeout,
+            conn.invoke::<Vec<i64>>(&invocation),
+        );
+        // Any reply settles it; without one, the queued release still runs in order.
+        if matches!(sent.await, Ok(Ok(_))) {
+            return;
+        }
+        let retry_for = self.lease;
+        let _ = self.release_retrying(retry_for).await;
+    }
+
+    /// Releases in a spawned task, retrying for up to a lease: after that Redis has freed
+    /// the lock by itself.
+    pub(super) fn finish_in_background(mut self) {
+        let runtime = self.inner.runtime.clone();
+        runtime.spawn(async move {
+            let lease = self.lease;
+            match self.release_retrying(lease).await {
+                Ok(()) | Err(LockError::Lost { .. }) => {}
+                Err(error) => {
+                    let key = &self.key.user;
+                    tracing::warn!(%key, %error, "background lock release failed; the lease will free it");
+                }
+            }
+        });
+    }
+
+    /// Runs the release script, retrying transport failures for up to `retry_for`.
+    /// A retry is safe: the script recognises a hold it already released or handed over.
+    ///
+    /// When a task of this backend is queued for the key, the script hands the lock to it
+    /// instead of freeing it, unless this process's run of handoffs is used up while other
+    /// instances wait. Either way the queued task gets the slot when the hold is dropped.
+    pub(super) async fn release_retrying(&mut self, retry_for: Duration) -> Result<(), LockError> {
+        let inner = self.inner.clone();
+        let successor = self.reserve_successor();
+        let streak_spent = self
+            .slot
+            .as_ref()
+            .is_some_and(|slot| slot.streak().saturating_add(1) >= inner.max_local_handoffs);
+        let give_up = Instant::now() + retry_for;
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let invocation = self.invocation(successor.as_ref(), streak_spent);
+            let sent_at = Instant::now();
+            let reply = timeout(
+                inner.command_timeout,
+                inner.pool.invoke::<Vec<i64>>(&invocation),
+            )
+            .await;
+            let error = match reply {
+                Ok(Ok(reply)) => return self.released(&reply, sent_at),
+                // The key was overwritten with another type: the lock is gone.
+                Ok(Err(e)) if e.is_wrong_type() => {
+                    return Err(LockError::Lost {
+                        key: self.key.user.clone(),
+                    });
+                }
+                Ok(Err(e)) => {
+                    let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
+                    self.may_have_run |= e.is_ambiguous();
+                    if !retry {
+                        return Err(LockError::backend("release", e));
+                    }
+                    LockError::backend("release", e)
+                }
+                Err(elapsed) => {
+                    self.may_have_run = true;
+                    LockError::backend("release", elapsed)
+                }
+            };
+            if Instant::now() + backoff >= give_up {
+                return Err(error);
+            }
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Picks the queued task this release hands the lock to, if any (idempotent).
+    fn reserve_successor(&mut self) -> Option<Claim> {
+        if self.inner.max_local_handoffs == 0 {
+            return None;
+        }
+        self.slot.as_mut()?.reserve_successor().cloned()
+    }
+
+    /// Acts on the release script's reply (see release.lua). The slot, unless it went
+    /// along with the lock, is passed on when the hold is dropped.
+    fn released(&mut self, reply: &[i64], sent_at: Instant) -> Result<(), LockError> {
+        match reply {
+            [3, token] => {
+                let token = u64::try_from(*token)
+                    .map_err(|_| LockError::backend("release", UnexpectedReply("release")))?;
+                if let Some((successor, slot)) = self.slot.take().and_then(Slot::hand_over) {
+                    let guard = self.inner.guard(
+                        self.key.clone(),
+                        successor.claim.clone(),
+                        token,
+                        sent_at,
+                        Some(slot),
+                    );
+                    successor.hand_over(guard);
+                }
+                Ok(())
+            }
+            [2] => {
+                if let Some(slot) = self.slot.as_mut() {
+                    slot.yield_to_others();
+                }
+                Ok(())
+            }
+            [1] => Ok(()),
+            // Not held: lost, unless an earlier attempt whose reply was lost did it.
+            [0] if self.may_have_run => Ok(()),
+            [0] => Err(LockError::Lost {
+                key: self.key.user.clone(),
+            }),
+            _ => Err(LockError::backend("release", UnexpectedReply("release"))),
+        }
+    }
+}
+
+/// A hold registered with the watchdog: releasing deregisters it first, so renewal never
+/// outlives the unlock (Redisson #7272).
+pub(super) struct WatchedHold {
+    pub(super) hold: RedisHold,
+    pub(super) generation: u64,
+    /// Whether this hold asked for renewal (see `LockRequest::without_watchdog`).
+    pub(super) renew: bool,
+    /// Fired by the watchdog when the lock was found lost.
+    pub(super) lost: CancellationToken,
+}
+
+impl WatchedHold {
+    /// Stops renewal; returns the hold if a release is still owed to Redis. A hold known
+    /// lost is owed nothing: its owner may hold the key again under a new hold, which a
+    /// release of the old one would take away.
+    fn stop(self) -> Result<RedisHold, LockError> {
+        let hold = self.hold;
+        hold.inner
+            .watchdog
+            .unregister(&hold.key.lock, &hold.owner, self.generation, self.renew);
+        if self.lost.is_cancelled() {
+            return Err(LockError::Lost {
+                key: hold.key.user.clone(),
+            });
+        }
+        Ok(hold)
+    }
+}
+
+impl ReleaseHold for WatchedHold {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let hold = match self.stop() {
+            Ok(hold) => hold,
+            Err(lost) => return Box::pin(std::future::ready(Err(lost))),
+        };
+        // The caller awaits this one: retry briefly, then report. What is still owed then
+        // (or when the caller stops waiting) is finished in the background, so a release
+        // that could not reach Redis (paused, restarting) happens once it can, instead of
+        // leaving the lock to its lease.
+        let retry_for = hold.inner.command_timeout * 2;
+        Box::pin(PendingRelease(Some(hold)).settle(retry_for))
+    }
+
+    fn release_in_background(self: Box<Self>) {
+        if let Ok(hold) = self.stop() {
+            hold.finish_in_background();
+        }
+    }
+}
+
+/// A release still owed to Redis: dropped unsettled, it is finished in the background.
+struct PendingRelease(Option<RedisHold>);
+
+impl PendingRelease {
+    async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let result = match &mut self.0 {
+            Some(hold) => hold.release_retrying(retry_for).await,
+            None => Ok(()),
+        };
+        // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
+        // Dropping the hold passes its slot (if it did not go with a handoff) on.
+        if !matches!(result, Err(LockError::Backend(_))) {
+            self.0 = None;
+        }
+        result
+    }
+}
+
+impl Drop for PendingRelease {
+    fn drop(&mut self) {
+        if let Some(mut hold) = self.0.take() {
+            // Dropped while its script was in flight, the release may have run: the retry
+            // must recognise a handoff or a release already done.
+            hold.may_have_run = true;
+            hold.finish_in_background();
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! The Redis names of one user key: the lock hash, its fencing counter and its channel.
+
+use std::sync::Arc;
+
+use crate::error::KeyError;
+use crate::key::validate;
+
+/// The Redis names that belong to one user key.
+///
+/// The user key is escaped and wrapped in a hash tag, `namespace:{key}`, so the lock hash,
+/// its fencing counter and its release channel always hash to one cluster slot, and no
+/// user input can close the tag early or reach outside the namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LockKey {
+    /// The key as the application gave it (for errors, spans and `HeldLock::key`).
+    pub(crate) user: String,
+    /// The lock hash: `owner -> reentry count`, plus the token field.
+    pub(crate) lock: Arc<str>,
+    /// The fencing counter, kept apart from the lock so tokens survive its deletion.
+    pub(crate) fence: String,
+    /// The channel a release is published on.
+    pub(crate) channel: String,
+}
+
+impl LockKey {
+    pub(crate) fn new(namespace: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
+        validate(&user, max_len)?;
+        let tagged = format!("{namespace}:{{{}}}", escape(&user));
+        Ok(LockKey {
+            fence: format!("{tagged}:fence"),
+            channel: format!("{tagged}:released"),
+            lock: tagged.into(),
+            user,
+        })
+    }
+}
+
+/// Percent-escapes the characters that would change the hash tag (`{`, `}`) and the escape
+/// character itself, so that the mapping from user key to Redis key stays one-to-one.
+fn escape(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn braces_cannot_move_the_hash_tag() {
+        let k = LockKey::new("ns", "a}b{c".into(), 64).unwrap();
+        assert_eq!(&*k.lock, "ns:{a%7Db%7Bc}");
+        assert_eq!(k.channel, "ns:{a%7Db%7Bc}:released");
+    }
+
+    #[test]
+    fn escaping_is_one_to_one() {
+        let a = LockKey::new("ns", "%7B".into(), 64).unwrap();
+        let b = LockKey::new("ns", "{".into(), 64).unwrap();
+        assert_ne!(a.lock, b.lock);
+    }
+}
