@@ -15,7 +15,7 @@
 //! use std::time::Duration;
 //! use tower_lock::RedisBackend;
 //!
-//! # async fn run() -> Result<(), tower_lock::LockError> {
+//! # async fn run() -> Result<(), tower_lock::BuildError> {
 //! let backend = RedisBackend::builder("redis://127.0.0.1:6379")
 //!     .namespace("shop")
 //!     .pool_size(8)
@@ -51,7 +51,7 @@ use self::queue::{Claim, Entry, Grant, Queues, Slot};
 use self::scripts::Scripts;
 use self::watchdog::{OnLost, Watchdog, millis};
 use crate::backend::LockBackend;
-use crate::error::{KeyError, LockError};
+use crate::error::{BuildError, LockError};
 use crate::key::LockKey;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
 
@@ -99,7 +99,7 @@ impl Drop for Inner {
 
 impl RedisBackend {
     /// Connects with default settings. Fails if Redis does not answer a PING.
-    pub async fn connect(url: &str) -> Result<Self, LockError> {
+    pub async fn connect(url: &str) -> Result<Self, BuildError> {
         Self::builder(url).build().await
     }
 
@@ -205,7 +205,7 @@ impl RedisBackendBuilder {
     }
 
     /// Longest accepted key in bytes (default 1024). Longer keys are rejected with
-    /// [`KeyError::TooLong`], never truncated.
+    /// [`KeyError::TooLong`](crate::KeyError::TooLong), never truncated.
     pub fn max_key_len(mut self, len: usize) -> Self {
         self.max_key_len = len;
         self
@@ -249,10 +249,14 @@ impl RedisBackendBuilder {
     }
 
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
-    pub async fn build(self) -> Result<RedisBackend, LockError> {
+    ///
+    /// Fails with the cause as soon as it is known (connection refused, unknown host,
+    /// wrong password, ...); only a server that does not answer takes the connect timeout.
+    pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
-        let client =
-            redis::Client::open(self.url.as_str()).map_err(|e| LockError::backend("connect", e))?;
+        let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
+            source: Box::new(e),
+        })?;
         let runtime = tokio::runtime::Handle::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
@@ -262,17 +266,17 @@ impl RedisBackendBuilder {
             self.connect_timeout,
             self.command_timeout,
         );
-        timeout(
-            self.command_timeout,
-            pool.query::<String>(&redis::cmd("PING")),
-        )
-        .await
-        .map_err(|e| LockError::backend("connect", e))?
-        .map_err(|e| LockError::backend("connect", e))?;
+        // The pool bounds the connect by the connect timeout and the reply by the command
+        // timeout, so no outer timeout is needed (one would cut a slow connect short).
+        pool.query::<String>(&redis::cmd("PING"))
+            .await
+            .map_err(|e| BuildError::Connect {
+                source: e.into_cause(),
+            })?;
         for script in scripts.all() {
-            pool.load(script)
-                .await
-                .map_err(|e| LockError::backend("connect", e))?;
+            pool.load(script).await.map_err(|e| BuildError::Scripts {
+                source: e.into_cause(),
+            })?;
         }
         let subscriber = Subscriber::spawn(
             client,
@@ -314,16 +318,14 @@ impl RedisBackendBuilder {
     }
 }
 
-fn validate_namespace(namespace: &str) -> Result<(), LockError> {
+fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
     if namespace.is_empty()
         || namespace.contains(['{', '}'])
         || namespace.contains(char::is_control)
     {
-        return Err(LockError::InvalidKey(KeyError::Malformed {
-            reason: format!(
-                "namespace {namespace:?} must be non-empty, without braces or control characters"
-            ),
-        }));
+        return Err(BuildError::Namespace {
+            namespace: namespace.to_owned(),
+        });
     }
     Ok(())
 }
