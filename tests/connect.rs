@@ -174,3 +174,62 @@ async fn error_chain_names_its_cause_once() {
         assert_cause_once(&failed_lock_call(&backend).await);
     }
 }
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A backend built in one runtime and used from another after the first shut down (a
+/// `static` shared by `#[tokio::test]`s) takes, hands over and releases locks, and does not
+/// claim a subscriber connection it lost with its runtime.
+#[test]
+fn backend_works_after_the_runtime_it_was_built_in_shut_down() {
+    let server = RedisServer::start();
+    let first = runtime();
+    let backend = first.block_on(async {
+        let backend = server.backend().await;
+        support::eventually("the subscriber connects", || async {
+            backend.stats().subscriber_connected
+        })
+        .await;
+        backend
+    });
+    drop(first);
+    assert!(
+        !backend.stats().subscriber_connected,
+        "{:?}",
+        backend.stats()
+    );
+
+    runtime().block_on(async {
+        let locked = tokio::time::timeout(HANG_GUARD, backend.lock("order:7").try_once())
+            .await
+            .expect("try_once hung")
+            .expect("locks from the second runtime");
+        server.wait_until_held("order:7").await;
+        locked.release().await.expect("release");
+        assert!(!server.exists(&support::lock_key("order:7")).await);
+
+        // Woken by another instance's release: the subscriber runs again.
+        let other = server.backend().await;
+        let held = other.lock("order:7").try_once().await.expect("free");
+        let waiter = tokio::spawn({
+            let backend = backend.clone();
+            async move { backend.lock("order:7").wait(HANG_GUARD).await }
+        });
+        server.wait_for_subscribers("order:7", 1).await;
+        assert!(backend.stats().subscriber_connected);
+        held.release().await.expect("release");
+        let next = tokio::time::timeout(HANG_GUARD, waiter)
+            .await
+            .expect("waiter hung")
+            .expect("waiter task")
+            .expect("waiter takes the lock");
+        // Dropping a guard releases it in the background, on this runtime.
+        drop(next);
+        server.wait_until_released("order:7").await;
+    });
+}

@@ -31,6 +31,7 @@ mod fence;
 mod pool;
 mod pubsub;
 mod queue;
+mod runtime;
 mod scripts;
 mod watchdog;
 
@@ -48,6 +49,7 @@ pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::{CommandError, Conn, Pool};
 use self::pubsub::{Subscriber, SubscriberConfig};
 use self::queue::{Claim, Entry, Grant, Queues, Slot};
+use self::runtime::Spawner;
 use self::scripts::Scripts;
 use self::watchdog::{OnLost, Watchdog, millis};
 use crate::backend::LockBackend;
@@ -87,7 +89,7 @@ struct Inner {
     fence_ttl: Duration,
     instance: String,
     sequence: AtomicU64,
-    runtime: tokio::runtime::Handle,
+    runtime: Spawner,
     shutdown: CancellationToken,
 }
 
@@ -250,6 +252,10 @@ impl RedisBackendBuilder {
 
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
+    /// The backend may be used from other runtimes too, also after this one shut down (a
+    /// `static` shared by `#[tokio::test]`s): its tasks run on the caller's runtime, and
+    /// its connections and background tasks are started again there when theirs is gone.
+    ///
     /// Fails with the cause as soon as it is known (connection refused, unknown host,
     /// wrong password, ...); only a server that does not answer takes the connect timeout.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
@@ -257,7 +263,7 @@ impl RedisBackendBuilder {
         let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
             source: Box::new(e),
         })?;
-        let runtime = tokio::runtime::Handle::current();
+        let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
         let pool = Pool::new(

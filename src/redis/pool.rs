@@ -27,6 +27,8 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 use tokio::sync::watch;
 
+use super::runtime::RuntimeAlive;
+
 /// A pooled connection and whether a transport failure has been seen on it.
 #[derive(Clone)]
 pub(crate) struct Conn {
@@ -35,6 +37,9 @@ pub(crate) struct Conn {
     suspicion: Suspicion,
     /// The suspicion level at which this connection was last known to work.
     proven: u64,
+    /// The runtime that runs the connection's I/O task: when it shuts down (a backend
+    /// shared by tests with a runtime each), the connection is dead.
+    driver: Arc<RuntimeAlive>,
 }
 
 /// A counter raised whenever some connection to Redis was found dead; connections proven
@@ -72,6 +77,8 @@ impl bb8::ManageConnection for Manager {
             broken: Arc::new(AtomicBool::new(false)),
             proven: self.suspicion.level(),
             suspicion: self.suspicion.clone(),
+            // redis-rs spawned the I/O task on the runtime this runs on.
+            driver: Arc::new(RuntimeAlive::here()),
         })
     }
 
@@ -310,6 +317,9 @@ impl Conn {
     /// False when the connection failed before, or cannot answer a PING after another
     /// connection was found dead.
     async fn is_usable(&mut self) -> bool {
+        if !self.driver.is_alive() {
+            self.broken.store(true, Ordering::Relaxed);
+        }
         if self.broken.load(Ordering::Relaxed) {
             return false;
         }
