@@ -313,7 +313,11 @@ async fn renew_batch(
         outcome => {
             match outcome {
                 Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
-                Ok(Err(e)) => tracing::warn!(error = %e, "lock renewal failed; retrying"),
+                // Recorded as an error, so subscribers print its sources (the cause).
+                Ok(Err(e)) => tracing::warn!(
+                    error = &e as &(dyn std::error::Error + 'static),
+                    "lock renewal failed; retrying"
+                ),
                 Err(_) => tracing::warn!("lock renewal timed out; retrying"),
             }
             // Keep the locks and try again soon; `collect_due` declares them lost only once
