@@ -1,4 +1,9 @@
-//! The error type of every lock operation.
+//! The error types: [`LockError`] of every lock operation, [`BuildError`] of building a
+//! backend.
+//!
+//! Each error's `Display` says only its own part and leaves its cause to
+//! [`source`](StdError::source) (the std convention), so a chain printed level by level,
+//! as anyhow's `{:#}` does, names every cause once.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -36,7 +41,8 @@ pub enum LockError {
         /// The user-facing key whose local queue is full.
         key: String,
     },
-    /// The key was rejected before anything was sent to Redis.
+    /// The key was rejected before anything was sent to Redis. Displays as the
+    /// [`KeyError`] itself.
     InvalidKey(KeyError),
     /// The lock was held but is no longer: its lease ran out or someone deleted it.
     Lost {
@@ -50,7 +56,8 @@ pub enum LockError {
         /// The user-facing key whose Redis key is taken.
         key: String,
     },
-    /// Redis could not be reached or answered with an error.
+    /// Redis could not be reached or answered with an error. Displays as the
+    /// [`BackendError`] itself; the cause is the [`source`](StdError::source).
     Backend(BackendError),
 }
 
@@ -99,7 +106,8 @@ impl fmt::Display for LockError {
             LockError::QueueFull { key } => {
                 write!(f, "too many local waiters for lock `{key}`")
             }
-            LockError::InvalidKey(e) => write!(f, "invalid lock key: {e}"),
+            // Both wrappers are transparent: the inner error is this level, not its source.
+            LockError::InvalidKey(e) => e.fmt(f),
             LockError::Lost { key } => write!(f, "lock `{key}` was lost"),
             LockError::WrongType { key } => {
                 write!(
@@ -115,8 +123,8 @@ impl fmt::Display for LockError {
 impl StdError for LockError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
-            LockError::InvalidKey(e) => Some(e),
-            LockError::Backend(e) => Some(e),
+            LockError::InvalidKey(e) => e.source(),
+            LockError::Backend(e) => e.source(),
             _ => None,
         }
     }
@@ -129,7 +137,8 @@ impl From<KeyError> for LockError {
 }
 
 /// A failure talking to the lock backend (for Redis: connect, pool, script or timeout
-/// errors). Cheap to clone; the original error is kept as the [`source`](StdError::source).
+/// errors). Cheap to clone; the original error is kept as the [`source`](StdError::source),
+/// and `Display` names only what the backend was doing.
 #[derive(Clone)]
 pub struct BackendError {
     context: &'static str,
@@ -154,11 +163,7 @@ impl fmt::Debug for BackendError {
 
 impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "lock backend failed during {}: {}",
-            self.context, self.source
-        )
+        write!(f, "lock backend failed during {}", self.context)
     }
 }
 
@@ -213,3 +218,95 @@ impl fmt::Display for KeyError {
 }
 
 impl StdError for KeyError {}
+
+/// Why a backend could not be built: its configuration is invalid, or the store could not be
+/// reached or prepared. Returned by [`RedisBackend::connect`](crate::RedisBackend::connect)
+/// and [`RedisBackendBuilder::build`](crate::RedisBackendBuilder::build).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The namespace is empty or contains `{`, `}` or a control character.
+    Namespace {
+        /// The rejected namespace.
+        namespace: String,
+    },
+    /// The URL does not parse as a Redis URL; the parser's reason is the
+    /// [`source`](StdError::source).
+    Url {
+        /// Why the URL was rejected.
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// No connection could be opened or the server refused it (connection refused, unknown
+    /// host, wrong password, a database index out of range, ...); the cause is the
+    /// [`source`](StdError::source).
+    Connect {
+        /// Why the connection failed.
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// The server was reached but refused to load the lock scripts.
+    Scripts {
+        /// Why loading failed.
+        source: Box<dyn StdError + Send + Sync>,
+    },
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BuildError::Namespace { namespace } => write!(
+                f,
+                "invalid namespace {namespace:?}: it must be non-empty, without braces or \
+                 control characters"
+            ),
+            BuildError::Url { .. } => f.write_str("invalid Redis URL"),
+            BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
+            BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
+        }
+    }
+}
+
+impl StdError for BuildError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            BuildError::Namespace { .. } => None,
+            BuildError::Url { source }
+            | BuildError::Connect { source }
+            | BuildError::Scripts { source } => Some(&**source),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chain as anyhow's `{:#}` prints it: every level's Display joined by ": ".
+    fn chain(error: &(dyn StdError + 'static)) -> String {
+        let mut levels = vec![error.to_string()];
+        let mut source = error.source();
+        while let Some(e) = source {
+            levels.push(e.to_string());
+            source = e.source();
+        }
+        levels.join(": ")
+    }
+
+    #[test]
+    fn every_variant_names_its_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let backend = LockError::backend("release", io);
+        assert_eq!(
+            chain(&backend),
+            "lock backend failed during release: reset by peer"
+        );
+        let key = LockError::InvalidKey(KeyError::Empty);
+        assert_eq!(chain(&key), "the lock key is empty");
+        let build = BuildError::Connect {
+            source: Box::new(std::io::Error::other("connection refused")),
+        };
+        assert_eq!(
+            chain(&build),
+            "cannot connect to the lock backend: connection refused"
+        );
+    }
+}

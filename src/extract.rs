@@ -24,7 +24,7 @@
 //! use tower_lock::{LockLayer, RedisBackend};
 //! use tower_lock::extract::{Header, PathParam};
 //!
-//! # async fn run() -> Result<(), tower_lock::LockError> {
+//! # async fn run() -> Result<(), tower_lock::BuildError> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
 //! let orders: Router = Router::new()
 //!     .route("/orders/{id}/pay", post(|| async { "paid" }))

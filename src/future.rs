@@ -164,7 +164,11 @@ impl Future for Release {
                 tracing::warn!(key, "lock was lost before the request finished");
             }
             Err(error) => {
-                tracing::warn!(key, %error, "lock release not confirmed yet; retrying in the background")
+                tracing::warn!(
+                    key,
+                    error = &error as &(dyn std::error::Error + 'static),
+                    "lock release not confirmed yet; retrying in the background"
+                )
             }
         }
         Poll::Ready(())

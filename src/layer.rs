@@ -55,7 +55,7 @@ impl Config {
 /// use axum::{Router, extract::Request, routing::post};
 /// use tower_lock::{LockLayer, RedisBackend};
 ///
-/// # async fn run() -> Result<(), tower_lock::LockError> {
+/// # async fn run() -> Result<(), tower_lock::BuildError> {
 /// let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
 /// let app: Router = Router::new()
 ///     .route("/orders/{id}/pay", post(|| async { "paid" }))

@@ -18,7 +18,7 @@ mod service;
 
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
-pub use crate::error::{BackendError, KeyError, LockError};
+pub use crate::error::{BackendError, BuildError, KeyError, LockError};
 pub use crate::extract::{Header, PathParam, QueryParam};
 pub use crate::future::ResponseFuture;
 pub use crate::key::KeyExtractor;

@@ -4,7 +4,7 @@
 //! use std::time::Duration;
 //! use tower_lock::{LockError, RedisBackend};
 //!
-//! # async fn run() -> Result<(), LockError> {
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
 //!
 //! // Wait up to a second for the lock, then give up with `LockError::TimedOut`.
@@ -16,7 +16,7 @@
 //! match backend.lock("order:42").try_once().await {
 //!     Ok(guard) => drop(guard), // dropping releases in a background task
 //!     Err(LockError::Contended { retry_after, .. }) => println!("busy for {retry_after:?}"),
-//!     Err(other) => return Err(other),
+//!     Err(other) => return Err(other.into()),
 //! }
 //! # Ok(())
 //! # }

@@ -3,16 +3,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::pool::Pool;
 use super::pubsub::{Subscriber, SubscriberConfig};
+use super::runtime::Spawner;
 use super::scripts::Scripts;
 use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
 use crate::backend::OwnerIds;
-use crate::error::{KeyError, LockError};
+use crate::error::BuildError;
 use crate::queue::Queues;
 
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
@@ -64,7 +64,7 @@ impl RedisBackendBuilder {
     }
 
     /// Longest accepted key in bytes (default 1024). Longer keys are rejected with
-    /// [`KeyError::TooLong`], never truncated.
+    /// [`KeyError::TooLong`](crate::KeyError::TooLong), never truncated.
     pub fn max_key_len(mut self, len: usize) -> Self {
         self.max_key_len = len;
         self
@@ -132,11 +132,19 @@ impl RedisBackendBuilder {
     }
 
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
-    pub async fn build(self) -> Result<RedisBackend, LockError> {
+    ///
+    /// The backend may be used from other runtimes too, also after this one shut down (a
+    /// `static` shared by `#[tokio::test]`s): its tasks run on the caller's runtime, and
+    /// its connections and background tasks are started again there when theirs is gone.
+    ///
+    /// Fails with the cause as soon as it is known (connection refused, unknown host,
+    /// wrong password, ...); only a server that does not answer takes the connect timeout.
+    pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
-        let client =
-            redis::Client::open(self.url.as_str()).map_err(|e| LockError::backend("connect", e))?;
-        let runtime = tokio::runtime::Handle::current();
+        let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
+            source: Box::new(e),
+        })?;
+        let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
         let pool = Pool::new(
@@ -145,17 +153,17 @@ impl RedisBackendBuilder {
             self.connect_timeout,
             self.command_timeout,
         );
-        timeout(
-            self.command_timeout,
-            pool.query::<String>(&redis::cmd("PING")),
-        )
-        .await
-        .map_err(|e| LockError::backend("connect", e))?
-        .map_err(|e| LockError::backend("connect", e))?;
+        // The pool bounds the connect by the connect timeout and the reply by the command
+        // timeout, so no outer timeout is needed (one would cut a slow connect short).
+        pool.query::<String>(&redis::cmd("PING"))
+            .await
+            .map_err(|e| BuildError::Connect {
+                source: e.into_cause(),
+            })?;
         for script in scripts.all() {
-            pool.load(script)
-                .await
-                .map_err(|e| LockError::backend("connect", e))?;
+            pool.load(script).await.map_err(|e| BuildError::Scripts {
+                source: e.into_cause(),
+            })?;
         }
         let subscriber = Subscriber::spawn(
             client,
@@ -196,16 +204,14 @@ impl RedisBackendBuilder {
     }
 }
 
-fn validate_namespace(namespace: &str) -> Result<(), LockError> {
+fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
     if namespace.is_empty()
         || namespace.contains(['{', '}'])
         || namespace.contains(char::is_control)
     {
-        return Err(LockError::InvalidKey(KeyError::Malformed {
-            reason: format!(
-                "namespace {namespace:?} must be non-empty, without braces or control characters"
-            ),
-        }));
+        return Err(BuildError::Namespace {
+            namespace: namespace.to_owned(),
+        });
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 //! ```no_run
 //! use tower_lock::{FencedStore, FencedWrite, RedisBackend};
 //!
-//! # async fn run() -> Result<(), tower_lock::LockError> {
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
 //! let store = FencedStore::new(backend.clone());
 //! let guard = backend.lock("stock:42").try_once().await?;

@@ -136,7 +136,11 @@ impl RedisHold {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => {
                     let key = &self.key.user;
-                    tracing::warn!(%key, %error, "background lock release failed; the lease will free it");
+                    tracing::warn!(
+                        %key,
+                        error = &error as &(dyn std::error::Error + 'static),
+                        "background lock release failed; the lease will free it"
+                    );
                 }
             }
         });

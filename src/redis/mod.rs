@@ -15,7 +15,7 @@
 //! use std::time::Duration;
 //! use tower_lock::RedisBackend;
 //!
-//! # async fn run() -> Result<(), tower_lock::LockError> {
+//! # async fn run() -> Result<(), tower_lock::BuildError> {
 //! let backend = RedisBackend::builder("redis://127.0.0.1:6379")
 //!     .namespace("shop")
 //!     .pool_size(8)
@@ -35,6 +35,7 @@ mod hold;
 mod keys;
 mod pool;
 mod pubsub;
+mod runtime;
 mod scripts;
 mod watchdog;
 
@@ -48,10 +49,11 @@ pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::Pool;
 use self::pubsub::Subscriber;
+use self::runtime::Spawner;
 use self::scripts::Scripts;
 use self::watchdog::Watchdog;
 use crate::backend::{LockBackend, OwnerIds};
-use crate::error::LockError;
+use crate::error::{BuildError, LockError};
 use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
 use crate::queue::Queues;
 
@@ -86,7 +88,7 @@ struct Inner {
     command_timeout: Duration,
     fence_ttl: Duration,
     owners: OwnerIds,
-    runtime: tokio::runtime::Handle,
+    runtime: Spawner,
     shutdown: CancellationToken,
 }
 
@@ -98,7 +100,7 @@ impl Drop for Inner {
 
 impl RedisBackend {
     /// Connects with default settings. Fails if Redis does not answer a PING.
-    pub async fn connect(url: &str) -> Result<Self, LockError> {
+    pub async fn connect(url: &str) -> Result<Self, BuildError> {
         Self::builder(url).build().await
     }
 

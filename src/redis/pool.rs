@@ -11,6 +11,11 @@
 //! every pooled connection older than it answers a PING at its next checkout before it
 //! carries a command. Without that, each stale connection would fail one request after
 //! Redis came back.
+//!
+//! bb8 opens connections in its own tasks and only ever tells a waiting `get` that it timed
+//! out: a refused connection, an unknown host or a wrong password all read "timed out"
+//! after the connect timeout. The pool's error sink therefore publishes every failed
+//! connection attempt, and a caller waiting for a connection fails at once with it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -20,6 +25,9 @@ use std::time::Duration;
 use bb8_redis::bb8;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
+use tokio::sync::watch;
+
+use super::runtime::RuntimeAlive;
 
 /// A pooled connection and whether a transport failure has been seen on it.
 #[derive(Clone)]
@@ -29,6 +37,9 @@ pub(crate) struct Conn {
     suspicion: Suspicion,
     /// The suspicion level at which this connection was last known to work.
     proven: u64,
+    /// The runtime that runs the connection's I/O task: when it shuts down (a backend
+    /// shared by tests with a runtime each), the connection is dead.
+    driver: Arc<RuntimeAlive>,
 }
 
 /// A counter raised whenever some connection to Redis was found dead; connections proven
@@ -66,6 +77,8 @@ impl bb8::ManageConnection for Manager {
             broken: Arc::new(AtomicBool::new(false)),
             proven: self.suspicion.level(),
             suspicion: self.suspicion.clone(),
+            // redis-rs spawned the I/O task on the runtime this runs on.
+            driver: Arc::new(RuntimeAlive::here()),
         })
     }
 
@@ -82,11 +95,20 @@ impl bb8::ManageConnection for Manager {
 #[derive(Debug)]
 pub(crate) enum CommandError {
     /// No connection could be had; nothing was sent.
-    Connect(bb8::RunError<RedisError>),
+    Connect(ConnectError),
     /// Redis answered with an error, or the transport failed after sending.
     Redis(RedisError),
     /// The runtime is shutting down and the command's task was dropped.
     Shutdown,
+}
+
+/// Why no connection could be had.
+#[derive(Debug, Clone)]
+pub(crate) enum ConnectError {
+    /// Opening a connection failed.
+    Failed(Arc<RedisError>),
+    /// No connection came within the connect timeout; the last failed attempt, if any.
+    TimedOut(Option<Arc<RedisError>>),
 }
 
 impl CommandError {
@@ -106,22 +128,80 @@ impl CommandError {
     }
 }
 
+// Each level says only its own part and leaves the cause to `source`, so a chain printed
+// level by level (anyhow's `{:#}`) names the cause once.
 impl fmt::Display for CommandError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CommandError::Connect(ConnectError::Failed(_)) => "cannot connect to Redis",
+            CommandError::Connect(ConnectError::TimedOut(_)) => {
+                "timed out waiting for a Redis connection"
+            }
+            CommandError::Redis(_) => "Redis command failed",
+            CommandError::Shutdown => "the runtime is shutting down",
+        })
+    }
+}
+
+impl std::error::Error for CommandError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            CommandError::Connect(bb8::RunError::TimedOut) => {
-                f.write_str("timed out waiting for a Redis connection")
-            }
-            CommandError::Connect(bb8::RunError::User(e)) => {
-                write!(f, "cannot connect to Redis: {e}")
-            }
-            CommandError::Redis(e) => write!(f, "Redis command failed: {e}"),
-            CommandError::Shutdown => f.write_str("the runtime is shutting down"),
+            CommandError::Connect(ConnectError::Failed(e))
+            | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(cause(e)),
+            CommandError::Redis(e) => Some(cause(e)),
+            CommandError::Connect(ConnectError::TimedOut(None)) | CommandError::Shutdown => None,
         }
     }
 }
 
-impl std::error::Error for CommandError {}
+impl CommandError {
+    /// The cause alone, for an error whose own words already say what failed (a build
+    /// that could not connect).
+    pub(crate) fn into_cause(self) -> Box<dyn std::error::Error + Send + Sync> {
+        match self {
+            CommandError::Connect(ConnectError::Failed(e)) => Box::new(RedisCause(e)),
+            CommandError::Redis(e) => Box::new(RedisCause(Arc::new(e))),
+            other => Box::new(other),
+        }
+    }
+}
+
+/// The error to show as the cause: a `RedisError` that wraps another (an I/O or server
+/// error) prints that error's text as its own, so the wrapped one stands in for it.
+fn cause(e: &RedisError) -> &(dyn std::error::Error + 'static) {
+    std::error::Error::source(e).unwrap_or(e)
+}
+
+/// A `RedisError` as one level of a chain: the text of [`cause`], and that cause's source.
+#[derive(Debug)]
+struct RedisCause(Arc<RedisError>);
+
+impl fmt::Display for RedisCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(cause(&self.0), f)
+    }
+}
+
+impl std::error::Error for RedisCause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        cause(&self.0).source()
+    }
+}
+
+/// Every failed connection attempt of the pool, newest last, for the callers waiting on one.
+#[derive(Debug, Clone)]
+struct ConnectFailures(Arc<watch::Sender<Option<Arc<RedisError>>>>);
+
+impl bb8::ErrorSink<RedisError> for ConnectFailures {
+    fn sink(&self, error: RedisError) {
+        tracing::debug!(%error, "lock backend cannot open a Redis connection");
+        self.0.send_replace(Some(Arc::new(error)));
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<RedisError>> {
+        Box::new(self.clone())
+    }
+}
 
 fn is_transport(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
@@ -132,6 +212,7 @@ fn is_transport(e: &RedisError) -> bool {
 pub(crate) struct Pool {
     pool: bb8::Pool<Manager>,
     suspicion: Suspicion,
+    failures: ConnectFailures,
 }
 
 impl Pool {
@@ -142,6 +223,7 @@ impl Pool {
         response_timeout: Duration,
     ) -> Self {
         let suspicion = Suspicion::default();
+        let failures = ConnectFailures(Arc::new(watch::Sender::new(None)));
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(response_timeout));
@@ -153,13 +235,18 @@ impl Pool {
             // Fail at once when Redis is down instead of retrying until the pool timeout:
             // the caller turns the error into a 503 while it still matters.
             .retry_connection(false)
+            .error_sink(Box::new(failures.clone()))
             .connection_timeout(connect_timeout)
             .build_unchecked(Manager {
                 client,
                 config,
                 suspicion: suspicion.clone(),
             });
-        Pool { pool, suspicion }
+        Pool {
+            pool,
+            suspicion,
+            failures,
+        }
     }
 
     /// The counter that makes pooled connections prove themselves before their next use.
@@ -174,10 +261,28 @@ impl Pool {
         // healthy one or a fresh connection; give up after every slot was tried.
         let mut tries = self.pool.state().connections + 1;
         loop {
-            let mut pooled = self.pool.get().await.map_err(CommandError::Connect)?;
+            let mut pooled = self.checkout().await.map_err(CommandError::Connect)?;
             tries = tries.saturating_sub(1);
             if pooled.is_usable().await || tries == 0 {
                 return Ok(pooled.clone());
+            }
+        }
+    }
+
+    /// Waits for a pooled connection, failing with the cause as soon as an attempt to open
+    /// one fails (a connection refused or a wrong password will not heal by waiting).
+    async fn checkout(&self) -> Result<bb8::PooledConnection<'_, Manager>, ConnectError> {
+        // Subscribed before asking, so the failure of the attempt this call starts is seen.
+        let mut failures = self.failures.0.subscribe();
+        tokio::select! {
+            biased;
+            pooled = self.pool.get() => pooled.map_err(|e| match e {
+                bb8::RunError::User(e) => ConnectError::Failed(Arc::new(e)),
+                bb8::RunError::TimedOut => ConnectError::TimedOut(failures.borrow().clone()),
+            }),
+            Ok(()) = failures.changed() => {
+                let last = failures.borrow().clone();
+                Err(last.map_or(ConnectError::TimedOut(None), ConnectError::Failed))
             }
         }
     }
@@ -212,6 +317,9 @@ impl Conn {
     /// False when the connection failed before, or cannot answer a PING after another
     /// connection was found dead.
     async fn is_usable(&mut self) -> bool {
+        if !self.driver.is_alive() {
+            self.broken.store(true, Ordering::Relaxed);
+        }
         if self.broken.load(Ordering::Relaxed) {
             return false;
         }

@@ -20,6 +20,7 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::pool::Suspicion;
+use super::runtime::{Daemon, Spawner};
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -70,12 +71,31 @@ impl Shared {
         // half-way through an update, so a poisoned lock is still consistent.
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn disconnected(&self) {
+        let mut registry = self.registry();
+        registry.connected = false;
+        // Messages may have been missed while the connection was going down: every
+        // waiter tries again now, and again once its channel is resubscribed.
+        registry.active.clear();
+        registry.wake_all();
+    }
+}
+
+/// Marks the subscriber disconnected when its task ends or is dropped.
+struct Disconnected<'a>(&'a Shared);
+
+impl Drop for Disconnected<'_> {
+    fn drop(&mut self) {
+        self.0.disconnected();
+    }
 }
 
 /// Handle to the backend's subscriber task.
 #[derive(Clone)]
 pub(crate) struct Subscriber {
     shared: Arc<Shared>,
+    task: Arc<Daemon>,
 }
 
 impl Subscriber {
@@ -87,7 +107,7 @@ impl Subscriber {
         config: SubscriberConfig,
         suspicion: Suspicion,
         shutdown: CancellationToken,
-        runtime: &tokio::runtime::Handle,
+        spawner: &Spawner,
     ) -> Self {
         let shared = Arc::new(Shared {
             registry: Mutex::default(),
@@ -95,13 +115,20 @@ impl Subscriber {
             next_id: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
         });
-        runtime.spawn(run(shared.clone(), client, config, suspicion, shutdown));
-        Subscriber { shared }
+        let serving = shared.clone();
+        let start = move |shutdown| {
+            let (client, config) = (client.clone(), config.clone());
+            run(serving.clone(), client, config, suspicion.clone(), shutdown)
+        };
+        let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
+        Subscriber { shared, task }
     }
 
     /// Registers a waiter on `channel`. If the channel is already subscribed the waiter
     /// starts with a permit, so its first wait returns at once and it tries again.
     pub(crate) fn register(&self, channel: &str) -> Waiter {
+        // A waiter on another runtime than the one the subscriber ran on.
+        self.task.ensure_running();
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let notify = Arc::new(Notify::new());
         let mut registry = self.shared.registry();
@@ -180,6 +207,10 @@ async fn run(
     suspicion: Suspicion,
     shutdown: CancellationToken,
 ) {
+    // However the task ends, even dropped with its runtime, no connection is claimed and
+    // every waiter tries again.
+    let _disconnected = Disconnected(&shared);
+
     let initial_backoff = Duration::from_millis(20);
     let mut backoff = initial_backoff;
     while !shutdown.is_cancelled() {
@@ -195,13 +226,7 @@ async fn run(
                 tracing::debug!("lock subscriber connected");
                 let (mut sink, mut stream) = pubsub.split();
                 let ended = serve(&shared, &mut sink, &mut stream, &config, &shutdown).await;
-                let mut registry = shared.registry();
-                registry.connected = false;
-                // Messages may have been missed while the connection was going down: every
-                // waiter tries again now, and again once its channel is resubscribed.
-                registry.active.clear();
-                registry.wake_all();
-                drop(registry);
+                shared.disconnected();
                 match ended {
                     Ok(()) => return,
                     Err(reason) => {

@@ -15,6 +15,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::pool::Pool;
+use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
 use crate::lock::{LockOwner, MAX_DURATION};
 
@@ -83,6 +84,7 @@ impl Shared {
 #[derive(Clone)]
 pub(crate) struct Watchdog {
     shared: Arc<Shared>,
+    task: Arc<Daemon>,
 }
 
 impl Watchdog {
@@ -91,20 +93,19 @@ impl Watchdog {
         scripts: Arc<Scripts>,
         command_timeout: Duration,
         shutdown: CancellationToken,
-        runtime: &tokio::runtime::Handle,
+        spawner: &Spawner,
     ) -> Self {
         let shared = Arc::new(Shared {
             state: Mutex::default(),
             changed: Notify::new(),
         });
-        runtime.spawn(run(
-            shared.clone(),
-            pool,
-            scripts,
-            command_timeout,
-            shutdown,
-        ));
-        Watchdog { shared }
+        let renewing = shared.clone();
+        let start = move |shutdown| {
+            let (pool, scripts) = (pool.clone(), scripts.clone());
+            run(renewing.clone(), pool, scripts, command_timeout, shutdown)
+        };
+        let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
+        Watchdog { shared, task }
     }
 
     /// Starts watching a hold whose acquisition was sent at `sent_at`, and returns the token
@@ -122,6 +123,8 @@ impl Watchdog {
         sent_at: Instant,
         on_lost: Option<OnLost>,
     ) -> (CancellationToken, u64) {
+        // A hold taken from another runtime than the one the watchdog ran on.
+        self.task.ensure_running();
         let mut state = self.shared.state();
         state.generations += 1;
         let generation = state.generations;
@@ -310,7 +313,11 @@ async fn renew_batch(
         outcome => {
             match outcome {
                 Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
-                Ok(Err(e)) => tracing::warn!(error = %e, "lock renewal failed; retrying"),
+                // Recorded as an error, so subscribers print its sources (the cause).
+                Ok(Err(e)) => tracing::warn!(
+                    error = &e as &(dyn std::error::Error + 'static),
+                    "lock renewal failed; retrying"
+                ),
                 Err(_) => tracing::warn!("lock renewal timed out; retrying"),
             }
             // Keep the locks and try again soon; `collect_due` declares them lost only once
