@@ -6,28 +6,52 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::error::LockError;
-use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
 
-/// A store of distributed locks. [`RedisBackend`](crate::RedisBackend) is the one this
-/// crate ships; the layer is written against this trait so that other stores (an
-/// in-process one for tests, Redis Cluster) can be added without changing it.
+/// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
+/// [`MemoryBackend`](crate::MemoryBackend) inside one process.
 ///
-/// The acquisition methods are hidden: guards can only be built inside this crate, which
-/// keeps the release and renewal guarantees in one place.
-pub trait LockBackend: Clone + Send + Sync + 'static {
+/// The layer and [`LockRequest`] hold any backend behind this trait, so no type names the
+/// backend (`LockLayer<K>`), and an application can take `impl LockBackend` to run on
+/// Redis in production and in memory in its tests.
+///
+/// The trait is sealed: only this crate's backends implement it. A guard's guarantees
+/// (released on every exit path, renewed while it lives, `lost()` when the store proves
+/// the lock gone) are kept by code shared with each store's internals, and that seam is
+/// not yet a stable public API.
+pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
     /// Starts building an acquisition of `key`.
-    fn lock(&self, key: impl Into<String>) -> LockRequest<Self> {
-        LockRequest::new(self.clone(), key.into())
+    fn lock(&self, key: impl Into<String>) -> LockRequest {
+        LockRequest::new(self.store(), key.into())
+    }
+}
+
+pub(crate) use self::sealed::{Sealed, Store};
+
+mod sealed {
+    use std::sync::Arc;
+
+    use crate::error::LockError;
+    use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
+
+    /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).
+    pub trait Sealed {
+        /// The backend's store, shared by every clone of it.
+        fn store(&self) -> Arc<dyn Store>;
     }
 
-    #[doc(hidden)]
-    fn acquire(
-        self,
-        request: LockRequest<Self>,
-    ) -> BoxFuture<'static, Result<LockGuard, LockError>>;
+    /// What the layer and the lock builder need of a backend.
+    pub trait Store: Send + Sync + 'static {
+        /// Runs an acquisition: validates the key, queues behind this process's other
+        /// tasks for it, takes the lock (waiting if asked) and returns its guard.
+        fn acquire(
+            self: Arc<Self>,
+            request: LockRequest,
+        ) -> BoxFuture<'static, Result<LockGuard, LockError>>;
 
-    #[doc(hidden)]
-    fn new_owner(&self) -> LockOwner;
+        /// A new owner: one per request.
+        fn new_owner(&self) -> LockOwner;
+    }
 }
 
 /// The `lock.acquire` span every backend opens per acquisition.

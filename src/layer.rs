@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use tower_layer::Layer;
 
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, Store};
 use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
 use crate::response::Rejection;
@@ -77,17 +77,17 @@ impl Config {
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
 /// route, see [`extract`](crate::extract).
 #[derive(Clone)]
-pub struct LockLayer<B, K> {
-    backend: B,
+pub struct LockLayer<K> {
+    store: Arc<dyn Store>,
     key: K,
     config: Arc<Config>,
 }
 
-impl<B: LockBackend, K> LockLayer<B, K> {
+impl<K> LockLayer<K> {
     /// Locks requests on the key `key` extracts, using `backend`. Waits up to 5 s by default.
-    pub fn new(backend: B, key: K) -> Self {
+    pub fn new(backend: impl LockBackend, key: K) -> Self {
         LockLayer {
-            backend,
+            store: backend.store(),
             key,
             config: Arc::new(Config {
                 mode: Mode::Wait(DEFAULT_WAIT),
@@ -163,10 +163,9 @@ impl<B: LockBackend, K> LockLayer<B, K> {
     }
 }
 
-impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
+impl<K> fmt::Debug for LockLayer<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockLayer")
-            .field("backend", &self.backend)
             .field("mode", &self.config.mode)
             .field("lease", &self.config.lease)
             .field("on_lost", &self.config.on_lost)
@@ -176,13 +175,13 @@ impl<B: fmt::Debug, K> fmt::Debug for LockLayer<B, K> {
     }
 }
 
-impl<S, B: Clone, K: Clone> Layer<S> for LockLayer<B, K> {
-    type Service = LockService<S, B, K>;
+impl<S, K: Clone> Layer<S> for LockLayer<K> {
+    type Service = LockService<S, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         LockService::new(
             inner,
-            self.backend.clone(),
+            self.store.clone(),
             self.key.clone(),
             self.config.clone(),
         )

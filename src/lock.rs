@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::backend::LockBackend;
+use crate::backend::Store;
 use crate::error::LockError;
 
 /// A boxed, sendable future, as returned by the backend trait.
@@ -80,10 +80,10 @@ pub(crate) enum Mode {
 }
 
 /// A lock acquisition being configured; finish it with [`try_once`](Self::try_once) or
-/// [`wait`](Self::wait). Created by [`RedisBackend::lock`](crate::RedisBackend::lock).
+/// [`wait`](Self::wait). Created by [`LockBackend::lock`](crate::LockBackend::lock).
 #[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
-pub struct LockRequest<B> {
-    pub(crate) backend: B,
+pub struct LockRequest {
+    pub(crate) store: Arc<dyn Store>,
     pub(crate) key: String,
     pub(crate) owner: Option<LockOwner>,
     pub(crate) lease: Duration,
@@ -92,10 +92,10 @@ pub struct LockRequest<B> {
     pub(crate) max_local_waiters: usize,
 }
 
-impl<B: LockBackend> LockRequest<B> {
-    pub(crate) fn new(backend: B, key: String) -> Self {
+impl LockRequest {
+    pub(crate) fn new(store: Arc<dyn Store>, key: String) -> Self {
         LockRequest {
-            backend,
+            store,
             key,
             owner: None,
             lease: DEFAULT_LEASE,
@@ -166,11 +166,11 @@ impl<B: LockBackend> LockRequest<B> {
     }
 
     pub(crate) fn into_future(self) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        self.backend.clone().acquire(self)
+        Arc::clone(&self.store).acquire(self)
     }
 }
 
-impl<B> fmt::Debug for LockRequest<B> {
+impl fmt::Debug for LockRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockRequest")
             .field("key", &self.key)

@@ -35,7 +35,7 @@ use std::time::Duration;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{LockBackend, OwnerIds, acquire_span, traced};
+use crate::backend::{LockBackend, OwnerIds, Sealed, Store, acquire_span, traced};
 use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
@@ -98,7 +98,7 @@ impl MemoryBackend {
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest<Self> {
+    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
         LockBackend::lock(self, key)
     }
 
@@ -123,17 +123,25 @@ impl fmt::Debug for MemoryBackend {
     }
 }
 
-impl LockBackend for MemoryBackend {
+impl Sealed for MemoryBackend {
+    fn store(&self) -> Arc<dyn Store> {
+        self.inner.clone()
+    }
+}
+
+impl LockBackend for MemoryBackend {}
+
+impl Store for Inner {
     fn acquire(
-        self,
-        request: LockRequest<Self>,
+        self: Arc<Self>,
+        request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
         let span = acquire_span(&request.key, MAX_KEY_LEN, request.mode);
-        Box::pin(traced(span, self.inner.acquire(request)))
+        Box::pin(traced(span, self.acquire_traced(request)))
     }
 
     fn new_owner(&self) -> LockOwner {
-        self.inner.owners.next()
+        self.owners.next()
     }
 }
 
@@ -143,10 +151,7 @@ impl Inner {
         self.locks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn acquire(
-        self: Arc<Self>,
-        request: LockRequest<MemoryBackend>,
-    ) -> Result<LockGuard, LockError> {
+    async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
         validate(&request.key, MAX_KEY_LEN)?;
         let key: Arc<str> = request.key.into();
         let claim = Claim {

@@ -7,13 +7,13 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::backend::LockBackend;
+use crate::backend::Store;
 use crate::body::ResponseBody;
 use crate::error::LockError;
 use crate::future::ResponseFuture;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
-use crate::lock::HeldLock;
+use crate::lock::{HeldLock, LockRequest};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
@@ -33,37 +33,35 @@ use crate::lock::HeldLock;
 /// and [`max_local_waiters`](crate::LockLayer::max_local_waiters), not by the inner
 /// service.
 #[derive(Clone)]
-pub struct LockService<S, B, K> {
+pub struct LockService<S, K> {
     inner: S,
-    backend: B,
+    store: Arc<dyn Store>,
     key: K,
     config: Arc<Config>,
 }
 
-impl<S, B, K> LockService<S, B, K> {
-    pub(crate) fn new(inner: S, backend: B, key: K, config: Arc<Config>) -> Self {
+impl<S, K> LockService<S, K> {
+    pub(crate) fn new(inner: S, store: Arc<dyn Store>, key: K, config: Arc<Config>) -> Self {
         LockService {
             inner,
-            backend,
+            store,
             key,
             config,
         }
     }
 }
 
-impl<S: fmt::Debug, B: fmt::Debug, K> fmt::Debug for LockService<S, B, K> {
+impl<S: fmt::Debug, K> fmt::Debug for LockService<S, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockService")
             .field("inner", &self.inner)
-            .field("backend", &self.backend)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, B, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, B, K>
+impl<S, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, K>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-    B: LockBackend,
     K: KeyExtractor<ReqBody>,
     ResBody: http_body::Body,
 {
@@ -90,11 +88,9 @@ where
         // deadlocking on itself.
         let owner = match request.extensions().get::<HeldLock>() {
             Some(held) => held.owner().clone(),
-            None => self.backend.new_owner(),
+            None => self.store.new_owner(),
         };
-        let acquire = self
-            .backend
-            .lock(key)
+        let acquire = LockRequest::new(self.store.clone(), key)
             .owner(owner)
             .lease(self.config.lease)
             .max_local_waiters(self.config.max_local_waiters)
@@ -104,7 +100,7 @@ where
     }
 }
 
-impl<S: Clone, B, K> LockService<S, B, K> {
+impl<S: Clone, K> LockService<S, K> {
     /// A request served unlocked, by a clone of the inner service that its response
     /// future drives to readiness, as a locked one's is.
     fn pass_through<ReqBody>(&self, request: Request<ReqBody>) -> ResponseFuture<S, ReqBody>

@@ -25,7 +25,7 @@ async fn gated(State(gate): State<Gate>, req: Request) -> String {
     echo(req).await
 }
 
-fn fail_fast<K>(backend: &RedisBackend, key: K) -> LockLayer<RedisBackend, K> {
+fn fail_fast<K>(backend: &RedisBackend, key: K) -> LockLayer<K> {
     LockLayer::new(backend.clone(), key).fail_fast()
 }
 

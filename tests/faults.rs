@@ -42,11 +42,11 @@ fn path_key(req: &Request) -> Option<String> {
     req.uri().path().splitn(3, '/').nth(2).map(str::to_owned)
 }
 
-type PathLayer = LockLayer<RedisBackend, fn(&Request) -> Option<String>>;
+type PathLayer = LockLayer<fn(&Request) -> Option<String>>;
 
 /// `/hold/K` holds K until cancelled, `/quick/K` takes K briefly, `/panic/K` panics under
 /// K, `/token/K` answers with its fencing token.
-fn locked_app<K: KeyExtractor<axum::body::Body>>(layer: LockLayer<RedisBackend, K>) -> Router {
+fn locked_app<K: KeyExtractor<axum::body::Body>>(layer: LockLayer<K>) -> Router {
     Router::new()
         .route("/hold/{key}", routing::post(std::future::pending::<()>))
         .route("/quick/{key}", routing::post(|| async { "done" }))

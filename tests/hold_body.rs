@@ -55,7 +55,7 @@ async fn answer_when_fed(
 type Download = http_body_util::combinators::BoxBody<bytes::Bytes, axum::BoxError>;
 
 type KeyFn = fn(&Request) -> Option<&'static str>;
-type Layer = LockLayer<RedisBackend, KeyFn>;
+type Layer = LockLayer<KeyFn>;
 
 fn report(_: &Request) -> Option<&'static str> {
     Some("report")

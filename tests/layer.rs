@@ -48,8 +48,8 @@ fn shop(redis: redis::aio::MultiplexedConnection, lock: Option<StockLayer>) -> R
     }
 }
 
-type StockLayer = LockLayer<RedisBackend, fn(&Request) -> Option<&'static str>>;
-type PathLayer = LockLayer<RedisBackend, fn(&Request) -> Option<String>>;
+type StockLayer = LockLayer<fn(&Request) -> Option<&'static str>>;
+type PathLayer = LockLayer<fn(&Request) -> Option<String>>;
 
 fn stock_key(_: &Request) -> Option<&'static str> {
     Some("stock")

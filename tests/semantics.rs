@@ -67,7 +67,7 @@ async fn panics() -> &'static str {
     panic!("handler panics")
 }
 
-fn app<B: LockBackend>(layer: LockLayer<B, fn(&Request) -> Option<String>>) -> Router {
+fn app(layer: LockLayer<fn(&Request) -> Option<String>>) -> Router {
     Router::new()
         .route("/lock/{key}", routing::post(token))
         // The empty key.
@@ -76,7 +76,7 @@ fn app<B: LockBackend>(layer: LockLayer<B, fn(&Request) -> Option<String>>) -> R
         .route_layer(layer)
 }
 
-fn layer<B: LockBackend>(backend: &B) -> LockLayer<B, fn(&Request) -> Option<String>> {
+fn layer<B: LockBackend>(backend: &B) -> LockLayer<fn(&Request) -> Option<String>> {
     LockLayer::new(backend.clone(), path_key as fn(&Request) -> Option<String>)
 }
 

@@ -8,10 +8,10 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
 use super::keys::LockKey;
-use super::{Inner, MIN_COMMAND_BUDGET, RedisBackend, UnexpectedReply};
-use crate::backend::{acquire_span, traced};
+use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
+use crate::backend::{Store, acquire_span, traced};
 use crate::error::LockError;
-use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
 use crate::queue::{Claim, Grant, Place, Slot};
 
 /// What one run of the acquire script found.
@@ -24,23 +24,22 @@ enum Attempt {
     Held(Option<Duration>),
 }
 
-impl Inner {
-    pub(super) fn new_owner(&self) -> LockOwner {
+impl Store for Inner {
+    fn acquire(
+        self: Arc<Self>,
+        request: LockRequest,
+    ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+        let span = acquire_span(&request.key, self.max_key_len, request.mode);
+        Box::pin(traced(span, self.acquire_traced(request)))
+    }
+
+    fn new_owner(&self) -> LockOwner {
         self.owners.next()
     }
+}
 
-    pub(super) fn acquire(
-        self: &Arc<Self>,
-        request: LockRequest<RedisBackend>,
-    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
-        let span = acquire_span(&request.key, self.max_key_len, request.mode);
-        traced(span, self.clone().acquire_traced(request))
-    }
-
-    async fn acquire_traced(
-        self: Arc<Self>,
-        request: LockRequest<RedisBackend>,
-    ) -> Result<LockGuard, LockError> {
+impl Inner {
+    async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
         let key = Arc::new(LockKey::new(
             &self.namespace,
             request.key,

@@ -52,9 +52,9 @@ use self::pubsub::Subscriber;
 use self::runtime::Spawner;
 use self::scripts::Scripts;
 use self::watchdog::Watchdog;
-use crate::backend::{LockBackend, OwnerIds};
-use crate::error::{BuildError, LockError};
-use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
+use crate::backend::{LockBackend, OwnerIds, Sealed, Store};
+use crate::error::BuildError;
+use crate::lock::LockRequest;
 use crate::queue::Queues;
 
 /// Default upper bound on a key's length in bytes.
@@ -111,7 +111,7 @@ impl RedisBackend {
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest<Self> {
+    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
         LockBackend::lock(self, key)
     }
 
@@ -175,15 +175,10 @@ impl fmt::Display for UnexpectedReply {
 
 impl std::error::Error for UnexpectedReply {}
 
-impl LockBackend for RedisBackend {
-    fn acquire(
-        self,
-        request: LockRequest<Self>,
-    ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        Box::pin(self.inner.acquire(request))
-    }
-
-    fn new_owner(&self) -> LockOwner {
-        self.inner.new_owner()
+impl Sealed for RedisBackend {
+    fn store(&self) -> Arc<dyn Store> {
+        self.inner.clone()
     }
 }
+
+impl LockBackend for RedisBackend {}
