@@ -38,7 +38,7 @@ pub(crate) struct Claim {
 
 /// What a queued task receives when its turn comes.
 pub(crate) enum Grant {
-    /// The key's slot: contend for the lock in Redis. Boxed to keep the channel that every
+    /// The key's slot: contend for the lock in the store. Boxed to keep the channel that every
     /// queued task holds small.
     Slot(Box<Slot>),
     /// The lock itself, handed over by the previous holder in this process.
