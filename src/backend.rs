@@ -110,7 +110,7 @@ fn outcome(error: &LockError) -> &'static str {
         LockError::QueueFull { .. } => "queue_full",
         LockError::InvalidKey(_) => "invalid_key",
         LockError::Lost { .. } => "lost",
-        LockError::WrongType { .. } => "wrong_type",
+        LockError::NotALock { .. } => "not_a_lock",
         LockError::Backend(_) => "backend_error",
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 ///
 /// The layer turns each variant into an HTTP response (see
 /// [`LockLayer::on_rejection`](crate::LockLayer::on_rejection)); code that calls
-/// [`RedisBackend::lock`](crate::RedisBackend::lock) directly gets it as an error.
+/// [`LockBackend::lock`](crate::LockBackend::lock) directly gets it as an error.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum LockError {
@@ -23,7 +23,7 @@ pub enum LockError {
     Contended {
         /// The user-facing key that was contended.
         key: String,
-        /// How long the current holder's lease still runs, when Redis reported one.
+        /// How long the current holder's lease still runs, when the store reported one.
         retry_after: Option<Duration>,
     },
     /// The lock stayed held for the whole wait.
@@ -32,7 +32,7 @@ pub enum LockError {
         key: String,
         /// How long the caller waited.
         waited: Duration,
-        /// The holder's remaining lease at the last attempt, when Redis reported one.
+        /// The holder's remaining lease at the last attempt, when the store reported one.
         retry_after: Option<Duration>,
     },
     /// This process already has the configured number of tasks queued for the key,
@@ -41,7 +41,7 @@ pub enum LockError {
         /// The user-facing key whose local queue is full.
         key: String,
     },
-    /// The key was rejected before anything was sent to Redis. Displays as the
+    /// The key was rejected before anything was sent to the store. Displays as the
     /// [`KeyError`] itself.
     InvalidKey(KeyError),
     /// The lock was held but is no longer: its lease ran out or someone deleted it.
@@ -49,14 +49,14 @@ pub enum LockError {
         /// The user-facing key that was lost.
         key: String,
     },
-    /// The lock's Redis key holds a value of another type, written by something other
-    /// than this crate (Redis answered WRONGTYPE). The key cannot be locked until that
-    /// value is removed; retrying does not help.
-    WrongType {
-        /// The user-facing key whose Redis key is taken.
+    /// The store holds a value under the lock's name that is not a lock, written by
+    /// something other than this crate (on Redis: the key answered `WRONGTYPE`). The key
+    /// cannot be locked until that value is removed; retrying does not help.
+    NotALock {
+        /// The user-facing key whose name in the store is taken.
         key: String,
     },
-    /// Redis could not be reached or answered with an error. Displays as the
+    /// The store could not be reached or answered with an error. Displays as the
     /// [`BackendError`] itself; the cause is the [`source`](StdError::source).
     Backend(BackendError),
 }
@@ -75,7 +75,7 @@ impl LockError {
             LockError::QueueFull { .. } | LockError::Backend(_) | LockError::Lost { .. } => {
                 Some(Duration::from_secs(1))
             }
-            LockError::InvalidKey(_) | LockError::WrongType { .. } => None,
+            LockError::InvalidKey(_) | LockError::NotALock { .. } => None,
         }
     }
 
@@ -92,7 +92,7 @@ impl LockError {
     /// True when a retry of the same operation could succeed without anything changing
     /// on the caller's side (contention, timeouts, shedding, an unreachable backend).
     pub fn is_transient(&self) -> bool {
-        !matches!(self, LockError::InvalidKey(_) | LockError::WrongType { .. })
+        !matches!(self, LockError::InvalidKey(_) | LockError::NotALock { .. })
     }
 }
 
@@ -109,10 +109,10 @@ impl fmt::Display for LockError {
             // Both wrappers are transparent: the inner error is this level, not its source.
             LockError::InvalidKey(e) => e.fmt(f),
             LockError::Lost { key } => write!(f, "lock `{key}` was lost"),
-            LockError::WrongType { key } => {
+            LockError::NotALock { key } => {
                 write!(
                     f,
-                    "the Redis key of lock `{key}` holds a value of another type"
+                    "the store holds a value that is not a lock under `{key}`"
                 )
             }
             LockError::Backend(e) => e.fmt(f),

@@ -24,9 +24,9 @@
 //! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | holder's remaining lease, when known |
 //! | [`TimedOut`](LockError::TimedOut) (held for the whole wait) | 503 | holder's remaining lease, else 1 s |
 //! | [`QueueFull`](LockError::QueueFull) (too many local waiters) | 503 | 1 s |
-//! | [`Backend`](LockError::Backend) (Redis unreachable or failing) | 503 | 1 s |
+//! | [`Backend`](LockError::Backend) (the store unreachable or failing) | 503 | 1 s |
 //! | [`Lost`](LockError::Lost) (lease lost while the handler ran) | 503 | 1 s |
-//! | [`WrongType`](LockError::WrongType) (the lock's Redis key holds foreign data) | 503 | none |
+//! | [`NotALock`](LockError::NotALock) (the lock's name in the store holds foreign data) | 503 | none |
 //! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and at least 1.
@@ -80,9 +80,9 @@ impl IntoResponse for LockError {
                 "Lock lost",
                 "The lock protecting this request expired before the request finished, so the work was stopped. Retry.".to_owned(),
             ),
-            LockError::WrongType { .. } => (
+            LockError::NotALock { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "WrongType",
+                "NotALock",
                 "Resource cannot be locked",
                 "The lock for this resource is stored under a key that holds other data, so the request was not run. Retrying will not help until that data is removed.".to_owned(),
             ),

@@ -228,7 +228,7 @@ async fn lock_key_overwritten_while_held_aborts_the_holder_and_keeps_the_overwri
     let reply = finish(holder).await;
     assert_eq!(rejection(&reply), (503, "Lost".to_owned()));
     let reply = post(&http_client(), addr, "/quick/a").await;
-    assert_eq!(rejection(&reply), (503, "WrongType".to_owned()));
+    assert_eq!(rejection(&reply), (503, "NotALock".to_owned()));
     let value: String = conn.get(lock_key("a")).await.unwrap();
     assert_eq!(
         value, "someone else's",
@@ -624,7 +624,7 @@ async fn bad_keys_get_problem_json_and_touch_no_other_key() {
             400,
             "InvalidKey",
         ),
-        ("WRONGTYPE lock key", Some(b"string"), 503, "WrongType"),
+        ("WRONGTYPE lock key", Some(b"string"), 503, "NotALock"),
     ];
     for (case, key, status, kind) in cases {
         let reply = post_key(addr, key).await.expect("a reply");

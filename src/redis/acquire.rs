@@ -190,7 +190,7 @@ impl Inner {
                 )),
                 _ => Err(unexpected()),
             },
-            Err(e) if e.is_wrong_type() => Err(LockError::WrongType {
+            Err(e) if e.is_wrong_type() => Err(LockError::NotALock {
                 key: c.key.user.clone(),
             }),
             Err(e) => Err(LockError::backend("acquire", e)),
