@@ -225,6 +225,13 @@ impl StdError for KeyError {}
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum BuildError {
+    /// A setting that would make every call fail (a zero timeout, a zero key length).
+    Setting {
+        /// The builder method that was given the value.
+        name: &'static str,
+        /// What the setting must be instead.
+        reason: &'static str,
+    },
     /// The namespace is empty or contains `{`, `}` or a control character.
     Namespace {
         /// The rejected namespace.
@@ -258,6 +265,7 @@ impl fmt::Display for BuildError {
                 "invalid namespace {namespace:?}: it must be non-empty, without braces or \
                  control characters"
             ),
+            BuildError::Setting { name, reason } => write!(f, "invalid `{name}`: {reason}"),
             BuildError::Url { .. } => f.write_str("invalid Redis URL"),
             BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
             BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
@@ -268,7 +276,7 @@ impl fmt::Display for BuildError {
 impl StdError for BuildError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
-            BuildError::Namespace { .. } => None,
+            BuildError::Namespace { .. } | BuildError::Setting { .. } => None,
             BuildError::Url { source }
             | BuildError::Connect { source }
             | BuildError::Scripts { source } => Some(&**source),

@@ -121,6 +121,33 @@ async fn build_refuses_a_bad_namespace_as_configuration() {
 }
 
 #[tokio::test]
+async fn build_refuses_settings_that_would_fail_every_call() {
+    let server = RedisServer::start();
+    let builds = [
+        (
+            "command_timeout",
+            RedisBackend::builder(server.url()).command_timeout(Duration::ZERO),
+        ),
+        (
+            "connect_timeout",
+            RedisBackend::builder(server.url()).connect_timeout(Duration::ZERO),
+        ),
+        (
+            "max_key_len",
+            RedisBackend::builder(server.url()).max_key_len(0),
+        ),
+    ];
+    for (setting, builder) in builds {
+        let error = builder.build().await.expect_err(setting);
+        assert!(
+            matches!(error, BuildError::Setting { name, .. } if name == setting),
+            "{setting}: {error:?}"
+        );
+        assert_names(&error, &[setting]);
+    }
+}
+
+#[tokio::test]
 async fn build_refuses_an_unparsable_url() {
     let error = build_error("http://127.0.0.1:6379").await;
     assert!(matches!(error, BuildError::Url { .. }), "{error:?}");

@@ -141,6 +141,7 @@ impl RedisBackendBuilder {
     /// wrong password, ...); only a server that does not answer takes the connect timeout.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
+        self.validate_settings()?;
         let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
             source: Box::new(e),
         })?;
@@ -201,6 +202,23 @@ impl RedisBackendBuilder {
                 shutdown,
             }),
         })
+    }
+}
+
+impl RedisBackendBuilder {
+    /// Refuses values that would fail every call, instead of failing each request later.
+    fn validate_settings(&self) -> Result<(), BuildError> {
+        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
+        if self.command_timeout.is_zero() {
+            return refuse("command_timeout", "it must be above zero");
+        }
+        if self.connect_timeout.is_zero() {
+            return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_key_len == 0 {
+            return refuse("max_key_len", "it must be at least one byte");
+        }
+        Ok(())
     }
 }
 
