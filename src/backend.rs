@@ -72,17 +72,23 @@ pub(crate) fn acquire_span(key: &str, max_key_len: usize, mode: Mode) -> tracing
     )
 }
 
-/// Runs `acquire` in `span` and records how long it waited, its outcome and its token.
-pub(crate) fn traced<F>(
+/// Runs the acquisition `acquire` makes in `span`, and records how long it waited, its
+/// outcome and its token.
+///
+/// Takes a closure rather than the future: a future passed in would be stored twice in
+/// this one's state (once as captured, once as awaited), and every task queued for a key
+/// carries this state.
+pub(crate) fn traced<F, Fut>(
     span: tracing::Span,
     acquire: F,
 ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
 where
-    F: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
 {
     async move {
         let started = Instant::now();
-        let result = acquire.await;
+        let result = acquire().await;
         let span = tracing::Span::current();
         span.record(
             "waited_ms",

@@ -137,7 +137,7 @@ impl Store for Inner {
         request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
         let span = acquire_span(&request.key, MAX_KEY_LEN, request.mode);
-        Box::pin(traced(span, self.acquire_traced(request)))
+        Box::pin(traced(span, move || self.acquire_traced(request)))
     }
 
     fn new_owner(&self) -> LockOwner {

@@ -30,7 +30,7 @@ impl Store for Inner {
         request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
         let span = acquire_span(&request.key, self.max_key_len, request.mode);
-        Box::pin(traced(span, self.acquire_traced(request)))
+        Box::pin(traced(span, move || self.acquire_traced(request)))
     }
 
     fn new_owner(&self) -> LockOwner {
