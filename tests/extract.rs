@@ -10,7 +10,9 @@ use axum::routing::post as route_post;
 use http_body_util::Full;
 use support::{Gate, HttpClient, RedisServer, Reply, http_client, post, request, send, serve};
 use tower::Layer;
-use tower_lock::{Header, HeldLock, KeyExtractor, LockLayer, PathParam, QueryParam, RedisBackend};
+use tower_lock::{
+    Header, HeldLock, KeyError, KeyExtractor, LockLayer, PathParam, QueryParam, RedisBackend,
+};
 
 /// Answers with the key the request is locked on, or `unlocked`.
 async fn echo(req: Request) -> String {
@@ -225,4 +227,53 @@ async fn routes_contend_only_when_they_share_a_prefix() {
     let paid = paying.await.expect("paying task");
     assert_eq!((paid.status, paid.body.as_str()), (200, "order:42"));
     assert_eq!(shop.post("/orders/42/cancel").await.status, 200);
+}
+
+/// The key closure of `/v/{..}`: a `Result<String, KeyError>` that refuses ids that are
+/// not numbers, written as a user would.
+fn numeric_id(req: &Request) -> Result<String, KeyError> {
+    let id = req.uri().path().trim_start_matches("/v/");
+    match id.parse::<u64>() {
+        Ok(_) => Ok(format!("v:{id}")),
+        Err(_) => Err(KeyError::malformed(format!("id {id:?} is not a number"))),
+    }
+}
+
+#[tokio::test]
+async fn closures_returning_result_lock_or_refuse_with_400_before_redis() {
+    let shop = Shop::start(|backend| {
+        let required = echo_route(backend, "/v/{id}", numeric_id);
+        // `Result<Option<K>, KeyError>`: no header is unlocked, an empty one is refused.
+        let optional = echo_route(backend, "/o", |req: &Request| {
+            match req.headers().get("x-order") {
+                None => Ok(None),
+                Some(v) if v.is_empty() => Err(KeyError::missing("non-empty header \"x-order\"")),
+                Some(v) => Ok(Some(
+                    v.to_str()
+                        .map_err(|_| KeyError::malformed("x-order is not text"))?
+                        .to_owned(),
+                )),
+            }
+        });
+        // `Option<K>`, inferred from the closure's body alone.
+        let plain = echo_route(backend, "/p/{id}", |req: &Request| {
+            req.uri().path().strip_prefix("/p/").map(str::to_owned)
+        });
+        required.merge(optional).merge(plain)
+    })
+    .await;
+    shop.assert_locks("v:7", || shop.post("/v/7")).await;
+    shop.assert_locks("o:1", || shop.post_with("/o", "x-order", &[b"o:1"]))
+        .await;
+    shop.assert_locks("p:1", || shop.post("/p/p:1")).await;
+
+    let (before, keys) = (shop.lock_scripts_run().await, shop.server.keys().await);
+    let detail = shop.post("/v/seven").await.problem(400);
+    assert!(detail.contains("id \"seven\" is not a number"), "{detail}");
+    let detail = shop.post_with("/o", "x-order", &[b""]).await.problem(400);
+    assert!(detail.contains("non-empty header"), "{detail}");
+    let unlocked = shop.post("/o").await;
+    assert_eq!((unlocked.status, unlocked.body.as_str()), (200, "unlocked"));
+    assert_eq!(shop.lock_scripts_run().await, before);
+    assert_eq!(shop.server.keys().await, keys);
 }
