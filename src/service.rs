@@ -13,6 +13,7 @@ use tower_service::Service;
 use crate::backend::LockBackend;
 use crate::error::LockError;
 use crate::future::ResponseFuture;
+use crate::held::push_outer;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::lock::HeldLock;
@@ -65,7 +66,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
@@ -76,8 +77,13 @@ where
         // An outer layer has put its `HeldLock` into the extensions: nested layers take
         // their locks under the same owner, so one request re-enters instead of
         // deadlocking on itself.
-        let owner = match request.extensions().get::<HeldLock>() {
-            Some(held) => held.owner().clone(),
+        // Its `HeldLock` is about to be replaced by this layer's: `HeldLocks` keeps it.
+        let owner = match request.extensions().get::<HeldLock>().cloned() {
+            Some(outer) => {
+                let owner = outer.owner().clone();
+                push_outer(request.extensions_mut(), outer);
+                owner
+            }
             None => self.backend.new_owner(),
         };
         let acquire = self

@@ -11,7 +11,8 @@ use http_body_util::Full;
 use support::{Gate, HttpClient, RedisServer, Reply, http_client, post, request, send, serve};
 use tower::Layer;
 use tower_lock::{
-    Header, HeldLock, KeyError, KeyExtractor, LockLayer, PathParam, QueryParam, RedisBackend,
+    Header, HeldLock, HeldLocks, KeyError, KeyExtractor, LockLayer, PathParam, QueryParam,
+    RedisBackend,
 };
 
 /// Answers with the key the request is locked on, or `unlocked`.
@@ -276,4 +277,86 @@ async fn closures_returning_result_lock_or_refuse_with_400_before_redis() {
     assert_eq!((unlocked.status, unlocked.body.as_str()), (200, "unlocked"));
     assert_eq!(shop.lock_scripts_run().await, before);
     assert_eq!(shop.server.keys().await, keys);
+}
+
+/// Answers with `key=token` for the one lock the handler asked for.
+async fn held(lock: HeldLock) -> String {
+    format!("{}={}", lock.key(), lock.fencing_token())
+}
+
+/// Answers with the key it is locked on, or `unlocked`, through `Option<HeldLock>`.
+async fn maybe_held(lock: Option<HeldLock>) -> String {
+    lock.map_or_else(|| "unlocked".to_owned(), |lock| lock.key().to_owned())
+}
+
+/// Answers with every lock of the request, outermost first.
+async fn all_held(locks: HeldLocks) -> String {
+    let held: Vec<String> = locks
+        .iter()
+        .map(|lock| format!("{}={}", lock.key(), lock.fencing_token()))
+        .collect();
+    held.join(",")
+}
+
+#[tokio::test]
+async fn held_lock_is_an_extractor_and_a_500_naming_the_cause_without_a_layer() {
+    let shop = Shop::start(|backend| {
+        let locked = Router::new()
+            .route("/held/{id}", route_post(held))
+            .route_layer(fail_fast(backend, PathParam::new("id")));
+        let maybe = Router::new()
+            .route("/maybe", route_post(maybe_held))
+            .route_layer(fail_fast(backend, Header::new("x-order").optional()));
+        let bare = Router::new().route("/bare", route_post(held));
+        locked.merge(maybe).merge(bare)
+    })
+    .await;
+    let first = tokens(&shop.post("/held/a").await, &["a"]);
+    let second = tokens(&shop.post("/held/a").await, &["a"]);
+    assert!(second[0] > first[0], "{first:?} then {second:?}");
+
+    let unlocked = shop.post("/maybe").await;
+    assert_eq!((unlocked.status, unlocked.body.as_str()), (200, "unlocked"));
+    shop.assert_locks("m", || shop.post_with("/maybe", "x-order", &[b"m"]))
+        .await;
+
+    let bare = shop.post("/bare").await;
+    assert_eq!(bare.status, 500);
+    assert!(bare.body.contains("no LockLayer"), "{}", bare.body);
+}
+
+#[tokio::test]
+async fn nested_layers_keep_every_lock_and_its_token_reachable() {
+    let shop = Shop::start(|backend| {
+        Router::new()
+            .route("/shops/{shop}/orders/{id}", route_post(all_held))
+            .route_layer(fail_fast(backend, PathParam::new("id").prefix("order")))
+            .route_layer(fail_fast(backend, PathParam::new("shop").prefix("shop")))
+    })
+    .await;
+    let first = tokens(
+        &shop.post("/shops/1/orders/2").await,
+        &["shop:1", "order:2"],
+    );
+    let again = tokens(
+        &shop.post("/shops/1/orders/3").await,
+        &["shop:1", "order:3"],
+    );
+    assert!(again[0] > first[0], "{first:?} then {again:?}");
+    assert!(first[1] > 0 && again[1] > 0);
+}
+
+/// The fencing tokens of a 200 reply of `key=token,...`, checking the keys are `keys`.
+fn tokens(reply: &Reply, keys: &[&str]) -> Vec<u64> {
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let pairs: Vec<(&str, u64)> = reply
+        .body
+        .split(',')
+        .map(|pair| {
+            let (key, token) = pair.split_once('=').expect("key=token");
+            (key, token.parse().expect("token"))
+        })
+        .collect();
+    assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), keys);
+    pairs.into_iter().map(|p| p.1).collect()
 }
