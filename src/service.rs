@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
+use axum::extract::{MatchedPath, OriginalUri};
 use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
@@ -67,6 +68,9 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        if unmatched_by_router(&request) {
+            return ResponseFuture::pass_through(self.inner.call(request));
+        }
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
@@ -100,4 +104,19 @@ where
         let inner = mem::replace(&mut self.inner, clone);
         ResponseFuture::acquiring(acquire, request, inner, self.config.clone())
     }
+}
+
+/// True for a request axum's router sent to its fallback (no route matched: a 404) under
+/// `Router::layer`: the router inserts `OriginalUri` into every request it routes and
+/// `MatchedPath` only into matched ones. Such a request has nothing to protect, so it
+/// runs unlocked instead of taking a lock on its path or a 400 from `PathParam`.
+///
+/// A service outside any router has neither extension, and one behind `nest_service`
+/// has no `MatchedPath` but a URI stripped of its prefix: both are locked.
+fn unmatched_by_router<B>(request: &Request<B>) -> bool {
+    let extensions = request.extensions();
+    extensions.get::<MatchedPath>().is_none()
+        && extensions
+            .get::<OriginalUri>()
+            .is_some_and(|original| original.0 == *request.uri())
 }

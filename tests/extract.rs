@@ -116,9 +116,11 @@ async fn path_param_absent_from_the_route_or_not_utf8_is_400() {
         let misnamed = echo_route(backend, "/orders/{id}", PathParam::new("order_id"));
         // Wrapped around a router from outside, the layer runs before routing, where no
         // route parameters exist yet.
-        let routed_inside = Router::new().route("/refunds/{id}", route_post(echo));
-        let before_routing = Router::new()
-            .fallback_service(fail_fast(backend, PathParam::new("id")).layer(routed_inside));
+        let routed_inside = Router::new().route("/{id}", route_post(echo));
+        let before_routing = Router::new().nest_service(
+            "/refunds",
+            fail_fast(backend, PathParam::new("id")).layer(routed_inside),
+        );
         let right = echo_route(backend, "/carts/{id}", PathParam::new("id"));
         misnamed.merge(before_routing).merge(right)
     })

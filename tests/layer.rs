@@ -442,3 +442,39 @@ async fn raw_post(addr: SocketAddr, path: &str) -> tokio::net::TcpStream {
     stream.write_all(request.as_bytes()).await.unwrap();
     stream
 }
+
+#[tokio::test]
+async fn router_layer_lets_unmatched_requests_through_unlocked_to_their_404() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let by_path = Router::new()
+        .route("/orders/{id}", routing::post(|| async { "ok" }))
+        .layer(
+            LockLayer::new(backend.clone(), |req: &Request| {
+                Some(req.uri().path().to_owned())
+            })
+            .fail_fast(),
+        );
+    let by_param = Router::new()
+        .route("/carts/{id}", routing::post(|| async { "ok" }))
+        .layer(LockLayer::new(backend.clone(), tower_lock::PathParam::new("id")).fail_fast());
+    let (by_path, by_param) = (serve(by_path).await, serve(by_param).await);
+    let client = http_client();
+
+    let scripts = server.command_calls(&["evalsha", "eval"]).await;
+    let keys = server.keys().await;
+    for addr in [by_path, by_param] {
+        let reply = post(&client, addr, "/nowhere").await;
+        assert_eq!((reply.status, reply.body.as_str()), (404, ""));
+    }
+    assert_eq!(server.command_calls(&["evalsha", "eval"]).await, scripts);
+    assert_eq!(server.keys().await, keys);
+
+    // Matched routes are still locked.
+    let held = backend.lock("/orders/1").try_once().await.unwrap();
+    assert_eq!(post(&client, by_path, "/orders/1").await.status, 409);
+    held.release().await.unwrap();
+    let held = backend.lock("7").try_once().await.unwrap();
+    assert_eq!(post(&client, by_param, "/carts/7").await.status, 409);
+    held.release().await.unwrap();
+}
