@@ -75,7 +75,8 @@ impl Config {
 /// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
 ///
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
-/// route, see [`extract`](crate::extract).
+/// route, see [`PathParam`](crate::PathParam), [`Header`](crate::Header) and
+/// [`QueryParam`](crate::QueryParam).
 ///
 /// # `Router::layer` or `Router::route_layer`
 ///

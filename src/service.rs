@@ -38,6 +38,21 @@ impl<S, B, K> LockService<S, B, K> {
             config,
         }
     }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service, dropping the layer's configuration.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: fmt::Debug, B: fmt::Debug, K> fmt::Debug for LockService<S, B, K> {

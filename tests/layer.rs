@@ -14,7 +14,7 @@ use support::{
     Gate, RedisServer, eventually, http_client, lock_key, post, post_request, queued, serve,
 };
 use tokio::io::AsyncWriteExt;
-use tower_lock::{LockError, LockLayer, RedisBackend};
+use tower_lock::{LockError, LockLayer, PathParam, RedisBackend};
 
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
@@ -457,7 +457,7 @@ async fn router_layer_lets_unmatched_requests_through_unlocked_to_their_404() {
         );
     let by_param = Router::new()
         .route("/carts/{id}", routing::post(|| async { "ok" }))
-        .layer(LockLayer::new(backend.clone(), tower_lock::PathParam::new("id")).fail_fast());
+        .layer(LockLayer::new(backend.clone(), PathParam::new("id")).fail_fast());
     let (by_path, by_param) = (serve(by_path).await, serve(by_param).await);
     let client = http_client();
 
