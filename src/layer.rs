@@ -168,7 +168,11 @@ impl<B: LockBackend, K> LockLayer<B, K> {
     }
 
     /// Builds the response for a request whose lock could not be taken or was lost,
-    /// replacing the problem+json default (`LockError::into_response`).
+    /// replacing the problem+json default. Start from
+    /// [`default_rejection`](crate::response::default_rejection) to change one part of
+    /// it (a header, the body) and keep the rest, or ask
+    /// [`LockError::status`](crate::LockError::status) to keep the statuses under a body
+    /// of your own.
     pub fn on_rejection<F, R>(mut self, rejection: F) -> Self
     where
         F: Fn(LockError) -> R + Send + Sync + 'static,

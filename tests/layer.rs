@@ -478,3 +478,24 @@ async fn router_layer_lets_unmatched_requests_through_unlocked_to_their_404() {
     assert_eq!(post(&client, by_param, "/carts/7").await.status, 409);
     held.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn rejections_can_start_from_the_default_and_change_one_header() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| {
+        l.fail_fast().on_rejection(|e: LockError| {
+            let mut response = tower_lock::response::default_rejection(&e);
+            let status = e.status().as_u16().to_string();
+            response
+                .headers_mut()
+                .insert("x-lock-status", status.parse().unwrap());
+            response
+        })
+    })
+    .await;
+    let _held = app.backend.lock("k").try_once().await.unwrap();
+    let reply = post(&http_client(), app.addr, "/quick/k").await;
+    reply.problem(409);
+    assert_eq!(reply.headers["x-lock-status"], "409");
+    assert!(reply.headers.contains_key("retry-after"));
+}
