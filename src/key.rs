@@ -11,8 +11,7 @@ use crate::error::KeyError;
 ///
 /// Returning `Ok(None)` lets the request through without a lock; returning an error
 /// rejects it with 400 before the backend is contacted. Most routes never name this
-/// trait:
-/// A closure `Fn(&Request<B>) -> R` is a [`KeyExtractor`] when `R` is one of
+/// trait: a closure `Fn(&Request<B>) -> R` implements it when `R` is one of
 ///
 /// | `R` | locks on | unlocked | refused with 400 |
 /// |---|---|---|---|

@@ -499,3 +499,28 @@ async fn rejections_can_start_from_the_default_and_change_one_header() {
     assert_eq!(reply.headers["x-lock-status"], "409");
     assert!(reply.headers.contains_key("retry-after"));
 }
+
+#[tokio::test]
+async fn a_service_outside_any_router_is_locked() {
+    use tower::{Layer, ServiceExt};
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let service = LockLayer::new(backend.clone(), |req: &Request| {
+        Some(req.uri().path().to_owned())
+    })
+    .fail_fast()
+    .layer(tower::service_fn(|_: Request| async {
+        Ok::<_, std::convert::Infallible>(axum::response::Response::new(axum::body::Body::empty()))
+    }));
+    let request = || {
+        Request::post("/nowhere")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let held = backend.lock("/nowhere").try_once().await.unwrap();
+    let busy = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::CONFLICT);
+    held.release().await.unwrap();
+    let free = service.oneshot(request()).await.unwrap();
+    assert_eq!(free.status(), StatusCode::OK);
+}
