@@ -470,10 +470,18 @@ async fn router_layer_lets_unmatched_requests_through_unlocked_to_their_404() {
     assert_eq!(server.command_calls(&["evalsha", "eval"]).await, scripts);
     assert_eq!(server.keys().await, keys);
 
-    // Matched routes are still locked.
+    // Matched routes are still locked, and so is a matched path with the wrong method
+    // (documented: `route_layer` would answer its 405 unlocked).
+    let get = || {
+        http::Request::get(format!("http://{by_path}/orders/1"))
+            .body(Default::default())
+            .unwrap()
+    };
     let held = backend.lock("/orders/1").try_once().await.unwrap();
     assert_eq!(post(&client, by_path, "/orders/1").await.status, 409);
+    assert_eq!(support::send(&client, get()).await.status, 409);
     held.release().await.unwrap();
+    assert_eq!(support::send(&client, get()).await.status, 405);
     let held = backend.lock("7").try_once().await.unwrap();
     assert_eq!(post(&client, by_param, "/carts/7").await.status, 409);
     held.release().await.unwrap();
