@@ -1,17 +1,6 @@
-//! Pulling a lock key out of a request, and validating it.
-//!
-//! Any `Fn(&Request<B>) -> Option<impl Into<String>>` closure is a [`KeyExtractor`]:
-//! `Some(key)` locks the request, `None` lets it through unlocked. Ready-made extractors
-//! for path parameters, headers and query parameters are in [`extract`](crate::extract).
-//!
-//! ```
-//! use axum::extract::Request;
-//! use tower_lock::KeyExtractor;
-//!
-//! let by_path = |req: &Request| req.uri().path().strip_prefix("/orders/").map(str::to_owned);
-//! let req = Request::builder().uri("/orders/42").body(axum::body::Body::empty()).unwrap();
-//! assert_eq!(by_path.extract(&req), Ok(Some("42".to_owned())));
-//! ```
+//! Key extraction: the trait closures implement, and key validation.
+
+use std::borrow::Cow;
 
 use http::Request;
 
@@ -20,20 +9,174 @@ use crate::error::KeyError;
 /// Extracts the lock key from a request.
 ///
 /// Returning `Ok(None)` lets the request through without a lock; returning an error
-/// rejects it with 400 before Redis is contacted. Closures returning
-/// `Option<impl Into<String>>` implement this trait, so most routes never name it.
+/// rejects it with 400 before the backend is contacted. Most routes never name this
+/// trait: a closure `Fn(&Request<B>) -> R` implements it when `R` is one of
+///
+/// | `R` | locks on | unlocked | refused with 400 |
+/// |---|---|---|---|
+/// | `Option<K>` | `Some(key)` | `None` | never |
+/// | `Result<K, KeyError>` | `Ok(key)` | never | `Err(e)` |
+/// | `Result<Option<K>, KeyError>` | `Ok(Some(key))` | `Ok(None)` | `Err(e)` |
+///
+/// where `K: Into<String>` (in the `Result` shapes: `String`, `&str`, `Box<str>`
+/// or `Cow<str>`). A route that must never run unlocked returns a `Result`, so
+/// a missing header is refused instead of let through; [`KeyError::missing`] and
+/// [`KeyError::malformed`] build the refusal with its reason, which the 400 body shows.
+/// Ready-made extractors for path parameters, headers and query parameters are
+/// [below](#ready-made-extractors).
+///
+/// ```
+/// use axum::extract::Request;
+/// use tower_lock::{KeyError, KeyExtractor};
+///
+/// let by_path = |req: &Request| req.uri().path().strip_prefix("/orders/").map(str::to_owned);
+/// let tenant = |req: &Request| match req.headers().get("x-tenant") {
+///     Some(v) => v.to_str().map(|t| format!("tenant:{t}")).map_err(|_| KeyError::malformed("x-tenant is not text")),
+///     None => Err(KeyError::missing("header \"x-tenant\"")),
+/// };
+/// let req = Request::builder().uri("/orders/42").body(axum::body::Body::empty()).unwrap();
+/// assert_eq!(by_path.extract(&req), Ok(Some("42".to_owned())));
+/// assert_eq!(tenant.extract(&req), Err(KeyError::missing("header \"x-tenant\"")));
+/// ```
+///
+///# Ready-made extractors
+///
+/// Ready-made key extractors for per-route locks: from a path parameter, a header or a
+/// query parameter, each with an optional per-route prefix.
+///
+/// ```
+/// use axum::body::Body;
+/// use http::Request;
+/// use tower_lock::KeyExtractor;
+/// use tower_lock::{Header, QueryParam};
+///
+/// let by_cart = QueryParam::new("cart").prefix("cart");
+/// let req = Request::get("/checkout?cart=7").body(Body::empty()).unwrap();
+/// assert_eq!(by_cart.extract(&req), Ok(Some("cart:7".to_owned())));
+///
+/// // Required by default: a request without the header is rejected with 400.
+/// let by_idempotency_key = Header::new("Idempotency-Key");
+/// assert!(by_idempotency_key.extract(&req).is_err());
+/// ```
+///
+/// On a router, add them with `route_layer` (or `layer`), which run after routing, so
+/// that [`PathParam`](crate::PathParam) can see the route's parameters:
+///
+/// ```no_run
+/// use axum::{Router, routing::post};
+/// use tower_lock::{LockLayer, RedisBackend};
+/// use tower_lock::{Header, PathParam};
+///
+/// # async fn run() -> Result<(), tower_lock::BuildError> {
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+/// let orders: Router = Router::new()
+///     .route("/orders/{id}/pay", post(|| async { "paid" }))
+///     .route("/orders/{id}/cancel", post(|| async { "cancelled" }))
+///     // Both routes lock `order:{id}`: paying and cancelling one order exclude each other.
+///     .route_layer(LockLayer::new(backend.clone(), PathParam::new("id").prefix("order")));
+/// let refunds: Router = Router::new()
+///     .route("/refunds/{id}", post(|| async { "refunded" }))
+///     // `refund:{id}`: refund 42 does not wait for order 42.
+///     .route_layer(LockLayer::new(backend.clone(), PathParam::new("id").prefix("refund")));
+/// let payments: Router = Router::new()
+///     .route("/payments", post(|| async { "accepted" }))
+///     // A retried payment with the same key gets 409 while the first is running.
+///     .route_layer(LockLayer::new(backend, Header::new("Idempotency-Key")).fail_fast());
+/// let app = orders.merge(refunds).merge(payments);
+/// # drop(app);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Every extractor rejects a present but empty value with [`KeyError::Empty`](crate::KeyError::Empty) and input
+/// that is not UTF-8 with [`KeyError::Malformed`](crate::KeyError::Malformed); the layer answers both with 400.
+///
+/// Give every route that takes its key from client input a prefix. Without one the client
+/// chooses the whole key, and a header value of `order:42` would lock order 42 for the
+/// routes keyed `PathParam::new("id").prefix("order")`.
 pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// Reads the key for `req`.
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError>;
 }
 
-impl<B, F, K> KeyExtractor<B> for F
+// One blanket impl over the return type keeps closures' types inferred from their bodies;
+// the shapes are told apart by `KeyOutcome`, which no user type can implement.
+impl<B, F, R> KeyExtractor<B> for F
 where
-    F: Fn(&Request<B>) -> Option<K> + Clone + Send + Sync + 'static,
-    K: Into<String>,
+    F: Fn(&Request<B>) -> R + Clone + Send + Sync + 'static,
+    R: KeyOutcome,
 {
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError> {
-        Ok(self(req).map(Into::into))
+        self(req).into_key()
+    }
+}
+
+impl KeyError {
+    /// A refusal because the input that carries the key is absent; `source` names it, for
+    /// example `header "x-tenant"` (the 400 body reads "the request has no {source}").
+    pub fn missing(source: impl Into<String>) -> Self {
+        KeyError::Missing {
+            source: source.into(),
+        }
+    }
+
+    /// A refusal because the input that carries the key is unusable; `reason` says why in
+    /// words a client can act on, and is shown in the 400 body.
+    pub fn malformed(reason: impl Into<String>) -> Self {
+        KeyError::Malformed {
+            reason: reason.into(),
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What a key closure may return: `Option<K>`, `Result<K, KeyError>` or
+/// `Result<Option<K>, KeyError>` (see [`KeyExtractor`]). Sealed.
+pub trait KeyOutcome: sealed::Sealed {
+    /// The key, `None` to run unlocked, or the reason to refuse the request.
+    fn into_key(self) -> Result<Option<String>, KeyError>;
+}
+
+/// A key or no key, as a `Result`'s success value. A separate trait from `Into<String>`
+/// because `Result<K, _>` and `Result<Option<K>, _>` would overlap under it for the
+/// coherence checker (std may one day add `From<Option<_>> for String`).
+pub trait OptionalKey: sealed::Sealed {
+    /// The key, or `None` to run unlocked.
+    fn into_optional_key(self) -> Option<String>;
+}
+
+impl<K: Into<String>> sealed::Sealed for Option<K> {}
+impl<K: Into<String>> OptionalKey for Option<K> {
+    fn into_optional_key(self) -> Option<String> {
+        self.map(Into::into)
+    }
+}
+
+macro_rules! key_types {
+    ($($ty:ty),*) => {$(
+        impl sealed::Sealed for $ty {}
+        impl OptionalKey for $ty {
+            fn into_optional_key(self) -> Option<String> {
+                Some(self.into())
+            }
+        }
+    )*};
+}
+key_types!(String, &str, Box<str>, Cow<'_, str>);
+
+impl<K: Into<String>> KeyOutcome for Option<K> {
+    fn into_key(self) -> Result<Option<String>, KeyError> {
+        Ok(self.into_optional_key())
+    }
+}
+
+impl<K: OptionalKey> sealed::Sealed for Result<K, KeyError> {}
+impl<K: OptionalKey> KeyOutcome for Result<K, KeyError> {
+    fn into_key(self) -> Result<Option<String>, KeyError> {
+        self.map(OptionalKey::into_optional_key)
     }
 }
 

@@ -75,8 +75,27 @@ impl Config {
 /// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
 ///
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
-/// route, see [`extract`](crate::extract).
+/// route, see [`PathParam`](crate::PathParam), [`Header`](crate::Header) and
+/// [`QueryParam`](crate::QueryParam).
+///
+/// # `Router::layer` or `Router::route_layer`
+///
+/// Both lock every request a route matched. Under `Router::layer` the layer also wraps
+/// the router's fallback, but a request no route matched (a 404) passes through unlocked
+/// to it: the layer recognises axum's fallback by the `OriginalUri` the router inserts
+/// without a `MatchedPath`. What `layer` still does differently:
+///
+/// - a request whose path matched but whose method did not (405 Method Not Allowed)
+///   takes the lock, and a `PathParam` key is read for it, before the 405 is returned;
+/// - a custom `.fallback(..)` handler runs unlocked, like the default 404;
+/// - a router wrapped from outside and served as another router's `fallback_service`
+///   looks like a fallback too and runs unlocked: wrap it with `nest_service`, or serve
+///   `LockLayer::layer(router)` directly (outside any router, every request is locked).
+///
+/// `route_layer` wraps only the routes, so neither 404 nor 405 reaches the layer: prefer
+/// it when every route under it needs the lock.
 #[derive(Clone)]
+#[must_use = "a layer does nothing until it is applied to a service or a router"]
 pub struct LockLayer<K> {
     store: Arc<dyn Store>,
     key: K,
@@ -151,7 +170,11 @@ impl<K> LockLayer<K> {
     }
 
     /// Builds the response for a request whose lock could not be taken or was lost,
-    /// replacing the problem+json default (`LockError::into_response`).
+    /// replacing the problem+json default. Start from
+    /// [`default_rejection`](crate::response::default_rejection) to change one part of
+    /// it (a header, the body) and keep the rest, or ask
+    /// [`LockError::status`](crate::LockError::status) to keep the statuses under a body
+    /// of your own.
     pub fn on_rejection<F, R>(mut self, rejection: F) -> Self
     where
         F: Fn(LockError) -> R + Send + Sync + 'static,

@@ -31,10 +31,12 @@
 //!
 //! - [`LockLayer`]: the middleware and its settings (wait or fail fast, lease, what to do
 //!   when a lock is lost, holding until the body is sent, rejections).
-//! - [`extract`]: ready-made key extractors (path parameter, header, query parameter).
+//! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
+//!   ready-made [`PathParam`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] and [`MemoryBackend`]: where locks live ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections.
-//! - [`HeldLock`]: the handler's view of its lock: key, fencing token, `lost()`.
+//! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
+//!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`response`]: the status codes and problem+json bodies of rejections.
 //!
 //! The README (on the repository) covers the semantics in detail, the reliability
@@ -45,17 +47,20 @@
 #![deny(missing_docs, unsafe_code)]
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
+// Every public item has one path: the crate root, except `response`'s, which only that
+// module exports.
 mod backend;
 mod body;
 mod error;
-pub mod extract;
+mod extract;
 mod future;
-pub mod key;
+mod held;
+mod key;
 mod layer;
-pub mod lock;
+mod lock;
 mod memory;
 mod queue;
-pub mod redis;
+mod redis;
 pub mod response;
 mod service;
 
@@ -64,12 +69,17 @@ pub use crate::body::ResponseBody;
 pub use crate::error::{BackendError, BuildError, KeyError, LockError};
 pub use crate::extract::{Header, PathParam, QueryParam};
 pub use crate::future::ResponseFuture;
-pub use crate::key::KeyExtractor;
+pub use crate::held::{HeldLocks, MissingHeldLock};
+pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
-pub use crate::lock::{HeldLock, LockGuard, LockOwner, LockRequest};
+pub use crate::lock::{
+    DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner, LockRequest,
+    MAX_DURATION,
+};
 pub use crate::memory::MemoryBackend;
 pub use crate::redis::{
-    BackendStats, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
+    BackendStats, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, FencedStore, FencedValue,
+    FencedWrite, RedisBackend, RedisBackendBuilder,
 };
 pub use crate::service::LockService;
 

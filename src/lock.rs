@@ -1,26 +1,4 @@
 //! Taking locks without HTTP: the request builder, the guard and the held-lock handle.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use tower_lock::{LockError, RedisBackend};
-//!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
-//!
-//! // Wait up to a second for the lock, then give up with `LockError::TimedOut`.
-//! let guard = backend.lock("order:42").wait(Duration::from_secs(1)).await?;
-//! let token = guard.fencing_token(); // pass it to the store you write to
-//! guard.release().await?;
-//!
-//! // Or do not wait at all: `LockError::Contended` if someone holds it.
-//! match backend.lock("order:42").try_once().await {
-//!     Ok(guard) => drop(guard), // dropping releases in a background task
-//!     Err(LockError::Contended { retry_after, .. }) => println!("busy for {retry_after:?}"),
-//!     Err(other) => return Err(other.into()),
-//! }
-//! # Ok(())
-//! # }
-//! ```
 
 use std::fmt;
 use std::future::Future;
@@ -34,7 +12,7 @@ use crate::backend::Store;
 use crate::error::LockError;
 
 /// A boxed, sendable future, as returned by the backend trait.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The default lease: how long a lock outlives a holder that stopped renewing it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -81,6 +59,28 @@ pub(crate) enum Mode {
 
 /// A lock acquisition being configured; finish it with [`try_once`](Self::try_once) or
 /// [`wait`](Self::wait). Created by [`LockBackend::lock`](crate::LockBackend::lock).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_lock::{LockError, RedisBackend};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+///
+/// // Wait up to a second for the lock, then give up with `LockError::TimedOut`.
+/// let guard = backend.lock("order:42").wait(Duration::from_secs(1)).await?;
+/// let token = guard.fencing_token(); // pass it to the store you write to
+/// guard.release().await?;
+///
+/// // Or do not wait at all: `LockError::Contended` if someone holds it.
+/// match backend.lock("order:42").try_once().await {
+///     Ok(guard) => drop(guard), // dropping releases in a background task
+///     Err(LockError::Contended { retry_after, .. }) => println!("busy for {retry_after:?}"),
+///     Err(other) => return Err(other.into()),
+/// }
+/// # Ok(())
+/// # }
+/// ```
 #[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
 pub struct LockRequest {
     pub(crate) store: Arc<dyn Store>,
@@ -142,6 +142,12 @@ impl LockRequest {
     }
 
     /// Tries once; `Err(LockError::Contended)` if another owner holds the lock.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes takes no lock: an attempt already sent
+    /// to the backend is undone in the background if it succeeded, and nothing is held
+    /// for the caller.
     // Not an `async fn`: the backend's future already owns the request, and a task
     // parked in a queue should not carry a second copy of it.
     pub fn try_once(self) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
@@ -150,6 +156,13 @@ impl LockRequest {
 
     /// Waits up to `timeout` (at most [`MAX_DURATION`]) for the lock, woken by release
     /// messages rather than by polling; `Err(LockError::TimedOut)` if it is still held then.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future (an outer timeout, a client gone) gives up its place in the
+    /// key's queue and takes no lock: an attempt already sent
+    /// to the backend is undone in the background if it succeeded. Waiting again starts
+    /// at the back of the queue.
     pub fn wait(
         self,
         timeout: Duration,
@@ -191,8 +204,13 @@ struct HeldInner {
 }
 
 /// A cheap, cloneable view of a held lock: its key, owner and fencing token, and a signal
-/// for when it is lost. The layer puts one into the request extensions
-/// (`Extension<HeldLock>` in axum).
+/// for when it is lost.
+///
+/// The layer puts one into the request extensions. In axum a handler takes it as an
+/// argument: `lock: HeldLock` (a 500 [`MissingHeldLock`](crate::MissingHeldLock) if no
+/// layer locked the request), `lock: Option<HeldLock>` on a route whose key closure may
+/// return `None`, or [`HeldLocks`](crate::HeldLocks) for every lock of nested layers
+/// (`HeldLock` is the innermost one).
 #[derive(Clone)]
 pub struct HeldLock {
     inner: Arc<HeldInner>,
@@ -312,6 +330,11 @@ impl LockGuard {
     /// idempotent, so a retry after a lost reply never releases twice. If Redis cannot be
     /// reached in time this returns `Err(LockError::Backend)` and keeps retrying in the
     /// background (as it does when this future is dropped), for up to one lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not keep the lock: the release goes on in a spawned task
+    /// (as when the guard itself is dropped); only its outcome is lost.
     pub async fn release(self) -> Result<(), LockError> {
         match self.into_release() {
             Some(release) => release.await,

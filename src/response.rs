@@ -17,7 +17,8 @@
 //!
 //! The layer answers with these responses by itself; replace them per layer with
 //! [`LockLayer::on_rejection`](crate::LockLayer::on_rejection), for example to keep an
-//! API's own error format.
+//! API's own error format, starting from [`default_rejection`] or
+//! [`LockError::status`] rather than rebuilding the mapping below by hand.
 //!
 //! | error | status | `Retry-After` |
 //! |---|---|---|
@@ -44,71 +45,109 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 
 const TYPE_BASE: &str = "https://docs.rs/tower-lock/latest/tower_lock/enum.LockError.html#variant.";
 
+impl LockError {
+    /// The status the layer answers this error with by default: 409, 503 or 400 (see the
+    /// [table](self)). For an [`on_rejection`](crate::LockLayer::on_rejection) that keeps
+    /// the statuses but writes its own body.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            LockError::Contended { .. } => StatusCode::CONFLICT,
+            LockError::InvalidKey(_) => StatusCode::BAD_REQUEST,
+            LockError::TimedOut { .. }
+            | LockError::QueueFull { .. }
+            | LockError::Lost { .. }
+            | LockError::NotALock { .. }
+            | LockError::Backend(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
+/// The layer's default response for `error`: its [`status`](LockError::status), a
+/// `Retry-After` header when [`retry_after`](LockError::retry_after) knows one, and a
+/// problem+json body. Start an [`on_rejection`](crate::LockLayer::on_rejection) from it
+/// to change one part and keep the rest:
+///
+/// ```
+/// use axum::extract::Request;
+/// use http::HeaderValue;
+/// use tower_lock::{LockError, LockLayer, LockBackend, response::default_rejection};
+///
+/// fn layer(backend: impl LockBackend) -> LockLayer<impl Fn(&Request) -> Option<String> + Clone> {
+///     LockLayer::new(backend, |req: &Request| Some(req.uri().path().to_owned()))
+///         .on_rejection(|error: LockError| {
+///             let mut response = default_rejection(&error);
+///             // Clients of this API back off for at least 5 s after any 503.
+///             if error.status() == 503 {
+///                 response.headers_mut().insert("retry-after", HeaderValue::from_static("5"));
+///             }
+///             response
+///         })
+/// }
+/// ```
+pub fn default_rejection(error: &LockError) -> Response {
+    let (variant, title, detail) = match error {
+        LockError::Contended { .. } => (
+            "Contended",
+            "Resource is locked",
+            "Another request is working on this resource. Retry after it has finished.".to_owned(),
+        ),
+        LockError::TimedOut { waited, .. } => (
+            "TimedOut",
+            "Timed out waiting for a lock",
+            format!(
+                "Another request held this resource for the whole wait of {} ms. Retry later.",
+                waited.as_millis()
+            ),
+        ),
+        LockError::QueueFull { .. } => (
+            "QueueFull",
+            "Too many requests waiting for this resource",
+            "This server already has the maximum number of requests queued for this resource. Retry later.".to_owned(),
+        ),
+        LockError::InvalidKey(e) => (
+            "InvalidKey",
+            "Invalid lock key",
+            format!("The request cannot be locked: {e}."),
+        ),
+        LockError::Lost { .. } => (
+            "Lost",
+            "Lock lost",
+            "The lock protecting this request expired before the request finished, so the work was stopped. Retry.".to_owned(),
+        ),
+        LockError::NotALock { .. } => (
+            "NotALock",
+            "Resource cannot be locked",
+            "The lock for this resource is stored under a key that holds other data, so the request was not run. Retrying will not help until that data is removed.".to_owned(),
+        ),
+        LockError::Backend(_) => (
+            "Backend",
+            "Lock service unavailable",
+            "The lock service could not be reached. Retry later.".to_owned(),
+        ),
+    };
+    let status = error.status();
+    let body = serde_json::json!({
+        "type": format!("{TYPE_BASE}{variant}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = (status, body.to_string()).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(retry_after) = error.retry_after() {
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(retry_after_secs(retry_after)),
+        );
+    }
+    response
+}
+
+/// The same response as [`default_rejection`].
 impl IntoResponse for LockError {
     fn into_response(self) -> Response {
-        let (status, variant, title, detail) = match &self {
-            LockError::Contended { .. } => (
-                StatusCode::CONFLICT,
-                "Contended",
-                "Resource is locked",
-                "Another request is working on this resource. Retry after it has finished.".to_owned(),
-            ),
-            LockError::TimedOut { waited, .. } => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "TimedOut",
-                "Timed out waiting for a lock",
-                format!(
-                    "Another request held this resource for the whole wait of {} ms. Retry later.",
-                    waited.as_millis()
-                ),
-            ),
-            LockError::QueueFull { .. } => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "QueueFull",
-                "Too many requests waiting for this resource",
-                "This server already has the maximum number of requests queued for this resource. Retry later.".to_owned(),
-            ),
-            LockError::InvalidKey(e) => (
-                StatusCode::BAD_REQUEST,
-                "InvalidKey",
-                "Invalid lock key",
-                format!("The request cannot be locked: {e}."),
-            ),
-            LockError::Lost { .. } => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Lost",
-                "Lock lost",
-                "The lock protecting this request expired before the request finished, so the work was stopped. Retry.".to_owned(),
-            ),
-            LockError::NotALock { .. } => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "NotALock",
-                "Resource cannot be locked",
-                "The lock for this resource is stored under a key that holds other data, so the request was not run. Retrying will not help until that data is removed.".to_owned(),
-            ),
-            LockError::Backend(_) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Backend",
-                "Lock service unavailable",
-                "The lock service could not be reached. Retry later.".to_owned(),
-            ),
-        };
-        let body = serde_json::json!({
-            "type": format!("{TYPE_BASE}{variant}"),
-            "title": title,
-            "status": status.as_u16(),
-            "detail": detail,
-        });
-        let mut response = (status, body.to_string()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(retry_after) = self.retry_after() {
-            headers.insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after_secs(retry_after)),
-            );
-        }
-        response
+        default_rejection(&self)
     }
 }
 

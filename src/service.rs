@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use axum::extract::{MatchedPath, OriginalUri};
 use http::{Request, Response};
 use tower_service::Service;
 
@@ -11,6 +12,7 @@ use crate::backend::Store;
 use crate::body::ResponseBody;
 use crate::error::LockError;
 use crate::future::ResponseFuture;
+use crate::held::push_outer;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::lock::{HeldLock, LockRequest};
@@ -49,6 +51,21 @@ impl<S, K> LockService<S, K> {
             config,
         }
     }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service, dropping the layer's configuration.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: fmt::Debug, K> fmt::Debug for LockService<S, K> {
@@ -75,7 +92,10 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        if unmatched_by_router(&request) {
+            return self.pass_through(request);
+        }
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return self.pass_through(request),
@@ -86,8 +106,13 @@ where
         // An outer layer has put its `HeldLock` into the extensions: nested layers take
         // their locks under the same owner, so one request re-enters instead of
         // deadlocking on itself.
-        let owner = match request.extensions().get::<HeldLock>() {
-            Some(held) => held.owner().clone(),
+        // Its `HeldLock` is about to be replaced by this layer's: `HeldLocks` keeps it.
+        let owner = match request.extensions().get::<HeldLock>().cloned() {
+            Some(outer) => {
+                let owner = outer.owner().clone();
+                push_outer(request.extensions_mut(), outer);
+                owner
+            }
             None => self.store.new_owner(),
         };
         let acquire = LockRequest::new(self.store.clone(), key)
@@ -109,4 +134,19 @@ impl<S: Clone, K> LockService<S, K> {
     {
         ResponseFuture::pass_through(request, self.inner.clone(), self.config.clone())
     }
+}
+
+/// True for a request axum's router sent to its fallback (no route matched: a 404) under
+/// `Router::layer`: the router inserts `OriginalUri` into every request it routes and
+/// `MatchedPath` only into matched ones. Such a request has nothing to protect, so it
+/// runs unlocked instead of taking a lock on its path or a 400 from `PathParam`.
+///
+/// A service outside any router has neither extension, and one behind `nest_service`
+/// has no `MatchedPath` but a URI stripped of its prefix: both are locked.
+fn unmatched_by_router<B>(request: &Request<B>) -> bool {
+    let extensions = request.extensions();
+    extensions.get::<MatchedPath>().is_none()
+        && extensions
+            .get::<OriginalUri>()
+            .is_some_and(|original| original.0 == *request.uri())
 }

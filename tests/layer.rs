@@ -20,7 +20,7 @@ use support::{
 use tokio::io::AsyncWriteExt;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_lock::{LockError, LockLayer, RedisBackend, ResponseBody};
+use tower_lock::{LockError, LockLayer, PathParam, RedisBackend, ResponseBody};
 
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
@@ -504,4 +504,94 @@ async fn raw_post(addr: SocketAddr, path: &str) -> tokio::net::TcpStream {
     let request = format!("POST {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     stream
+}
+
+#[tokio::test]
+async fn router_layer_lets_unmatched_requests_through_unlocked_to_their_404() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let by_path = Router::new()
+        .route("/orders/{id}", routing::post(|| async { "ok" }))
+        .layer(
+            LockLayer::new(backend.clone(), |req: &Request| {
+                Some(req.uri().path().to_owned())
+            })
+            .fail_fast(),
+        );
+    let by_param = Router::new()
+        .route("/carts/{id}", routing::post(|| async { "ok" }))
+        .layer(LockLayer::new(backend.clone(), PathParam::new("id")).fail_fast());
+    let (by_path, by_param) = (serve(by_path).await, serve(by_param).await);
+    let client = http_client();
+
+    let scripts = server.command_calls(&["evalsha", "eval"]).await;
+    let keys = server.keys().await;
+    for addr in [by_path, by_param] {
+        let reply = post(&client, addr, "/nowhere").await;
+        assert_eq!((reply.status, reply.body.as_str()), (404, ""));
+    }
+    assert_eq!(server.command_calls(&["evalsha", "eval"]).await, scripts);
+    assert_eq!(server.keys().await, keys);
+
+    // Matched routes are still locked, and so is a matched path with the wrong method
+    // (documented: `route_layer` would answer its 405 unlocked).
+    let get = || {
+        http::Request::get(format!("http://{by_path}/orders/1"))
+            .body(Default::default())
+            .unwrap()
+    };
+    let held = backend.lock("/orders/1").try_once().await.unwrap();
+    assert_eq!(post(&client, by_path, "/orders/1").await.status, 409);
+    assert_eq!(support::send(&client, get()).await.status, 409);
+    held.release().await.unwrap();
+    assert_eq!(support::send(&client, get()).await.status, 405);
+    let held = backend.lock("7").try_once().await.unwrap();
+    assert_eq!(post(&client, by_param, "/carts/7").await.status, 409);
+    held.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn rejections_can_start_from_the_default_and_change_one_header() {
+    let server = RedisServer::start();
+    let app = holding_app(&server, |l| {
+        l.fail_fast().on_rejection(|e: LockError| {
+            let mut response = tower_lock::response::default_rejection(&e);
+            let status = e.status().as_u16().to_string();
+            response
+                .headers_mut()
+                .insert("x-lock-status", status.parse().unwrap());
+            response
+        })
+    })
+    .await;
+    let _held = app.backend.lock("k").try_once().await.unwrap();
+    let reply = post(&http_client(), app.addr, "/quick/k").await;
+    reply.problem(409);
+    assert_eq!(reply.headers["x-lock-status"], "409");
+    assert!(reply.headers.contains_key("retry-after"));
+}
+
+#[tokio::test]
+async fn a_service_outside_any_router_is_locked() {
+    use tower::{Layer, ServiceExt};
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let service = LockLayer::new(backend.clone(), |req: &Request| {
+        Some(req.uri().path().to_owned())
+    })
+    .fail_fast()
+    .layer(tower::service_fn(|_: Request| async {
+        Ok::<_, std::convert::Infallible>(axum::response::Response::new(axum::body::Body::empty()))
+    }));
+    let request = || {
+        Request::post("/nowhere")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let held = backend.lock("/nowhere").try_once().await.unwrap();
+    let busy = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::CONFLICT);
+    held.release().await.unwrap();
+    let free = service.oneshot(request()).await.unwrap();
+    assert_eq!(free.status(), StatusCode::OK);
 }

@@ -1,0 +1,159 @@
+//! [`HeldLock`] and [`HeldLocks`] as axum extractors.
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use tower_lock::{HeldLock, HeldLocks};
+//!
+//! // Rejected with 500 if no lock layer locked the request: a wiring mistake.
+//! async fn pay(lock: HeldLock) -> String {
+//!     format!("paid under token {}", lock.fencing_token())
+//! }
+//!
+//! // On a route whose key closure may return `None`: runs unlocked then.
+//! async fn quote(lock: Option<HeldLock>) -> &'static str {
+//!     if lock.is_some() { "locked quote" } else { "unlocked quote" }
+//! }
+//!
+//! // Under nested layers: every lock, outermost first.
+//! async fn transfer(locks: HeldLocks) -> String {
+//!     locks.iter().map(|l| format!("{}={}", l.key(), l.fencing_token())).collect()
+//! }
+//! # let _: Router = Router::new().route("/pay", post(pay)).route("/quote", post(quote))
+//! #     .route("/transfer", post(transfer));
+//! ```
+
+use std::convert::Infallible;
+use std::fmt;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use http::{Extensions, StatusCode};
+
+use crate::lock::HeldLock;
+
+/// The locks that outer layers took for this request, outermost first. The innermost
+/// lock is the `HeldLock` extension itself, which each layer replaces with its own (so
+/// `Extension<HeldLock>` and the `HeldLock` extractor see the innermost lock, and nested
+/// layers find the request's owner there).
+#[derive(Clone, Default)]
+struct OuterLocks(Vec<HeldLock>);
+
+/// Called by a layer about to lock a request that `outer` already holds a lock for: keeps
+/// `outer` reachable after the layer's own lock replaces it as the `HeldLock` extension.
+pub(crate) fn push_outer(extensions: &mut Extensions, outer: HeldLock) {
+    match extensions.get_mut::<OuterLocks>() {
+        Some(locks) => locks.0.push(outer),
+        None => {
+            extensions.insert(OuterLocks(vec![outer]));
+        }
+    }
+}
+
+/// Every lock the request holds, outermost layer first; empty when none was taken.
+///
+/// An axum extractor that never rejects. With one lock layer it holds the same lock as
+/// the [`HeldLock`] extractor; with nested layers (a lock per shop, then per order) it
+/// gives the handler each key's fencing token. A nested layer that re-enters the same
+/// key appears once per layer.
+#[derive(Clone, Debug, Default)]
+pub struct HeldLocks(Vec<HeldLock>);
+
+impl HeldLocks {
+    /// Reads the locks from a request's extensions.
+    pub fn from_extensions(extensions: &Extensions) -> Self {
+        let mut locks = extensions
+            .get::<OuterLocks>()
+            .map(|outer| outer.0.clone())
+            .unwrap_or_default();
+        locks.extend(extensions.get::<HeldLock>().cloned());
+        HeldLocks(locks)
+    }
+
+    /// The locks, outermost first.
+    pub fn iter(&self) -> std::slice::Iter<'_, HeldLock> {
+        self.0.iter()
+    }
+
+    /// The innermost lock held on `key` (as the application gave it), if any.
+    pub fn get(&self, key: &str) -> Option<&HeldLock> {
+        self.0.iter().rev().find(|lock| lock.key() == key)
+    }
+
+    /// How many locks the request holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when the request holds no lock.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The locks, outermost first.
+    pub fn into_vec(self) -> Vec<HeldLock> {
+        self.0
+    }
+}
+
+impl<'a> IntoIterator for &'a HeldLocks {
+    type Item = &'a HeldLock;
+    type IntoIter = std::slice::Iter<'a, HeldLock>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldLocks {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(HeldLocks::from_extensions(&parts.extensions))
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
+    type Rejection = MissingHeldLock;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<HeldLock>()
+            .cloned()
+            .ok_or(MissingHeldLock)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<HeldLock>().cloned())
+    }
+}
+
+/// Rejection of the [`HeldLock`] extractor when no lock layer locked the request: 500,
+/// since it is a wiring mistake (the layer is missing around the route, or sits inside
+/// it), not the client's. A route whose key closure may return `None` takes
+/// `Option<HeldLock>` instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MissingHeldLock;
+
+impl fmt::Display for MissingHeldLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "missing request extension `tower_lock::HeldLock`: no LockLayer locked this request \
+             (is the layer added around this route, and did its key closure return a key? \
+             Take `Option<HeldLock>` on routes that may run unlocked)",
+        )
+    }
+}
+
+impl std::error::Error for MissingHeldLock {}
+
+impl IntoResponse for MissingHeldLock {
+    fn into_response(self) -> Response {
+        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+    }
+}
