@@ -1,31 +1,6 @@
 //! The Redis backend: Redisson-style reentrant hash locks driven by Lua scripts.
 //!
-//! Each backend owns a bb8 pool of multiplexed command connections, one subscriber
-//! connection that carries the release channels of every key with local waiters, and one
-//! watchdog task that renews held leases in batches. Its background tasks stop when the
-//! last clone of the backend and the last guard it issued are dropped.
-//!
-//! Tasks of one backend that wait for the same key queue in-process (see `src/queue.rs`):
-//! only the first talks to Redis, and a release hands the lock straight to the next task
-//! in line, in one script, for up to
-//! [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times in a row while
-//! other instances wait.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use tower_lock::RedisBackend;
-//!
-//! # async fn run() -> Result<(), tower_lock::BuildError> {
-//! let backend = RedisBackend::builder("redis://127.0.0.1:6379")
-//!     .namespace("shop")
-//!     .pool_size(8)
-//!     .command_timeout(Duration::from_millis(500))
-//!     .build()
-//!     .await?;
-//! # drop(backend);
-//! # Ok(())
-//! # }
-//! ```
+//! The type and its design are documented on [`RedisBackend`].
 
 mod acquire;
 mod builder;
@@ -71,6 +46,36 @@ pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 ///
 /// Create one per process with [`connect`](Self::connect) or [`builder`](Self::builder)
 /// and hand clones to every [`LockLayer`](crate::LockLayer).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_lock::RedisBackend;
+///
+/// # async fn run() -> Result<(), tower_lock::BuildError> {
+/// let backend = RedisBackend::builder("redis://127.0.0.1:6379")
+///     .namespace("shop")
+///     .pool_size(8)
+///     .command_timeout(Duration::from_millis(500))
+///     .build()
+///     .await?;
+/// # drop(backend);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// A lock is a Redis hash `namespace:{key} -> {owner: count}` with a lease, taken,
+/// renewed and released by Lua scripts (the Redisson model); waiters are woken by the
+/// release message on the key's channel, never by polling.
+///
+/// Each backend owns a bb8 pool of multiplexed command connections, one subscriber
+/// connection that carries the release channels of every key with local waiters, and one
+/// watchdog task that renews held leases in batches. Its background tasks stop when the
+/// last clone of the backend and the last guard it issued are dropped.
+///
+/// Tasks of one backend that wait for the same key queue in-process: only the first talks
+/// to Redis, and a release hands the lock straight to the next task in line, in one
+/// script, for up to [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times
+/// in a row while other instances wait.
 #[derive(Clone)]
 pub struct RedisBackend {
     inner: Arc<Inner>,
