@@ -13,9 +13,10 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::future::{Release, lost_error};
 use crate::lock::LockGuard;
+use crate::response::RejectionBody;
 
 /// The error type of [`ResponseBody`]: whatever the inner body or the lock failed with.
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The response body of [`LockService`](crate::LockService): the inner service's body `B`
 /// as it is, or held under the request's lock until its end
@@ -42,7 +43,7 @@ enum Kind<B> {
     },
     Rejection {
         #[pin]
-        body: axum::body::Body,
+        body: RejectionBody,
     },
 }
 
@@ -62,7 +63,7 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn rejection(body: axum::body::Body) -> Self {
+    pub(crate) fn rejection(body: RejectionBody) -> Self {
         ResponseBody {
             kind: Kind::Rejection { body },
         }
@@ -95,7 +96,7 @@ where
         match self.project().kind.project() {
             KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
             KindProj::Guarded { body, hold } => hold.as_mut().poll_frame(body, cx),
-            KindProj::Rejection { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Rejection { body } => body.poll_frame(cx),
         }
     }
 

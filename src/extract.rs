@@ -3,8 +3,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, RawPathParams};
-use futures_util::FutureExt;
 use http::{HeaderName, Request};
 
 use crate::error::KeyError;
@@ -74,6 +72,7 @@ macro_rules! builder_methods {
     };
 }
 
+#[cfg(feature = "axum")]
 builder_methods!(PathParam);
 builder_methods!(Header, optional);
 builder_methods!(QueryParam, optional);
@@ -85,12 +84,15 @@ builder_methods!(QueryParam, optional);
 /// `Router::layer`), not around the whole router from outside. A request whose route has
 /// no such parameter is rejected with [`KeyError::Missing`] (400): the lock is never
 /// skipped silently.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 #[derive(Debug, Clone)]
 pub struct PathParam {
     name: Arc<str>,
     prefix: Prefix,
 }
 
+#[cfg(feature = "axum")]
 impl PathParam {
     /// Keys on the path parameter called `name`.
     pub fn new(name: impl Into<Arc<str>>) -> Self {
@@ -107,8 +109,12 @@ impl PathParam {
     }
 }
 
+#[cfg(feature = "axum")]
 impl<B> KeyExtractor<B> for PathParam {
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError> {
+        use axum::extract::{FromRequestParts, RawPathParams};
+        use futures_util::FutureExt;
+
         // axum keeps the parameters in a private extension that only its extractors read,
         // and extractors need owned parts: give `RawPathParams` a copy of the extensions.
         let (mut parts, ()) = Request::new(()).into_parts();
@@ -295,6 +301,6 @@ mod tests {
     #[test]
     #[should_panic(expected = "must not contain ':'")]
     fn prefixes_with_colons_are_refused() {
-        let _ = PathParam::new("id").prefix("order:item");
+        let _ = Header::new("x-order").prefix("order:item");
     }
 }

@@ -19,6 +19,7 @@ use crate::body::{BodyHold, ResponseBody, sent_length};
 use crate::error::LockError;
 use crate::layer::{Config, OnLockLost};
 use crate::lock::{BoxFuture, HeldLock, LockGuard};
+use crate::response::RejectionBody;
 
 /// Response future of [`LockService`](crate::LockService).
 #[pin_project]
@@ -64,7 +65,7 @@ where
     },
     /// A rejection, answered without the inner service.
     Rejected {
-        response: Option<Response<axum::body::Body>>,
+        response: Option<Response<RejectionBody>>,
     },
 }
 
@@ -102,7 +103,7 @@ where
         }
     }
 
-    pub(crate) fn rejected(response: Response<axum::body::Body>) -> Self {
+    pub(crate) fn rejected(response: Response<RejectionBody>) -> Self {
         ResponseFuture {
             kind: Kind::Rejected {
                 response: Some(response),

@@ -1,4 +1,5 @@
-//! [`HeldLock`] and [`HeldLocks`] as axum extractors.
+//! [`HeldLock`] and [`HeldLocks`] as axum extractors (with the `axum` feature); without
+//! it, read them with [`HeldLocks::from_extensions`] or `extensions().get::<HeldLock>()`.
 //!
 //! ```
 //! use axum::{Router, routing::post};
@@ -22,13 +23,9 @@
 //! #     .route("/transfer", post(transfer));
 //! ```
 
-use std::convert::Infallible;
 use std::fmt;
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum::response::{IntoResponse, Response};
-use http::request::Parts;
-use http::{Extensions, StatusCode};
+use http::Extensions;
 
 use crate::lock::HeldLock;
 
@@ -52,8 +49,8 @@ pub(crate) fn push_outer(extensions: &mut Extensions, outer: HeldLock) {
 
 /// Every lock the request holds, outermost layer first; empty when none was taken.
 ///
-/// An axum extractor that never rejects. With one lock layer it holds the same lock as
-/// the [`HeldLock`] extractor; with nested layers (a lock per shop, then per order) it
+/// An axum extractor that never rejects (with the `axum` feature). With one lock layer it
+/// holds the same lock as the [`HeldLock`] extractor; with nested layers (a lock per shop, then per order) it
 /// gives the handler each key's fencing token. A nested layer that re-enters the same
 /// key appears once per layer.
 #[derive(Clone, Debug, Default)]
@@ -105,34 +102,6 @@ impl<'a> IntoIterator for &'a HeldLocks {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for HeldLocks {
-    type Rejection = Infallible;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(HeldLocks::from_extensions(&parts.extensions))
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
-    type Rejection = MissingHeldLock;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<HeldLock>()
-            .cloned()
-            .ok_or(MissingHeldLock)
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
-    type Rejection = Infallible;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<HeldLock>().cloned())
-    }
-}
-
 /// Rejection of the [`HeldLock`] extractor when no lock layer locked the request: 500,
 /// since it is a wiring mistake (the layer is missing around the route, or sits inside
 /// it), not the client's. A route whose key closure may return `None` takes
@@ -152,8 +121,56 @@ impl fmt::Display for MissingHeldLock {
 
 impl std::error::Error for MissingHeldLock {}
 
-impl IntoResponse for MissingHeldLock {
-    fn into_response(self) -> Response {
-        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+#[cfg(feature = "axum")]
+mod extractors {
+    use std::convert::Infallible;
+
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+    use axum::response::{IntoResponse, Response};
+    use http::StatusCode;
+    use http::request::Parts;
+
+    use super::{HeldLocks, MissingHeldLock};
+    use crate::lock::HeldLock;
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    impl<S: Send + Sync> FromRequestParts<S> for HeldLocks {
+        type Rejection = Infallible;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            Ok(HeldLocks::from_extensions(&parts.extensions))
+        }
+    }
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
+        type Rejection = MissingHeldLock;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<HeldLock>()
+                .cloned()
+                .ok_or(MissingHeldLock)
+        }
+    }
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
+        type Rejection = Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<HeldLock>().cloned())
+        }
+    }
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    impl IntoResponse for MissingHeldLock {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
     }
 }

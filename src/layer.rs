@@ -4,13 +4,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::Response;
 use tower_layer::Layer;
 
 use crate::backend::{LockBackend, Store};
+use crate::body::BoxError;
 use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
-use crate::response::Rejection;
+use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
 use crate::service::LockService;
 
 /// How long a request waits for a held lock by default.
@@ -40,10 +42,10 @@ pub(crate) struct Config {
 }
 
 impl Config {
-    pub(crate) fn reject(&self, error: LockError) -> Response {
+    pub(crate) fn reject(&self, error: LockError) -> Response<RejectionBody> {
         match &self.rejection {
             Some(reject) => reject(error),
-            None => error.into_response(),
+            None => boxed_rejection(default_rejection(&error)),
         }
     }
 }
@@ -83,7 +85,8 @@ impl Config {
 /// Both lock every request a route matched. Under `Router::layer` the layer also wraps
 /// the router's fallback, but a request no route matched (a 404) passes through unlocked
 /// to it: the layer recognises axum's fallback by the `OriginalUri` the router inserts
-/// without a `MatchedPath`. What `layer` still does differently:
+/// without a `MatchedPath` (with the `axum` feature; without it, every request is
+/// locked). What `layer` still does differently:
 ///
 /// - a request whose path matched but whose method did not (405 Method Not Allowed)
 ///   takes the lock, and a `PathParam` key is read for it, before the 405 is returned;
@@ -175,13 +178,30 @@ impl<K> LockLayer<K> {
     /// it (a header, the body) and keep the rest, or ask
     /// [`LockError::status`](crate::LockError::status) to keep the statuses under a body
     /// of your own.
-    pub fn on_rejection<F, R>(mut self, rejection: F) -> Self
+    ///
+    /// The closure returns an `http::Response` with any body of [`Bytes`] (the same type
+    /// with or without the `axum` feature): axum's `Response`, so an axum application
+    /// ends it with `.into_response()`, or `http_body_util::Full<Bytes>` as
+    /// `default_rejection` returns.
+    ///
+    /// ```
+    /// use axum::{extract::Request, http::StatusCode, response::IntoResponse};
+    /// use tower_lock::{LockError, LockLayer, MemoryBackend};
+    ///
+    /// let layer = LockLayer::new(MemoryBackend::new(), |req: &Request| {
+    ///     Some(req.uri().path().to_owned())
+    /// })
+    /// .on_rejection(|error: LockError| (error.status(), "try again later").into_response());
+    /// # drop(layer);
+    /// ```
+    pub fn on_rejection<F, B>(mut self, rejection: F) -> Self
     where
-        F: Fn(LockError) -> R + Send + Sync + 'static,
-        R: IntoResponse,
+        F: Fn(LockError) -> Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
     {
         Arc::make_mut(&mut self.config).rejection =
-            Some(Arc::new(move |error| rejection(error).into_response()));
+            Some(Arc::new(move |error| boxed_rejection(rejection(error))));
         self
     }
 }

@@ -39,11 +39,19 @@
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`response`]: the status codes and problem+json bodies of rejections.
 //!
+//! The layer is a plain tower layer over `http` requests and any response body. The
+//! default-on `axum` feature adds what needs axum: [`PathParam`], the [`HeldLock`] and
+//! [`HeldLocks`] extractors, `IntoResponse` for [`LockError`], and letting a request
+//! axum's router sent to its 404 fallback through unlocked. Without it, read the lock
+//! from the request extensions and answer rejections with
+//! [`default_rejection`](response::default_rejection).
+//!
 //! The README (on the repository) covers the semantics in detail, the reliability
 //! suite and the benchmarks.
 //!
 //! [axum]: https://docs.rs/axum
 //! [tower]: https://docs.rs/tower
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs, unsafe_code)]
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
@@ -67,7 +75,9 @@ mod service;
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
 pub use crate::error::{BackendError, BuildError, KeyError, LockError};
-pub use crate::extract::{Header, PathParam, QueryParam};
+#[cfg(feature = "axum")]
+pub use crate::extract::PathParam;
+pub use crate::extract::{Header, QueryParam};
 pub use crate::future::ResponseFuture;
 pub use crate::held::{HeldLocks, MissingHeldLock};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};

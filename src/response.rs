@@ -2,14 +2,13 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use axum::response::IntoResponse;
-//! use tower_lock::LockError;
+//! use tower_lock::{LockError, response::default_rejection};
 //!
 //! let busy = LockError::Contended {
 //!     key: "order:42".into(),
 //!     retry_after: Some(Duration::from_millis(1500)),
 //! };
-//! let response = busy.into_response();
+//! let response = default_rejection(&busy);
 //! assert_eq!(response.status(), 409);
 //! assert_eq!(response.headers()["content-type"], "application/problem+json");
 //! assert_eq!(response.headers()["retry-after"], "2");
@@ -31,13 +30,17 @@
 //! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and at least 1.
+//!
+//! With the `axum` feature (on by default), `LockError` is also an axum `IntoResponse`
+//! giving the same response.
 
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 
+use crate::body::BoxError;
 use crate::error::LockError;
 
 /// The media type of every rejection body.
@@ -68,12 +71,11 @@ impl LockError {
 /// to change one part and keep the rest:
 ///
 /// ```
-/// use axum::extract::Request;
-/// use http::HeaderValue;
+/// use http::{HeaderValue, Request};
 /// use tower_lock::{LockError, LockLayer, LockBackend, response::default_rejection};
 ///
-/// fn layer(backend: impl LockBackend) -> LockLayer<impl Fn(&Request) -> Option<String> + Clone> {
-///     LockLayer::new(backend, |req: &Request| Some(req.uri().path().to_owned()))
+/// fn layer<B>(backend: impl LockBackend) -> LockLayer<impl Fn(&Request<B>) -> Option<String> + Clone> {
+///     LockLayer::new(backend, |req: &Request<B>| Some(req.uri().path().to_owned()))
 ///         .on_rejection(|error: LockError| {
 ///             let mut response = default_rejection(&error);
 ///             // Clients of this API back off for at least 5 s after any 503.
@@ -84,7 +86,7 @@ impl LockError {
 ///         })
 /// }
 /// ```
-pub fn default_rejection(error: &LockError) -> Response {
+pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
     let (variant, title, detail) = match error {
         LockError::Contended { .. } => (
             "Contended",
@@ -132,7 +134,8 @@ pub fn default_rejection(error: &LockError) -> Response {
         "status": status.as_u16(),
         "detail": detail,
     });
-    let mut response = (status, body.to_string()).into_response();
+    let mut response = Response::new(Full::from(body.to_string()));
+    *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     if let Some(retry_after) = error.retry_after() {
@@ -145,9 +148,11 @@ pub fn default_rejection(error: &LockError) -> Response {
 }
 
 /// The same response as [`default_rejection`].
-impl IntoResponse for LockError {
-    fn into_response(self) -> Response {
-        default_rejection(&self)
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+impl axum::response::IntoResponse for LockError {
+    fn into_response(self) -> axum::response::Response {
+        default_rejection(&self).map(axum::body::Body::new)
     }
 }
 
@@ -157,7 +162,21 @@ fn retry_after_secs(d: Duration) -> u64 {
     secs.max(1)
 }
 
-pub(crate) type Rejection = dyn Fn(LockError) -> Response<Body> + Send + Sync;
+/// The body of every rejection once it is in the layer: boxed, since
+/// [`on_rejection`](crate::LockLayer::on_rejection) picks its type and rejections are not
+/// the hot path.
+pub(crate) type RejectionBody = UnsyncBoxBody<Bytes, BoxError>;
+
+pub(crate) type Rejection = dyn Fn(LockError) -> Response<RejectionBody> + Send + Sync;
+
+/// A rejection, default or the application's, in the layer's body.
+pub(crate) fn boxed_rejection<B>(response: Response<B>) -> Response<RejectionBody>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    response.map(|body| body.map_err(Into::into).boxed_unsync())
+}
 
 #[cfg(test)]
 mod tests {
@@ -173,11 +192,10 @@ mod tests {
 
     #[test]
     fn contended_is_409_problem_json_with_retry_after() {
-        let response = LockError::Contended {
+        let response = default_rejection(&LockError::Contended {
             key: "k".into(),
             retry_after: Some(Duration::from_millis(2500)),
-        }
-        .into_response();
+        });
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
         assert_eq!(response.headers()[header::RETRY_AFTER], "3");

@@ -4,7 +4,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::extract::{MatchedPath, OriginalUri};
 use http::{Request, Response};
 use tower_service::Service;
 
@@ -143,10 +142,62 @@ impl<S: Clone, K> LockService<S, K> {
 ///
 /// A service outside any router has neither extension, and one behind `nest_service`
 /// has no `MatchedPath` but a URI stripped of its prefix: both are locked.
+#[cfg(feature = "axum")]
 fn unmatched_by_router<B>(request: &Request<B>) -> bool {
+    use axum::extract::{MatchedPath, OriginalUri};
     let extensions = request.extensions();
     extensions.get::<MatchedPath>().is_none()
         && extensions
             .get::<OriginalUri>()
             .is_some_and(|original| original.0 == *request.uri())
+}
+
+/// Without the `axum` feature no router is known: every request is locked.
+#[cfg(not(feature = "axum"))]
+fn unmatched_by_router<B>(_: &Request<B>) -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode, header};
+    use http_body_util::{BodyExt, Full};
+    use tower::{Layer, ServiceExt};
+
+    use crate::response::PROBLEM_JSON;
+    use crate::{LockLayer, MemoryBackend};
+
+    /// The point of the `axum` feature being optional: the layer over a plain tower
+    /// service with an `http_body_util` body, naming no axum type (this test also runs
+    /// under `--no-default-features`).
+    #[tokio::test]
+    async fn a_plain_tower_service_gets_a_problem_json_409() {
+        let backend = MemoryBackend::new();
+        let service = LockLayer::new(backend.clone(), |req: &Request<Full<Bytes>>| {
+            Some(req.uri().path().to_owned())
+        })
+        .fail_fast()
+        .layer(tower::service_fn(|_: Request<Full<Bytes>>| async {
+            Ok::<_, Infallible>(Response::new(Full::from("done")))
+        }));
+        let request = || Request::post("/orders/1").body(Full::default()).unwrap();
+
+        let held = backend.lock("/orders/1").try_once().await.unwrap();
+        let busy = service.clone().oneshot(request()).await.unwrap();
+        assert_eq!(busy.status(), StatusCode::CONFLICT);
+        assert_eq!(busy.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        let body = busy.into_body().collect().await.unwrap().to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(problem["status"], 409);
+        assert_eq!(problem["title"], "Resource is locked");
+
+        held.release().await.unwrap();
+        let free = service.oneshot(request()).await.unwrap();
+        assert_eq!(free.status(), StatusCode::OK);
+        let body = free.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "done");
+    }
 }

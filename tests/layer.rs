@@ -484,9 +484,12 @@ async fn unreachable_redis_answers_503_within_the_wait() {
 async fn rejections_can_be_overridden() {
     let server = RedisServer::start();
     let app = holding_app(&server, |l| {
-        l.fail_fast().on_rejection(|e: LockError| match e {
-            LockError::Contended { .. } => (StatusCode::TOO_MANY_REQUESTS, "busy, try later"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "other"),
+        l.fail_fast().on_rejection(|e: LockError| {
+            match e {
+                LockError::Contended { .. } => (StatusCode::TOO_MANY_REQUESTS, "busy, try later"),
+                _ => (StatusCode::INTERNAL_SERVER_ERROR, "other"),
+            }
+            .into_response()
         })
     })
     .await;
