@@ -270,19 +270,34 @@ impl Pool {
     }
 
     /// Waits for a pooled connection, failing with the cause as soon as an attempt to open
-    /// one fails (a connection refused or a wrong password will not heal by waiting).
+    /// one fails while the pool has no connection left (a connection refused or a wrong
+    /// password will not heal by waiting). While the pool still has connections, one of
+    /// them may come back to this caller: a failed attempt to open another (bb8
+    /// replenishing it, a transient "max number of clients") does not fail every request
+    /// waiting for one; the pool's connection timeout bounds the wait.
     async fn checkout(&self) -> Result<bb8::PooledConnection<'_, Manager>, ConnectError> {
         // Subscribed before asking, so the failure of the attempt this call starts is seen.
         let mut failures = self.failures.0.subscribe();
-        tokio::select! {
-            biased;
-            pooled = self.pool.get() => pooled.map_err(|e| match e {
-                bb8::RunError::User(e) => ConnectError::Failed(Arc::new(e)),
-                bb8::RunError::TimedOut => ConnectError::TimedOut(failures.borrow().clone()),
-            }),
-            Ok(()) = failures.changed() => {
-                let last = failures.borrow().clone();
-                Err(last.map_or(ConnectError::TimedOut(None), ConnectError::Failed))
+        let get = self.pool.get();
+        tokio::pin!(get);
+        loop {
+            tokio::select! {
+                biased;
+                pooled = &mut get => {
+                    return pooled.map_err(|e| match e {
+                        bb8::RunError::User(e) => ConnectError::Failed(Arc::new(e)),
+                        bb8::RunError::TimedOut => {
+                            ConnectError::TimedOut(failures.borrow().clone())
+                        }
+                    });
+                }
+                Ok(()) = failures.changed() => {
+                    if self.pool.state().connections > 0 {
+                        continue;
+                    }
+                    let last = failures.borrow().clone();
+                    return Err(last.map_or(ConnectError::TimedOut(None), ConnectError::Failed));
+                }
             }
         }
     }
