@@ -1,9 +1,10 @@
 //! [`ResponseFuture`]: acquire, run the handler, release.
 //!
-//! The guard lives inside this future. When the handler completes, the release is awaited
-//! before the response is returned, so a client's next request never finds its own lock.
-//! If the future is dropped instead (client gone, an outer timeout, a panic unwinding
-//! through the handler) the guard's `Drop` releases in a spawned task.
+//! The guard lives inside this future. When the handler completes with a response, the
+//! release is awaited before the response is returned, so a client's next request never
+//! finds its own lock. If the future is dropped instead (client gone, an outer timeout, a
+//! panic unwinding through the handler), or the inner service fails with an error (which
+//! axum handlers never do), the guard's `Drop` releases in a spawned task.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -229,6 +230,18 @@ where
                     }
                     // An error drops the guard with the state: released in the background.
                     ready!(inner.poll_ready(cx))?;
+                    // Lost while the inner service got ready: `call` must not run, since a
+                    // service may start its work there, before its future is polled.
+                    if let Some(lost) = guard
+                        .as_ref()
+                        .filter(|g| g.is_lost() && config.on_lost == OnLockLost::Abort)
+                    {
+                        let response = config.reject(lost_error(lost, "waiting for the service"));
+                        kind.set(Kind::Rejected {
+                            response: Some(response),
+                        });
+                        continue;
+                    }
                     let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
                     if let Some(guard) = guard {
                         request.extensions_mut().insert(guard.held().clone());

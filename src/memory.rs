@@ -29,9 +29,10 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tokio::runtime::Handle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
@@ -59,8 +60,12 @@ struct Inner {
     queues: Queues,
     locks: Mutex<HashMap<Arc<str>, Lock>>,
     /// One counter for every key: a token is above every earlier token of its key, and
-    /// no per-key state outlives a release.
+    /// no per-key state outlives a release. It starts at the clock in microseconds, as
+    /// Redis tokens never fall below, so a restarted process does not hand out tokens a
+    /// fenced store has already seen.
     tokens: AtomicU64,
+    /// The runtime expiry timers run on when a guard is dropped outside any runtime.
+    runtime: OnceLock<Handle>,
     generations: AtomicU64,
 }
 
@@ -91,7 +96,8 @@ impl MemoryBackend {
                 owners: OwnerIds::new(),
                 queues: Queues::default(),
                 locks: Mutex::new(HashMap::new()),
-                tokens: AtomicU64::new(1),
+                tokens: AtomicU64::new(clock_micros()),
+                runtime: OnceLock::new(),
                 generations: AtomicU64::new(0),
             }),
         }
@@ -153,6 +159,9 @@ impl Inner {
 
     async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
         validate(&request.key, MAX_KEY_LEN)?;
+        if let Ok(runtime) = Handle::try_current() {
+            self.runtime.get_or_init(|| runtime);
+        }
         let key: Arc<str> = request.key.into();
         let claim = Claim {
             owner: request.owner.unwrap_or_else(|| self.owners.next()),
@@ -187,10 +196,12 @@ impl Inner {
                 _ = sleep_until(deadline) => match ticket.try_granted() {
                     Some(grant) => Some(grant),
                     None => {
+                        // Queued behind a task of this process, as on Redis: the holder's
+                        // lease says little of when the queue ahead will have moved.
                         return Err(LockError::TimedOut {
                             key: key.to_string(),
                             waited: started.elapsed(),
-                            retry_after: self.remaining(&key),
+                            retry_after: None,
                         });
                     }
                 },
@@ -229,14 +240,22 @@ impl Inner {
                 let lock = entry.into_mut();
                 lock.holds += 1;
                 lock.expires = lock.expires.max(now + claim.lease);
+                // The slot reached a queued task of this owner after another acquisition
+                // of the same owner had taken the key: the lock keeps the slot, so the
+                // queue moves on only when the key is freed.
+                if lock.slot.is_none() {
+                    lock.slot = slot;
+                }
                 lock
             }
             MapEntry::Occupied(entry) => {
-                // A re-entry whose outer hold was freed early by a manual release keeps
-                // no slot, while another owner holds the key now.
+                let lock = entry.into_mut();
+                if lock.slot.is_none() {
+                    lock.slot = slot;
+                }
                 return Err(LockError::Contended {
                     key: key.to_string(),
-                    retry_after: Some(entry.get().lease),
+                    retry_after: Some(lock.lease),
                 });
             }
             MapEntry::Vacant(entry) => entry.insert(Lock {
@@ -276,8 +295,16 @@ impl Inner {
     /// with no renewing hold left. The timer re-arms while the deadline moves on, and
     /// holds no reference that would keep the backend alive.
     fn expire_when_due(self: &Arc<Self>, key: Arc<str>, generation: u64) {
+        let runtime = match Handle::try_current() {
+            Ok(runtime) => runtime,
+            // Dropped outside any runtime: the runtime of the acquisitions, if it runs.
+            Err(_) => match self.runtime.get() {
+                Some(runtime) => runtime.clone(),
+                None => return,
+            },
+        };
         let inner = Arc::downgrade(self);
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             loop {
                 let Some(due) = next_expiry(&inner, &key, generation) else {
                     return;
@@ -297,6 +324,13 @@ impl Inner {
         }
         lock.slot
     }
+}
+
+/// Microseconds since the Unix epoch (1 if the clock reads earlier).
+fn clock_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// What the expiry timer of one lock waits for next: `None` when there is nothing left
@@ -368,5 +402,55 @@ impl ReleaseHold for MemoryHold {
 
     fn release_in_background(self: Box<Self>) {
         let _ = self.give_back();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime")
+    }
+
+    #[test]
+    fn a_guard_dropped_outside_any_runtime_releases_without_panicking() {
+        let backend = MemoryBackend::new();
+        let (outer, inner) = runtime().block_on(async {
+            let outer = backend
+                .lock("k")
+                .lease(Duration::from_secs(60))
+                .without_watchdog()
+                .try_once()
+                .await
+                .expect("free");
+            // A renewing re-entry: its release re-arms the outer hold's expiry.
+            let inner = backend
+                .lock("k")
+                .reentrant(outer.held())
+                .try_once()
+                .await
+                .expect("re-enters");
+            (outer, inner)
+        });
+        drop(inner);
+        drop(outer);
+        assert_eq!(backend.held(), 0);
+    }
+
+    #[test]
+    fn tokens_of_a_new_backend_are_above_those_of_an_earlier_one() {
+        let earlier = runtime().block_on(async {
+            let guard = MemoryBackend::new().lock("k").try_once().await;
+            guard.expect("free").fencing_token()
+        });
+        let later = runtime().block_on(async {
+            let guard = MemoryBackend::new().lock("k").try_once().await;
+            guard.expect("free").fencing_token()
+        });
+        assert!(later > earlier, "{later} after {earlier}");
     }
 }

@@ -53,6 +53,7 @@ for_each_backend!(
     renewed_hold_outlives_its_lease,
     local_queue_bound_sheds_with_queue_full,
     waiters_are_served_in_arrival_order,
+    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
 );
 
 fn path_key(req: &Request) -> Option<String> {
@@ -275,4 +276,37 @@ async fn waiters_are_served_in_arrival_order<B: LockBackend>(b: B) {
         served.push(i);
     }
     assert_eq!(served, [0, 1, 2, 3, 4]);
+}
+
+/// Owner X is queued for `a` when the key is released, and before its task runs, X takes
+/// `a` a second time: the key must stay queued, so a later waiter waits for X instead of
+/// failing as contended (a MemoryBackend bug found in review).
+async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: LockBackend>(b: B) {
+    let first = b.lock("a").try_once().await.expect("free");
+    let x = b.lock("x").try_once().await.expect("free");
+    let owner = x.held().clone();
+    let queued_x = {
+        let (b, owner) = (b.clone(), owner.clone());
+        tokio::spawn(async move { b.lock("a").reentrant(&owner).wait(HANG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let later = {
+        let b = b.clone();
+        tokio::spawn(async move { b.lock("a").wait(HANG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    first.release().await.expect("released");
+    let again = b
+        .lock("a")
+        .reentrant(&owner)
+        .try_once()
+        .await
+        .expect("the owner re-enters");
+    let queued = queued_x.await.expect("no panic").expect("served");
+    assert!(!later.is_finished(), "the later waiter still waits for X");
+    queued.release().await.expect("released");
+    again.release().await.expect("released");
+    let served = later.await.expect("no panic");
+    assert!(served.is_ok(), "{served:?}");
+    drop(x);
 }

@@ -85,16 +85,30 @@ impl Future for AcquireCall {
         };
         let (reply, conn) = ready!(call.as_mut().poll(cx));
         self.call = None;
-        if let (Err(e), Some(conn)) = (&reply, conn) {
+        match (&reply, conn) {
             // No reply: the script may still run. Its attempt fails, but what it may take
             // is given back.
-            if e.is_ambiguous() {
+            (Err(e), Some(conn)) if e.is_ambiguous() => {
                 let unclaimed = self.unclaimed.clone();
                 self.unclaimed.inner.runtime.spawn(unclaimed.undo(conn));
             }
+            // Taken, but the reply cannot be read as a hold (a proxy or server that
+            // mangles replies): the attempt fails, so the hold it took is given back.
+            (Ok(taken), _) if taken.first() == Some(&1) && !is_hold(taken) => {
+                let (unclaimed, taken) = (self.unclaimed.clone(), taken.clone());
+                let release = unclaimed.give_back((Ok(taken), None));
+                self.unclaimed.inner.runtime.spawn(release);
+            }
+            _ => {}
         }
         Poll::Ready(reply)
     }
+}
+
+/// Whether an acquire reply that starts with 1 is the one the attempt reads as a hold:
+/// `[1, token, count]` with a token that is not negative.
+fn is_hold(reply: &[i64]) -> bool {
+    matches!(reply, [1, token, _count] if *token >= 0)
 }
 
 impl Drop for AcquireCall {
