@@ -222,6 +222,14 @@ impl BodyHold {
     }
 }
 
+/// A `content-length` value as hyper reads it: a number, or a list of equal numbers
+/// (`5, 5`), with spaces around them.
+fn declared_length(value: &str) -> Option<u64> {
+    let mut lengths = value.split(',').map(|part| part.trim().parse::<u64>().ok());
+    let first = lengths.next()??;
+    lengths.all(|n| n == Some(first)).then_some(first)
+}
+
 /// What the server will send of a response's body: `None` when it sends none or never
 /// polls it (a `HEAD` request, 1xx/204/304, an empty body: holding the lock through such
 /// a body would release it only after the client had the response), else the length it
@@ -234,7 +242,7 @@ pub(crate) fn sent_length<B: Body>(
 ) -> Option<Option<u64>> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+        .and_then(|value| declared_length(value.to_str().ok()?));
     let bodyless = method == Method::HEAD
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
@@ -242,4 +250,17 @@ pub(crate) fn sent_length<B: Body>(
         || body.is_end_stream()
         || declared == Some(0);
     (!bodyless).then_some(declared)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::declared_length;
+
+    #[test]
+    fn content_length_is_read_as_hyper_reads_it() {
+        assert_eq!(declared_length("5"), Some(5));
+        assert_eq!(declared_length(" 5 , 5"), Some(5));
+        assert_eq!(declared_length("5, 6"), None);
+        assert_eq!(declared_length("five"), None);
+    }
 }
