@@ -310,3 +310,55 @@ async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: Lo
     assert!(served.is_ok(), "{served:?}");
     drop(x);
 }
+
+/// MemoryBackend only: what has no Redis counterpart to compare with.
+mod memory_only {
+    use std::time::Duration;
+
+    use tower_lock::{LockBackend, MemoryBackend};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime")
+    }
+
+    #[test]
+    fn a_guard_dropped_outside_any_runtime_releases_without_panicking() {
+        let backend = MemoryBackend::new();
+        let (outer, inner) = runtime().block_on(async {
+            let outer = backend
+                .lock("k")
+                .lease(Duration::from_secs(60))
+                .without_watchdog()
+                .try_once()
+                .await
+                .expect("free");
+            // A renewing re-entry: its release re-arms the outer hold's expiry.
+            let inner = backend
+                .lock("k")
+                .reentrant(outer.held())
+                .try_once()
+                .await
+                .expect("re-enters");
+            (outer, inner)
+        });
+        drop(inner);
+        drop(outer);
+        assert_eq!(backend.held(), 0);
+    }
+
+    #[test]
+    fn tokens_of_a_new_backend_are_above_those_of_an_earlier_one() {
+        let earlier = runtime().block_on(async {
+            let guard = MemoryBackend::new().lock("k").try_once().await;
+            guard.expect("free").fencing_token()
+        });
+        let later = runtime().block_on(async {
+            let guard = MemoryBackend::new().lock("k").try_once().await;
+            guard.expect("free").fencing_token()
+        });
+        assert!(later > earlier, "{later} after {earlier}");
+    }
+}
