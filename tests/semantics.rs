@@ -315,7 +315,7 @@ async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: Lo
 mod memory_only {
     use std::time::Duration;
 
-    use tower_lock::{LockBackend, MemoryBackend};
+    use tower_lock::MemoryBackend;
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
