@@ -174,7 +174,7 @@ impl RedisBackendBuilder {
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
             },
-            pool.suspicion(),
+            pool.failure_epoch(),
             shutdown.clone(),
             &runtime,
         );

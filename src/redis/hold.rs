@@ -62,7 +62,7 @@ pub(super) struct RedisHold {
     key: Arc<LockKey>,
     owner: LockOwner,
     /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
-    latch: String,
+    release_id: String,
     lease: Duration,
     /// The key's slot in this backend's queue, when this hold took it (re-entries and
     /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
@@ -81,7 +81,7 @@ impl RedisHold {
     ) -> Self {
         let seq = inner.owners.serial();
         RedisHold {
-            latch: format!("{}#{seq}", owner.as_str()),
+            release_id: format!("{}#{seq}", owner.as_str()),
             inner,
             key,
             owner,
@@ -97,7 +97,7 @@ impl RedisHold {
         invocation
             .key(&self.key.fence)
             .arg(self.owner.as_str())
-            .arg(&self.latch)
+            .arg(&self.release_id)
             .arg(millis(self.lease))
             .arg(&self.key.channel)
             .arg(successor.map_or("", |s| s.owner.as_str()))

@@ -7,7 +7,7 @@
 //! transport level.
 //!
 //! One dead connection usually means they all are (Redis restarted): a transport failure
-//! anywhere, or the loss of the subscriber connection, raises a shared [`Suspicion`], and
+//! anywhere, or the loss of the subscriber connection, raises a shared [`FailureEpoch`], and
 //! every pooled connection older than it answers a PING at its next checkout before it
 //! carries a command. Without that, each stale connection would fail one request after
 //! Redis came back.
@@ -34,8 +34,8 @@ use super::runtime::RuntimeAlive;
 pub(crate) struct Conn {
     conn: MultiplexedConnection,
     broken: Arc<AtomicBool>,
-    suspicion: Suspicion,
-    /// The suspicion level at which this connection was last known to work.
+    failure_epoch: FailureEpoch,
+    /// The failure epoch at which this connection was last known to work.
     proven: u64,
     /// The runtime that runs the connection's I/O task: when it shuts down (a backend
     /// shared by tests with a runtime each), the connection is dead.
@@ -45,9 +45,9 @@ pub(crate) struct Conn {
 /// A counter raised whenever some connection to Redis was found dead; connections proven
 /// healthy at a lower level are checked before use.
 #[derive(Clone, Default)]
-pub(crate) struct Suspicion(Arc<AtomicU64>);
+pub(crate) struct FailureEpoch(Arc<AtomicU64>);
 
-impl Suspicion {
+impl FailureEpoch {
     pub(crate) fn raise(&self) {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
@@ -60,7 +60,7 @@ impl Suspicion {
 pub(crate) struct Manager {
     client: redis::Client,
     config: AsyncConnectionConfig,
-    suspicion: Suspicion,
+    failure_epoch: FailureEpoch,
 }
 
 impl bb8::ManageConnection for Manager {
@@ -75,8 +75,8 @@ impl bb8::ManageConnection for Manager {
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
-            proven: self.suspicion.level(),
-            suspicion: self.suspicion.clone(),
+            proven: self.failure_epoch.level(),
+            failure_epoch: self.failure_epoch.clone(),
             // redis-rs spawned the I/O task on the runtime this runs on.
             driver: Arc::new(RuntimeAlive::here()),
         })
@@ -211,7 +211,7 @@ fn is_transport(e: &RedisError) -> bool {
 #[derive(Clone)]
 pub(crate) struct Pool {
     pool: bb8::Pool<Manager>,
-    suspicion: Suspicion,
+    failure_epoch: FailureEpoch,
     failures: ConnectFailures,
 }
 
@@ -222,7 +222,7 @@ impl Pool {
         connect_timeout: Duration,
         response_timeout: Duration,
     ) -> Self {
-        let suspicion = Suspicion::default();
+        let failure_epoch = FailureEpoch::default();
         let failures = ConnectFailures(Arc::new(watch::Sender::new(None)));
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
@@ -240,18 +240,18 @@ impl Pool {
             .build_unchecked(Manager {
                 client,
                 config,
-                suspicion: suspicion.clone(),
+                failure_epoch: failure_epoch.clone(),
             });
         Pool {
             pool,
-            suspicion,
+            failure_epoch,
             failures,
         }
     }
 
     /// The counter that makes pooled connections prove themselves before their next use.
-    pub(crate) fn suspicion(&self) -> Suspicion {
-        self.suspicion.clone()
+    pub(crate) fn failure_epoch(&self) -> FailureEpoch {
+        self.failure_epoch.clone()
     }
 
     /// Checks out a healthy connection and clones its multiplexed handle, so the pool
@@ -338,7 +338,7 @@ impl Conn {
         if self.broken.load(Ordering::Relaxed) {
             return false;
         }
-        let level = self.suspicion.level();
+        let level = self.failure_epoch.level();
         if self.proven >= level {
             return true;
         }
@@ -365,7 +365,7 @@ impl Conn {
         result.map_err(|e| {
             if is_transport(&e) {
                 self.broken.store(true, Ordering::Relaxed);
-                self.suspicion.raise();
+                self.failure_epoch.raise();
             }
             CommandError::Redis(e)
         })

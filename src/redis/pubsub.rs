@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use super::pool::Suspicion;
+use super::pool::FailureEpoch;
 use super::runtime::{Daemon, Spawner};
 
 /// Timing of the subscriber connection.
@@ -100,12 +100,12 @@ pub(crate) struct Subscriber {
 
 impl Subscriber {
     /// Starts the subscriber task; it stops when `shutdown` is cancelled.
-    /// Losing the subscriber connection raises `suspicion`: the command connections to the
+    /// Losing the subscriber connection raises `failure_epoch`: the command connections to the
     /// same server are probably gone too.
     pub(crate) fn spawn(
         client: redis::Client,
         config: SubscriberConfig,
-        suspicion: Suspicion,
+        failure_epoch: FailureEpoch,
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
@@ -118,7 +118,13 @@ impl Subscriber {
         let serving = shared.clone();
         let start = move |shutdown| {
             let (client, config) = (client.clone(), config.clone());
-            run(serving.clone(), client, config, suspicion.clone(), shutdown)
+            serve_until_shutdown(
+                serving.clone(),
+                client,
+                config,
+                failure_epoch.clone(),
+                shutdown,
+            )
         };
         let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
         Subscriber { shared, task }
@@ -200,11 +206,11 @@ impl Drop for Waiter {
 }
 
 /// Connects, serves, and reconnects with capped exponential backoff until shut down.
-async fn run(
+async fn serve_until_shutdown(
     shared: Arc<Shared>,
     client: redis::Client,
     config: SubscriberConfig,
-    suspicion: Suspicion,
+    failure_epoch: FailureEpoch,
     shutdown: CancellationToken,
 ) {
     // However the task ends, even dropped with its runtime, no connection is claimed and
@@ -230,7 +236,7 @@ async fn run(
                 match ended {
                     Ok(()) => return,
                     Err(reason) => {
-                        suspicion.raise();
+                        failure_epoch.raise();
                         tracing::warn!(%reason, "lock subscriber connection lost");
                     }
                 }

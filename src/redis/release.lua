@@ -4,8 +4,9 @@
 -- KEYS[1]  the lock hash
 -- KEYS[2]  the fencing counter (written only by a handoff)
 -- ARGV[1]  owner id
--- ARGV[2]  this hold's latch field ("owner#hold"), written when a re-entry is undone so
---          that a retry of the same release (after a lost reply) does not decrement twice
+-- ARGV[2]  this hold's release id ("owner#hold"), written as a field of the hash when a
+--          re-entry is undone, so that a retry of the same release (after a lost reply)
+--          does not decrement twice
 -- ARGV[3]  lease in milliseconds, re-applied while outer holds remain
 -- ARGV[4]  the channel that waiters subscribe to
 -- ARGV[5]  the successor's owner id, or "" to release for real
@@ -21,7 +22,7 @@
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release).
--- The latch is looked for on every call: a retry sent on another connection may run
+-- The release id is looked for on every call: a retry sent on another connection may run
 -- before the original, which must then not decrement a second time.
 if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   return {1}
@@ -52,7 +53,7 @@ if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[
   else
     token = next_token(KEYS[2], ARGV[7])
   end
-  -- The hash is rebuilt rather than edited, so the old owner's latch fields go with it.
+  -- The hash is rebuilt rather than edited, so the old owner's release ids go with it.
   redis.call('hset', KEYS[1], ARGV[5], 1, 'token', token)
   redis.call('pexpire', KEYS[1], ARGV[6])
   return {3, tonumber(token)}

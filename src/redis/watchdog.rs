@@ -29,7 +29,7 @@ type HoldKey = (Arc<str>, LockOwner);
 /// Run once when a watched lock is found lost (not when it is released).
 pub(crate) type OnLost = Box<dyn FnOnce() + Send>;
 
-struct Entry {
+struct WatchedLock {
     /// Tells this entry from a later one of the same owner and key (after this one was
     /// lost and the owner acquired again), so a stale release or renewal reply cannot
     /// touch the new hold.
@@ -47,7 +47,7 @@ struct Entry {
     on_lost: Vec<OnLost>,
 }
 
-impl Entry {
+impl WatchedLock {
     /// Fires `lost`; the hooks are returned to be run once the state lock is released.
     fn lose(&mut self) -> Vec<OnLost> {
         self.lost.cancel();
@@ -61,7 +61,7 @@ fn run_hooks(hooks: Vec<OnLost>) {
 
 #[derive(Default)]
 struct State {
-    holds: HashMap<HoldKey, Entry>,
+    holds: HashMap<HoldKey, WatchedLock>,
     generations: u64,
     /// When the task looks at the holds next (`None`: when told). A new hold due later
     /// needs no wakeup, which spares a hot key one task switch per acquisition.
@@ -102,7 +102,7 @@ impl Watchdog {
         let renewing = shared.clone();
         let start = move |shutdown| {
             let (pool, scripts) = (pool.clone(), scripts.clone());
-            run(renewing.clone(), pool, scripts, command_timeout, shutdown)
+            renew_until_shutdown(renewing.clone(), pool, scripts, command_timeout, shutdown)
         };
         let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
         Watchdog { shared, task }
@@ -131,7 +131,7 @@ impl Watchdog {
         let entry = state
             .holds
             .entry((lock_key, owner))
-            .or_insert_with(|| Entry {
+            .or_insert_with(|| WatchedLock {
                 generation,
                 refs: 0,
                 lease,
@@ -212,7 +212,7 @@ struct Due {
     lease: Duration,
 }
 
-async fn run(
+async fn renew_until_shutdown(
     shared: Arc<Shared>,
     pool: Pool,
     scripts: Arc<Scripts>,
