@@ -40,7 +40,7 @@ use crate::backend::{LockBackend, OwnerIds, Sealed, Store, acquire_span, traced}
 use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
-use crate::queue::{Claim, Grant, Place, Queues, Slot};
+use crate::queue::{Claim, Queues, Slot, Turn};
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.
 const MAX_KEY_LEN: usize = 1024;
@@ -173,44 +173,24 @@ impl Inner {
             Mode::TryOnce => None,
             Mode::Wait(wait) => Some(started + wait),
         };
-        let limit = deadline.map(|_| request.max_local_waiters);
-        loop {
-            let (mut ticket, deadline) = match (self.queues.enter(&key, &claim, limit), deadline) {
-                (Place::Head(slot), _) => return self.take(&key, &claim, Some(slot)),
-                (Place::Reentrant, _) => return self.take(&key, &claim, None),
-                (Place::Full, _) => {
-                    return Err(LockError::QueueFull {
-                        key: key.to_string(),
-                    });
-                }
-                (Place::Busy, _) | (Place::Queued(_), None) => {
-                    return Err(LockError::Contended {
-                        key: key.to_string(),
-                        retry_after: self.remaining(&key),
-                    });
-                }
-                (Place::Queued(ticket), Some(deadline)) => (ticket, deadline),
-            };
-            let grant = tokio::select! {
-                grant = ticket.granted() => grant,
-                _ = sleep_until(deadline) => match ticket.try_granted() {
-                    Some(grant) => Some(grant),
-                    None => {
-                        // Queued behind a task of this process, as on Redis: the holder's
-                        // lease says little of when the queue ahead will have moved.
-                        return Err(LockError::TimedOut {
-                            key: key.to_string(),
-                            waited: started.elapsed(),
-                            retry_after: None,
-                        });
-                    }
-                },
-            };
-            match grant {
-                Some(Grant::Slot(slot)) => return self.take(&key, &claim, Some(*slot)),
-                Some(Grant::Handoff(guard)) => return Ok(guard),
-                None => continue,
-            }
+        let wait = deadline.map(|deadline| (deadline, request.max_local_waiters));
+        match self.queues.turn(&key, &claim, wait).await {
+            Turn::Contend(slot) => self.take(&key, &claim, slot),
+            Turn::HandedOver(guard) => Ok(guard),
+            Turn::Busy => Err(LockError::Contended {
+                key: key.to_string(),
+                retry_after: self.remaining(&key),
+            }),
+            Turn::Full => Err(LockError::QueueFull {
+                key: key.to_string(),
+            }),
+            // Queued behind a task of this process, as on Redis: the holder's lease says
+            // little of when the queue ahead will have moved.
+            Turn::TimedOut => Err(LockError::TimedOut {
+                key: key.to_string(),
+                waited: started.elapsed(),
+                retry_after: None,
+            }),
         }
     }
 

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::{Instant, sleep_until};
 
 use crate::lock::{LockGuard, LockOwner};
 
@@ -94,8 +95,23 @@ pub(crate) struct Queues {
     shared: Arc<Shared>,
 }
 
+/// What [`Queues::turn`] gives a task.
+pub(crate) enum Turn {
+    /// Take the lock in the store, holding the key's slot (`None`: a re-entry by the
+    /// slot's owner, which needs no slot).
+    Contend(Option<Slot>),
+    /// The previous holder in this process handed the lock over.
+    HandedOver(LockGuard),
+    /// Another task of this process has the key, and the caller does not wait.
+    Busy,
+    /// As many tasks as allowed are already queued for the key.
+    Full,
+    /// The wait ran out in the queue.
+    TimedOut,
+}
+
 /// Where a task stands in its key's line: the outcome of [`Queues::enter`].
-pub(crate) enum Place {
+enum Place {
     /// The key was free in this process: contend in the store, holding its slot.
     Head(Slot),
     /// The claimant already holds the slot (a nested acquisition by the same request):
@@ -122,7 +138,7 @@ impl KeyQueue {
 impl Queues {
     /// Joins the queue of `key`. `limit` is the most tasks that may wait behind the slot's
     /// holder; `None` means the caller does not wait at all.
-    pub(crate) fn enter(&self, key: &Arc<str>, claim: &Claim, limit: Option<usize>) -> Place {
+    fn enter(&self, key: &Arc<str>, claim: &Claim, limit: Option<usize>) -> Place {
         let mut keys = self.shared.keys();
         let Some(queue) = keys.get_mut(key) else {
             let epoch = self.shared.next_id();
@@ -153,6 +169,40 @@ impl Queues {
         })
     }
 
+    /// Waits for the caller's turn at `key`: at once for a try (`wait: None`), else in
+    /// line until `wait`'s deadline, with at most its bound of tasks queued.
+    pub(crate) async fn turn(
+        &self,
+        key: &Arc<str>,
+        claim: &Claim,
+        wait: Option<(Instant, usize)>,
+    ) -> Turn {
+        loop {
+            let limit = wait.map(|(_, limit)| limit);
+            let (mut ticket, deadline) = match (self.enter(key, claim, limit), wait) {
+                (Place::Head(slot), _) => return Turn::Contend(Some(slot)),
+                (Place::Reentrant, _) => return Turn::Contend(None),
+                (Place::Full, _) => return Turn::Full,
+                (Place::Busy, _) | (Place::Queued(_), None) => return Turn::Busy,
+                (Place::Queued(ticket), Some((deadline, _))) => (ticket, deadline),
+            };
+            let grant = tokio::select! {
+                grant = ticket.granted() => grant,
+                _ = sleep_until(deadline) => match ticket.try_granted() {
+                    Some(Grant::Handoff(guard)) => return Turn::HandedOver(guard),
+                    // A slot that came just now passes on with the ticket.
+                    _ => return Turn::TimedOut,
+                },
+            };
+            match grant {
+                Some(Grant::Handoff(guard)) => return Turn::HandedOver(guard),
+                Some(Grant::Slot(slot)) => return Turn::Contend(Some(*slot)),
+                // The grant was dropped unsent (the runtime is shutting down): queue again.
+                None => continue,
+            }
+        }
+    }
+
     /// Keys with a contender, holder or waiter in this process.
     pub(crate) fn keys(&self) -> usize {
         self.shared.keys().len()
@@ -176,12 +226,12 @@ pub(crate) struct Ticket {
 impl Ticket {
     /// Resolves when the task's turn comes. `None` if its grant was dropped unsent (the
     /// runtime is shutting down); the caller may queue again.
-    pub(crate) async fn granted(&mut self) -> Option<Grant> {
+    async fn granted(&mut self) -> Option<Grant> {
         (&mut self.granted).await.ok()
     }
 
     /// A grant that has already arrived, if any.
-    pub(crate) fn try_granted(&mut self) -> Option<Grant> {
+    fn try_granted(&mut self) -> Option<Grant> {
         self.granted.try_recv().ok()
     }
 }

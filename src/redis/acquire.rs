@@ -12,7 +12,7 @@ use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
 use crate::backend::{Store, acquire_span, traced};
 use crate::error::LockError;
 use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
-use crate::queue::{Claim, Grant, Place, Slot};
+use crate::queue::{Claim, Slot, Turn};
 
 /// What one run of the acquire script found.
 enum Attempt {
@@ -64,39 +64,21 @@ impl Inner {
             started,
             deadline,
         };
-        let limit = deadline.map(|_| request.max_local_waiters);
-        loop {
-            let slot = match (self.queues.enter(&c.key.lock, &c.claim, limit), deadline) {
-                (Place::Head(slot), _) => Some(slot),
-                (Place::Reentrant, _) => None,
-                (Place::Full, _) => {
-                    return Err(LockError::QueueFull {
-                        key: c.key.user.clone(),
-                    });
-                }
-                (Place::Busy, _) | (Place::Queued(_), None) => {
-                    return Err(Box::pin(self.busy(&c)).await);
-                }
-                (Place::Queued(mut ticket), Some(deadline)) => {
-                    let grant = tokio::select! {
-                        grant = ticket.granted() => grant,
-                        _ = sleep_until(deadline) => match ticket.try_granted() {
-                            Some(Grant::Handoff(guard)) => return Ok(guard),
-                            // A slot that came just now passes on with the ticket.
-                            _ => return Err(c.timed_out(None)),
-                        },
-                    };
-                    match grant {
-                        Some(Grant::Handoff(guard)) => return Ok(guard),
-                        Some(Grant::Slot(slot)) => Some(*slot),
-                        None => continue,
-                    }
-                }
-            };
-            // Boxed, so that the many tasks waiting in a queue do not each carry the space
-            // of the Redis round trips that only the one contender makes.
-            return Box::pin(self.contend(&c, slot)).await;
-        }
+        let wait = deadline.map(|deadline| (deadline, request.max_local_waiters));
+        let slot = match self.queues.turn(&c.key.lock, &c.claim, wait).await {
+            Turn::Contend(slot) => slot,
+            Turn::HandedOver(guard) => return Ok(guard),
+            Turn::Busy => return Err(Box::pin(self.busy(&c)).await),
+            Turn::Full => {
+                return Err(LockError::QueueFull {
+                    key: c.key.user.clone(),
+                });
+            }
+            Turn::TimedOut => return Err(c.timed_out(None)),
+        };
+        // Boxed, so that the many tasks waiting in a queue do not each carry the space of
+        // the Redis round trips that only the one contender makes.
+        Box::pin(self.contend(&c, slot)).await
     }
 
     /// The answer to a try while another task of this backend has the key: no attempt,
