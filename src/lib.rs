@@ -71,6 +71,7 @@ mod queue;
 mod redis;
 pub mod response;
 mod service;
+mod spawner;
 
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;

@@ -29,10 +29,9 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::runtime::Handle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
@@ -41,6 +40,7 @@ use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
 use crate::queue::{Claim, Queues, Slot, Turn};
+use crate::spawner::Spawner;
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.
 const MAX_KEY_LEN: usize = 1024;
@@ -64,8 +64,8 @@ struct Inner {
     /// Redis tokens never fall below, so a restarted process does not hand out tokens a
     /// fenced store has already seen.
     tokens: AtomicU64,
-    /// The runtime expiry timers run on when a guard is dropped outside any runtime.
-    runtime: OnceLock<Handle>,
+    /// Where expiry timers run, also when a guard is dropped outside any runtime.
+    runtime: Spawner,
     generations: AtomicU64,
 }
 
@@ -97,7 +97,7 @@ impl MemoryBackend {
                 queues: Queues::default(),
                 locks: Mutex::new(HashMap::new()),
                 tokens: AtomicU64::new(clock_micros()),
-                runtime: OnceLock::new(),
+                runtime: Spawner::default(),
                 generations: AtomicU64::new(0),
             }),
         }
@@ -159,9 +159,7 @@ impl Inner {
 
     async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
         validate(&request.key, MAX_KEY_LEN)?;
-        if let Ok(runtime) = Handle::try_current() {
-            self.runtime.get_or_init(|| runtime);
-        }
+        self.runtime.remember_current();
         let key: Arc<str> = request.key.into();
         let claim = Claim {
             owner: request.owner.unwrap_or_else(|| self.owners.next()),
@@ -275,16 +273,8 @@ impl Inner {
     /// with no renewing hold left. The timer re-arms while the deadline moves on, and
     /// holds no reference that would keep the backend alive.
     fn expire_when_due(self: &Arc<Self>, key: Arc<str>, generation: u64) {
-        let runtime = match Handle::try_current() {
-            Ok(runtime) => runtime,
-            // Dropped outside any runtime: the runtime of the acquisitions, if it runs.
-            Err(_) => match self.runtime.get() {
-                Some(runtime) => runtime.clone(),
-                None => return,
-            },
-        };
         let inner = Arc::downgrade(self);
-        runtime.spawn(async move {
+        self.runtime.spawn(async move {
             loop {
                 let Some(due) = next_expiry(&inner, &key, generation) else {
                     return;

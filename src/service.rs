@@ -104,8 +104,7 @@ where
         };
         // An outer layer has put its `HeldLock` into the extensions: nested layers take
         // their locks under the same owner, so one request re-enters instead of
-        // deadlocking on itself.
-        // Its `HeldLock` is about to be replaced by this layer's: `HeldLocks` keeps it.
+        // deadlocking on itself. This layer's `HeldLock` replaces it; `HeldLocks` keeps it.
         let owner = match request.extensions().get::<HeldLock>().cloned() {
             Some(outer) => {
                 let owner = outer.owner().clone();

@@ -1,46 +1,15 @@
-//! Where the backend's tasks run.
-//!
-//! A backend may outlive the runtime it was built in: a `static` shared by
-//! `#[tokio::test]`s is built in the first test's runtime, which is shut down when that test
-//! ends. Tasks spawned there are dropped with it, so every task is spawned on the runtime
-//! of the caller when there is one, and the long-lived ones (subscriber, watchdog) are
-//! started again on the caller's runtime when theirs is gone.
+//! The backend's long-lived tasks (subscriber, watchdog), started again on the caller's
+//! runtime when the runtime they ran on is gone (see `src/spawner.rs` for why a backend
+//! outlives runtimes).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::runtime::Handle;
-use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-/// Spawns on the caller's runtime, or on the one the backend was built in when the caller
-/// runs outside any (a guard dropped in plain code).
-#[derive(Clone, Debug)]
-pub(crate) struct Spawner {
-    built_in: Handle,
-}
-
-impl Spawner {
-    /// Remembers the current runtime. Panics outside a runtime, as `build` is documented to.
-    pub(crate) fn current() -> Self {
-        Spawner {
-            built_in: Handle::current(),
-        }
-    }
-
-    pub(crate) fn spawn<F>(&self, future: F) -> JoinHandle<F::Output>
-    where
-        F: Future + Send + 'static,
-        F::Output: Send + 'static,
-    {
-        match Handle::try_current() {
-            Ok(current) => current.spawn(future),
-            Err(_) => self.built_in.spawn(future),
-        }
-    }
-}
+pub(crate) use crate::spawner::Spawner;
 
 type Start =
     Box<dyn Fn(CancellationToken) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
