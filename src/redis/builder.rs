@@ -9,6 +9,7 @@ use super::pool::Pool;
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::runtime::Spawner;
 use super::scripts::Scripts;
+use super::topology::Topology;
 use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
 use crate::backend::OwnerIds;
@@ -145,11 +146,12 @@ impl RedisBackendBuilder {
         let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
             source: Box::new(e),
         })?;
+        let topology = Topology::Server(client);
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
         let pool = Pool::new(
-            client.clone(),
+            topology.clone(),
             self.pool_size,
             self.connect_timeout,
             self.command_timeout,
@@ -167,7 +169,7 @@ impl RedisBackendBuilder {
             })?;
         }
         let subscriber = Subscriber::spawn(
-            client,
+            topology,
             SubscriberConfig {
                 connect_timeout: self.connect_timeout,
                 command_timeout: self.command_timeout,

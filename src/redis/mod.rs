@@ -12,6 +12,7 @@ mod pool;
 mod pubsub;
 mod runtime;
 mod scripts;
+mod topology;
 mod watchdog;
 
 use std::fmt;

@@ -23,16 +23,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bb8_redis::bb8;
-use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 use tokio::sync::watch;
 
 use super::runtime::RuntimeAlive;
+use super::topology::{AnyConn, Topology};
 
 /// A pooled connection and whether a transport failure has been seen on it.
 #[derive(Clone)]
 pub(crate) struct Conn {
-    conn: MultiplexedConnection,
+    conn: AnyConn,
     broken: Arc<AtomicBool>,
     failure_epoch: FailureEpoch,
     /// The failure epoch at which this connection was last known to work.
@@ -58,7 +58,7 @@ impl FailureEpoch {
 }
 
 pub(crate) struct Manager {
-    client: redis::Client,
+    topology: Topology,
     config: AsyncConnectionConfig,
     failure_epoch: FailureEpoch,
 }
@@ -68,10 +68,7 @@ impl bb8::ManageConnection for Manager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<Conn, RedisError> {
-        let conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&self.config)
-            .await?;
+        let conn = self.topology.connect(&self.config).await?;
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
@@ -217,7 +214,7 @@ pub(crate) struct Pool {
 
 impl Pool {
     pub(crate) fn new(
-        client: redis::Client,
+        topology: Topology,
         size: u32,
         connect_timeout: Duration,
         response_timeout: Duration,
@@ -238,7 +235,7 @@ impl Pool {
             .error_sink(Box::new(failures.clone()))
             .connection_timeout(connect_timeout)
             .build_unchecked(Manager {
-                client,
+                topology,
                 config,
                 failure_epoch: failure_epoch.clone(),
             });

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
 use super::runtime::{Daemon, Spawner};
+use super::topology::Topology;
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -103,7 +104,7 @@ impl Subscriber {
     /// Losing the subscriber connection raises `failure_epoch`: the command connections to the
     /// same server are probably gone too.
     pub(crate) fn spawn(
-        client: redis::Client,
+        topology: Topology,
         config: SubscriberConfig,
         failure_epoch: FailureEpoch,
         shutdown: CancellationToken,
@@ -117,10 +118,10 @@ impl Subscriber {
         });
         let serving = shared.clone();
         let start = move |shutdown| {
-            let (client, config) = (client.clone(), config.clone());
+            let (topology, config) = (topology.clone(), config.clone());
             serve_until_shutdown(
                 serving.clone(),
-                client,
+                topology,
                 config,
                 failure_epoch.clone(),
                 shutdown,
@@ -208,7 +209,7 @@ impl Drop for Waiter {
 /// Connects, serves, and reconnects with capped exponential backoff until shut down.
 async fn serve_until_shutdown(
     shared: Arc<Shared>,
-    client: redis::Client,
+    topology: Topology,
     config: SubscriberConfig,
     failure_epoch: FailureEpoch,
     shutdown: CancellationToken,
@@ -222,7 +223,9 @@ async fn serve_until_shutdown(
     while !shutdown.is_cancelled() {
         let connected = tokio::select! {
             _ = shutdown.cancelled() => return,
-            c = timeout(config.connect_timeout, client.get_async_pubsub()) => c,
+            c = timeout(config.connect_timeout, async {
+                topology.subscriber_client().await?.get_async_pubsub().await
+            }) => c,
         };
         match connected {
             Ok(Ok(pubsub)) => {

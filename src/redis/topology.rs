@@ -1,0 +1,68 @@
+//! Where the backend's Redis is, and the connections it opens there.
+//!
+//! Every connection the backend makes goes through [`Topology`]: the command pool asks it
+//! for a command connection ([`Topology::connect`]) and the subscriber for the client of
+//! the server whose release channels it listens to ([`Topology::subscriber_client`]). A
+//! topology that moves (a failover) answers each call with the server that is current
+//! then, so a reconnect is also how the backend follows the primary.
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+
+/// The Redis deployment a backend talks to.
+#[derive(Clone)]
+pub(crate) enum Topology {
+    /// One server (plaintext or TLS) at a fixed address.
+    Server(redis::Client),
+}
+
+impl Topology {
+    /// Opens a command connection to the server that takes writes now.
+    pub(crate) async fn connect(&self, config: &AsyncConnectionConfig) -> RedisResult<AnyConn> {
+        match self {
+            Topology::Server(client) => client
+                .get_multiplexed_async_connection_with_config(config)
+                .await
+                .map(AnyConn::Server),
+        }
+    }
+
+    /// The client of the server whose release channels the subscriber listens to.
+    pub(crate) async fn subscriber_client(&self) -> RedisResult<redis::Client> {
+        match self {
+            Topology::Server(client) => Ok(client.clone()),
+        }
+    }
+}
+
+/// A command connection of any topology. Cheap to clone: clones share the connection.
+#[derive(Clone)]
+pub(crate) enum AnyConn {
+    /// A multiplexed connection to one server.
+    Server(MultiplexedConnection),
+}
+
+impl ConnectionLike for AnyConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            AnyConn::Server(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            AnyConn::Server(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            AnyConn::Server(conn) => conn.get_db(),
+        }
+    }
+}
