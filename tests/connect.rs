@@ -99,7 +99,10 @@ async fn build_names_a_host_that_does_not_resolve_at_once() {
 async fn build_names_a_wrong_password_at_once() {
     let server = RedisServer::start_with(&["--user", "app", "on", ">right", "~*", "&*", "+@all"]);
     let url = format!("redis://app:wrong@127.0.0.1:{}", server.port());
-    assert_connect_fails(&url, &["WRONGPASS", "authentication failed"]).await;
+    let error = build_error(&url).await;
+    assert!(matches!(error, BuildError::Auth { .. }), "{error:?}");
+    assert_names(&error, &["refused the credentials of ACL user `app`"]);
+    assert_cause_once(&error);
 }
 
 #[tokio::test]

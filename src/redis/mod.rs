@@ -5,6 +5,7 @@
 mod acquire;
 mod builder;
 mod call;
+mod checks;
 mod fence;
 mod hold;
 mod keys;
@@ -12,6 +13,7 @@ mod pool;
 mod pubsub;
 mod runtime;
 mod scripts;
+mod tls;
 mod topology;
 mod watchdog;
 
