@@ -263,3 +263,12 @@ fn backend_works_after_the_runtime_it_was_built_in_shut_down() {
         server.wait_until_released("order:7").await;
     });
 }
+
+/// Without the `tls` feature a `rediss://` URL cannot work: `build` says why at once.
+#[cfg(not(feature = "tls"))]
+#[tokio::test]
+async fn build_without_the_tls_feature_names_it() {
+    let error = build_error("rediss://127.0.0.1:1").await;
+    assert!(matches!(error, BuildError::Tls { .. }), "{error:?}");
+    assert_names(&error, &["the crate's `tls` feature"]);
+}

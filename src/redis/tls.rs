@@ -10,6 +10,8 @@
 use std::error::Error as StdError;
 use std::fmt;
 
+#[cfg(feature = "tls")]
+use super::pool::CommandError;
 use crate::error::BuildError;
 
 /// Certificates for `rediss://` connections beyond the system roots. Kept by the builder so
@@ -91,7 +93,7 @@ impl TlsSettings {
         };
         redis::Client::build_with_tls(info, certificates).map_err(|e| BuildError::Tls {
             reason: "the TLS certificates or key given to the builder are invalid",
-            source: Some(Box::new(e)),
+            source: Some(CommandError::Redis(e).into_cause()),
         })
     }
 
@@ -137,10 +139,15 @@ pub(crate) fn handshake_failure(error: &(dyn StdError + 'static)) -> Option<&'st
                 _ => "the TLS handshake with the Redis server failed",
             });
         }
-        // `io::Error::source` skips the error it wraps; look at that one too.
-        level = match e.downcast_ref::<std::io::Error>() {
-            Some(io) => io.get_ref().map(|inner| inner as &(dyn StdError + 'static)),
-            None => e.source(),
+        // `source` skips the error an `io::Error` wraps, and a `RedisError`'s source is
+        // the `Arc` it keeps its cause in: look inside both.
+        level = if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            io.get_ref().map(|inner| inner as &(dyn StdError + 'static))
+        } else if let Some(shared) = e.downcast_ref::<std::sync::Arc<dyn StdError + Send + Sync>>()
+        {
+            Some(&**shared as &(dyn StdError + 'static))
+        } else {
+            e.source()
         };
     }
     None
