@@ -112,8 +112,9 @@ impl RedisBackend {
         Self::builder(url).build().await
     }
 
-    /// Starts configuring a backend for the Redis server at `url`
-    /// (`redis://[:password@]host:port[/db]`).
+    /// Starts configuring a backend for the Redis server at `url`:
+    /// `redis://[[user]:password@]host:port[/db]`, or `rediss://..` for TLS (feature `tls`,
+    /// on by default). `user` is an ACL user; without one Redis logs in as `default`.
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
     }
