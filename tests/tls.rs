@@ -148,6 +148,29 @@ async fn a_client_that_does_not_trust_the_server_is_refused_at_build() {
     }
 }
 
+/// A plaintext Redis never answers a TLS hello (it waits for the end of an inline
+/// command): `build()` ends at the connect timeout with a connect error, not a hang.
+#[tokio::test]
+async fn tls_to_a_plaintext_server_ends_at_the_connect_timeout() {
+    let server = support::RedisServer::start();
+    let url = format!("rediss://127.0.0.1:{}", server.port());
+    let started = Instant::now();
+    let built = RedisBackend::builder(url)
+        .connect_timeout(Duration::from_millis(500))
+        .build();
+    let error = tokio::time::timeout(HANG, built)
+        .await
+        .expect("build() ends")
+        .expect_err("no TLS there");
+    let text = chain(&error);
+    println!(
+        "plaintext server: build() took {:?}: {text}",
+        started.elapsed()
+    );
+    assert!(matches!(error, BuildError::Connect { .. }), "{text}");
+    assert!(text.contains("timed out"), "{text}");
+}
+
 #[tokio::test]
 async fn unusable_tls_settings_are_refused_before_connecting() {
     let certs = Certs::new();

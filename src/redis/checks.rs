@@ -93,9 +93,18 @@ impl ServerChecks<'_> {
         allow_eviction: bool,
     ) -> Result<(), BuildError> {
         for script in self.scripts.all() {
-            self.pool.load(script).await.map_err(|e| {
-                self.failure(e, "run SCRIPT LOAD (the lock scripts are loaded at build)")
-            })?;
+            self.pool
+                .load(script)
+                .await
+                .map_err(|e| match refused(&e) {
+                    Some(_) => self.rights_error(
+                        "run SCRIPT LOAD (the lock scripts are loaded at build)".to_owned(),
+                        e.into_cause(),
+                    ),
+                    None => BuildError::Scripts {
+                        source: e.into_cause(),
+                    },
+                })?;
         }
         if !allow_eviction {
             self.eviction_policy().await?;
