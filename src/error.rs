@@ -307,8 +307,8 @@ impl fmt::Display for BuildError {
             BuildError::Auth { user, .. } => {
                 write!(
                     f,
-                    "Redis refused the credentials of ACL user `{user}` (a wrong password, or \
-                     no such enabled user)"
+                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing password, \
+                     or no such enabled user)"
                 )
             }
             BuildError::Tls { reason, .. } => f.write_str(reason),

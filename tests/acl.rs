@@ -110,6 +110,15 @@ async fn wrong_password_and_unknown_user_are_refused_at_once() {
         assert!(text.contains("refused") && text.contains(user), "{text}");
         assert!(!text.contains("timed out"), "{text}");
     }
+    // No password where the default user needs one.
+    set_user(&server, "default", &["resetpass", ">needed"]).await;
+    let url = format!("redis://127.0.0.1:{}", server.port());
+    let error = build("no password", RedisBackend::builder(url))
+        .await
+        .expect_err("refused");
+    let text = chain(&error);
+    assert!(matches!(error, BuildError::Auth { .. }), "{text}");
+    assert!(text.contains("`default`"), "{text}");
 }
 
 /// Each right the backend needs, taken away in turn: `build()` names it, and the probes

@@ -85,8 +85,9 @@ fn refused(error: &CommandError) -> Option<Refused> {
 impl ServerChecks<'_> {
     /// Loads the scripts and runs every check: the eviction policy (unless
     /// `allow_eviction`), the scripts on a probe key, and `SUBSCRIBE` through `subscriber`
-    /// (plain pub/sub; a cluster checks `SSUBSCRIBE` itself and reports a refusal through
-    /// [`rights_error`](Self::rights_error)).
+    /// (plain pub/sub; a cluster passes `None`, subscribes with `SSUBSCRIBE` to a channel
+    /// of [`probe_key`](Self::probe_key) itself and reports a failure through
+    /// [`subscribe_failure`](Self::subscribe_failure)).
     pub(crate) async fn run(
         &self,
         subscriber: Option<&redis::Client>,
@@ -255,10 +256,21 @@ impl ServerChecks<'_> {
                 });
             }
         };
-        subscribed.map_err(|e| match refused(&e) {
-            Some(Refused::Command) => self.failure(e, "run SUBSCRIBE"),
-            _ => self.failure(e, &format!("SUBSCRIBE to channel `{channel}`")),
-        })
+        subscribed.map_err(|e| self.subscribe_failure(e, "SUBSCRIBE", channel))
+    }
+
+    /// The error of a failed `command` (`SUBSCRIBE`, `SSUBSCRIBE`) on `channel`: a refusal
+    /// names the command, or the channel when the command itself is allowed.
+    pub(crate) fn subscribe_failure(
+        &self,
+        error: CommandError,
+        command: &str,
+        channel: &str,
+    ) -> BuildError {
+        match refused(&error) {
+            Some(Refused::Command) => self.failure(error, &format!("run {command}")),
+            _ => self.failure(error, &format!("{command} to channel `{channel}`")),
+        }
     }
 
     /// A refusal of `right` as [`BuildError::Rights`]; any other failure as what it is.
