@@ -307,8 +307,8 @@ impl fmt::Display for BuildError {
             BuildError::Auth { user, .. } => {
                 write!(
                     f,
-                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing password, \
-                     or no such enabled user)"
+                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing \
+                     password, or no such enabled user)"
                 )
             }
             BuildError::Tls { reason, .. } => f.write_str(reason),
@@ -372,5 +372,18 @@ mod tests {
             chain(&build),
             "cannot connect to the lock backend: connection refused"
         );
+        let rights = BuildError::Rights {
+            user: "app".into(),
+            right: "run EVALSHA".into(),
+            source: Box::new(std::io::Error::other("NOPERM")),
+        };
+        assert_eq!(
+            chain(&rights),
+            "the ACL user `app` may not run EVALSHA: NOPERM"
+        );
+        let eviction = BuildError::Eviction {
+            policy: "allkeys-lru".into(),
+        };
+        assert!(chain(&eviction).contains("`allkeys-lru`"));
     }
 }
