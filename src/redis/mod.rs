@@ -115,6 +115,7 @@ impl RedisBackend {
     /// Starts configuring a backend for the Redis server at `url`:
     /// `redis://[[user]:password@]host:port[/db]`, or `rediss://..` for TLS (feature `tls`,
     /// on by default). `user` is an ACL user; without one Redis logs in as `default`.
+    /// Percent-encode `@`, `:` and `/` in the user and password.
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
     }
