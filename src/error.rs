@@ -244,7 +244,7 @@ pub enum BuildError {
         source: Box<dyn StdError + Send + Sync>,
     },
     /// No connection could be opened or the server refused it (connection refused, unknown
-    /// host, wrong password, a database index out of range, ...); the cause is the
+    /// host, a database index out of range, ...); the cause is the
     /// [`source`](StdError::source).
     Connect {
         /// Why the connection failed.
@@ -254,6 +254,41 @@ pub enum BuildError {
     Scripts {
         /// Why loading failed.
         source: Box<dyn StdError + Send + Sync>,
+    },
+    /// The server refused the credentials: a wrong password, an unknown or disabled ACL
+    /// user (Redis answers all three with `WRONGPASS`), or no password where one is needed.
+    Auth {
+        /// The ACL user the URL names (`default` when it names none).
+        user: String,
+        /// The server's refusal.
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// TLS could not be set up (a `rediss://` URL without the crate's `tls` feature,
+    /// unusable certificates) or the handshake failed (the server's certificate did not
+    /// verify, the server wanted a client certificate).
+    Tls {
+        /// What went wrong, in words.
+        reason: &'static str,
+        /// The TLS library's error, when there is one.
+        source: Option<Box<dyn StdError + Send + Sync>>,
+    },
+    /// The ACL user may not run something the backend needs (a lock script, `PUBLISH` or
+    /// `SUBSCRIBE` on the namespace's channels, ...): every lock operation would fail later.
+    Rights {
+        /// The ACL user the URL names (`default` when it names none).
+        user: String,
+        /// What the user may not do, for example ``SUBSCRIBE to channel `shop:{..}` ``.
+        right: String,
+        /// The server's refusal.
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// The server's `maxmemory-policy` may evict keys, held locks among them (every lock
+    /// key has a TTL, so `volatile-*` policies evict them too). Only `noeviction` keeps
+    /// locks; [`allow_eviction`](crate::RedisBackendBuilder::allow_eviction) accepts
+    /// another policy knowingly.
+    Eviction {
+        /// The server's policy, for example `allkeys-lru`.
+        policy: String,
     },
 }
 
@@ -269,6 +304,22 @@ impl fmt::Display for BuildError {
             BuildError::Url { .. } => f.write_str("invalid Redis URL"),
             BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
             BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
+            BuildError::Auth { user, .. } => {
+                write!(
+                    f,
+                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing \
+                     password, or no such enabled user)"
+                )
+            }
+            BuildError::Tls { reason, .. } => f.write_str(reason),
+            BuildError::Rights { user, right, .. } => {
+                write!(f, "the ACL user `{user}` may not {right}")
+            }
+            BuildError::Eviction { policy } => write!(
+                f,
+                "the Redis server's maxmemory-policy is `{policy}`, which may evict held \
+                 locks; only `noeviction` keeps them (or opt in with `allow_eviction`)"
+            ),
         }
     }
 }
@@ -276,10 +327,15 @@ impl fmt::Display for BuildError {
 impl StdError for BuildError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
-            BuildError::Namespace { .. } | BuildError::Setting { .. } => None,
+            BuildError::Namespace { .. }
+            | BuildError::Setting { .. }
+            | BuildError::Eviction { .. } => None,
             BuildError::Url { source }
             | BuildError::Connect { source }
-            | BuildError::Scripts { source } => Some(&**source),
+            | BuildError::Scripts { source }
+            | BuildError::Auth { source, .. }
+            | BuildError::Rights { source, .. } => Some(&**source),
+            BuildError::Tls { source, .. } => source.as_deref().map(|e| e as _),
         }
     }
 }
@@ -316,5 +372,18 @@ mod tests {
             chain(&build),
             "cannot connect to the lock backend: connection refused"
         );
+        let rights = BuildError::Rights {
+            user: "app".into(),
+            right: "run EVALSHA".into(),
+            source: Box::new(std::io::Error::other("NOPERM")),
+        };
+        assert_eq!(
+            chain(&rights),
+            "the ACL user `app` may not run EVALSHA: NOPERM"
+        );
+        let eviction = BuildError::Eviction {
+            policy: "allkeys-lru".into(),
+        };
+        assert!(chain(&eviction).contains("`allkeys-lru`"));
     }
 }

@@ -46,6 +46,11 @@
 //! from the request extensions and answer rejections with
 //! [`default_rejection`](response::default_rejection).
 //!
+//! The default-on `tls` feature lets [`RedisBackend`] speak `rediss://` through rustls,
+//! verified against the system roots or
+//! [`tls_root_cert`](RedisBackendBuilder::tls_root_cert); the crate installs ring as the
+//! process's rustls crypto provider when none is installed.
+//!
 //! The README (on the repository) covers the semantics in detail, the reliability
 //! suite and the benchmarks.
 //!

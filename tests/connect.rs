@@ -99,7 +99,10 @@ async fn build_names_a_host_that_does_not_resolve_at_once() {
 async fn build_names_a_wrong_password_at_once() {
     let server = RedisServer::start_with(&["--user", "app", "on", ">right", "~*", "&*", "+@all"]);
     let url = format!("redis://app:wrong@127.0.0.1:{}", server.port());
-    assert_connect_fails(&url, &["WRONGPASS", "authentication failed"]).await;
+    let error = build_error(&url).await;
+    assert!(matches!(error, BuildError::Auth { .. }), "{error:?}");
+    assert_names(&error, &["refused the credentials of ACL user `app`"]);
+    assert_cause_once(&error);
 }
 
 #[tokio::test]
@@ -259,4 +262,13 @@ fn backend_works_after_the_runtime_it_was_built_in_shut_down() {
         drop(next);
         server.wait_until_released("order:7").await;
     });
+}
+
+/// Without the `tls` feature a `rediss://` URL cannot work: `build` says why at once.
+#[cfg(not(feature = "tls"))]
+#[tokio::test]
+async fn build_without_the_tls_feature_names_it() {
+    let error = build_error("rediss://127.0.0.1:1").await;
+    assert!(matches!(error, BuildError::Tls { .. }), "{error:?}");
+    assert_names(&error, &["the crate's `tls` feature"]);
 }

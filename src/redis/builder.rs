@@ -5,10 +5,12 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::pool::Pool;
+use super::checks::{ServerChecks, connect_failure};
+use super::pool::{CommandError, Pool};
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::runtime::Spawner;
 use super::scripts::Scripts;
+use super::tls::TlsSettings;
 use super::topology::Topology;
 use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
@@ -30,6 +32,8 @@ pub struct RedisBackendBuilder {
     ping_interval: Duration,
     max_backoff: Duration,
     max_local_handoffs: u32,
+    tls: TlsSettings,
+    allow_eviction: bool,
 }
 
 impl RedisBackendBuilder {
@@ -46,6 +50,8 @@ impl RedisBackendBuilder {
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+            tls: TlsSettings::default(),
+            allow_eviction: false,
         }
     }
 
@@ -132,6 +138,46 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Trusts the PEM certificate(s) `pem` for `rediss://` connections, instead of the
+    /// system roots: for a server whose certificate a private CA signed. The server's
+    /// certificate must still name the URL's host.
+    ///
+    /// Needs the crate's `tls` feature (on by default); without it `build` fails with
+    /// [`BuildError::Tls`].
+    pub fn tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.root_cert = Some(pem.into());
+        self
+    }
+
+    /// Presents the client certificate `cert_pem` (a PEM chain, leaf first) with its private
+    /// key `key_pem` to servers that require one (mutual TLS, `tls-auth-clients yes`).
+    ///
+    /// Needs the crate's `tls` feature (on by default); without it `build` fails with
+    /// [`BuildError::Tls`].
+    pub fn tls_client_cert(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls.client_cert = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// Accepts a server whose `maxmemory-policy` may evict keys; by default `build` refuses
+    /// every policy but `noeviction` with [`BuildError::Eviction`].
+    ///
+    /// What it costs: under memory pressure Redis may evict a held lock (every lock key has
+    /// a lease, so `volatile-*` policies evict them as readily as `allkeys-*`), and a second
+    /// owner then gets the lock while the first still runs; the fencing counter may be
+    /// evicted too, after which a key's tokens only follow the server clock (see
+    /// [`fence_ttl`](Self::fence_ttl)), and a [`FencedStore`](crate::FencedStore) value may
+    /// be evicted and then accept a write with an older token. Only opt in when the
+    /// server never reaches `maxmemory`, or losing mutual exclusion now and then is fine.
+    pub fn allow_eviction(mut self) -> Self {
+        self.allow_eviction = true;
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
     /// The backend may be used from other runtimes too, also after this one shut down (a
@@ -139,13 +185,23 @@ impl RedisBackendBuilder {
     /// its connections and background tasks are started again there when theirs is gone.
     ///
     /// Fails with the cause as soon as it is known (connection refused, unknown host,
-    /// wrong password, ...); only a server that does not answer takes the connect timeout.
+    /// wrong password, a TLS certificate that does not verify, ...); only a server that
+    /// does not answer takes the connect timeout. Before the backend is returned, the
+    /// server is checked: its `maxmemory-policy` must be `noeviction` (unless
+    /// [`allow_eviction`](Self::allow_eviction)), and the URL's ACL user must be allowed to
+    /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
+    /// `SUBSCRIBE` on its channels, or the error says which right is missing. The checks
+    /// run on a probe key of the namespace and leave nothing behind.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
-            source: Box::new(e),
-        })?;
+        let client = self.tls.client(&self.url)?;
+        let user = client
+            .get_connection_info()
+            .redis_settings()
+            .username()
+            .unwrap_or("default")
+            .to_owned();
         let topology = Topology::Server(client);
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
@@ -160,14 +216,22 @@ impl RedisBackendBuilder {
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
         pool.query::<String>(&redis::cmd("PING"))
             .await
-            .map_err(|e| BuildError::Connect {
-                source: e.into_cause(),
-            })?;
-        for script in scripts.all() {
-            pool.load(script).await.map_err(|e| BuildError::Scripts {
-                source: e.into_cause(),
-            })?;
+            .map_err(|e| connect_failure(e, &user))?;
+        let subscriber_client = topology
+            .subscriber_client()
+            .await
+            .map_err(|e| connect_failure(CommandError::Redis(e), &user))?;
+        ServerChecks {
+            pool: &pool,
+            scripts: &scripts,
+            user: &user,
+            namespace: &self.namespace,
+            connect_timeout: self.connect_timeout,
+            command_timeout: self.command_timeout,
+            publish: "PUBLISH",
         }
+        .run(Some(&subscriber_client), self.allow_eviction)
+        .await?;
         let subscriber = Subscriber::spawn(
             topology,
             SubscriberConfig {

@@ -5,6 +5,7 @@
 mod acquire;
 mod builder;
 mod call;
+mod checks;
 mod fence;
 mod hold;
 mod keys;
@@ -12,6 +13,7 @@ mod pool;
 mod pubsub;
 mod runtime;
 mod scripts;
+mod tls;
 mod topology;
 mod watchdog;
 
@@ -110,8 +112,10 @@ impl RedisBackend {
         Self::builder(url).build().await
     }
 
-    /// Starts configuring a backend for the Redis server at `url`
-    /// (`redis://[:password@]host:port[/db]`).
+    /// Starts configuring a backend for the Redis server at `url`:
+    /// `redis://[[user]:password@]host:port[/db]`, or `rediss://..` for TLS (feature `tls`,
+    /// on by default). `user` is an ACL user; without one Redis logs in as `default`.
+    /// Percent-encode `@`, `:` and `/` in the user and password.
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
     }

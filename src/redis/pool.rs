@@ -152,6 +152,16 @@ impl std::error::Error for CommandError {
 }
 
 impl CommandError {
+    /// The Redis error behind this one: the server's reply, or why a connection failed.
+    pub(crate) fn redis_error(&self) -> Option<&RedisError> {
+        match self {
+            CommandError::Connect(ConnectError::Failed(e))
+            | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(e),
+            CommandError::Redis(e) => Some(e),
+            CommandError::Connect(ConnectError::TimedOut(None)) | CommandError::Shutdown => None,
+        }
+    }
+
     /// The cause alone, for an error whose own words already say what failed (a build
     /// that could not connect).
     pub(crate) fn into_cause(self) -> Box<dyn std::error::Error + Send + Sync> {

@@ -206,7 +206,33 @@ impl Drop for Waiter {
     }
 }
 
+/// Why a served connection ended.
+enum Ended {
+    /// The connection failed: it is replaced, and the server may have restarted.
+    Lost(String),
+    /// The server refused a SUBSCRIBE for lack of rights (NOPERM): the ACL user's channel
+    /// rights were revoked after build. Retried on a new connection, under the backoff.
+    Refused(redis::RedisError),
+}
+
+impl From<String> for Ended {
+    fn from(reason: String) -> Self {
+        Ended::Lost(reason)
+    }
+}
+
+impl From<&str> for Ended {
+    fn from(reason: &str) -> Self {
+        Ended::Lost(reason.to_owned())
+    }
+}
+
 /// Connects, serves, and reconnects with capped exponential backoff until shut down.
+///
+/// The backoff starts over only after a connection proved itself (a subscription was
+/// confirmed or a ping answered): a connection that is accepted and then refused or
+/// dropped at once, as under an ACL user without channel rights, must not reconnect in a
+/// tight loop (219 connections in 5 s were seen).
 async fn serve_until_shutdown(
     shared: Arc<Shared>,
     topology: Topology,
@@ -220,6 +246,7 @@ async fn serve_until_shutdown(
 
     let initial_backoff = Duration::from_millis(20);
     let mut backoff = initial_backoff;
+    let mut refusal_logged = false;
     while !shutdown.is_cancelled() {
         let connected = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -229,18 +256,41 @@ async fn serve_until_shutdown(
         };
         match connected {
             Ok(Ok(pubsub)) => {
-                backoff = initial_backoff;
                 shared.reconnects.fetch_add(1, Ordering::Relaxed);
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected");
                 let (mut sink, mut stream) = pubsub.split();
-                let ended = serve(&shared, &mut sink, &mut stream, &config, &shutdown).await;
+                let mut proven = false;
+                let ended = serve(
+                    &shared,
+                    &mut sink,
+                    &mut stream,
+                    &config,
+                    &shutdown,
+                    &mut proven,
+                )
+                .await;
                 shared.disconnected();
+                if proven {
+                    backoff = initial_backoff;
+                }
                 match ended {
                     Ok(()) => return,
-                    Err(reason) => {
+                    Err(Ended::Lost(reason)) => {
                         failure_epoch.raise();
                         tracing::warn!(%reason, "lock subscriber connection lost");
+                    }
+                    Err(Ended::Refused(error)) if !refusal_logged => {
+                        refusal_logged = true;
+                        tracing::error!(
+                            %error,
+                            "the lock subscriber may not SUBSCRIBE to a release channel: the \
+                             ACL user lacks channel rights on the namespace; waiters are woken \
+                             only by lease expiry and retries until the rights are restored"
+                        );
+                    }
+                    Err(Ended::Refused(error)) => {
+                        tracing::debug!(%error, "lock subscriber still refused");
                     }
                 }
             }
@@ -256,19 +306,21 @@ async fn serve_until_shutdown(
 }
 
 /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
+/// Sets `proven` once the server confirmed a subscription or answered a ping.
 async fn serve(
     shared: &Shared,
     sink: &mut PubSubSink,
     stream: &mut PubSubStream,
     config: &SubscriberConfig,
     shutdown: &CancellationToken,
-) -> Result<(), String> {
+    proven: &mut bool,
+) -> Result<(), Ended> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick completes at once; the connection was just proven by the handshake.
     ping.tick().await;
     loop {
-        reconcile(shared, sink, config.command_timeout).await?;
+        reconcile(shared, sink, config.command_timeout, proven).await?;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = shared.dirty.notified() => {}
@@ -283,6 +335,7 @@ async fn serve(
                     .await
                     .map_err(|_| "ping timed out".to_owned())?
                     .map_err(|e| format!("ping failed: {e}"))?;
+                *proven = true;
             }
         }
     }
@@ -293,7 +346,8 @@ async fn reconcile(
     shared: &Shared,
     sink: &mut PubSubSink,
     command_timeout: Duration,
-) -> Result<(), String> {
+    proven: &mut bool,
+) -> Result<(), Ended> {
     loop {
         let (subscribe, unsubscribe) = {
             let mut registry = shared.registry();
@@ -329,7 +383,11 @@ async fn reconcile(
             timeout(command_timeout, sink.subscribe(&subscribe))
                 .await
                 .map_err(|_| "subscribe timed out".to_owned())?
-                .map_err(|e| format!("subscribe failed: {e}"))?;
+                .map_err(|e| match e.code() {
+                    Some("NOPERM") => Ended::Refused(e),
+                    _ => Ended::Lost(format!("subscribe failed: {e}")),
+                })?;
+            *proven = true;
             let mut registry = shared.registry();
             for channel in subscribe {
                 // Waiters on a freshly confirmed channel try again: a release may have

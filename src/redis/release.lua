@@ -41,8 +41,8 @@ if count > 1 then
   extend_lease(KEYS[1], ARGV[3])
   return {1}
 end
-redis.call('del', KEYS[1])
 if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[2] == 0) then
+  redis.call('del', KEYS[1])
   -- The current hold's token is the newest issued for this key (only a holder gets a new
   -- one), so the next number exceeds every earlier token without reading the clock.
   local last = tonumber(held[2])
@@ -58,5 +58,10 @@ if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[
   redis.call('pexpire', KEYS[1], ARGV[6])
   return {3, tonumber(token)}
 end
+-- Published before the delete: a script that fails keeps what it did so far, so a PUBLISH
+-- the ACL user may no longer send (its channel rights revoked) fails the release with the
+-- lock still held, as the error then says, instead of freeing it and reporting a failure. Subscribers
+-- see the message only after the script, when the lock is gone.
 redis.call('publish', ARGV[4], 'released')
+redis.call('del', KEYS[1])
 return {2}

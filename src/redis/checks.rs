@@ -1,0 +1,289 @@
+//! What `build()` checks on a server before the backend relies on it, so that a server or
+//! an ACL user that cannot keep locks is refused with the cause instead of failing every
+//! request later (a user without channel rights built fine and then failed every release).
+//!
+//! Every check is a real probe, never `ACL DRYRUN` (a user without ACL rights must still be
+//! checkable): the lock scripts run on a probe key of the namespace, the subscriber
+//! subscribes to the probe key's channel, and the probe key is deleted afterwards. Other
+//! topologies run the same checks on each server they use.
+
+use std::time::Duration;
+
+use tokio::time::timeout;
+
+use super::keys::LockKey;
+use super::pool::{CommandError, Pool};
+use super::scripts::Scripts;
+use super::tls::handshake_failure;
+use crate::error::BuildError;
+
+/// How long the probe lock and its fencing counter live if deleting them fails.
+const PROBE_TTL_MS: u64 = 10_000;
+
+/// The checks of one server.
+pub(crate) struct ServerChecks<'a> {
+    pub(crate) pool: &'a Pool,
+    pub(crate) scripts: &'a Scripts,
+    /// The ACL user the connections log in as, for the errors.
+    pub(crate) user: &'a str,
+    pub(crate) namespace: &'a str,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) command_timeout: Duration,
+    /// The command the release script publishes with (`PUBLISH`; `SPUBLISH` on a cluster).
+    pub(crate) publish: &'static str,
+}
+
+/// Why a build-time connection failed: refused credentials and failed TLS handshakes are
+/// named as such; anything else is a connection failure with its cause.
+pub(crate) fn connect_failure(error: CommandError, user: &str) -> BuildError {
+    if let Some(e) = error.redis_error() {
+        let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"));
+        if refused {
+            return BuildError::Auth {
+                user: user.to_owned(),
+                source: error.into_cause(),
+            };
+        }
+        if let Some(reason) = handshake_failure(e) {
+            return BuildError::Tls {
+                reason,
+                source: Some(error.into_cause()),
+            };
+        }
+    }
+    BuildError::Connect {
+        source: error.into_cause(),
+    }
+}
+
+/// What an ACL refusal was about.
+enum Refused {
+    Command,
+    Key,
+    Channel,
+}
+
+/// Whether Redis refused `error`'s command (or a command inside a script) for lack of
+/// rights, and which kind of right.
+fn refused(error: &CommandError) -> Option<Refused> {
+    let e = error.redis_error()?;
+    let text = e.to_string();
+    let direct = e.code() == Some("NOPERM");
+    if !direct && !text.contains("The user executing the script can't") {
+        return None;
+    }
+    Some(if text.contains("channel") {
+        Refused::Channel
+    } else if text.contains("keys") {
+        Refused::Key
+    } else {
+        Refused::Command
+    })
+}
+
+impl ServerChecks<'_> {
+    /// Loads the scripts and runs every check: the eviction policy (unless
+    /// `allow_eviction`), the scripts on a probe key, and `SUBSCRIBE` through `subscriber`
+    /// (plain pub/sub; a cluster passes `None`, subscribes with `SSUBSCRIBE` to a channel
+    /// of [`probe_key`](Self::probe_key) itself and reports a failure through
+    /// [`subscribe_failure`](Self::subscribe_failure)).
+    pub(crate) async fn run(
+        &self,
+        subscriber: Option<&redis::Client>,
+        allow_eviction: bool,
+    ) -> Result<(), BuildError> {
+        for script in self.scripts.all() {
+            self.pool
+                .load(script)
+                .await
+                .map_err(|e| match refused(&e) {
+                    Some(_) => self.rights_error(
+                        "run SCRIPT LOAD (the lock scripts are loaded at build)".to_owned(),
+                        e.into_cause(),
+                    ),
+                    None => BuildError::Scripts {
+                        source: e.into_cause(),
+                    },
+                })?;
+        }
+        if !allow_eviction {
+            self.eviction_policy().await?;
+        }
+        let probe = self.probe_key()?;
+        let scripts = self.lock_scripts(&probe).await;
+        self.delete(&probe).await;
+        scripts?;
+        // A release that may hand the lock on asks whether other instances wait.
+        self.pool
+            .query::<redis::Value>(redis::cmd("PUBSUB").arg("NUMSUB").arg(&probe.channel))
+            .await
+            .map_err(|e| self.failure(e, "run PUBSUB NUMSUB (a release asks it)"))?;
+        if let Some(client) = subscriber {
+            self.subscribe(client, &probe.channel).await?;
+        }
+        Ok(())
+    }
+
+    /// A lock key of the namespace that no application key maps to by chance.
+    pub(crate) fn probe_key(&self) -> Result<LockKey, BuildError> {
+        let user = format!("tower-lock-build-check:{}", uuid::Uuid::new_v4().simple());
+        // Only an invalid namespace can fail this, and `build` checked it already.
+        LockKey::new(self.namespace, user, usize::MAX).map_err(|_| BuildError::Namespace {
+            namespace: self.namespace.to_owned(),
+        })
+    }
+
+    /// The error for a refusal of `right`, for the probes other topologies run themselves.
+    pub(crate) fn rights_error(
+        &self,
+        right: String,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    ) -> BuildError {
+        BuildError::Rights {
+            user: self.user.to_owned(),
+            right,
+            source,
+        }
+    }
+
+    /// Refuses a server whose `maxmemory-policy` may evict keys. `INFO memory` is read
+    /// rather than `CONFIG GET`, which managed services and ACL users are often denied.
+    async fn eviction_policy(&self) -> Result<(), BuildError> {
+        let info: String = self
+            .pool
+            .query(redis::cmd("INFO").arg("memory"))
+            .await
+            .map_err(|e| {
+                self.failure(
+                    e,
+                    "run INFO (it tells the maxmemory-policy; `allow_eviction` skips this)",
+                )
+            })?;
+        let policy = info
+            .lines()
+            .find_map(|line| line.strip_prefix("maxmemory_policy:"))
+            .map_or("(not reported)", str::trim);
+        if policy == "noeviction" {
+            return Ok(());
+        }
+        Err(BuildError::Eviction {
+            policy: policy.to_owned(),
+        })
+    }
+
+    /// Takes, renews and releases the probe lock with the real scripts, so every command,
+    /// key and channel they touch is checked the way locks will use them.
+    async fn lock_scripts(&self, probe: &LockKey) -> Result<(), BuildError> {
+        let owner = "tower-lock-build-check";
+        let lock = &*probe.lock;
+        let mut acquire = self.scripts.acquire.key(lock);
+        acquire
+            .key(&probe.fence)
+            .arg(owner)
+            .arg(PROBE_TTL_MS)
+            .arg(PROBE_TTL_MS);
+        let mut renew = self.scripts.renew.key(lock);
+        renew.arg(owner).arg(PROBE_TTL_MS);
+        let mut release = self.scripts.release.key(lock);
+        release
+            .key(&probe.fence)
+            .arg(owner)
+            .arg(format!("{owner}#1"))
+            .arg(PROBE_TTL_MS)
+            .arg(&probe.channel)
+            .arg("")
+            .arg(0)
+            .arg(PROBE_TTL_MS)
+            .arg(0)
+            .arg(0);
+        let steps = [
+            ("acquire", &acquire, ACQUIRE_CALLS),
+            ("renew", &renew, RENEW_CALLS),
+            ("release", &release, RELEASE_CALLS),
+        ];
+        for (name, invocation, calls) in steps {
+            let ran = self.pool.invoke::<redis::Value>(invocation).await;
+            ran.map_err(|e| {
+                let right = match refused(&e) {
+                    None => {
+                        return BuildError::Scripts {
+                            source: e.into_cause(),
+                        };
+                    }
+                    Some(Refused::Channel) => {
+                        format!("{} to channel `{}`", self.publish, probe.channel)
+                    }
+                    Some(Refused::Key) => format!("access key `{lock}` of the namespace"),
+                    // Refused before the script ran, so EVALSHA itself.
+                    Some(Refused::Command)
+                        if e.redis_error().and_then(|e| e.code()) == Some("NOPERM") =>
+                    {
+                        "run EVALSHA (every lock operation is a script)".to_owned()
+                    }
+                    Some(Refused::Command) => format!("run the {name} script (it calls {calls})"),
+                };
+                self.rights_error(right, e.into_cause())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the probe lock and counter; if that fails they expire by themselves.
+    async fn delete(&self, probe: &LockKey) {
+        let mut del = redis::cmd("DEL");
+        del.arg(&*probe.lock).arg(&probe.fence);
+        let _ = self.pool.query::<i64>(&del).await;
+    }
+
+    /// Subscribes to the probe channel on a connection of its own, as the subscriber will.
+    async fn subscribe(&self, client: &redis::Client, channel: &str) -> Result<(), BuildError> {
+        let connect_failed =
+            |e: redis::RedisError| connect_failure(CommandError::Redis(e), self.user);
+        let mut pubsub = match timeout(self.connect_timeout, client.get_async_pubsub()).await {
+            Ok(connected) => connected.map_err(connect_failed)?,
+            Err(elapsed) => {
+                return Err(BuildError::Connect {
+                    source: Box::new(elapsed),
+                });
+            }
+        };
+        let subscribed = match timeout(self.command_timeout, pubsub.subscribe(channel)).await {
+            Ok(subscribed) => subscribed.map_err(CommandError::Redis),
+            Err(elapsed) => {
+                return Err(BuildError::Connect {
+                    source: Box::new(elapsed),
+                });
+            }
+        };
+        subscribed.map_err(|e| self.subscribe_failure(e, "SUBSCRIBE", channel))
+    }
+
+    /// The error of a failed `command` (`SUBSCRIBE`, `SSUBSCRIBE`) on `channel`: a refusal
+    /// names the command, or the channel when the command itself is allowed.
+    pub(crate) fn subscribe_failure(
+        &self,
+        error: CommandError,
+        command: &str,
+        channel: &str,
+    ) -> BuildError {
+        match refused(&error) {
+            Some(Refused::Command) => self.failure(error, &format!("run {command}")),
+            _ => self.failure(error, &format!("{command} to channel `{channel}`")),
+        }
+    }
+
+    /// A refusal of `right` as [`BuildError::Rights`]; any other failure as what it is.
+    fn failure(&self, error: CommandError, right: &str) -> BuildError {
+        if refused(&error).is_some() {
+            return self.rights_error(right.to_owned(), error.into_cause());
+        }
+        connect_failure(error, self.user)
+    }
+}
+
+/// The commands each script calls, named when a user may not run one of them.
+const ACQUIRE_CALLS: &str = "TYPE, HEXISTS, PTTL, HINCRBY, PEXPIRE, HGET, TIME, GET, SET, HSET";
+const RENEW_CALLS: &str = "HEXISTS, PTTL, PEXPIRE";
+const RELEASE_CALLS: &str =
+    "HEXISTS, HGET, HMGET, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, PUBSUB, TIME, GET, SET";

@@ -1,0 +1,160 @@
+//! TLS: the builder's certificates, the clients they make, and telling a failed handshake
+//! from other connection failures.
+//!
+//! redis-rs builds a rustls `ClientConfig` for every TLS connection, and rustls panics there
+//! when it cannot tell which crypto provider to use (none installed and both ring and
+//! aws-lc-rs compiled in, as another crate in the build may arrange). So before making a TLS
+//! client the crate installs ring as the process default, unless the application installed
+//! a provider already (then that one is used).
+
+use std::error::Error as StdError;
+use std::fmt;
+
+#[cfg(feature = "tls")]
+use super::pool::CommandError;
+use crate::error::BuildError;
+
+/// Certificates for `rediss://` connections beyond the system roots. Kept by the builder so
+/// that every client of every topology (each Sentinel, each cluster node) is made with them.
+#[derive(Clone, Default)]
+pub(crate) struct TlsSettings {
+    /// PEM certificates to trust instead of the system roots.
+    pub(crate) root_cert: Option<Vec<u8>>,
+    /// PEM certificate chain and private key presented to servers that ask for one.
+    pub(crate) client_cert: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+// Certificates and keys are never printed.
+impl fmt::Debug for TlsSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsSettings")
+            .field("root_cert", &self.root_cert.as_ref().map(|_| "<set>"))
+            .field("client_cert", &self.client_cert.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+/// Whether `url` asks for TLS (`rediss://`).
+pub(crate) fn is_tls_url(url: &str) -> bool {
+    url.trim_start()
+        .get(..9)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("rediss://"))
+}
+
+impl TlsSettings {
+    fn is_empty(&self) -> bool {
+        self.root_cert.is_none() && self.client_cert.is_none()
+    }
+
+    /// A client for `url` with these settings: verified against the system roots, or the
+    /// root certificate given, presenting the client certificate given.
+    pub(crate) fn client(&self, url: &str) -> Result<redis::Client, BuildError> {
+        let tls = is_tls_url(url);
+        if !tls && !self.is_empty() {
+            return Err(refused(
+                "TLS certificates were given for a `redis://` URL; TLS needs `rediss://`",
+            ));
+        }
+        if tls || !self.is_empty() {
+            return self.tls_client(url);
+        }
+        redis::Client::open(url).map_err(|e| BuildError::Url {
+            source: Box::new(e),
+        })
+    }
+
+    #[cfg(feature = "tls")]
+    fn tls_client(&self, url: &str) -> Result<redis::Client, BuildError> {
+        use redis::IntoConnectionInfo;
+        let info = url.into_connection_info().map_err(|e| BuildError::Url {
+            source: Box::new(e),
+        })?;
+        install_crypto_provider();
+        if self.is_empty() {
+            return redis::Client::open(info).map_err(|e| BuildError::Url {
+                source: Box::new(e),
+            });
+        }
+        if let Some(pem) = &self.root_cert {
+            use rustls::pki_types::CertificateDer;
+            use rustls::pki_types::pem::PemObject;
+            if CertificateDer::pem_slice_iter(pem).next().is_none() {
+                return Err(refused("`tls_root_cert` holds no PEM certificate"));
+            }
+        }
+        let certificates = redis::TlsCertificates {
+            client_tls: self.client_cert.clone().map(|(client_cert, client_key)| {
+                redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }
+            }),
+            root_cert: self.root_cert.clone(),
+        };
+        redis::Client::build_with_tls(info, certificates).map_err(|e| BuildError::Tls {
+            reason: "the TLS certificates or key given to the builder are invalid",
+            source: Some(CommandError::Redis(e).into_cause()),
+        })
+    }
+
+    #[cfg(not(feature = "tls"))]
+    fn tls_client(&self, _url: &str) -> Result<redis::Client, BuildError> {
+        Err(refused(
+            "`rediss://` URLs and TLS certificates need the crate's `tls` feature",
+        ))
+    }
+}
+
+fn refused(reason: &'static str) -> BuildError {
+    BuildError::Tls {
+        reason,
+        source: None,
+    }
+}
+
+/// Makes ring the process's rustls crypto provider unless one is installed already.
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // An error means another thread installed one first: that one is used, as the
+        // application's own choice would be.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// What went wrong in a TLS handshake, if `error` (or one of its causes) is a TLS error.
+#[cfg(feature = "tls")]
+pub(crate) fn handshake_failure(error: &(dyn StdError + 'static)) -> Option<&'static str> {
+    let mut level = Some(error);
+    while let Some(e) = level {
+        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            return Some(match tls {
+                rustls::Error::InvalidCertificate(_) => {
+                    "the Redis server's TLS certificate failed verification"
+                }
+                rustls::Error::AlertReceived(_) => {
+                    "the Redis server refused the TLS handshake (does it require a client \
+                     certificate, or one it trusts?)"
+                }
+                _ => "the TLS handshake with the Redis server failed",
+            });
+        }
+        // `source` skips the error an `io::Error` wraps, and a `RedisError`'s source is
+        // the `Arc` it keeps its cause in: look inside both.
+        level = if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            io.get_ref().map(|inner| inner as &(dyn StdError + 'static))
+        } else if let Some(shared) = e.downcast_ref::<std::sync::Arc<dyn StdError + Send + Sync>>()
+        {
+            Some(&**shared as &(dyn StdError + 'static))
+        } else {
+            e.source()
+        };
+    }
+    None
+}
+
+/// Without TLS support no handshake ever happens.
+#[cfg(not(feature = "tls"))]
+pub(crate) fn handshake_failure(_error: &(dyn StdError + 'static)) -> Option<&'static str> {
+    None
+}

@@ -1,0 +1,201 @@
+//! `rediss://` against real TLS-only redis-servers with certificates the test makes: locks
+//! over TLS (state checked with `redis-cli --tls`), mutual TLS, and clients that must be
+//! refused at `build()` with the cause. The test never installs a rustls crypto provider:
+//! the backend picks its own.
+
+mod support;
+
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+use support::lock_key;
+use support::tls::{Certs, TlsServer};
+use tower_lock::{BuildError, LockError, RedisBackend, RedisBackendBuilder};
+
+/// Generous bound on anything that should end within a few seconds.
+const HANG: Duration = Duration::from_secs(20);
+
+/// The chain as anyhow's `{:#}` prints it.
+fn chain(error: &(dyn Error + 'static)) -> String {
+    let mut levels = vec![error.to_string()];
+    let mut source = error.source();
+    while let Some(e) = source {
+        levels.push(e.to_string());
+        source = e.source();
+    }
+    levels.join(": ")
+}
+
+/// Builds, printing how long it took (a figure, not an assertion).
+async fn build(what: &str, builder: RedisBackendBuilder) -> Result<RedisBackend, BuildError> {
+    let started = Instant::now();
+    let built = tokio::time::timeout(
+        HANG,
+        builder.connect_timeout(Duration::from_secs(5)).build(),
+    )
+    .await
+    .expect("build() ends");
+    let outcome = match &built {
+        Ok(_) => "ok".to_owned(),
+        Err(e) => chain(e),
+    };
+    println!("{what}: build() took {:?}: {outcome}", started.elapsed());
+    built
+}
+
+/// A backend on `host` trusting the server's CA.
+async fn trusting(server: &TlsServer, host: &str) -> RedisBackend {
+    build(
+        host,
+        RedisBackend::builder(server.url(host)).tls_root_cert(server.certs.pem("ca.crt")),
+    )
+    .await
+    .expect("a client trusting the CA connects")
+}
+
+#[tokio::test]
+async fn locks_are_taken_waited_for_and_released_over_tls() {
+    let server = TlsServer::start(false);
+    let holder = trusting(&server, "127.0.0.1").await;
+    let waiter = trusting(&server, "localhost").await;
+    assert_eq!(
+        server.keys(),
+        Vec::<String>::new(),
+        "the checks leave nothing"
+    );
+
+    let guard = holder.lock("order:1").try_once().await.expect("lock");
+    let owner = guard.held().owner().as_str().to_owned();
+    assert_eq!(server.cli(&["HGET", &lock_key("order:1"), &owner]), "1");
+    let contended = waiter.lock("order:1").try_once().await.expect_err("held");
+    assert!(
+        matches!(contended, LockError::Contended { .. }),
+        "{contended}"
+    );
+
+    // The release reaches the waiter through the subscriber's TLS connection.
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.lock("order:1").wait(HANG).await }
+    });
+    support::eventually("the waiter subscribes over TLS", || async {
+        waiter.stats().channels_with_waiters == 1
+    })
+    .await;
+    guard.release().await.expect("release over TLS");
+    let next = tokio::time::timeout(HANG, waiting)
+        .await
+        .expect("the waiter is woken")
+        .expect("no panic")
+        .expect("the waiter gets the lock");
+    let next_owner = next.held().owner().as_str().to_owned();
+    assert_eq!(
+        server.cli(&["HGET", &lock_key("order:1"), &next_owner]),
+        "1"
+    );
+    assert_eq!(server.cli(&["HGET", &lock_key("order:1"), &owner]), "");
+    next.release().await.expect("release");
+    assert_eq!(server.cli(&["EXISTS", &lock_key("order:1")]), "0");
+}
+
+#[tokio::test]
+async fn mutual_tls_works_and_a_missing_client_certificate_is_named() {
+    let server = TlsServer::start(true);
+    let certs = &server.certs;
+    let backend = build(
+        "with client certificate",
+        RedisBackend::builder(server.url("localhost"))
+            .tls_root_cert(certs.pem("ca.crt"))
+            .tls_client_cert(certs.pem("client.crt"), certs.pem("client.key")),
+    )
+    .await
+    .expect("mutual TLS");
+    let guard = backend.lock("k").try_once().await.expect("lock");
+    assert_eq!(server.cli(&["EXISTS", &lock_key("k")]), "1");
+    guard.release().await.expect("release");
+    assert_eq!(server.cli(&["EXISTS", &lock_key("k")]), "0");
+
+    let error = build(
+        "without client certificate",
+        RedisBackend::builder(server.url("localhost")).tls_root_cert(certs.pem("ca.crt")),
+    )
+    .await
+    .expect_err("the server demands a client certificate");
+    let text = chain(&error);
+    assert!(matches!(error, BuildError::Tls { .. }), "{text}");
+    assert!(text.contains("client certificate"), "{text}");
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_trust_the_server_is_refused_at_build() {
+    let server = TlsServer::start(false);
+    let other_ca = Certs::new();
+    let cases = [
+        (
+            "system roots",
+            RedisBackend::builder(server.url("localhost")),
+        ),
+        (
+            "another CA",
+            RedisBackend::builder(server.url("localhost")).tls_root_cert(other_ca.pem("ca.crt")),
+        ),
+    ];
+    for (what, builder) in cases {
+        let error = build(what, builder).await.expect_err("not trusted");
+        let text = chain(&error);
+        assert!(matches!(error, BuildError::Tls { .. }), "{text}");
+        assert!(text.contains("certificate failed verification"), "{text}");
+    }
+}
+
+/// A plaintext Redis never answers a TLS hello (it waits for the end of an inline
+/// command): `build()` ends at the connect timeout with a connect error, not a hang.
+#[tokio::test]
+async fn tls_to_a_plaintext_server_ends_at_the_connect_timeout() {
+    let server = support::RedisServer::start();
+    let url = format!("rediss://127.0.0.1:{}", server.port());
+    let started = Instant::now();
+    let built = RedisBackend::builder(url)
+        .connect_timeout(Duration::from_millis(500))
+        .build();
+    let error = tokio::time::timeout(HANG, built)
+        .await
+        .expect("build() ends")
+        .expect_err("no TLS there");
+    let text = chain(&error);
+    println!(
+        "plaintext server: build() took {:?}: {text}",
+        started.elapsed()
+    );
+    assert!(matches!(error, BuildError::Connect { .. }), "{text}");
+    assert!(text.contains("timed out"), "{text}");
+}
+
+#[tokio::test]
+async fn unusable_tls_settings_are_refused_before_connecting() {
+    let certs = Certs::new();
+    let cases = [
+        (
+            "certificates for redis://",
+            RedisBackend::builder("redis://127.0.0.1:1").tls_root_cert(certs.pem("ca.crt")),
+            "needs `rediss://`",
+        ),
+        (
+            "no PEM in the root certificate",
+            RedisBackend::builder("rediss://127.0.0.1:1").tls_root_cert("not a certificate"),
+            "holds no PEM certificate",
+        ),
+        (
+            "a client key that is no key",
+            RedisBackend::builder("rediss://127.0.0.1:1")
+                .tls_client_cert(certs.pem("client.crt"), "not a key"),
+            "invalid",
+        ),
+    ];
+    for (what, builder, says) in cases {
+        let error = build(what, builder).await.expect_err("refused");
+        let text = chain(&error);
+        assert!(matches!(error, BuildError::Tls { .. }), "{text}");
+        assert!(text.contains(says), "{what}: {text}");
+    }
+}
