@@ -7,6 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pool::Pool;
 use super::pubsub::{Subscriber, SubscriberConfig};
+use super::recheck::Recheck;
 use super::runtime::Spawner;
 use super::scripts::Scripts;
 use super::topology::Topology;
@@ -150,11 +151,13 @@ impl RedisBackendBuilder {
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
+        let recheck = Recheck::default();
         let pool = Pool::new(
             topology.clone(),
             self.pool_size,
             self.connect_timeout,
             self.command_timeout,
+            recheck.clone(),
         );
         // The pool bounds the connect by the connect timeout and the reply by the command
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
@@ -177,6 +180,7 @@ impl RedisBackendBuilder {
                 max_backoff: self.max_backoff,
             },
             pool.failure_epoch(),
+            recheck.clone(),
             shutdown.clone(),
             &runtime,
         );
@@ -184,6 +188,7 @@ impl RedisBackendBuilder {
             pool.clone(),
             scripts.clone(),
             self.command_timeout,
+            recheck,
             shutdown.clone(),
             &runtime,
         );

@@ -10,6 +10,7 @@ mod hold;
 mod keys;
 mod pool;
 mod pubsub;
+mod recheck;
 mod runtime;
 mod scripts;
 mod topology;

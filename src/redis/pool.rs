@@ -26,6 +26,7 @@ use bb8_redis::bb8;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 use tokio::sync::watch;
 
+use super::recheck::{Recheck, run_id};
 use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
 
@@ -61,6 +62,37 @@ pub(crate) struct Manager {
     topology: Topology,
     config: AsyncConnectionConfig,
     failure_epoch: FailureEpoch,
+    /// The failure epoch when the last connection was opened: a connection opened at a
+    /// higher one replaces a connection that failed, and Redis may have lost data meanwhile.
+    opened_at: AtomicU64,
+    recheck: Recheck,
+}
+
+impl Manager {
+    /// Raises the recheck if this connection follows a failure or reaches another server
+    /// process than the last one (read from `INFO server`; a user not allowed to run INFO
+    /// only loses that second sign).
+    async fn check_server(&self, conn: &mut AnyConn) -> Result<(), RedisError> {
+        let level = self.failure_epoch.level();
+        if level > self.opened_at.swap(level, Ordering::Relaxed) {
+            self.recheck
+                .raise("a command connection was opened after a connection failed");
+        }
+        match redis::cmd("INFO")
+            .arg("server")
+            .query_async::<String>(conn)
+            .await
+        {
+            Ok(info) => {
+                if let Some(id) = run_id(&info) {
+                    self.recheck.saw_run_id(id);
+                }
+                Ok(())
+            }
+            Err(e) if is_transport(&e) => Err(e),
+            Err(_) => Ok(()),
+        }
+    }
 }
 
 impl bb8::ManageConnection for Manager {
@@ -68,7 +100,8 @@ impl bb8::ManageConnection for Manager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<Conn, RedisError> {
-        let conn = self.topology.connect(&self.config).await?;
+        let mut conn = self.topology.connect(&self.config).await?;
+        self.check_server(&mut conn).await?;
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
@@ -218,6 +251,7 @@ impl Pool {
         size: u32,
         connect_timeout: Duration,
         response_timeout: Duration,
+        recheck: Recheck,
     ) -> Self {
         let failure_epoch = FailureEpoch::default();
         let failures = ConnectFailures(Arc::new(watch::Sender::new(None)));
@@ -238,6 +272,8 @@ impl Pool {
                 topology,
                 config,
                 failure_epoch: failure_epoch.clone(),
+                opened_at: AtomicU64::new(0),
+                recheck,
             });
         Pool {
             pool,

@@ -1,0 +1,137 @@
+//! When Redis loses its data (restarted empty, no persistence), holders learn it at once,
+//! and with the restart guard no second holder gets in while a first may still run.
+//!
+//! Windows are measured and printed (`cargo test --test dataloss -- --nocapture`); the
+//! assertions only bound them generously, or check an order of events.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{RedisServer, lock_key};
+use tokio::time::{Instant, timeout};
+use tower_lock::{LockGuard, RedisBackend};
+
+/// A lease whose first scheduled renewal (lease/3) is far beyond anything measured here,
+/// so a holder that learns of the loss earlier learned it from the recheck.
+const LEASE: Duration = Duration::from_secs(30);
+/// Generous bound on anything that should end by a deadline of a few seconds.
+const HANG: Duration = Duration::from_secs(20);
+
+/// Restarts `server` empty from inside a multi-threaded test, without stalling the
+/// backends' tasks while it waits for the new process; returns when it serves again.
+fn restart(server: &mut RedisServer) {
+    tokio::task::block_in_place(|| server.restart());
+}
+
+async fn hold(backend: &RedisBackend, key: &str) -> LockGuard {
+    backend
+        .lock(key)
+        .lease(LEASE)
+        .try_once()
+        .await
+        .expect("uncontended")
+}
+
+/// Waits for `key` on `backend`, as a client would: an attempt that fails while Redis is
+/// down is tried again. Tells when it got the lock.
+fn wait_for(backend: &RedisBackend, key: &str) -> tokio::task::JoinHandle<(Instant, LockGuard)> {
+    let (backend, key) = (backend.clone(), key.to_owned());
+    tokio::spawn(async move {
+        let give_up = Instant::now() + HANG;
+        loop {
+            match backend.lock(&key).lease(LEASE).wait(HANG).await {
+                Ok(guard) => return (Instant::now(), guard),
+                Err(e) if e.is_transient() && Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("the waiter gets the lock in the end: {e}"),
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_without_persistence_fires_lost_within_about_one_ping() {
+    support::init_tracing();
+    let mut server = RedisServer::start();
+    let (a, b) = (server.backend().await, server.backend().await);
+    let guard = hold(&a, "k").await;
+    let lost = guard.lost();
+    let waiter = wait_for(&b, "k");
+    server.wait_for_subscribers("k", 1).await;
+
+    let killed = Instant::now();
+    restart(&mut server);
+    let serving = killed.elapsed();
+    timeout(HANG, lost)
+        .await
+        .expect("the holder learns of the loss");
+    let lost_after = killed.elapsed();
+    let (acquired, second) = timeout(HANG, waiter)
+        .await
+        .expect("no hang")
+        .expect("no panic");
+    let second_after = acquired.duration_since(killed);
+    println!(
+        "without the guard: kill -> serving again {serving:?}, -> lost() {lost_after:?}, \
+         -> second holder {second_after:?}; both held for {:?}",
+        lost_after.saturating_sub(second_after)
+    );
+    // The next scheduled renewal is LEASE/3 = 10 s away: only the recheck explains less.
+    assert!(lost_after < LEASE / 6, "lost() after {lost_after:?}");
+    assert!(guard.is_lost());
+    drop(second);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriber_killed_alone_rechecks_held_locks_without_losing_them() {
+    support::init_tracing();
+    let server = RedisServer::start();
+    let (backend, other) = (server.backend().await, server.backend().await);
+    // Renewed every 20 s: far beyond this test, so only the recheck renews it here.
+    let guard = backend
+        .lock("k")
+        .lease(2 * LEASE)
+        .try_once()
+        .await
+        .expect("uncontended");
+    // A subscriber is killable by type only while it subscribes to something.
+    let blocker = hold(&other, "busy").await;
+    let waiter = wait_for(&backend, "busy");
+    server.wait_for_subscribers("busy", 1).await;
+    // Shortened from outside: a renewal puts the lease back to a minute.
+    let mut conn = server.conn().await;
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(lock_key("k"))
+        .arg(LEASE.as_millis() as u64)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    let connections = backend.stats().subscriber_connections_made;
+
+    assert_eq!(server.kill_subscribers().await, 1);
+    support::eventually("the subscriber reconnected", || async {
+        backend.stats().subscriber_connections_made > connections
+    })
+    .await;
+    support::eventually("the held lock was rechecked (renewed)", || async {
+        let pttl: u64 = redis::cmd("PTTL")
+            .arg(lock_key("k"))
+            .query_async(&mut server.conn().await)
+            .await
+            .expect("PTTL");
+        pttl > LEASE.as_millis() as u64
+    })
+    .await;
+    assert!(!guard.is_lost(), "a lock that is still held is not lost");
+    let owner = guard.held().owner().as_str().to_owned();
+    assert_eq!(server.hold_count(&lock_key("k"), &owner).await, Some(1));
+    guard.release().await.expect("still held, so released");
+    blocker.release().await.expect("release");
+    let (_, guard) = timeout(HANG, waiter)
+        .await
+        .expect("no hang")
+        .expect("no panic");
+    drop(guard);
+}
