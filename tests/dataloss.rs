@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use support::{RedisServer, lock_key};
 use tokio::time::{Instant, timeout};
-use tower_lock::{LockGuard, RedisBackend};
+use tower_lock::{LockError, LockGuard, RedisBackend};
 
 /// A lease whose first scheduled renewal (lease/3) is far beyond anything measured here,
 /// so a holder that learns of the loss earlier learned it from the recheck.
@@ -134,4 +134,71 @@ async fn subscriber_killed_alone_rechecks_held_locks_without_losing_them() {
         .expect("no hang")
         .expect("no panic");
     drop(guard);
+}
+
+/// The longest lease of the guarded backends: what the restart guard waits out.
+const GUARD: Duration = Duration::from_secs(2);
+
+async fn guarded(server: &RedisServer) -> RedisBackend {
+    RedisBackend::builder(server.url())
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .restart_guard()
+        .max_lease(GUARD)
+        .build()
+        .await
+        .expect("backend connects to the test server")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_guard_grants_nothing_until_the_old_holder_has_stopped() {
+    support::init_tracing();
+    let mut server = RedisServer::start();
+    let (a, b) = (guarded(&server).await, guarded(&server).await);
+    // A fresh server is guarded too: the first acquisition waits the guard out.
+    let started = Instant::now();
+    let guard = a.lock("k").wait(HANG).await.expect("granted once guarded");
+    let first_after = started.elapsed();
+    let lost = guard.lost();
+    let lost = tokio::spawn(async move {
+        lost.await;
+        Instant::now()
+    });
+    let waiter = wait_for(&b, "k");
+    server.wait_for_subscribers("k", 1).await;
+
+    let killed = Instant::now();
+    restart(&mut server);
+    // Not waiting: refused like a held lock, with the guard's time left.
+    match a.lock("other").try_once().await {
+        Err(LockError::Contended { retry_after, .. }) => {
+            assert!(
+                retry_after.is_some_and(|left| left <= GUARD),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("the guard refuses a try: {other:?}"),
+    }
+    assert!(!server.exists(&lock_key("other")).await);
+    let lost_at = timeout(HANG, lost).await.expect("lost").expect("no panic");
+    let (acquired, second) = timeout(HANG, waiter)
+        .await
+        .expect("no hang")
+        .expect("no panic");
+    println!(
+        "with the guard ({GUARD:?}): first acquisition on a fresh server after \
+         {first_after:?}; kill -> lost() {:?}, -> second holder {:?}",
+        lost_at.duration_since(killed),
+        acquired.duration_since(killed)
+    );
+    assert!(
+        lost_at < acquired,
+        "the first holder stopped before the second got in"
+    );
+    assert!(
+        acquired.duration_since(killed) >= GUARD,
+        "nothing is granted before one longest lease after the restart"
+    );
+    assert!(guard.is_lost());
+    drop(second);
 }

@@ -15,6 +15,7 @@ use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
 use crate::backend::OwnerIds;
 use crate::error::BuildError;
+use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 use crate::queue::Queues;
 
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
@@ -31,6 +32,8 @@ pub struct RedisBackendBuilder {
     ping_interval: Duration,
     max_backoff: Duration,
     max_local_handoffs: u32,
+    restart_guard: bool,
+    max_lease: Duration,
 }
 
 impl RedisBackendBuilder {
@@ -47,6 +50,8 @@ impl RedisBackendBuilder {
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+            restart_guard: false,
+            max_lease: DEFAULT_LEASE,
         }
     }
 
@@ -133,6 +138,49 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Turns on the restart guard (off by default): a Redis server that started less than
+    /// one [`max_lease`](Self::max_lease) ago grants no new acquisition until then.
+    ///
+    /// Without persistence, a restarted Redis has forgotten every lock while the holders
+    /// of the old ones may still run. The backend re-checks its held locks as soon as it
+    /// sees the restart, so each holder's [`HeldLock::lost`](crate::HeldLock::lost) fires
+    /// within milliseconds (about one
+    /// [`subscriber_ping_interval`](Self::subscriber_ping_interval) when the connection
+    /// was half-open), but an instance that asks first may be granted the lock before then:
+    /// for those milliseconds two handlers run. The guard closes that window: a holder from
+    /// before the restart stops within one lease of its last renewal (when it learns of the
+    /// loss, or when its lease runs out unrenewed), so nothing is granted before the
+    /// server's start plus the longest lease any holder may have. The decision is taken
+    /// inside the acquire script from the server's uptime (`INFO server`), so it holds for
+    /// every instance and for each node of a Cluster on its own.
+    ///
+    /// What it costs: after every start of the server, the first start and restarts with
+    /// persistence included, new acquisitions of keys that are not held wait until one
+    /// `max_lease` after the start; waiting requests wait it out (503 if their wait is
+    /// shorter), a [`try_once`](crate::LockRequest::try_once) or fail-fast layer gets
+    /// [`LockError::Contended`](crate::LockError::Contended) (409) with the time left as
+    /// `Retry-After`. Locks that survived the restart (persistence) are held, renewed and
+    /// re-entered as before. With the guard on, a request's lease is capped at `max_lease`.
+    /// The Redis user must be allowed to run `INFO`.
+    ///
+    /// What it does not cover: data lost without a restart (`FLUSHALL`, a failover to a
+    /// replica that had not yet received a lock; see `sync_replicas`).
+    /// Every backend of the namespace must turn it on, with the same `max_lease`. Fencing
+    /// tokens remain the safety net.
+    pub fn restart_guard(mut self) -> Self {
+        self.restart_guard = true;
+        self
+    }
+
+    /// The longest lease used in this namespace, which the
+    /// [`restart_guard`](Self::restart_guard) waits out after a restart (default 30 s, the
+    /// default lease). With the guard on, longer leases asked for are shortened to it.
+    /// Clamped to at most [`MAX_DURATION`](crate::lock::MAX_DURATION).
+    pub fn max_lease(mut self, max: Duration) -> Self {
+        self.max_lease = max.min(MAX_DURATION);
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
     /// The backend may be used from other runtimes too, also after this one shut down (a
@@ -166,6 +214,27 @@ impl RedisBackendBuilder {
             .map_err(|e| BuildError::Connect {
                 source: e.into_cause(),
             })?;
+        if self.restart_guard {
+            // The guard reads the uptime inside the acquire script: refuse a user that may
+            // not, instead of failing every acquisition.
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            match pool.query::<String>(&info).await {
+                Ok(_) => {}
+                Err(e) if e.is_no_permission() => {
+                    return Err(BuildError::Setting {
+                        name: "restart_guard",
+                        reason: "the Redis user must be allowed to run INFO (the guard reads \
+                                 the server's uptime)",
+                    });
+                }
+                Err(e) => {
+                    return Err(BuildError::Connect {
+                        source: e.into_cause(),
+                    });
+                }
+            }
+        }
         for script in scripts.all() {
             pool.load(script).await.map_err(|e| BuildError::Scripts {
                 source: e.into_cause(),
@@ -204,6 +273,7 @@ impl RedisBackendBuilder {
                 max_key_len: self.max_key_len,
                 command_timeout: self.command_timeout,
                 fence_ttl: self.fence_ttl,
+                restart_guard: self.restart_guard.then_some(self.max_lease),
                 owners: OwnerIds::new(),
                 runtime,
                 shutdown,
@@ -221,6 +291,9 @@ impl RedisBackendBuilder {
         }
         if self.connect_timeout.is_zero() {
             return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_lease < Duration::from_millis(3) {
+            return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
         }
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");

@@ -64,7 +64,8 @@ impl AcquireCall {
                     .key(&key.fence)
                     .arg(owner.as_str())
                     .arg(millis(lease))
-                    .arg(millis(inner.fence_ttl));
+                    .arg(millis(inner.fence_ttl))
+                    .arg(inner.restart_guard.map_or(0, millis));
                 let reply = conn.invoke::<Vec<i64>>(&invocation).await;
                 (reply, Some(conn))
             }

@@ -94,6 +94,8 @@ struct Inner {
     max_key_len: usize,
     command_timeout: Duration,
     fence_ttl: Duration,
+    /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
+    restart_guard: Option<Duration>,
     owners: OwnerIds,
     runtime: Spawner,
     shutdown: CancellationToken,

@@ -148,6 +148,11 @@ impl CommandError {
         matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
     }
 
+    /// True when the Redis user may not run the command (ACL).
+    pub(crate) fn is_no_permission(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.code() == Some("NOPERM"))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
