@@ -8,6 +8,7 @@ mod support;
 
 use std::time::Duration;
 
+use support::replica::{ACK_TIMEOUT, Replicated};
 use support::{RedisServer, lock_key};
 use tokio::time::{Instant, timeout};
 use tower_lock::{LockError, LockGuard, RedisBackend};
@@ -201,4 +202,112 @@ async fn restart_guard_grants_nothing_until_the_old_holder_has_stopped() {
     );
     assert!(guard.is_lost());
     drop(second);
+}
+
+// ---------------------------------------------------------------------------------------
+// Replica acknowledgement
+
+/// The key of `/quick/KEY`.
+fn path_key(req: &axum::extract::Request) -> Option<String> {
+    req.uri().path().strip_prefix("/quick/").map(str::to_owned)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_replicas_refuses_a_lock_the_replica_did_not_acknowledge_and_leaves_it_free() {
+    support::init_tracing();
+    let set = Replicated::start().await;
+    let backend = RedisBackend::builder(set.master.url())
+        .command_timeout(Duration::from_millis(500))
+        .sync_replicas(1, ACK_TIMEOUT)
+        .build()
+        .await
+        .expect("connects");
+    let layer = tower_lock::LockLayer::new(backend.clone(), path_key).fail_fast();
+    let app = axum::Router::new()
+        .route("/quick/{key}", axum::routing::post(|| async { "done" }))
+        .route_layer(layer);
+    let addr = support::serve(app).await;
+
+    let guard = backend.lock("k").try_once().await.expect("acknowledged");
+    assert!(
+        set.replica.exists(&lock_key("k")).await,
+        "the replica has it"
+    );
+    guard.release().await.expect("release");
+    let reply = support::post(&support::http_client(), addr, "/quick/k").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    set.replica.pause();
+    let started = Instant::now();
+    let refused = backend.lock("k").try_once().await;
+    let took = started.elapsed();
+    let error = match refused {
+        Err(error @ LockError::Backend(_)) => error,
+        other => panic!("an unacknowledged lock is not granted: {other:?}"),
+    };
+    let cause = format!("{:#}", ErrorChain(&error));
+    println!("replica paused: refused after {took:?}: {cause}");
+    assert!(cause.contains("acknowledged by 0 of 1 replicas"), "{cause}");
+    assert!(
+        !set.master.exists(&lock_key("k")).await,
+        "given back on the master"
+    );
+    let reply = support::post(&support::http_client(), addr, "/quick/k").await;
+    reply.problem(503);
+    assert!(reply.body.contains("#variant.Backend"), "{reply:?}");
+    assert!(
+        !set.master.exists(&lock_key("k")).await,
+        "given back on the master"
+    );
+
+    set.replica.resume();
+    let guard = backend
+        .lock("k")
+        .try_once()
+        .await
+        .expect("acknowledged again");
+    guard.release().await.expect("release");
+}
+
+/// Every level of an error chain, joined by ": ".
+struct ErrorChain<'a>(&'a dyn std::error::Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn settings_that_would_fail_every_acquisition_are_refused_at_build() {
+    let server = RedisServer::start();
+    let build = |builder: tower_lock::RedisBackendBuilder| async move {
+        match builder.build().await {
+            Err(tower_lock::BuildError::Setting { name, .. }) => name,
+            other => panic!("refused at build: {other:?}"),
+        }
+    };
+    let builder =
+        || RedisBackend::builder(server.url()).command_timeout(Duration::from_millis(500));
+    let refused = [
+        build(builder().sync_replicas(0, ACK_TIMEOUT)).await,
+        build(builder().sync_replicas(1, Duration::ZERO)).await,
+        build(builder().sync_replicas(1, Duration::from_millis(500))).await,
+        build(builder().restart_guard().max_lease(Duration::ZERO)).await,
+    ];
+    assert_eq!(
+        refused,
+        [
+            "sync_replicas",
+            "sync_replicas",
+            "sync_replicas",
+            "max_lease"
+        ]
+    );
 }

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 use super::pool::Pool;
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::recheck::Recheck;
+use super::replicas::SyncReplicas;
 use super::runtime::Spawner;
 use super::scripts::Scripts;
 use super::topology::Topology;
@@ -34,6 +35,7 @@ pub struct RedisBackendBuilder {
     max_local_handoffs: u32,
     restart_guard: bool,
     max_lease: Duration,
+    sync_replicas: Option<SyncReplicas>,
 }
 
 impl RedisBackendBuilder {
@@ -52,6 +54,7 @@ impl RedisBackendBuilder {
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
             restart_guard: false,
             max_lease: DEFAULT_LEASE,
+            sync_replicas: None,
         }
     }
 
@@ -164,7 +167,7 @@ impl RedisBackendBuilder {
     /// The Redis user must be allowed to run `INFO`.
     ///
     /// What it does not cover: data lost without a restart (`FLUSHALL`, a failover to a
-    /// replica that had not yet received a lock; see `sync_replicas`).
+    /// replica that had not yet received a lock; see [`sync_replicas`](Self::sync_replicas)).
     /// Every backend of the namespace must turn it on, with the same `max_lease`. Fencing
     /// tokens remain the safety net.
     pub fn restart_guard(mut self) -> Self {
@@ -178,6 +181,33 @@ impl RedisBackendBuilder {
     /// Clamped to at most [`MAX_DURATION`](crate::lock::MAX_DURATION).
     pub fn max_lease(mut self, max: Duration) -> Self {
         self.max_lease = max.min(MAX_DURATION);
+        self
+    }
+
+    /// After each acquisition, waits until `replicas` replicas have it (`WAIT replicas
+    /// timeout`, on the connection that ran the acquire script), for up to `timeout`; an
+    /// acquisition fewer replicas acknowledged in time is released again and fails with
+    /// [`LockError::Backend`](crate::LockError::Backend) (503 from the layer) whose cause
+    /// reads, say, "acquired but acknowledged by 0 of 1 replicas within 50ms". Off by
+    /// default. `replicas` must be at least 1 and `timeout` above zero and below the
+    /// [`command_timeout`](Self::command_timeout).
+    ///
+    /// What it guarantees: a lock granted was on `replicas` replicas when it was granted,
+    /// so a failover to one of them keeps it, instead of granting it to someone else
+    /// while its holder runs. With the replicas down or lagging, acquisitions fail (the
+    /// lock service is unavailable) rather than be taken unreplicated.
+    ///
+    /// What it does not: replication stays asynchronous. `WAIT` does not make Redis
+    /// consistent: a failover may still promote a replica that did not acknowledge (Sentinel
+    /// and Cluster pick by replication offset, not by who acknowledged), renewals and a
+    /// release's handoff to the next task of the same process are not waited for, and an
+    /// acknowledged write can still be lost with a replica restarted without persistence.
+    /// Holders learn of a lost lock soon after the failover (the backend re-checks held
+    /// locks when it reconnects); fencing tokens remain the safety net. Each acquisition
+    /// also keeps its pooled connection's pipeline waiting for up to `timeout` while
+    /// replicas acknowledge.
+    pub fn sync_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.sync_replicas = Some(SyncReplicas { replicas, timeout });
         self
     }
 
@@ -274,6 +304,7 @@ impl RedisBackendBuilder {
                 command_timeout: self.command_timeout,
                 fence_ttl: self.fence_ttl,
                 restart_guard: self.restart_guard.then_some(self.max_lease),
+                sync_replicas: self.sync_replicas,
                 owners: OwnerIds::new(),
                 runtime,
                 shutdown,
@@ -294,6 +325,19 @@ impl RedisBackendBuilder {
         }
         if self.max_lease < Duration::from_millis(3) {
             return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
+        }
+        if let Some(sync) = self.sync_replicas {
+            if sync.replicas == 0 {
+                return refuse("sync_replicas", "it must wait for at least one replica");
+            }
+            // WAIT 0 would block forever; a wait past the command timeout would fail every
+            // acquisition by the reply's timeout instead.
+            if sync.timeout.is_zero() || sync.timeout >= self.command_timeout {
+                return refuse(
+                    "sync_replicas",
+                    "its timeout must be above zero and below the command timeout",
+                );
+            }
         }
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");

@@ -11,6 +11,7 @@ mod keys;
 mod pool;
 mod pubsub;
 mod recheck;
+mod replicas;
 mod runtime;
 mod scripts;
 mod topology;
@@ -26,6 +27,7 @@ pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::Pool;
 use self::pubsub::Subscriber;
+use self::replicas::SyncReplicas;
 use self::runtime::Spawner;
 use self::scripts::Scripts;
 use self::watchdog::Watchdog;
@@ -96,6 +98,8 @@ struct Inner {
     fence_ttl: Duration,
     /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
     restart_guard: Option<Duration>,
+    /// Replicas that must acknowledge an acquisition; `None`: none.
+    sync_replicas: Option<SyncReplicas>,
     owners: OwnerIds,
     runtime: Spawner,
     shutdown: CancellationToken,

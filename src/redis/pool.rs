@@ -27,6 +27,7 @@ use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation}
 use tokio::sync::watch;
 
 use super::recheck::{Recheck, run_id};
+use super::replicas::Unreplicated;
 use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
 
@@ -130,6 +131,8 @@ pub(crate) enum CommandError {
     Redis(RedisError),
     /// The runtime is shutting down and the command's task was dropped.
     Shutdown,
+    /// An acquisition too few replicas acknowledged in time (and that was given back).
+    Unreplicated(Unreplicated),
 }
 
 /// Why no connection could be had.
@@ -159,6 +162,7 @@ impl CommandError {
             CommandError::Connect(_) => false,
             CommandError::Redis(e) => is_transport(e),
             CommandError::Shutdown => true,
+            CommandError::Unreplicated(_) => false,
         }
     }
 }
@@ -167,14 +171,17 @@ impl CommandError {
 // level by level (anyhow's `{:#}`) names the cause once.
 impl fmt::Display for CommandError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+        let what = match self {
             CommandError::Connect(ConnectError::Failed(_)) => "cannot connect to Redis",
             CommandError::Connect(ConnectError::TimedOut(_)) => {
                 "timed out waiting for a Redis connection"
             }
             CommandError::Redis(_) => "Redis command failed",
             CommandError::Shutdown => "the runtime is shutting down",
-        })
+            // Transparent: it says all there is, and has no cause of its own.
+            CommandError::Unreplicated(e) => return e.fmt(f),
+        };
+        f.write_str(what)
     }
 }
 
@@ -184,7 +191,9 @@ impl std::error::Error for CommandError {
             CommandError::Connect(ConnectError::Failed(e))
             | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(cause(e)),
             CommandError::Redis(e) => Some(cause(e)),
-            CommandError::Connect(ConnectError::TimedOut(None)) | CommandError::Shutdown => None,
+            CommandError::Connect(ConnectError::TimedOut(None))
+            | CommandError::Shutdown
+            | CommandError::Unreplicated(_) => None,
         }
     }
 }
@@ -396,6 +405,15 @@ impl Conn {
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, CommandError> {
         let result = invocation.invoke_async(&mut self.conn).await;
+        self.observe(result)
+    }
+
+    /// Runs one command on this connection.
+    pub(crate) async fn query<T: FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, CommandError> {
+        let result = cmd.query_async(&mut self.conn).await;
         self.observe(result)
     }
 
