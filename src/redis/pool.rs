@@ -26,7 +26,7 @@ use bb8_redis::bb8;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 use tokio::sync::watch;
 
-use super::recheck::{Recheck, run_id};
+use super::recheck::Recheck;
 use super::replicas::Unreplicated;
 use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
@@ -70,29 +70,15 @@ pub(crate) struct Manager {
 }
 
 impl Manager {
-    /// Raises the recheck if this connection follows a failure or reaches another server
-    /// process than the last one (read from `INFO server`; a user not allowed to run INFO
-    /// only loses that second sign).
+    /// Raises the recheck if this connection replaces one that failed, or reaches another
+    /// server process than the last one.
     async fn check_server(&self, conn: &mut AnyConn) -> Result<(), RedisError> {
         let level = self.failure_epoch.level();
         if level > self.opened_at.swap(level, Ordering::Relaxed) {
             self.recheck
                 .raise("a command connection was opened after a connection failed");
         }
-        match redis::cmd("INFO")
-            .arg("server")
-            .query_async::<String>(conn)
-            .await
-        {
-            Ok(info) => {
-                if let Some(id) = run_id(&info) {
-                    self.recheck.saw_run_id(id);
-                }
-                Ok(())
-            }
-            Err(e) if is_transport(&e) => Err(e),
-            Err(_) => Ok(()),
-        }
+        self.recheck.read_run_id(conn).await
     }
 }
 
@@ -247,7 +233,7 @@ impl bb8::ErrorSink<RedisError> for ConnectFailures {
     }
 }
 
-fn is_transport(e: &RedisError) -> bool {
+pub(crate) fn is_transport(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 

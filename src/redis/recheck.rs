@@ -12,7 +12,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use redis::RedisError;
 use tokio::sync::Notify;
+
+use super::pool::is_transport;
+use super::topology::AnyConn;
 
 /// Raised on every sign that the server may have lost data; the watchdog listens.
 #[derive(Clone, Default)]
@@ -47,6 +51,24 @@ impl Recheck {
         }
     }
 
+    /// Reads the server's `run_id` on a new connection (see [`saw_run_id`](Self::saw_run_id)).
+    /// A user not allowed to run `INFO` only loses this sign; a transport failure fails the
+    /// connection.
+    pub(crate) async fn read_run_id(&self, conn: &mut AnyConn) -> Result<(), RedisError> {
+        let mut info = redis::cmd("INFO");
+        info.arg("server");
+        match info.query_async::<String>(conn).await {
+            Ok(info) => {
+                if let Some(id) = run_id(&info) {
+                    self.saw_run_id(id);
+                }
+                Ok(())
+            }
+            Err(e) if is_transport(&e) => Err(e),
+            Err(_) => Ok(()),
+        }
+    }
+
     /// Resolves when a sign was seen since the last call returned.
     pub(crate) async fn raised(&self) {
         self.0.raised.notified().await;
@@ -54,8 +76,29 @@ impl Recheck {
 }
 
 /// The `run_id` line of an `INFO server` reply.
-pub(crate) fn run_id(info: &str) -> Option<&str> {
+fn run_id(info: &str) -> Option<&str> {
     info.lines()
         .find_map(|line| line.strip_prefix("run_id:"))
         .map(str::trim)
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::FutureExt;
+
+    use super::*;
+
+    #[test]
+    fn only_a_changed_run_id_raises() {
+        let recheck = Recheck::default();
+        recheck.saw_run_id("first");
+        recheck.saw_run_id("first");
+        assert!(recheck.raised().now_or_never().is_none(), "same server");
+        recheck.saw_run_id("second");
+        assert!(recheck.raised().now_or_never().is_some(), "another server");
+        assert_eq!(
+            run_id("redis_mode:standalone\r\nrun_id:abc \r\n"),
+            Some("abc")
+        );
+    }
 }
