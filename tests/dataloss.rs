@@ -59,6 +59,14 @@ async fn restart_without_persistence_fires_lost_within_about_one_ping() {
     let (a, b) = (server.backend().await, server.backend().await);
     let guard = hold(&a, "k").await;
     let lost = guard.lost();
+    // A hold without renewal is only checked, and found lost the same way.
+    let unrenewed = a
+        .lock("j")
+        .lease(LEASE)
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("uncontended");
     let waiter = wait_for(&b, "k");
     server.wait_for_subscribers("k", 1).await;
 
@@ -82,6 +90,9 @@ async fn restart_without_persistence_fires_lost_within_about_one_ping() {
     // The next scheduled renewal is LEASE/3 = 10 s away: only the recheck explains less.
     assert!(lost_after < LEASE / 6, "lost() after {lost_after:?}");
     assert!(guard.is_lost());
+    timeout(LEASE / 6, unrenewed.lost())
+        .await
+        .expect("the unrenewed hold is found lost long before its lease ends");
     drop(second);
 }
 
