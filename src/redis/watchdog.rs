@@ -109,8 +109,14 @@ impl Watchdog {
         let renewing = shared.clone();
         let start = move |shutdown| {
             let (pool, scripts, recheck) = (pool.clone(), scripts.clone(), recheck.clone());
-            let tasks = (pool, scripts, recheck);
-            renew_until_shutdown(renewing.clone(), tasks, command_timeout, shutdown)
+            renew_until_shutdown(
+                renewing.clone(),
+                pool,
+                scripts,
+                recheck,
+                command_timeout,
+                shutdown,
+            )
         };
         let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
         Watchdog { shared, task }
@@ -225,7 +231,9 @@ struct Due {
 
 async fn renew_until_shutdown(
     shared: Arc<Shared>,
-    (pool, scripts, recheck): (Pool, Arc<Scripts>, Recheck),
+    pool: Pool,
+    scripts: Arc<Scripts>,
+    recheck: Recheck,
     command_timeout: Duration,
     shutdown: CancellationToken,
 ) {
