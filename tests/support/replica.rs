@@ -12,7 +12,8 @@ pub struct Replicated {
 }
 
 impl Replicated {
-    /// Starts both and waits (generously) until the replica has synced with the master.
+    /// Starts both and waits (generously) until the replica has synced with the master and
+    /// acknowledges writes.
     pub async fn start() -> Self {
         // Diskless sync without its default 5 s delay: the replica links at once.
         let master = RedisServer::start_with(&["--repl-diskless-sync-delay", "0"]);
@@ -21,9 +22,30 @@ impl Replicated {
         let set = Replicated { master, replica };
         eventually("the replica is linked to the master", || async {
             info_field(&set.replica, "replication", "master_link_status").await == "up"
-                && info_field(&set.master, "replication", "connected_slaves").await == "1"
+                && info_field(&set.master, "replication", "slave0")
+                    .await
+                    .contains("state=online")
         })
         .await;
+        // A freshly linked replica may be slow to acknowledge its first writes: wait until
+        // it acknowledges one, so that the tests measure a settled pair.
+        let mut conn = set.master.conn().await;
+        eventually("the replica acknowledges a write", || {
+            let mut conn = conn.clone();
+            async move {
+                let mut pipe = redis::pipe();
+                pipe.cmd("SET").arg("replica-warm-up").arg(1).ignore();
+                pipe.cmd("WAIT").arg(1).arg(100);
+                let (acked,): (i64,) = pipe.query_async(&mut conn).await.expect("SET, WAIT");
+                acked == 1
+            }
+        })
+        .await;
+        let _: () = redis::cmd("DEL")
+            .arg("replica-warm-up")
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
         set
     }
 }
