@@ -5,9 +5,12 @@
 -- ARGV[1]  owner id ("instance-uuid:request-seq")
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  how long the fencing counter outlives its last use, in milliseconds
+-- ARGV[4]  the restart guard: the longest lease of the namespace in milliseconds, or 0
+--          when the guard is off
 --
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
--- token unchanged), or {0, pttl} when another owner holds it (pttl -1: no expiry set).
+-- token unchanged), {0, pttl} when another owner holds it (pttl -1: no expiry set), or
+-- {2, wait} when the restart guard refuses a new acquisition for `wait` more milliseconds.
 local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
@@ -20,6 +23,20 @@ if kind == 'hash' then
   -- A re-entry may extend the lease but never shorten the outer hold's.
   extend_lease(KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
+end
+
+-- The restart guard (Redlock's delayed restart): a server that started less than one
+-- longest lease ago may have lost locks whose holders still run, so it grants no new
+-- acquisition until then. Its start (INFO's uptime, whole seconds rounded down, so the
+-- wait errs long by under a second) is the marker: unlike a key it cannot survive from a
+-- stale snapshot that lacks newer locks. Holds that survived are re-entered above.
+if ARGV[4] ~= '0' then
+  local info = redis.call('info', 'server')
+  local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+  local wait = tonumber(ARGV[4]) - uptime * 1000
+  if wait > 0 then
+    return {2, wait}
+  end
 end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).

@@ -58,7 +58,10 @@ impl Inner {
             key,
             claim: Claim {
                 owner,
-                lease: request.lease,
+                // The restart guard outwaits only leases up to its maximum.
+                lease: self
+                    .restart_guard
+                    .map_or(request.lease, |max| request.lease.min(max)),
                 renew: request.watchdog,
             },
             started,
@@ -170,6 +173,13 @@ impl Inner {
                 [0, pttl] => Ok(Attempt::Held(
                     u64::try_from(*pttl).ok().map(Duration::from_millis),
                 )),
+                // The restart guard: treated as held by a holder from before the restart
+                // (waiters wait it out, a try gets `Contended` with the time left).
+                [2, wait] => {
+                    tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions");
+                    let wait = u64::try_from(*wait).map_err(|_| unexpected())?;
+                    Ok(Attempt::Held(Some(Duration::from_millis(wait))))
+                }
                 _ => Err(unexpected()),
             },
             Err(e) if e.is_wrong_type() => Err(LockError::NotALock {

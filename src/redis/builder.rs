@@ -8,6 +8,8 @@ use tokio_util::sync::CancellationToken;
 use super::checks::{ServerChecks, connect_failure};
 use super::pool::{CommandError, Pool};
 use super::pubsub::{Subscriber, SubscriberConfig};
+use super::recheck::Recheck;
+use super::replicas::SyncReplicas;
 use super::runtime::Spawner;
 use super::scripts::Scripts;
 use super::tls::TlsSettings;
@@ -16,6 +18,7 @@ use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
 use crate::backend::OwnerIds;
 use crate::error::BuildError;
+use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 use crate::queue::Queues;
 
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
@@ -34,6 +37,9 @@ pub struct RedisBackendBuilder {
     max_local_handoffs: u32,
     tls: TlsSettings,
     allow_eviction: bool,
+    restart_guard: bool,
+    max_lease: Duration,
+    sync_replicas: Option<SyncReplicas>,
 }
 
 impl RedisBackendBuilder {
@@ -52,6 +58,9 @@ impl RedisBackendBuilder {
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
             tls: TlsSettings::default(),
             allow_eviction: false,
+            restart_guard: false,
+            max_lease: DEFAULT_LEASE,
+            sync_replicas: None,
         }
     }
 
@@ -178,6 +187,76 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Turns on the restart guard (off by default): a Redis server that started less than
+    /// one [`max_lease`](Self::max_lease) ago grants no new acquisition until then.
+    ///
+    /// Without persistence, a restarted Redis has forgotten every lock while the holders
+    /// of the old ones may still run. The backend re-checks its held locks as soon as it
+    /// sees the restart, so each holder's [`HeldLock::lost`](crate::HeldLock::lost) fires
+    /// within milliseconds (about one
+    /// [`subscriber_ping_interval`](Self::subscriber_ping_interval) when the connection
+    /// was half-open), but an instance that asks first may be granted the lock before then:
+    /// for those milliseconds two handlers run. The guard closes that window: a holder from
+    /// before the restart stops within one lease of its last renewal (when it learns of the
+    /// loss, or when its lease runs out unrenewed), so nothing is granted before the
+    /// server's start plus the longest lease any holder may have. The decision is taken
+    /// inside the acquire script from the server's uptime (`INFO server`), so it holds for
+    /// every instance and for each node of a Cluster on its own.
+    ///
+    /// What it costs: after every start of the server, the first start and restarts with
+    /// persistence included, new acquisitions of keys that are not held wait until one
+    /// `max_lease` after the start; waiting requests wait it out (503 if their wait is
+    /// shorter), a [`try_once`](crate::LockRequest::try_once) or fail-fast layer gets
+    /// [`LockError::Contended`](crate::LockError::Contended) (409) with the time left as
+    /// `Retry-After`. Locks that survived the restart (persistence) are held, renewed and
+    /// re-entered as before. With the guard on, a request's lease is capped at `max_lease`.
+    /// The Redis user must be allowed to run `INFO`.
+    ///
+    /// What it does not cover: data lost without a restart (`FLUSHALL`, a failover to a
+    /// replica that had not yet received a lock; see [`sync_replicas`](Self::sync_replicas)).
+    /// Every backend of the namespace must turn it on, with the same `max_lease`. Fencing
+    /// tokens remain the safety net.
+    pub fn restart_guard(mut self) -> Self {
+        self.restart_guard = true;
+        self
+    }
+
+    /// The longest lease used in this namespace, which the
+    /// [`restart_guard`](Self::restart_guard) waits out after a restart (default 30 s, the
+    /// default lease). With the guard on, longer leases asked for are shortened to it.
+    /// Clamped to at most [`MAX_DURATION`](crate::lock::MAX_DURATION).
+    pub fn max_lease(mut self, max: Duration) -> Self {
+        self.max_lease = max.min(MAX_DURATION);
+        self
+    }
+
+    /// After each acquisition, waits until `replicas` replicas have it (`WAIT replicas
+    /// timeout`, on the connection that ran the acquire script), for up to `timeout`; an
+    /// acquisition fewer replicas acknowledged in time is released again and fails with
+    /// [`LockError::Backend`](crate::LockError::Backend) (503 from the layer) whose cause
+    /// reads, say, "acquired but acknowledged by 0 of 1 replicas within 50ms". Off by
+    /// default. `replicas` must be at least 1 and `timeout` above zero and below the
+    /// [`command_timeout`](Self::command_timeout).
+    ///
+    /// What it guarantees: a lock granted was on `replicas` replicas when it was granted,
+    /// so a failover to one of them keeps it, instead of granting it to someone else
+    /// while its holder runs. With the replicas down or lagging, acquisitions fail (the
+    /// lock service is unavailable) rather than be taken unreplicated.
+    ///
+    /// What it does not: replication stays asynchronous. `WAIT` does not make Redis
+    /// consistent: a failover may still promote a replica that did not acknowledge (Sentinel
+    /// and Cluster pick by replication offset, not by who acknowledged), renewals and a
+    /// release's handoff to the next task of the same process are not waited for, and an
+    /// acknowledged write can still be lost with a replica restarted without persistence.
+    /// Holders learn of a lost lock soon after the failover (the backend re-checks held
+    /// locks when it reconnects); fencing tokens remain the safety net. Each acquisition
+    /// also keeps its pooled connection's pipeline waiting for up to `timeout` while
+    /// replicas acknowledge.
+    pub fn sync_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.sync_replicas = Some(SyncReplicas { replicas, timeout });
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
     /// The backend may be used from other runtimes too, also after this one shut down (a
@@ -206,11 +285,13 @@ impl RedisBackendBuilder {
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
+        let recheck = Recheck::default();
         let pool = Pool::new(
             topology.clone(),
             self.pool_size,
             self.connect_timeout,
             self.command_timeout,
+            recheck.clone(),
         );
         // The pool bounds the connect by the connect timeout and the reply by the command
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
@@ -232,6 +313,23 @@ impl RedisBackendBuilder {
         }
         .run(Some(&subscriber_client), self.allow_eviction)
         .await?;
+        if self.restart_guard {
+            // The guard reads the uptime inside the acquire script: refuse a user that may
+            // not, instead of failing every acquisition.
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            match pool.query::<String>(&info).await {
+                Ok(_) => {}
+                Err(e) if e.is_no_permission() => {
+                    return Err(BuildError::Setting {
+                        name: "restart_guard",
+                        reason: "the Redis user must be allowed to run INFO (the guard reads \
+                                 the server's uptime)",
+                    });
+                }
+                Err(e) => return Err(connect_failure(e, &user)),
+            }
+        }
         let subscriber = Subscriber::spawn(
             topology,
             SubscriberConfig {
@@ -241,6 +339,7 @@ impl RedisBackendBuilder {
                 max_backoff: self.max_backoff,
             },
             pool.failure_epoch(),
+            recheck.clone(),
             shutdown.clone(),
             &runtime,
         );
@@ -248,6 +347,7 @@ impl RedisBackendBuilder {
             pool.clone(),
             scripts.clone(),
             self.command_timeout,
+            recheck,
             shutdown.clone(),
             &runtime,
         );
@@ -263,6 +363,8 @@ impl RedisBackendBuilder {
                 max_key_len: self.max_key_len,
                 command_timeout: self.command_timeout,
                 fence_ttl: self.fence_ttl,
+                restart_guard: self.restart_guard.then_some(self.max_lease),
+                sync_replicas: self.sync_replicas,
                 owners: OwnerIds::new(),
                 runtime,
                 shutdown,
@@ -280,6 +382,22 @@ impl RedisBackendBuilder {
         }
         if self.connect_timeout.is_zero() {
             return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_lease < Duration::from_millis(3) {
+            return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
+        }
+        if let Some(sync) = self.sync_replicas {
+            if sync.replicas == 0 {
+                return refuse("sync_replicas", "it must wait for at least one replica");
+            }
+            // WAIT 0 would block forever; a wait past the command timeout would fail every
+            // acquisition by the reply's timeout instead.
+            if sync.timeout.is_zero() || sync.timeout >= self.command_timeout {
+                return refuse(
+                    "sync_replicas",
+                    "its timeout must be above zero and below the command timeout",
+                );
+            }
         }
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");

@@ -48,13 +48,14 @@ impl AcquireCall {
             lease: c.claim.lease,
         };
         let call = {
-            let Unclaimed {
-                inner,
-                key,
-                owner,
-                lease,
-            } = unclaimed.clone();
+            let unclaimed = unclaimed.clone();
             async move {
+                let Unclaimed {
+                    inner,
+                    key,
+                    owner,
+                    lease,
+                } = &unclaimed;
                 let mut conn = match inner.pool.connection().await {
                     Ok(conn) => conn,
                     Err(e) => return (Err(e), None),
@@ -63,10 +64,22 @@ impl AcquireCall {
                 invocation
                     .key(&key.fence)
                     .arg(owner.as_str())
-                    .arg(millis(lease))
-                    .arg(millis(inner.fence_ttl));
+                    .arg(millis(*lease))
+                    .arg(millis(inner.fence_ttl))
+                    .arg(inner.restart_guard.map_or(0, millis));
                 let reply = conn.invoke::<Vec<i64>>(&invocation).await;
-                (reply, Some(conn))
+                match (&reply, inner.sync_replicas) {
+                    (Ok(taken), Some(sync)) if is_hold(taken) => {
+                        if let Err(e) = sync.wait(&mut conn).await {
+                            // Not known to be on enough replicas: given back before the
+                            // attempt fails, on the same connection, so it runs first.
+                            unclaimed.hold().undo(conn).await;
+                            return (Err(e), None);
+                        }
+                        (reply, Some(conn))
+                    }
+                    _ => (reply, Some(conn)),
+                }
             }
         };
         AcquireCall {

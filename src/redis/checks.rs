@@ -182,7 +182,9 @@ impl ServerChecks<'_> {
             .key(&probe.fence)
             .arg(owner)
             .arg(PROBE_TTL_MS)
-            .arg(PROBE_TTL_MS);
+            .arg(PROBE_TTL_MS)
+            // The restart guard is off for the probe: it checks rights, not the server's age.
+            .arg(0);
         let mut renew = self.scripts.renew.key(lock);
         renew.arg(owner).arg(PROBE_TTL_MS);
         let mut release = self.scripts.release.key(lock);

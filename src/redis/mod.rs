@@ -11,6 +11,8 @@ mod hold;
 mod keys;
 mod pool;
 mod pubsub;
+mod recheck;
+mod replicas;
 mod runtime;
 mod scripts;
 mod tls;
@@ -27,6 +29,7 @@ pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::Pool;
 use self::pubsub::Subscriber;
+use self::replicas::SyncReplicas;
 use self::runtime::Spawner;
 use self::scripts::Scripts;
 use self::watchdog::Watchdog;
@@ -75,6 +78,14 @@ pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 /// watchdog task that renews held leases in batches. Its background tasks stop when the
 /// last clone of the backend and the last guard it issued are dropped.
 ///
+/// On every sign that Redis may have lost data (the subscriber reconnected, a command
+/// connection was reopened after a failure, the server's `run_id` changed), the watchdog
+/// re-checks every held lock at once, so a holder whose lock a restart without persistence
+/// erased sees [`HeldLock::lost`](crate::HeldLock::lost) within milliseconds instead of at
+/// its next renewal. To keep a second holder out even in those milliseconds, see
+/// [`restart_guard`](RedisBackendBuilder::restart_guard); for failovers,
+/// [`sync_replicas`](RedisBackendBuilder::sync_replicas).
+///
 /// Tasks of one backend that wait for the same key queue in-process: only the first talks
 /// to Redis, and a release hands the lock straight to the next task in line, in one
 /// script, for up to [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times
@@ -95,6 +106,10 @@ struct Inner {
     max_key_len: usize,
     command_timeout: Duration,
     fence_ttl: Duration,
+    /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
+    restart_guard: Option<Duration>,
+    /// Replicas that must acknowledge an acquisition; `None`: none.
+    sync_replicas: Option<SyncReplicas>,
     owners: OwnerIds,
     runtime: Spawner,
     shutdown: CancellationToken,

@@ -26,6 +26,8 @@ use bb8_redis::bb8;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
 use tokio::sync::watch;
 
+use super::recheck::Recheck;
+use super::replicas::Unreplicated;
 use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
 
@@ -61,6 +63,23 @@ pub(crate) struct Manager {
     topology: Topology,
     config: AsyncConnectionConfig,
     failure_epoch: FailureEpoch,
+    /// The failure epoch when the last connection was opened: a connection opened at a
+    /// higher one replaces a connection that failed, and Redis may have lost data meanwhile.
+    opened_at: AtomicU64,
+    recheck: Recheck,
+}
+
+impl Manager {
+    /// Raises the recheck if this connection replaces one that failed, or reaches another
+    /// server process than the last one.
+    async fn check_server(&self, conn: &mut AnyConn) -> Result<(), RedisError> {
+        let level = self.failure_epoch.level();
+        if level > self.opened_at.swap(level, Ordering::Relaxed) {
+            self.recheck
+                .raise("a command connection was opened after a connection failed");
+        }
+        self.recheck.read_run_id(conn).await
+    }
 }
 
 impl bb8::ManageConnection for Manager {
@@ -68,7 +87,8 @@ impl bb8::ManageConnection for Manager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<Conn, RedisError> {
-        let conn = self.topology.connect(&self.config).await?;
+        let mut conn = self.topology.connect(&self.config).await?;
+        self.check_server(&mut conn).await?;
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
@@ -97,6 +117,8 @@ pub(crate) enum CommandError {
     Redis(RedisError),
     /// The runtime is shutting down and the command's task was dropped.
     Shutdown,
+    /// An acquisition too few replicas acknowledged in time (and that was given back).
+    Unreplicated(Unreplicated),
 }
 
 /// Why no connection could be had.
@@ -115,12 +137,18 @@ impl CommandError {
         matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
     }
 
+    /// True when the Redis user may not run the command (ACL).
+    pub(crate) fn is_no_permission(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.code() == Some("NOPERM"))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
             CommandError::Connect(_) => false,
             CommandError::Redis(e) => is_transport(e),
             CommandError::Shutdown => true,
+            CommandError::Unreplicated(_) => false,
         }
     }
 }
@@ -129,14 +157,17 @@ impl CommandError {
 // level by level (anyhow's `{:#}`) names the cause once.
 impl fmt::Display for CommandError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+        let what = match self {
             CommandError::Connect(ConnectError::Failed(_)) => "cannot connect to Redis",
             CommandError::Connect(ConnectError::TimedOut(_)) => {
                 "timed out waiting for a Redis connection"
             }
             CommandError::Redis(_) => "Redis command failed",
             CommandError::Shutdown => "the runtime is shutting down",
-        })
+            // Transparent: it says all there is, and has no cause of its own.
+            CommandError::Unreplicated(e) => return e.fmt(f),
+        };
+        f.write_str(what)
     }
 }
 
@@ -146,7 +177,9 @@ impl std::error::Error for CommandError {
             CommandError::Connect(ConnectError::Failed(e))
             | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(cause(e)),
             CommandError::Redis(e) => Some(cause(e)),
-            CommandError::Connect(ConnectError::TimedOut(None)) | CommandError::Shutdown => None,
+            CommandError::Connect(ConnectError::TimedOut(None))
+            | CommandError::Shutdown
+            | CommandError::Unreplicated(_) => None,
         }
     }
 }
@@ -158,7 +191,9 @@ impl CommandError {
             CommandError::Connect(ConnectError::Failed(e))
             | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(e),
             CommandError::Redis(e) => Some(e),
-            CommandError::Connect(ConnectError::TimedOut(None)) | CommandError::Shutdown => None,
+            CommandError::Connect(ConnectError::TimedOut(None))
+            | CommandError::Shutdown
+            | CommandError::Unreplicated(_) => None,
         }
     }
 
@@ -210,7 +245,7 @@ impl bb8::ErrorSink<RedisError> for ConnectFailures {
     }
 }
 
-fn is_transport(e: &RedisError) -> bool {
+pub(crate) fn is_transport(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 
@@ -228,6 +263,7 @@ impl Pool {
         size: u32,
         connect_timeout: Duration,
         response_timeout: Duration,
+        recheck: Recheck,
     ) -> Self {
         let failure_epoch = FailureEpoch::default();
         let failures = ConnectFailures(Arc::new(watch::Sender::new(None)));
@@ -248,6 +284,8 @@ impl Pool {
                 topology,
                 config,
                 failure_epoch: failure_epoch.clone(),
+                opened_at: AtomicU64::new(0),
+                recheck,
             });
         Pool {
             pool,
@@ -365,6 +403,15 @@ impl Conn {
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, CommandError> {
         let result = invocation.invoke_async(&mut self.conn).await;
+        self.observe(result)
+    }
+
+    /// Runs one command on this connection.
+    pub(crate) async fn query<T: FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, CommandError> {
+        let result = cmd.query_async(&mut self.conn).await;
         self.observe(result)
     }
 

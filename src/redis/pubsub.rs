@@ -20,6 +20,7 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
+use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::topology::Topology;
 
@@ -102,11 +103,13 @@ pub(crate) struct Subscriber {
 impl Subscriber {
     /// Starts the subscriber task; it stops when `shutdown` is cancelled.
     /// Losing the subscriber connection raises `failure_epoch`: the command connections to the
-    /// same server are probably gone too.
+    /// same server are probably gone too. Opening one raises `recheck`: the server may have
+    /// restarted empty meanwhile.
     pub(crate) fn spawn(
         topology: Topology,
         config: SubscriberConfig,
         failure_epoch: FailureEpoch,
+        recheck: Recheck,
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
@@ -124,6 +127,7 @@ impl Subscriber {
                 topology,
                 config,
                 failure_epoch.clone(),
+                recheck.clone(),
                 shutdown,
             )
         };
@@ -238,6 +242,7 @@ async fn serve_until_shutdown(
     topology: Topology,
     config: SubscriberConfig,
     failure_epoch: FailureEpoch,
+    recheck: Recheck,
     shutdown: CancellationToken,
 ) {
     // However the task ends, even dropped with its runtime, no connection is claimed and
@@ -259,6 +264,9 @@ async fn serve_until_shutdown(
                 shared.reconnects.fetch_add(1, Ordering::Relaxed);
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected");
+                // The first sign of a restart (the old connection ended with the server)
+                // or of a fault that may have hidden one: held locks may be gone.
+                recheck.raise("the subscriber connection was (re)opened");
                 let (mut sink, mut stream) = pubsub.split();
                 let mut proven = false;
                 let ended = serve(

@@ -2,7 +2,9 @@
 --
 -- KEYS[i]     a lock hash
 -- ARGV[2i-1]  the owner id that should hold KEYS[i]
--- ARGV[2i]    the new lease for KEYS[i] in milliseconds
+-- ARGV[2i]    the new lease for KEYS[i] in milliseconds, or 0 to only check that the owner
+--             still holds it (a hold without renewal, re-checked after Redis may have lost
+--             data)
 --
 -- A renewal only extends (extend_lease, from lease.lua), never shortens: the same owner
 -- may hold KEYS[i] with a longer lease that ARGV[2i] does not reflect, taken through
@@ -16,7 +18,9 @@ local renewed = {}
 for i, key in ipairs(KEYS) do
   local held = redis.pcall('hexists', key, ARGV[2 * i - 1])
   if held == 1 then
-    extend_lease(key, ARGV[2 * i])
+    if ARGV[2 * i] ~= '0' then
+      extend_lease(key, ARGV[2 * i])
+    end
     renewed[i] = 1
   else
     renewed[i] = 0

@@ -5,6 +5,9 @@
 //! holds it, or when the lease has certainly run out since the last confirmed renewal
 //! (Redis unreachable for a whole lease). Releasing deregisters the hold before the release
 //! script is sent, so renewal can never outlive an unlock.
+//!
+//! When Redis may have lost data (see `recheck.rs`), every held lock is renewed at once,
+//! and every hold without renewal checked, so a lock that is gone is found lost then.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -15,6 +18,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::pool::Pool;
+use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
 use crate::lock::{LockOwner, MAX_DURATION};
@@ -40,6 +44,8 @@ struct WatchedLock {
     /// Holds that asked for renewal; with none left the lease is only watched.
     renewing: usize,
     next: Instant,
+    /// A hold without renewal to be checked at `next` (Redis may have lost it).
+    recheck: bool,
     /// When the last acquisition or renewal that Redis confirmed was sent: the lease runs
     /// until at least this instant plus `lease`.
     confirmed: Instant,
@@ -92,6 +98,7 @@ impl Watchdog {
         pool: Pool,
         scripts: Arc<Scripts>,
         command_timeout: Duration,
+        recheck: Recheck,
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
@@ -101,8 +108,15 @@ impl Watchdog {
         });
         let renewing = shared.clone();
         let start = move |shutdown| {
-            let (pool, scripts) = (pool.clone(), scripts.clone());
-            renew_until_shutdown(renewing.clone(), pool, scripts, command_timeout, shutdown)
+            let (pool, scripts, recheck) = (pool.clone(), scripts.clone(), recheck.clone());
+            renew_until_shutdown(
+                renewing.clone(),
+                pool,
+                scripts,
+                recheck,
+                command_timeout,
+                shutdown,
+            )
         };
         let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
         Watchdog { shared, task }
@@ -137,6 +151,7 @@ impl Watchdog {
                 lease,
                 renewing: 0,
                 next: sent_at + if renew { lease / 3 } else { lease },
+                recheck: false,
                 confirmed: sent_at,
                 lost: CancellationToken::new(),
                 on_lost: Vec::new(),
@@ -210,12 +225,15 @@ struct Due {
     key: HoldKey,
     generation: u64,
     lease: Duration,
+    /// False: only check that the lock is still held (a hold without renewal).
+    renew: bool,
 }
 
 async fn renew_until_shutdown(
     shared: Arc<Shared>,
     pool: Pool,
     scripts: Arc<Scripts>,
+    recheck: Recheck,
     command_timeout: Duration,
     shutdown: CancellationToken,
 ) {
@@ -228,6 +246,7 @@ async fn renew_until_shutdown(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = shared.changed.notified() => continue,
+            _ = recheck.raised() => recheck_all(&shared),
             _ = async {
                 match next {
                     Some(at) => sleep_until(at).await,
@@ -244,8 +263,17 @@ async fn renew_until_shutdown(
     }
 }
 
-/// Expires what has certainly run out and returns what needs renewing now, with the
-/// hooks of the expired holds.
+/// Makes every hold due now: renewed if it asked for renewal, else checked.
+fn recheck_all(shared: &Shared) {
+    let now = Instant::now();
+    for entry in shared.state().holds.values_mut() {
+        entry.next = now;
+        entry.recheck = entry.renewing == 0;
+    }
+}
+
+/// Expires what has certainly run out and returns what needs renewing (or checking) now,
+/// with the hooks of the expired holds.
 fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
     let mut state = shared.state();
     let mut due = Vec::new();
@@ -256,18 +284,26 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
             hooks.extend(entry.lose());
             return false;
         }
-        if entry.renewing > 0 && entry.next <= now + BATCH_WINDOW {
+        let renew = entry.renewing > 0;
+        if (renew || entry.recheck) && entry.next <= now + BATCH_WINDOW {
             due.push(Due {
                 key: key.clone(),
                 generation: entry.generation,
                 lease: entry.lease,
+                renew,
             });
         }
         true
     });
-    // Unrenewed holds wake the loop when their lease ends, to fire `lost`.
+    // Unrenewed holds wake the loop when their lease ends, to fire `lost`, or earlier for
+    // a check still owed.
     for entry in state.holds.values_mut().filter(|e| e.renewing == 0) {
-        entry.next = entry.confirmed + entry.lease;
+        let end = entry.confirmed + entry.lease;
+        entry.next = if entry.recheck {
+            entry.next.min(end)
+        } else {
+            end
+        };
     }
     (due, hooks)
 }
@@ -281,10 +317,12 @@ async fn renew_batch(
 ) {
     let mut invocation = scripts.renew.prepare_invoke();
     for due in batch {
+        // A lease of 0 only checks (see renew.lua).
+        let lease = if due.renew { millis(due.lease) } else { 0 };
         invocation
             .key(&*due.key.0)
             .arg(due.key.1.as_str())
-            .arg(millis(due.lease));
+            .arg(lease);
     }
     let sent_at = Instant::now();
     let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
@@ -300,9 +338,14 @@ async fn renew_batch(
                 else {
                     continue; // released (or lost and taken anew) while the renewal was in flight
                 };
-                if still_held == 1 {
+                if still_held == 1 && due.renew {
+                    entry.recheck = false;
                     entry.confirmed = sent_at;
                     entry.next = sent_at + entry.lease / 3;
+                } else if still_held == 1 {
+                    // Checked, not extended: the lease still ends where it did.
+                    entry.recheck = false;
+                    entry.next = entry.confirmed + entry.lease;
                 } else {
                     tracing::warn!(key = %due.key.0, "lock no longer held at renewal");
                     hooks.extend(entry.lose());
