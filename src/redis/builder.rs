@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::cluster::ClusterNodes;
 use super::pool::Pool;
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::runtime::Spawner;
@@ -21,6 +22,8 @@ use crate::queue::Queues;
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct RedisBackendBuilder {
     url: String,
+    /// Seed nodes of a Redis Cluster; `url` is unused when set.
+    cluster_nodes: Option<Vec<String>>,
     pool_size: u32,
     namespace: String,
     max_key_len: usize,
@@ -36,6 +39,7 @@ impl RedisBackendBuilder {
     pub(super) fn new(url: String) -> Self {
         RedisBackendBuilder {
             url,
+            cluster_nodes: None,
             pool_size: 4,
             namespace: "tower-lock".to_owned(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
@@ -46,6 +50,13 @@ impl RedisBackendBuilder {
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+        }
+    }
+
+    pub(super) fn new_cluster(nodes: Vec<String>) -> Self {
+        RedisBackendBuilder {
+            cluster_nodes: Some(nodes),
+            ..Self::new(String::new())
         }
     }
 
@@ -143,13 +154,12 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
+        let topology = self.topology().map_err(|e| BuildError::Url {
             source: Box::new(e),
         })?;
-        let topology = Topology::Server(client);
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
-        let scripts = Arc::new(Scripts::new());
+        let scripts = Arc::new(Scripts::new(topology.is_cluster()));
         let pool = Pool::new(
             topology.clone(),
             self.pool_size,
@@ -208,6 +218,18 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Where the backend connects: parses the URLs, connects nowhere yet.
+    fn topology(&self) -> redis::RedisResult<Topology> {
+        Ok(match &self.cluster_nodes {
+            Some(nodes) => Topology::Cluster(ClusterNodes::new(
+                nodes.clone(),
+                self.connect_timeout,
+                self.command_timeout,
+            )?),
+            None => Topology::Server(redis::Client::open(self.url.as_str())?),
+        })
+    }
+
     /// Refuses values that would fail every call, instead of failing each request later.
     fn validate_settings(&self) -> Result<(), BuildError> {
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });

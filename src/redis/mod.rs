@@ -5,6 +5,7 @@
 mod acquire;
 mod builder;
 mod call;
+mod cluster;
 mod fence;
 mod hold;
 mod keys;
@@ -12,6 +13,7 @@ mod pool;
 mod pubsub;
 mod runtime;
 mod scripts;
+mod shard_pubsub;
 mod topology;
 mod watchdog;
 
@@ -114,6 +116,26 @@ impl RedisBackend {
     /// (`redis://[:password@]host:port[/db]`).
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
+    }
+
+    /// Starts configuring a backend for the Redis Cluster that `nodes` belong to: the URLs
+    /// (`redis://[user:password@]host:port`) of one or more of its nodes, from which the
+    /// client learns the rest. Keys, fencing counters and release channels of one lock share
+    /// a hash slot; releases are published with sharded pub/sub (`SPUBLISH`, Redis 7), and
+    /// the backend subscribes only on the shards that own a channel with waiters.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_lock::BuildError> {
+    /// let backend = tower_lock::RedisBackend::cluster(["redis://10.0.0.1:7000", "redis://10.0.0.2:7001"])
+    ///     .build()
+    ///     .await?;
+    /// # drop(backend);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn cluster(nodes: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
+        let nodes = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        RedisBackendBuilder::new_cluster(nodes)
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).

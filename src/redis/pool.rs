@@ -115,6 +115,13 @@ impl CommandError {
         matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
     }
 
+    /// True when a cluster refused the command while its topology changes (MOVED, ASK
+    /// or TRYAGAIN that redis-rs could not follow in time, CLUSTERDOWN, MASTERDOWN during
+    /// a failover): nothing ran, and a later try may succeed.
+    pub(crate) fn is_topology_change(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.is_cluster_error() || e.code() == Some("MASTERDOWN"))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
@@ -335,6 +342,11 @@ impl Conn {
         if self.broken.load(Ordering::Relaxed) {
             return false;
         }
+        // A cluster connection repairs itself; a PING (sent to every primary) would fail
+        // it while one shard fails over and the healthy shards still serve.
+        if self.conn.heals_itself() {
+            return true;
+        }
         let level = self.failure_epoch.level();
         if self.proven >= level {
             return true;
@@ -360,7 +372,7 @@ impl Conn {
 
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
-            if is_transport(&e) {
+            if is_transport(&e) && !self.conn.heals_itself() {
                 self.broken.store(true, Ordering::Relaxed);
                 self.failure_epoch.raise();
             }
