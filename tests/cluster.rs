@@ -17,7 +17,7 @@ use redis::{AsyncCommands, Script};
 use support::cluster::{Cluster, key_on};
 use support::{RedisServer, http_client, request, send, serve};
 use tokio::time::Instant;
-use tower_lock::{HeldLock, LockLayer, RedisBackend};
+use tower_lock::{BuildError, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios() {
@@ -31,6 +31,32 @@ async fn cluster_scenarios() {
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
+}
+
+#[tokio::test]
+async fn a_cluster_without_seeds_or_answering_nodes_is_a_build_error() {
+    let none: [&str; 0] = [];
+    let empty = RedisBackend::cluster(none).build().await;
+    assert!(matches!(empty, Err(BuildError::Url { .. })), "{empty:?}");
+    // A port nothing listens on: refused at once, not after a hang.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let started = Instant::now();
+    let refused = RedisBackend::cluster([format!("redis://127.0.0.1:{closed}")])
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await;
+    assert!(
+        matches!(refused, Err(BuildError::Connect { .. })),
+        "{refused:?}"
+    );
+    eprintln!(
+        "cluster build refused after {:?}: {}",
+        started.elapsed(),
+        refused.unwrap_err()
+    );
 }
 
 /// One key per shard plus 30 more: each lock hash lives on the primary that owns its slot,
@@ -63,6 +89,16 @@ async fn locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(clus
     tokio::time::sleep(lease * 3).await;
     for guard in &guards {
         assert!(!guard.is_lost(), "{} was renewed", guard.key());
+    }
+    // The fenced value of a key lives on the lock's shard too (one script, one slot).
+    let store = FencedStore::new(backend.clone());
+    for guard in &guards {
+        let write = store.write(guard.key(), guard.fencing_token(), "v").await;
+        assert_eq!(write.expect("fenced write"), FencedWrite::Written);
+        let stale = store
+            .write(guard.key(), guard.fencing_token() - 1, "old")
+            .await;
+        assert!(matches!(stale, Ok(FencedWrite::Stale { .. })));
     }
     for guard in guards {
         guard.release().await.expect("release");

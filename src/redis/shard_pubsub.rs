@@ -14,6 +14,7 @@
 //! `ping_interval`, so that a half-open node is noticed (redis-rs #404) and the connection
 //! rebuilt.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +57,8 @@ pub(super) async fn serve_until_shutdown(
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected to the cluster");
-                let ended = serve(&shared, conn, received, &config, &shutdown).await;
+                let ended =
+                    serve(&shared, conn, received, &config, &failure_epoch, &shutdown).await;
                 shared.disconnected();
                 match ended {
                     Ok(()) => return,
@@ -77,33 +79,51 @@ pub(super) async fn serve_until_shutdown(
     }
 }
 
+/// Channels whose shard refused or did not answer `SSUBSCRIBE` (its primary is down and
+/// not yet replaced): left alone until `until`, so that a shard that is down does not hold
+/// up every later reconcile, then asked for again with a doubled backoff.
+struct Deferred {
+    channels: HashSet<String>,
+    until: Option<Instant>,
+    backoff: Duration,
+}
+
 /// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
 async fn serve(
     shared: &Shared,
     mut conn: ClusterConnection,
     mut pushes: UnboundedReceiver<PushInfo>,
     config: &SubscriberConfig,
+    failure_epoch: &FailureEpoch,
     shutdown: &CancellationToken,
 ) -> Result<(), String> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
-    // Channels whose shard refused or did not answer `SSUBSCRIBE` (its primary is down and
-    // not yet replaced) are asked for again after a backoff.
-    let mut retry_backoff = INITIAL_BACKOFF;
-    let mut retry_at = None;
+    let mut deferred = Deferred {
+        channels: HashSet::new(),
+        until: None,
+        backoff: INITIAL_BACKOFF,
+    };
     loop {
-        if reconcile(shared, &conn, config.command_timeout).await {
-            retry_backoff = INITIAL_BACKOFF;
-            retry_at = None;
-        } else if retry_at.is_none() {
-            retry_at = Some(Instant::now() + retry_backoff);
-            retry_backoff = (retry_backoff * 2).min(config.max_backoff);
+        if deferred.until.is_some_and(|until| until <= Instant::now()) {
+            deferred.channels.clear();
+            deferred.until = None;
+        }
+        let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
+        if failed.is_empty() && deferred.channels.is_empty() {
+            deferred.backoff = INITIAL_BACKOFF;
+        } else if !failed.is_empty() {
+            deferred.channels.extend(failed);
+            deferred.until = Some(Instant::now() + deferred.backoff);
+            deferred.backoff = (deferred.backoff * 2).min(config.max_backoff);
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = shared.dirty.notified() => {}
-            push = pushes.recv() => on_push(shared, push.ok_or("connection closed")?),
+            push = pushes.recv() => {
+                on_push(shared, push.ok_or("connection closed")?, failure_epoch);
+            }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping
                 // is the only way to notice it. PING goes to every primary.
@@ -116,9 +136,7 @@ async fn serve(
                     .map_err(|_| "ping timed out".to_owned())?
                     .map_err(|e| format!("ping failed: {e}"))?;
             }
-            _ = sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {
-                retry_at = None;
-            }
+            _ = sleep_until(deferred.until.unwrap_or_else(Instant::now)), if deferred.until.is_some() => {}
         }
     }
 }
@@ -126,7 +144,7 @@ async fn serve(
 /// Acts on what the cluster pushed: a release wakes its channel's waiters; a lost node or a
 /// subscription the server ended (its slot moved) makes every waiter try again and every
 /// channel be subscribed anew on the shard that owns it now.
-fn on_push(shared: &Shared, push: PushInfo) {
+fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch) {
     let channel = || match push.data.first() {
         Some(Value::BulkString(name)) => std::str::from_utf8(name).ok(),
         _ => None,
@@ -157,6 +175,9 @@ fn on_push(shared: &Shared, push: PushInfo) {
         }
         PushKind::Disconnection => {
             tracing::warn!("lock subscriber lost a cluster node; waiters try again");
+            // The node may have failed over and lost data: connections and held locks on
+            // it are checked again.
+            failure_epoch.raise();
             let mut registry = shared.registry();
             registry.active.clear();
             registry.wake_all();
@@ -169,9 +190,16 @@ fn on_push(shared: &Shared, push: PushInfo) {
 
 /// Brings the subscriptions in line with the registry, one `SSUBSCRIBE` / `SUNSUBSCRIBE`
 /// per hash slot (a sharded command's channels must share one), the slots in flight
-/// together. False when some channels could not be subscribed (tried again later).
-async fn reconcile(shared: &Shared, conn: &ClusterConnection, command_timeout: Duration) -> bool {
-    let (subscribe, unsubscribe) = shared.registry().changes();
+/// together, leaving out `deferred` channels. Returns the channels that could not be
+/// subscribed.
+async fn reconcile(
+    shared: &Shared,
+    conn: &ClusterConnection,
+    command_timeout: Duration,
+    deferred: &HashSet<String>,
+) -> Vec<String> {
+    let (mut subscribe, unsubscribe) = shared.registry().changes();
+    subscribe.retain(|c| !deferred.contains(c));
     let unsubscribing = cluster::by_slot(unsubscribe, |c| c)
         .into_iter()
         .map(|channels| {
@@ -188,22 +216,23 @@ async fn reconcile(shared: &Shared, conn: &ClusterConnection, command_timeout: D
         .map(|channels| {
             let mut conn = conn.clone();
             async move {
-                match timeout(command_timeout, conn.ssubscribe(&channels)).await {
-                    Ok(Ok(())) => Ok(channels),
+                let outcome = match timeout(command_timeout, conn.ssubscribe(&channels)).await {
+                    Ok(Ok(())) => Ok(()),
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => Err("timed out".to_owned()),
-                }
+                };
+                (channels, outcome)
             }
         });
-    let mut complete = true;
-    for outcome in join_all(subscribing).await {
+    let mut failed = Vec::new();
+    for (channels, outcome) in join_all(subscribing).await {
         match outcome {
-            Ok(channels) => shared.registry().confirmed(channels),
+            Ok(()) => shared.registry().confirmed(channels),
             Err(error) => {
                 tracing::debug!(%error, "lock subscriber cannot subscribe on a shard yet");
-                complete = false;
+                failed.extend(channels);
             }
         }
     }
-    complete
+    failed
 }
