@@ -30,6 +30,7 @@ async fn cluster_scenarios() {
     waiters_do_not_poll_and_a_release_reaches_only_its_shard(&cluster).await;
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
+    a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
     a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
 }
 
@@ -171,6 +172,41 @@ async fn waiters_do_not_poll_and_a_release_reaches_only_its_shard(cluster: &Clus
             "PUBLISH on {port}"
         );
     }
+    guard.release().await.expect("release");
+}
+
+/// The slot of a waited-for key moves to another primary while its lock is held: the old
+/// shard ends the subscription, the waiter's channel is subscribed again on the new owner,
+/// and the release there (MOVED followed by redis-rs) wakes the waiter long before the
+/// holder's 30 s lease would.
+async fn a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(cluster: &Cluster) {
+    let primaries = cluster.primaries();
+    let (from, to) = (primaries[2], primaries[1]);
+    let key = key_on(cluster, from, "reshard:");
+    let channel = format!("tower-lock:{{{key}}}:released");
+    let holder = cluster.backend().await;
+    let waiter = cluster.backend().await;
+    let held = holder.lock(key.clone()).try_once().await.expect("free");
+    let waiting = tokio::spawn({
+        let key = key.clone();
+        async move { waiter.lock(key).wait(Duration::from_secs(20)).await }
+    });
+    support::eventually("the waiter subscribed on the old shard", || async {
+        cluster.shard_subscribers(from, &channel) == 1
+    })
+    .await;
+    cluster.move_slot(&format!("tower-lock:{{{key}}}"), to);
+    support::eventually("the waiter subscribed on the new shard", || async {
+        cluster.shard_subscribers(to, &channel) == 1
+    })
+    .await;
+    assert_eq!(cluster.shard_subscribers(from, &channel), 0);
+    held.release().await.expect("release on the new shard");
+    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter is woken by the release on the new shard")
+        .expect("task")
+        .expect("the waiter gets the lock");
     guard.release().await.expect("release");
 }
 

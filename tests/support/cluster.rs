@@ -208,6 +208,37 @@ impl Cluster {
         query(port, &["EXISTS", key]).trim() == "1"
     }
 
+    /// Moves the slot of `key` with its keys from its primary to the primary on `to`, as
+    /// `redis-cli --cluster reshard` does for each slot: IMPORTING / MIGRATING, MIGRATE of
+    /// every key, then the new owner announced to every primary.
+    pub fn move_slot(&self, key: &str, to: u16) {
+        let from = self.primary_of(key);
+        let slot = query(from, &["CLUSTER", "KEYSLOT", key]).trim().to_owned();
+        let id = |port: u16| query(port, &["CLUSTER", "MYID"]).trim().to_owned();
+        let (from_id, to_id) = (id(from), id(to));
+        query(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
+        query(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
+        let keys = query(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        if !keys.is_empty() {
+            let to_port = to.to_string();
+            let mut migrate = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys);
+            let reply = query(from, &migrate);
+            assert!(reply.trim() == "OK", "MIGRATE: {reply}");
+        }
+        let others = self
+            .primaries()
+            .into_iter()
+            .filter(|p| ![to, from].contains(p));
+        for port in [to, from].into_iter().chain(others) {
+            query(port, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+        }
+        wait_until(&format!("slot {slot} served by {to}"), || {
+            self.primary_of(key) == to
+        });
+    }
+
     /// SIGKILL of the node on `port`, as a crash would.
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.nodes.iter_mut().find(|n| n.port == port) {
