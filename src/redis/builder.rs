@@ -61,7 +61,8 @@ impl RedisBackendBuilder {
     }
 
     /// Number of multiplexed command connections (default 4). Each carries many
-    /// concurrent commands, so a handful is plenty.
+    /// concurrent commands, so a handful is plenty. On a cluster each is a cluster
+    /// connection with one socket per node.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -168,7 +169,8 @@ impl RedisBackendBuilder {
         );
         // The pool bounds the connect by the connect timeout and the reply by the command
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
-        pool.query::<String>(&redis::cmd("PING"))
+        // Every primary of a cluster must answer, as the one server must.
+        pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| BuildError::Connect {
                 source: e.into_cause(),

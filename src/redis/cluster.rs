@@ -13,7 +13,7 @@ use std::time::Duration;
 use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo, Slot};
 use redis::{
     AsyncConnectionConfig, Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult,
     Value,
@@ -118,6 +118,20 @@ pub(crate) fn req_packed_command<'a>(
         Box::pin(conn.route_command(cmd.clone(), routing))
     } else {
         conn.req_packed_command(cmd)
+    }
+}
+
+/// Sends `cmd` to every primary and returns their replies, in no particular order: a
+/// setting that must hold on every shard (an eviction policy) is read from each.
+pub(crate) async fn query_each_primary(
+    conn: &mut ClusterConnection,
+    cmd: &Cmd,
+) -> RedisResult<Vec<Value>> {
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    match conn.route_command(cmd.clone(), routing).await? {
+        // Without a response policy redis-rs answers with a map: node address -> reply.
+        Value::Map(replies) => Ok(replies.into_iter().map(|(_, reply)| reply).collect()),
+        other => Ok(vec![other]),
     }
 }
 

@@ -45,7 +45,8 @@ const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
 /// Default bound on consecutive handoffs within one process while other instances wait.
 pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 
-/// Distributed locks on one Redis server. Cheap to clone; clones share connections.
+/// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
+/// Cheap to clone; clones share connections.
 ///
 /// Create one per process with [`connect`](Self::connect) or [`builder`](Self::builder)
 /// and hand clones to every [`LockLayer`](crate::LockLayer).
@@ -72,7 +73,9 @@ pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 ///
 /// Each backend owns a bb8 pool of multiplexed command connections, one subscriber
 /// connection that carries the release channels of every key with local waiters, and one
-/// watchdog task that renews held leases in batches. Its background tasks stop when the
+/// watchdog task that renews held leases in batches. On a cluster each of these is a
+/// cluster connection (one multiplexed socket per node), channels are subscribed with
+/// `SSUBSCRIBE` on the shard that owns them, and renewals are batched per hash slot. Its background tasks stop when the
 /// last clone of the backend and the last guard it issued are dropped.
 ///
 /// Tasks of one backend that wait for the same key queue in-process: only the first talks

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bb8_redis::bb8;
-use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
+use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation, Value};
 use tokio::sync::watch;
 
 use super::runtime::RuntimeAlive;
@@ -329,6 +329,26 @@ impl Pool {
         let mut conn = self.connection().await?;
         let result = cmd.query_async(&mut conn.conn).await;
         conn.observe(result)
+    }
+}
+
+impl Pool {
+    /// Runs one command on every server that takes writes (each primary of a cluster, the
+    /// one server otherwise), for settings that must hold on all of them.
+    pub(crate) async fn query_each_primary<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> Result<Vec<T>, CommandError> {
+        let mut conn = self.connection().await?;
+        let replies = match &mut conn.conn {
+            AnyConn::Cluster(cluster) => super::cluster::query_each_primary(cluster, cmd).await,
+            server => cmd.query_async::<Value>(server).await.map(|v| vec![v]),
+        };
+        let replies = conn.observe(replies)?;
+        replies
+            .into_iter()
+            .map(|v| T::from_redis_value(v).map_err(|e| CommandError::Redis(e.into())))
+            .collect()
     }
 }
 
