@@ -4,7 +4,7 @@
 //! Commands go through redis-rs' cluster client, which routes each command by its first
 //! key, follows MOVED and ASK, and refreshes its slot map after a failover or a reshard.
 //! Every Redis name of one lock shares the lock's hash tag (`keys.rs`), so each script runs
-//! on one shard; only the watchdog's batches mix locks, and it groups them by [`slot`].
+//! on one shard; only the watchdog's batches mix locks, and it groups them with `by_slot`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,10 +14,7 @@ use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo, Slot};
-use redis::{
-    AsyncConnectionConfig, Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult,
-    Value,
-};
+use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
 
 /// The seed nodes of a cluster and the timeouts of the connections made to it.
 pub(crate) struct ClusterNodes {
@@ -44,7 +41,8 @@ impl ClusterNodes {
         }))
     }
 
-    /// Opens a command connection: one multiplexed connection per node.
+    /// Opens a command connection: one multiplexed connection per node, with the
+    /// backend's connect and command timeouts (set on the client).
     pub(crate) async fn connect(&self) -> RedisResult<ClusterConnection> {
         self.commands.get_async_connection().await
     }
@@ -80,15 +78,6 @@ fn client_builder(
         .retries(2)
         .min_retry_wait(10)
         .max_retry_wait(100)
-}
-
-/// Opens a command connection to the cluster. The timeouts were set on the client (the
-/// same ones `config` carries).
-pub(crate) async fn connect(
-    cluster: &ClusterNodes,
-    _config: &AsyncConnectionConfig,
-) -> RedisResult<ClusterConnection> {
-    cluster.connect().await
 }
 
 /// `items` grouped by the hash slot of their key (its hash tag's, when it has one): the

@@ -34,7 +34,7 @@ impl Topology {
                 .get_multiplexed_async_connection_with_config(config)
                 .await
                 .map(AnyConn::Server),
-            Topology::Cluster(nodes) => cluster::connect(nodes, config).await.map(AnyConn::Cluster),
+            Topology::Cluster(nodes) => nodes.connect().await.map(AnyConn::Cluster),
         }
     }
 
