@@ -25,36 +25,11 @@ impl Cluster {
     /// Starts the nodes, creates the cluster and waits until every node reports
     /// `cluster_state:ok` and every primary has its replica linked.
     pub fn start() -> Self {
-        let mut nodes = Vec::new();
-        for port in cluster_ports(6) {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "1000"])
-                .args(["--cluster-replica-validity-factor", "0"])
-                .args(["--cluster-require-full-coverage", "no"])
-                .args(["--repl-diskless-sync-delay", "0"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server is installed");
-            nodes.push(Node {
-                port,
-                child: Some(child),
-                _dir: dir,
-            });
-        }
-        let cluster = Cluster { nodes };
-        for node in &cluster.nodes {
-            wait_until(&format!("node {} answers", node.port), || {
-                info(node.port, "PING").is_some()
-            });
-        }
+        // Another process may take a picked port before redis-server binds it: retry with
+        // new ports (a node that did not come up is killed with the others).
+        let cluster = (0..10)
+            .find_map(|_| Cluster::spawn_nodes())
+            .expect("six redis-server nodes on free ports");
         let status = Command::new("redis-cli")
             .arg("--cluster")
             .arg("create")
@@ -72,6 +47,50 @@ impl Cluster {
         assert!(status.success(), "redis-cli --cluster create");
         cluster.wait_until_healthy();
         cluster
+    }
+
+    /// Spawns six cluster-enabled nodes; `None` if one did not come up as ours.
+    fn spawn_nodes() -> Option<Self> {
+        let mut cluster = Cluster { nodes: Vec::new() };
+        for port in cluster_ports(6) {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "1000"])
+                .args(["--cluster-replica-validity-factor", "0"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server is installed");
+            cluster.nodes.push(Node {
+                port,
+                child: Some(child),
+                _dir: dir,
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for node in &mut cluster.nodes {
+            // Only our own process counts: another test's server may have won the port.
+            let ours = format!("process_id:{}", node.child.as_ref()?.id());
+            loop {
+                if info(node.port, "INFO server").is_some_and(|i| i.contains(&ours)) {
+                    break;
+                }
+                let exited = node.child.as_mut()?.try_wait().ok().flatten().is_some();
+                if exited || Instant::now() > deadline {
+                    return None; // dropping `cluster` kills the nodes that did start
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Some(cluster)
     }
 
     /// Waits until every live node says `cluster_state:ok` and every primary has its
