@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::checks::{ServerChecks, connect_failure};
+use super::cluster::ClusterNodes;
 use super::pool::{CommandError, Pool};
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::recheck::Recheck;
@@ -26,6 +27,8 @@ use crate::queue::Queues;
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct RedisBackendBuilder {
     url: String,
+    /// Seed nodes of a Redis Cluster; `url` is unused when set.
+    cluster_nodes: Option<Vec<String>>,
     pool_size: u32,
     namespace: String,
     max_key_len: usize,
@@ -46,6 +49,7 @@ impl RedisBackendBuilder {
     pub(super) fn new(url: String) -> Self {
         RedisBackendBuilder {
             url,
+            cluster_nodes: None,
             pool_size: 4,
             namespace: "tower-lock".to_owned(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
@@ -64,8 +68,16 @@ impl RedisBackendBuilder {
         }
     }
 
+    pub(super) fn new_cluster(nodes: Vec<String>) -> Self {
+        RedisBackendBuilder {
+            cluster_nodes: Some(nodes),
+            ..Self::new(String::new())
+        }
+    }
+
     /// Number of multiplexed command connections (default 4). Each carries many
-    /// concurrent commands, so a handful is plenty.
+    /// concurrent commands, so a handful is plenty. On a cluster each is a cluster
+    /// connection with one socket per node.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -274,17 +286,10 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let client = self.tls.client(&self.url)?;
-        let user = client
-            .get_connection_info()
-            .redis_settings()
-            .username()
-            .unwrap_or("default")
-            .to_owned();
-        let topology = Topology::Server(client);
+        let (topology, user) = self.topology()?;
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
-        let scripts = Arc::new(Scripts::new());
+        let scripts = Arc::new(Scripts::new(topology.is_cluster()));
         let recheck = Recheck::default();
         let pool = Pool::new(
             topology.clone(),
@@ -295,13 +300,20 @@ impl RedisBackendBuilder {
         );
         // The pool bounds the connect by the connect timeout and the reply by the command
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
-        pool.query::<String>(&redis::cmd("PING"))
+        // Every primary of a cluster must answer, as the one server must.
+        pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| connect_failure(e, &user))?;
-        let subscriber_client = topology
-            .subscriber_client()
-            .await
-            .map_err(|e| connect_failure(CommandError::Redis(e), &user))?;
+        // A cluster's subscriber connects to every node, sharded (see `shard_pubsub.rs`).
+        let subscriber_client = match topology.is_cluster() {
+            true => None,
+            false => Some(
+                topology
+                    .subscriber_client()
+                    .await
+                    .map_err(|e| connect_failure(CommandError::Redis(e), &user))?,
+            ),
+        };
         ServerChecks {
             pool: &pool,
             scripts: &scripts,
@@ -309,9 +321,13 @@ impl RedisBackendBuilder {
             namespace: &self.namespace,
             connect_timeout: self.connect_timeout,
             command_timeout: self.command_timeout,
-            publish: "PUBLISH",
+            publish: if topology.is_cluster() {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            },
         }
-        .run(Some(&subscriber_client), self.allow_eviction)
+        .run(subscriber_client.as_ref(), self.allow_eviction)
         .await?;
         if self.restart_guard {
             // The guard reads the uptime inside the acquire script: refuse a user that may
@@ -374,6 +390,38 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Where the backend connects: parses the URLs, connects nowhere yet.
+    /// Where the servers are, and the ACL user the connections log in as (for errors).
+    fn topology(&self) -> Result<(Topology, String), BuildError> {
+        let url_error = |e: redis::RedisError| BuildError::Url {
+            source: Box::new(e),
+        };
+        let (topology, info) = match &self.cluster_nodes {
+            Some(nodes) => {
+                self.tls.check_cluster(nodes)?;
+                let cluster = ClusterNodes::new(
+                    nodes.clone(),
+                    self.tls.clone(),
+                    self.connect_timeout,
+                    self.command_timeout,
+                )
+                .map_err(url_error)?;
+                // The cluster client checked that every seed parses and agrees on them.
+                let first = nodes.first().map(String::as_str).unwrap_or_default();
+                let info =
+                    redis::IntoConnectionInfo::into_connection_info(first).map_err(url_error)?;
+                (Topology::Cluster(cluster), info)
+            }
+            None => {
+                let client = self.tls.client(&self.url)?;
+                let info = client.get_connection_info().clone();
+                (Topology::Server(client), info)
+            }
+        };
+        let user = info.redis_settings().username().unwrap_or("default");
+        Ok((topology, user.to_owned()))
+    }
+
     /// Refuses values that would fail every call, instead of failing each request later.
     fn validate_settings(&self) -> Result<(), BuildError> {
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });

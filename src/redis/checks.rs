@@ -147,12 +147,13 @@ impl ServerChecks<'_> {
         }
     }
 
-    /// Refuses a server whose `maxmemory-policy` may evict keys. `INFO memory` is read
-    /// rather than `CONFIG GET`, which managed services and ACL users are often denied.
+    /// Refuses a server (on a cluster: any primary) whose `maxmemory-policy` may evict
+    /// keys. `INFO memory` is read rather than `CONFIG GET`, which managed services and ACL
+    /// users are often denied.
     async fn eviction_policy(&self) -> Result<(), BuildError> {
-        let info: String = self
+        let infos: Vec<String> = self
             .pool
-            .query(redis::cmd("INFO").arg("memory"))
+            .query_each_primary(redis::cmd("INFO").arg("memory"))
             .await
             .map_err(|e| {
                 self.failure(
@@ -160,16 +161,18 @@ impl ServerChecks<'_> {
                     "run INFO (it tells the maxmemory-policy; `allow_eviction` skips this)",
                 )
             })?;
-        let policy = info
-            .lines()
-            .find_map(|line| line.strip_prefix("maxmemory_policy:"))
-            .map_or("(not reported)", str::trim);
-        if policy == "noeviction" {
-            return Ok(());
+        for info in &infos {
+            let policy = info
+                .lines()
+                .find_map(|line| line.strip_prefix("maxmemory_policy:"))
+                .map_or("(not reported)", str::trim);
+            if policy != "noeviction" {
+                return Err(BuildError::Eviction {
+                    policy: policy.to_owned(),
+                });
+            }
         }
-        Err(BuildError::Eviction {
-            policy: policy.to_owned(),
-        })
+        Ok(())
     }
 
     /// Takes, renews and releases the probe lock with the real scripts, so every command,
@@ -198,7 +201,8 @@ impl ServerChecks<'_> {
             .arg(0)
             .arg(PROBE_TTL_MS)
             .arg(0)
-            .arg(0);
+            .arg(0)
+            .arg(u8::from(self.scripts.sharded));
         let steps = [
             ("acquire", &acquire, ACQUIRE_CALLS),
             ("renew", &renew, RENEW_CALLS),

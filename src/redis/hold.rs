@@ -104,7 +104,8 @@ impl RedisHold {
             .arg(successor.map_or(0, |s| millis(s.lease)))
             .arg(millis(self.inner.fence_ttl))
             .arg(u8::from(streak_spent))
-            .arg(u8::from(self.may_have_run));
+            .arg(u8::from(self.may_have_run))
+            .arg(u8::from(self.inner.scripts.sharded));
         invocation
     }
 
@@ -178,7 +179,9 @@ impl RedisHold {
                     });
                 }
                 Ok(Err(e)) => {
-                    let retry = e.is_ambiguous() || matches!(e, CommandError::Connect(_));
+                    let retry = e.is_ambiguous()
+                        || e.is_topology_change()
+                        || matches!(e, CommandError::Connect(_));
                     self.may_have_run |= e.is_ambiguous();
                     if !retry {
                         return Err(LockError::backend("release", e));

@@ -6,6 +6,7 @@ mod acquire;
 mod builder;
 mod call;
 mod checks;
+mod cluster;
 mod fence;
 mod hold;
 mod keys;
@@ -15,6 +16,7 @@ mod recheck;
 mod replicas;
 mod runtime;
 mod scripts;
+mod shard_pubsub;
 mod tls;
 mod topology;
 mod watchdog;
@@ -48,7 +50,8 @@ const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
 /// Default bound on consecutive handoffs within one process while other instances wait.
 pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 
-/// Distributed locks on one Redis server. Cheap to clone; clones share connections.
+/// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
+/// Cheap to clone; clones share connections.
 ///
 /// Create one per process with [`connect`](Self::connect) or [`builder`](Self::builder)
 /// and hand clones to every [`LockLayer`](crate::LockLayer).
@@ -75,7 +78,9 @@ pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
 ///
 /// Each backend owns a bb8 pool of multiplexed command connections, one subscriber
 /// connection that carries the release channels of every key with local waiters, and one
-/// watchdog task that renews held leases in batches. Its background tasks stop when the
+/// watchdog task that renews held leases in batches. On a cluster each of these is a
+/// cluster connection (one multiplexed socket per node), channels are subscribed with
+/// `SSUBSCRIBE` on the shard that owns them, and renewals are batched per hash slot. Its background tasks stop when the
 /// last clone of the backend and the last guard it issued are dropped.
 ///
 /// On every sign that Redis may have lost data (the subscriber reconnected, a command
@@ -133,6 +138,26 @@ impl RedisBackend {
     /// Percent-encode `@`, `:` and `/` in the user and password.
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
+    }
+
+    /// Starts configuring a backend for the Redis Cluster that `nodes` belong to: the URLs
+    /// (`redis://[user:password@]host:port`) of one or more of its nodes, from which the
+    /// client learns the rest. Keys, fencing counters and release channels of one lock share
+    /// a hash slot; releases are published with sharded pub/sub (`SPUBLISH`, Redis 7), and
+    /// the backend subscribes only on the shards that own a channel with waiters.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_lock::BuildError> {
+    /// let backend = tower_lock::RedisBackend::cluster(["redis://10.0.0.1:7000", "redis://10.0.0.2:7001"])
+    ///     .build()
+    ///     .await?;
+    /// # drop(backend);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn cluster(nodes: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
+        let nodes = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        RedisBackendBuilder::new_cluster(nodes)
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bb8_redis::bb8;
-use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation};
+use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation, Value};
 use tokio::sync::watch;
 
 use super::recheck::Recheck;
@@ -140,6 +140,13 @@ impl CommandError {
     /// True when the Redis user may not run the command (ACL).
     pub(crate) fn is_no_permission(&self) -> bool {
         matches!(self, CommandError::Redis(e) if e.code() == Some("NOPERM"))
+    }
+
+    /// True when a cluster refused the command while its topology changes (MOVED, ASK
+    /// or TRYAGAIN that redis-rs could not follow in time, CLUSTERDOWN, MASTERDOWN during
+    /// a failover): nothing ran, and a later try may succeed.
+    pub(crate) fn is_topology_change(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if e.is_cluster_error() || e.code() == Some("MASTERDOWN"))
     }
 
     /// True when the command may have run even though no reply arrived.
@@ -373,6 +380,26 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Runs one command on every server that takes writes (each primary of a cluster, the
+    /// one server otherwise), for settings that must hold on all of them.
+    pub(crate) async fn query_each_primary<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> Result<Vec<T>, CommandError> {
+        let mut conn = self.connection().await?;
+        let replies = match &mut conn.conn {
+            AnyConn::Cluster(cluster) => super::cluster::query_each_primary(cluster, cmd).await,
+            server => cmd.query_async::<Value>(server).await.map(|v| vec![v]),
+        };
+        let replies = conn.observe(replies)?;
+        replies
+            .into_iter()
+            .map(|v| T::from_redis_value(v).map_err(|e| CommandError::Redis(e.into())))
+            .collect()
+    }
+}
+
 impl Conn {
     /// False when the connection failed before, or cannot answer a PING after another
     /// connection was found dead.
@@ -382,6 +409,11 @@ impl Conn {
         }
         if self.broken.load(Ordering::Relaxed) {
             return false;
+        }
+        // A cluster connection repairs itself; a PING (sent to every primary) would fail
+        // it while one shard fails over and the healthy shards still serve.
+        if self.conn.heals_itself() {
+            return true;
         }
         let level = self.failure_epoch.level();
         if self.proven >= level {
@@ -417,7 +449,7 @@ impl Conn {
 
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
-            if is_transport(&e) {
+            if is_transport(&e) && !self.conn.heals_itself() {
                 self.broken.store(true, Ordering::Relaxed);
                 self.failure_epoch.raise();
             }

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use super::pool::FailureEpoch;
 use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
+use super::shard_pubsub;
 use super::topology::Topology;
 
 /// Timing of the subscriber connection.
@@ -34,47 +35,79 @@ pub(crate) struct SubscriberConfig {
 }
 
 #[derive(Default)]
-struct Registry {
+pub(super) struct Registry {
     /// Channels with waiters, each waiter's wakeup keyed by its id.
-    channels: HashMap<String, HashMap<u64, Arc<Notify>>>,
+    pub(super) channels: HashMap<String, HashMap<u64, Arc<Notify>>>,
     /// Channels the current connection has confirmed. A waiter that registers on one of
     /// these can try again at once: any later release reaches it.
-    active: HashSet<String>,
+    pub(super) active: HashSet<String>,
     /// Whether a subscriber connection is up (for introspection and tests).
-    connected: bool,
+    pub(super) connected: bool,
 }
 
 impl Registry {
-    fn wake_channel(&self, channel: &str) {
+    pub(super) fn wake_channel(&self, channel: &str) {
         if let Some(waiters) = self.channels.get(channel) {
             waiters.values().for_each(|n| n.notify_one());
         }
     }
 
-    fn wake_all(&self) {
+    pub(super) fn wake_all(&self) {
         self.channels
             .values()
             .flat_map(HashMap::values)
             .for_each(|n| n.notify_one());
     }
+
+    /// The channels to subscribe (waiters, not active) and to unsubscribe (active, no
+    /// waiters). The latter are forgotten before the command is sent, so a waiter arriving
+    /// meanwhile sees its channel as inactive and asks for it again (the unsubscribe goes
+    /// first).
+    pub(super) fn changes(&mut self) -> (Vec<String>, Vec<String>) {
+        let unsubscribe: Vec<String> = self
+            .active
+            .iter()
+            .filter(|c| !self.channels.contains_key(*c))
+            .cloned()
+            .collect();
+        for c in &unsubscribe {
+            self.active.remove(c);
+        }
+        let subscribe = self
+            .channels
+            .keys()
+            .filter(|c| !self.active.contains(*c))
+            .cloned()
+            .collect();
+        (subscribe, unsubscribe)
+    }
+
+    /// Records confirmed subscriptions. Their waiters try again: a release may have been
+    /// published between their last attempt and the subscription.
+    pub(super) fn confirmed(&mut self, channels: impl IntoIterator<Item = String>) {
+        for channel in channels {
+            self.wake_channel(&channel);
+            self.active.insert(channel);
+        }
+    }
 }
 
-struct Shared {
+pub(super) struct Shared {
     registry: Mutex<Registry>,
     /// Set whenever the registry changes, so the task reconciles subscriptions.
-    dirty: Notify,
+    pub(super) dirty: Notify,
     next_id: AtomicU64,
-    reconnects: AtomicU64,
+    pub(super) reconnects: AtomicU64,
 }
 
 impl Shared {
-    fn registry(&self) -> MutexGuard<'_, Registry> {
+    pub(super) fn registry(&self) -> MutexGuard<'_, Registry> {
         // The registry holds plain data and no code runs under the lock that can panic
         // half-way through an update, so a poisoned lock is still consistent.
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn disconnected(&self) {
+    pub(super) fn disconnected(&self) {
         let mut registry = self.registry();
         registry.connected = false;
         // Messages may have been missed while the connection was going down: every
@@ -85,7 +118,7 @@ impl Shared {
 }
 
 /// Marks the subscriber disconnected when its task ends or is dropped.
-struct Disconnected<'a>(&'a Shared);
+pub(super) struct Disconnected<'a>(pub(super) &'a Shared);
 
 impl Drop for Disconnected<'_> {
     fn drop(&mut self) {
@@ -245,6 +278,11 @@ async fn serve_until_shutdown(
     recheck: Recheck,
     shutdown: CancellationToken,
 ) {
+    if let Topology::Cluster(nodes) = &topology {
+        let nodes = nodes.clone();
+        let signs = (failure_epoch, recheck);
+        return shard_pubsub::serve_until_shutdown(shared, nodes, config, signs, shutdown).await;
+    }
     // However the task ends, even dropped with its runtime, no connection is claimed and
     // every waiter tries again.
     let _disconnected = Disconnected(&shared);
@@ -357,27 +395,7 @@ async fn reconcile(
     proven: &mut bool,
 ) -> Result<(), Ended> {
     loop {
-        let (subscribe, unsubscribe) = {
-            let mut registry = shared.registry();
-            let unsubscribe: Vec<String> = registry
-                .active
-                .iter()
-                .filter(|c| !registry.channels.contains_key(*c))
-                .cloned()
-                .collect();
-            // Forget them before the command is sent, so a waiter arriving meanwhile sees
-            // the channel as inactive and asks for it again (the unsubscribe goes first).
-            for c in &unsubscribe {
-                registry.active.remove(c);
-            }
-            let subscribe: Vec<String> = registry
-                .channels
-                .keys()
-                .filter(|c| !registry.active.contains(*c))
-                .cloned()
-                .collect();
-            (subscribe, unsubscribe)
-        };
+        let (subscribe, unsubscribe) = shared.registry().changes();
         if subscribe.is_empty() && unsubscribe.is_empty() {
             return Ok(());
         }
@@ -396,13 +414,7 @@ async fn reconcile(
                     _ => Ended::Lost(format!("subscribe failed: {e}")),
                 })?;
             *proven = true;
-            let mut registry = shared.registry();
-            for channel in subscribe {
-                // Waiters on a freshly confirmed channel try again: a release may have
-                // been published between their last attempt and the subscription.
-                registry.wake_channel(&channel);
-                registry.active.insert(channel);
-            }
+            shared.registry().confirmed(subscribe);
         }
     }
 }

@@ -16,6 +16,9 @@
 --          for real if anyone (another instance) is subscribed to ARGV[4]
 -- ARGV[9]  "1" when an earlier call of this same release may have run (its reply was
 --          lost): only then can a handoff it made exist, so only then is one looked for
+-- ARGV[10] "1" on a Redis Cluster: publish on sharded pub/sub (SPUBLISH, Redis 7), so the
+--          release reaches only the shard that owns ARGV[4] (KEYS[1]'s hash tag); "0" on a
+--          single server, where PUBLISH keeps working on Redis before 7
 --
 -- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
@@ -41,7 +44,11 @@ if count > 1 then
   extend_lease(KEYS[1], ARGV[3])
   return {1}
 end
-if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[2] == 0) then
+local sharded = ARGV[10] == '1'
+local function subscribers(channel)
+  return redis.call('pubsub', sharded and 'shardnumsub' or 'numsub', channel)[2]
+end
+if ARGV[5] ~= '' and (ARGV[8] ~= '1' or subscribers(ARGV[4]) == 0) then
   redis.call('del', KEYS[1])
   -- The current hold's token is the newest issued for this key (only a holder gets a new
   -- one), so the next number exceeds every earlier token without reading the clock.
@@ -60,8 +67,8 @@ if ARGV[5] ~= '' and (ARGV[8] ~= '1' or redis.call('pubsub', 'numsub', ARGV[4])[
 end
 -- Published before the delete: a script that fails keeps what it did so far, so a PUBLISH
 -- the ACL user may no longer send (its channel rights revoked) fails the release with the
--- lock still held, as the error then says, instead of freeing it and reporting a failure. Subscribers
--- see the message only after the script, when the lock is gone.
-redis.call('publish', ARGV[4], 'released')
+-- lock still held, as the error then says, instead of freeing it and reporting a failure.
+-- Subscribers see the message only after the script, when the lock is gone.
+redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
 return {2}

@@ -13,10 +13,14 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) renew: Script,
     pub(crate) fence: Script,
+    /// Whether releases publish on sharded pub/sub (`SPUBLISH`, a Redis Cluster) rather
+    /// than `PUBLISH`, which a cluster broadcasts to every node (Redisson #3349) and which
+    /// Redis before 7 needs.
+    pub(crate) sharded: bool,
 }
 
 impl Scripts {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(sharded: bool) -> Self {
         Scripts {
             acquire: Script::new(concat!(
                 include_str!("lease.lua"),
@@ -33,6 +37,7 @@ impl Scripts {
                 include_str!("renew.lua")
             )),
             fence: Script::new(include_str!("fence.lua")),
+            sharded,
         }
     }
 

@@ -63,6 +63,58 @@ impl TlsSettings {
         })
     }
 
+    /// Checks these settings against a cluster's seed URLs as [`client`](Self::client)
+    /// does against one server's, and readies rustls when a seed asks for TLS.
+    pub(crate) fn check_cluster(&self, nodes: &[String]) -> Result<(), BuildError> {
+        let tls = nodes.iter().any(|url| is_tls_url(url));
+        if !tls && !self.is_empty() {
+            return Err(refused(
+                "TLS certificates were given for `redis://` seed URLs; TLS needs `rediss://`",
+            ));
+        }
+        if !tls {
+            return Ok(());
+        }
+        #[cfg(feature = "tls")]
+        {
+            install_crypto_provider();
+            self.check_root_cert()
+        }
+        #[cfg(not(feature = "tls"))]
+        Err(refused(
+            "`rediss://` URLs and TLS certificates need the crate's `tls` feature",
+        ))
+    }
+
+    /// The certificates for redis-rs, when any were given.
+    #[cfg(feature = "tls")]
+    pub(crate) fn certificates(&self) -> Option<redis::TlsCertificates> {
+        if self.is_empty() {
+            return None;
+        }
+        Some(redis::TlsCertificates {
+            client_tls: self.client_cert.clone().map(|(client_cert, client_key)| {
+                redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }
+            }),
+            root_cert: self.root_cert.clone(),
+        })
+    }
+
+    #[cfg(feature = "tls")]
+    fn check_root_cert(&self) -> Result<(), BuildError> {
+        if let Some(pem) = &self.root_cert {
+            use rustls::pki_types::CertificateDer;
+            use rustls::pki_types::pem::PemObject;
+            if CertificateDer::pem_slice_iter(pem).next().is_none() {
+                return Err(refused("`tls_root_cert` holds no PEM certificate"));
+            }
+        }
+        Ok(())
+    }
+
     #[cfg(feature = "tls")]
     fn tls_client(&self, url: &str) -> Result<redis::Client, BuildError> {
         use redis::IntoConnectionInfo;
@@ -75,22 +127,11 @@ impl TlsSettings {
                 source: Box::new(e),
             });
         }
-        if let Some(pem) = &self.root_cert {
-            use rustls::pki_types::CertificateDer;
-            use rustls::pki_types::pem::PemObject;
-            if CertificateDer::pem_slice_iter(pem).next().is_none() {
-                return Err(refused("`tls_root_cert` holds no PEM certificate"));
-            }
-        }
-        let certificates = redis::TlsCertificates {
-            client_tls: self.client_cert.clone().map(|(client_cert, client_key)| {
-                redis::ClientTlsConfig {
-                    client_cert,
-                    client_key,
-                }
-            }),
-            root_cert: self.root_cert.clone(),
-        };
+        self.check_root_cert()?;
+        let certificates = self.certificates().unwrap_or(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: None,
+        });
         redis::Client::build_with_tls(info, certificates).map_err(|e| BuildError::Tls {
             reason: "the TLS certificates or key given to the builder are invalid",
             source: Some(CommandError::Redis(e).into_cause()),

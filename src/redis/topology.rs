@@ -6,14 +6,24 @@
 //! topology that moves (a failover) answers each call with the server that is current
 //! then, so a reconnect is also how the backend follows the primary.
 
+use std::sync::Arc;
+
 use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
+use super::cluster::{self, ClusterNodes};
+
 /// The Redis deployment a backend talks to.
+// One per backend, cloned only when a connection is opened: a boxed client would save
+// nothing worth the indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub(crate) enum Topology {
     /// One server (plaintext or TLS) at a fixed address.
     Server(redis::Client),
+    /// A Redis Cluster, found through its seed nodes (see `cluster.rs`).
+    Cluster(Arc<ClusterNodes>),
 }
 
 impl Topology {
@@ -24,13 +34,22 @@ impl Topology {
                 .get_multiplexed_async_connection_with_config(config)
                 .await
                 .map(AnyConn::Server),
+            Topology::Cluster(nodes) => nodes.connect().await.map(AnyConn::Cluster),
         }
     }
 
-    /// The client of the server whose release channels the subscriber listens to.
+    /// Whether keys live in hash slots spread over shards: a script's keys must then share
+    /// a slot, and releases go out on sharded pub/sub.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Topology::Cluster(_))
+    }
+
+    /// The client of the server whose release channels the subscriber listens to. A
+    /// cluster has no one such server: its subscriber is served by `shard_pubsub.rs`.
     pub(crate) async fn subscriber_client(&self) -> RedisResult<redis::Client> {
         match self {
             Topology::Server(client) => Ok(client.clone()),
+            Topology::Cluster(_) => Err(cluster::no_single_server()),
         }
     }
 }
@@ -40,12 +59,25 @@ impl Topology {
 pub(crate) enum AnyConn {
     /// A multiplexed connection to one server.
     Server(MultiplexedConnection),
+    /// A cluster connection: one multiplexed connection per node, commands routed by key,
+    /// MOVED and ASK followed, and the slot map refreshed by redis-rs.
+    Cluster(ClusterConnection),
+}
+
+impl AnyConn {
+    /// Whether the connection repairs itself: a cluster connection reconnects to a node
+    /// that failed and follows a failover, so one failed command does not make it broken
+    /// (retiring it would cut the healthy shards off too).
+    pub(crate) fn heals_itself(&self) -> bool {
+        matches!(self, AnyConn::Cluster(_))
+    }
 }
 
 impl ConnectionLike for AnyConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             AnyConn::Server(conn) => conn.req_packed_command(cmd),
+            AnyConn::Cluster(conn) => cluster::req_packed_command(conn, cmd),
         }
     }
 
@@ -57,12 +89,14 @@ impl ConnectionLike for AnyConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             AnyConn::Server(conn) => conn.req_packed_commands(pipeline, offset, count),
+            AnyConn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             AnyConn::Server(conn) => conn.get_db(),
+            AnyConn::Cluster(conn) => conn.get_db(),
         }
     }
 }

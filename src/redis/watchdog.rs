@@ -17,6 +17,9 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
+use futures_util::StreamExt;
+
+use super::cluster;
 use super::pool::Pool;
 use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
@@ -27,6 +30,8 @@ use crate::lock::{LockOwner, MAX_DURATION};
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// Upper bound on the keys renewed by one script call.
 const MAX_BATCH: usize = 512;
+/// Renewal calls of different hash slots in flight at once, on a cluster.
+const SLOT_CALLS_IN_FLIGHT: usize = 32;
 
 type HoldKey = (Arc<str>, LockOwner);
 
@@ -257,8 +262,19 @@ async fn renew_until_shutdown(
         let now = Instant::now();
         let (due, hooks) = collect_due(&shared, now);
         run_hooks(hooks);
-        for batch in due.chunks(MAX_BATCH) {
-            renew_batch(&shared, &pool, &scripts, command_timeout, batch).await;
+        if scripts.sharded {
+            // A script's keys must share a hash slot on a cluster (CROSSSLOT otherwise):
+            // one call per slot, the slots' calls in flight together.
+            let batches = cluster::by_slot(due, |d| &d.key.0);
+            futures_util::stream::iter(batches.iter().flat_map(|b| b.chunks(MAX_BATCH)))
+                .for_each_concurrent(SLOT_CALLS_IN_FLIGHT, |batch| {
+                    renew_batch(&shared, &pool, &scripts, command_timeout, batch)
+                })
+                .await;
+        } else {
+            for batch in due.chunks(MAX_BATCH) {
+                renew_batch(&shared, &pool, &scripts, command_timeout, batch).await;
+            }
         }
     }
 }

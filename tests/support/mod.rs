@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different subset of these helpers
 
 pub mod child;
+pub mod cluster;
 pub mod replica;
 pub mod tls;
 

@@ -1,0 +1,151 @@
+//! Redis Cluster: the seed nodes, the clients built from them, and what the rest of the
+//! backend needs to know about hash slots.
+//!
+//! Commands go through redis-rs' cluster client, which routes each command by its first
+//! key, follows MOVED and ASK, and refreshes its slot map after a failover or a reshard.
+//! Every Redis name of one lock shares the lock's hash tag (`keys.rs`), so each script runs
+//! on one shard; only the watchdog's batches mix locks, and it groups them with `by_slot`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::tls::TlsSettings;
+use redis::aio::{AsyncPushSender, ConnectionLike};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
+
+/// The seed nodes of a cluster and the timeouts of the connections made to it.
+pub(crate) struct ClusterNodes {
+    nodes: Vec<String>,
+    tls: TlsSettings,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    /// The client of the command connections.
+    commands: ClusterClient,
+}
+
+impl ClusterNodes {
+    /// Checks the seed URLs (they must parse and agree on credentials) without connecting.
+    pub(crate) fn new(
+        nodes: Vec<String>,
+        tls: TlsSettings,
+        connect_timeout: Duration,
+        command_timeout: Duration,
+    ) -> RedisResult<Arc<Self>> {
+        let commands = client_builder(&nodes, &tls, connect_timeout, command_timeout).build()?;
+        Ok(Arc::new(ClusterNodes {
+            nodes,
+            tls,
+            connect_timeout,
+            command_timeout,
+            commands,
+        }))
+    }
+
+    /// Opens a command connection: one multiplexed connection per node, with the
+    /// backend's connect and command timeouts (set on the client).
+    pub(crate) async fn connect(&self) -> RedisResult<ClusterConnection> {
+        self.commands.get_async_connection().await
+    }
+
+    /// Opens the subscriber's connection: RESP3, so that one connection per node carries
+    /// both `SSUBSCRIBE` and the messages, which redis-rs hands to `pushes`. redis-rs
+    /// re-subscribes each sharded channel on the node that owns its slot after a
+    /// reconnect or a change of the slot map.
+    pub(crate) async fn connect_subscriber(
+        &self,
+        pushes: impl AsyncPushSender,
+    ) -> RedisResult<ClusterConnection> {
+        client_builder(
+            &self.nodes,
+            &self.tls,
+            self.connect_timeout,
+            self.command_timeout,
+        )
+        .use_protocol(ProtocolVersion::RESP3)
+        .push_sender(pushes)
+        .build()?
+        .get_async_connection()
+        .await
+    }
+}
+
+/// A client builder with the seeds and timeouts; each connection's settings go on top.
+fn client_builder(
+    nodes: &[String],
+    tls: &TlsSettings,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+) -> ClusterClientBuilder {
+    let builder = ClusterClientBuilder::new(nodes.iter().map(String::as_str));
+    #[cfg(feature = "tls")]
+    let builder = match tls.certificates() {
+        Some(certificates) => builder.certs(certificates),
+        None => builder,
+    };
+    #[cfg(not(feature = "tls"))]
+    let _ = tls;
+    builder
+        .connection_timeout(connect_timeout)
+        .response_timeout(command_timeout)
+        // A command to a shard whose primary is down fails within the command timeout
+        // (a 503), instead of being retried past it.
+        .retries(2)
+        .min_retry_wait(10)
+        .max_retry_wait(100)
+}
+
+/// `items` grouped by the hash slot of their key (its hash tag's, when it has one): the
+/// keys (and sharded channels) of one command must share a slot.
+pub(crate) fn by_slot<T>(items: Vec<T>, key: impl Fn(&T) -> &str) -> Vec<Vec<T>> {
+    let mut slots: HashMap<Slot, Vec<T>> = HashMap::new();
+    for item in items {
+        slots
+            .entry(Slot::for_key(key(&item)))
+            .or_default()
+            .push(item);
+    }
+    slots.into_values().collect()
+}
+
+/// Sends one command. `INFO` goes to one primary: redis-rs would ask every primary and
+/// answer with a map of replies, which no caller of a single command can read.
+pub(crate) fn req_packed_command<'a>(
+    conn: &'a mut ClusterConnection,
+    cmd: &'a Cmd,
+) -> RedisFuture<'a, Value> {
+    let is_info = cmd.args_iter().next().is_some_and(
+        |name| matches!(name, redis::Arg::Simple(n) if n.eq_ignore_ascii_case(b"INFO")),
+    );
+    if is_info {
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+        Box::pin(conn.route_command(cmd.clone(), routing))
+    } else {
+        conn.req_packed_command(cmd)
+    }
+}
+
+/// Sends `cmd` to every primary and returns their replies, in no particular order: a
+/// setting that must hold on every shard (an eviction policy) is read from each.
+pub(crate) async fn query_each_primary(
+    conn: &mut ClusterConnection,
+    cmd: &Cmd,
+) -> RedisResult<Vec<Value>> {
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    match conn.route_command(cmd.clone(), routing).await? {
+        // Without a response policy redis-rs answers with a map: node address -> reply.
+        Value::Map(replies) => Ok(replies.into_iter().map(|(_, reply)| reply).collect()),
+        other => Ok(vec![other]),
+    }
+}
+
+/// The error of asking a cluster for the one server of a single-server topology.
+pub(crate) fn no_single_server() -> RedisError {
+    RedisError::from((
+        ErrorKind::InvalidClientConfig,
+        "a Redis Cluster has no single server to subscribe on",
+    ))
+}

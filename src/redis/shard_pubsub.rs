@@ -1,0 +1,242 @@
+//! The subscriber of a Redis Cluster backend: sharded pub/sub.
+//!
+//! Releases are published with `SPUBLISH` on the shard that owns the lock's hash slot, so
+//! the backend subscribes each channel with `SSUBSCRIBE` on that shard, through one RESP3
+//! cluster connection (redis-rs keeps one socket per node and routes each `SSUBSCRIBE` by
+//! the channel's slot): only shards that own a channel with waiters carry subscriptions,
+//! and a release is not broadcast to every node (Redisson #3349).
+//!
+//! The registry and the waiters are those of `pubsub.rs`; only serving differs. Sharded
+//! subscriptions move: a failover or a reshard ends them on the old node (the connection
+//! drops, or the server sends `sunsubscribe`). Messages may have been missed then, so every
+//! waiter tries again, and the channels are subscribed anew on their current owners; a
+//! confirmed subscription wakes its waiters once more. The connection is pinged every
+//! `ping_interval`, so that a half-open node is noticed (redis-rs #404) and the connection
+//! rebuilt.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::{PushInfo, PushKind, Value};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+
+use super::cluster::{self, ClusterNodes};
+use super::pool::FailureEpoch;
+use super::pubsub::{Disconnected, Shared, SubscriberConfig};
+use super::recheck::Recheck;
+
+const INITIAL_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Connects, serves, and reconnects with capped exponential backoff until shut down.
+pub(super) async fn serve_until_shutdown(
+    shared: Arc<Shared>,
+    nodes: Arc<ClusterNodes>,
+    config: SubscriberConfig,
+    (failure_epoch, recheck): (FailureEpoch, Recheck),
+    shutdown: CancellationToken,
+) {
+    // However the task ends, even dropped with its runtime, every waiter tries again.
+    let _disconnected = Disconnected(&shared);
+    let mut backoff = INITIAL_BACKOFF;
+    while !shutdown.is_cancelled() {
+        let (pushes, received) = unbounded_channel();
+        let connected = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            c = timeout(config.connect_timeout, nodes.connect_subscriber(pushes)) => c,
+        };
+        match connected {
+            Ok(Ok(conn)) => {
+                backoff = INITIAL_BACKOFF;
+                shared
+                    .reconnects
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                shared.registry().connected = true;
+                tracing::debug!("lock subscriber connected to the cluster");
+                // A node may have restarted or failed over while the subscriber was away.
+                recheck.raise("the subscriber connection was (re)opened");
+                let signs = (&failure_epoch, &recheck);
+                let ended = serve(&shared, conn, received, &config, signs, &shutdown).await;
+                shared.disconnected();
+                match ended {
+                    Ok(()) => return,
+                    Err(reason) => {
+                        failure_epoch.raise();
+                        tracing::warn!(%reason, "lock subscriber lost the cluster");
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "lock subscriber cannot reach the cluster"),
+            Err(_) => tracing::warn!("lock subscriber connect to the cluster timed out"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(config.max_backoff);
+    }
+}
+
+/// Channels whose shard refused or did not answer `SSUBSCRIBE` (its primary is down and
+/// not yet replaced): left alone until `until`, so that a shard that is down does not hold
+/// up every later reconcile, then asked for again with a doubled backoff.
+struct Deferred {
+    channels: HashSet<String>,
+    until: Option<Instant>,
+    backoff: Duration,
+}
+
+/// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
+async fn serve(
+    shared: &Shared,
+    mut conn: ClusterConnection,
+    mut pushes: UnboundedReceiver<PushInfo>,
+    config: &SubscriberConfig,
+    (failure_epoch, recheck): (&FailureEpoch, &Recheck),
+    shutdown: &CancellationToken,
+) -> Result<(), String> {
+    let mut ping = tokio::time::interval(config.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    let mut deferred = Deferred {
+        channels: HashSet::new(),
+        until: None,
+        backoff: INITIAL_BACKOFF,
+    };
+    loop {
+        if deferred.until.is_some_and(|until| until <= Instant::now()) {
+            deferred.channels.clear();
+            deferred.until = None;
+        }
+        let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
+        if failed.is_empty() && deferred.channels.is_empty() {
+            deferred.backoff = INITIAL_BACKOFF;
+        } else if !failed.is_empty() {
+            deferred.channels.extend(failed);
+            deferred.until = Some(Instant::now() + deferred.backoff);
+            deferred.backoff = (deferred.backoff * 2).min(config.max_backoff);
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = shared.dirty.notified() => {}
+            push = pushes.recv() => {
+                on_push(shared, push.ok_or("connection closed")?, failure_epoch, recheck);
+            }
+            _ = ping.tick() => {
+                // A half-open TCP connection never errors by itself; an unanswered ping
+                // is the only way to notice it. PING goes to every primary.
+                let routing = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                timeout(config.command_timeout, conn.route_command(redis::cmd("PING"), routing))
+                    .await
+                    .map_err(|_| "ping timed out".to_owned())?
+                    .map_err(|e| format!("ping failed: {e}"))?;
+            }
+            _ = sleep_until(deferred.until.unwrap_or_else(Instant::now)), if deferred.until.is_some() => {}
+        }
+    }
+}
+
+/// Acts on what the cluster pushed: a release wakes its channel's waiters; a lost node or a
+/// subscription the server ended (its slot moved) makes every waiter try again and every
+/// channel be subscribed anew on the shard that owns it now.
+fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, recheck: &Recheck) {
+    let channel = || match push.data.first() {
+        Some(Value::BulkString(name)) => std::str::from_utf8(name).ok(),
+        _ => None,
+    };
+    match push.kind {
+        PushKind::SMessage | PushKind::Message => {
+            if let Some(channel) = channel() {
+                shared.registry().wake_channel(channel);
+            }
+        }
+        // redis-rs subscribed a channel again after a reconnect or a slot map change: a
+        // release may have gone out while it was not.
+        PushKind::SSubscribe => {
+            if let Some(channel) = channel() {
+                shared.registry().wake_channel(channel);
+            }
+        }
+        PushKind::SUnsubscribe => {
+            let Some(channel) = channel() else { return };
+            let mut registry = shared.registry();
+            // Not one this backend gave up (it has waiters): the server ended it.
+            if registry.channels.contains_key(channel) && registry.active.remove(channel) {
+                tracing::debug!(%channel, "shard ended a lock channel subscription");
+                registry.wake_channel(channel);
+                drop(registry);
+                shared.dirty.notify_one();
+            }
+        }
+        PushKind::Disconnection => {
+            tracing::warn!("lock subscriber lost a cluster node; waiters try again");
+            // The node may have failed over and lost data: connections and held locks on
+            // it are checked again.
+            failure_epoch.raise();
+            recheck.raise("a cluster node connection was lost");
+            let mut registry = shared.registry();
+            registry.active.clear();
+            registry.wake_all();
+            drop(registry);
+            shared.dirty.notify_one();
+        }
+        _ => {}
+    }
+}
+
+/// Brings the subscriptions in line with the registry, one `SSUBSCRIBE` / `SUNSUBSCRIBE`
+/// per hash slot (a sharded command's channels must share one), the slots in flight
+/// together, leaving out `deferred` channels. Returns the channels that could not be
+/// subscribed.
+async fn reconcile(
+    shared: &Shared,
+    conn: &ClusterConnection,
+    command_timeout: Duration,
+    deferred: &HashSet<String>,
+) -> Vec<String> {
+    let (mut subscribe, unsubscribe) = shared.registry().changes();
+    subscribe.retain(|c| !deferred.contains(c));
+    let unsubscribing = cluster::by_slot(unsubscribe, |c| c)
+        .into_iter()
+        .map(|channels| {
+            let mut conn = conn.clone();
+            async move {
+                // A failure leaves a subscription without waiters on a shard that is probably
+                // gone; its messages are ignored.
+                let _ = timeout(command_timeout, conn.sunsubscribe(&channels)).await;
+            }
+        });
+    join_all(unsubscribing).await;
+    let subscribing = cluster::by_slot(subscribe, |c| c)
+        .into_iter()
+        .map(|channels| {
+            let mut conn = conn.clone();
+            async move {
+                let outcome = match timeout(command_timeout, conn.ssubscribe(&channels)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".to_owned()),
+                };
+                (channels, outcome)
+            }
+        });
+    let mut failed = Vec::new();
+    for (channels, outcome) in join_all(subscribing).await {
+        match outcome {
+            Ok(()) => shared.registry().confirmed(channels),
+            Err(error) => {
+                tracing::debug!(%error, "lock subscriber cannot subscribe on a shard yet");
+                failed.extend(channels);
+            }
+        }
+    }
+    failed
+}

@@ -1,0 +1,337 @@
+//! A throwaway Redis Cluster: six `redis-server --cluster-enabled yes` (three primaries
+//! with one replica each) on free loopback ports, joined by `redis-cli --cluster create`,
+//! every process killed when the [`Cluster`] is dropped.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tower_lock::RedisBackend;
+
+/// One node of the cluster.
+struct Node {
+    port: u16,
+    child: Option<Child>,
+    _dir: tempfile::TempDir,
+}
+
+/// Six nodes, three shards. Dropping it kills them all.
+pub struct Cluster {
+    nodes: Vec<Node>,
+}
+
+impl Cluster {
+    /// Starts the nodes, creates the cluster and waits until every node reports
+    /// `cluster_state:ok` and every primary has its replica linked.
+    pub fn start() -> Self {
+        // Another process may take a picked port before redis-server binds it: retry with
+        // new ports (a node that did not come up is killed with the others).
+        let cluster = (0..10)
+            .find_map(|_| Cluster::spawn_nodes())
+            .expect("six redis-server nodes on free ports");
+        let status = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(
+                cluster
+                    .nodes
+                    .iter()
+                    .map(|n| format!("127.0.0.1:{}", n.port)),
+            )
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli is installed");
+        assert!(status.success(), "redis-cli --cluster create");
+        cluster.wait_until_healthy();
+        cluster
+    }
+
+    /// Spawns six cluster-enabled nodes; `None` if one did not come up as ours.
+    fn spawn_nodes() -> Option<Self> {
+        let mut cluster = Cluster { nodes: Vec::new() };
+        for port in cluster_ports(6) {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "1000"])
+                .args(["--cluster-replica-validity-factor", "0"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server is installed");
+            cluster.nodes.push(Node {
+                port,
+                child: Some(child),
+                _dir: dir,
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for node in &mut cluster.nodes {
+            // Only our own process counts: another test's server may have won the port.
+            let ours = format!("process_id:{}", node.child.as_ref()?.id());
+            loop {
+                if info(node.port, "INFO server").is_some_and(|i| i.contains(&ours)) {
+                    break;
+                }
+                let exited = node.child.as_mut()?.try_wait().ok().flatten().is_some();
+                if exited || Instant::now() > deadline {
+                    return None; // dropping `cluster` kills the nodes that did start
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Some(cluster)
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and every primary has its
+    /// replica linked.
+    pub fn wait_until_healthy(&self) {
+        self.wait_until_ok();
+        for primary in self.primaries() {
+            wait_until(&format!("primary {primary} has a linked replica"), || {
+                let replication = info(primary, "INFO replication").unwrap_or_default();
+                replication.contains("connected_slaves:1") && replication.contains("online")
+            });
+        }
+    }
+
+    /// Waits until every live node says `cluster_state:ok` (every slot served).
+    pub fn wait_until_ok(&self) {
+        for node in self.live() {
+            wait_until(&format!("node {node} sees the cluster ok"), || {
+                info(node, "CLUSTER INFO").is_some_and(|i| i.contains("cluster_state:ok"))
+            });
+        }
+    }
+
+    /// Seed URLs: every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// A backend on the cluster with short timeouts (as `support::backend` for one server).
+    pub async fn backend(&self) -> RedisBackend {
+        RedisBackend::cluster(self.urls())
+            .command_timeout(Duration::from_millis(500))
+            .connect_timeout(Duration::from_millis(500))
+            .build()
+            .await
+            .expect("backend connects to the test cluster")
+    }
+
+    /// A cluster connection for the test's own data.
+    pub async fn conn(&self) -> redis::cluster_async::ClusterConnection {
+        redis::cluster::ClusterClient::new(self.urls())
+            .expect("cluster urls")
+            .get_async_connection()
+            .await
+            .expect("connect to the test cluster")
+    }
+
+    /// Ports of the live nodes.
+    pub fn live(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// Ports of the live primaries that own slots, by the first live node's view.
+    pub fn primaries(&self) -> Vec<u16> {
+        let mut ports: Vec<u16> = self.slot_owners().into_values().collect();
+        ports.sort_unstable();
+        ports.dedup();
+        ports
+    }
+
+    /// The port of the primary that owns `key`'s slot.
+    pub fn primary_of(&self, key: &str) -> u16 {
+        let node = self.live()[0];
+        let slot: u16 = query(node, &["CLUSTER", "KEYSLOT", key])
+            .trim_start_matches(':')
+            .trim()
+            .parse()
+            .expect("CLUSTER KEYSLOT");
+        self.slot_owners()
+            .into_iter()
+            .find(|((start, end), _)| (*start..=*end).contains(&slot))
+            .map(|(_, port)| port)
+            .expect("an owner of the slot")
+    }
+
+    /// Slot ranges and the port of the live primary serving them, from `CLUSTER NODES`.
+    fn slot_owners(&self) -> HashMap<(u16, u16), u16> {
+        let live = self.live();
+        let nodes = query(live[0], &["CLUSTER", "NODES"]);
+        let mut owners = HashMap::new();
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+                continue;
+            }
+            let port: u16 = fields[1]
+                .split(['@', ':'])
+                .nth(1)
+                .and_then(|p| p.parse().ok())
+                .expect("node port");
+            for range in &fields[8..] {
+                let (start, end) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(start), Ok(end)) = (start.parse(), end.parse()) {
+                    owners.insert((start, end), port);
+                }
+            }
+        }
+        owners
+    }
+
+    /// Sum of `calls=` of `commands` in `INFO commandstats` of the node on `port`.
+    pub fn command_calls(&self, port: u16, commands: &[&str]) -> u64 {
+        info(port, "INFO commandstats")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| {
+                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                commands.contains(&name).then_some(stats)
+            })
+            .filter_map(|stats| stats.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// `PUBSUB SHARDNUMSUB channel` on the node on `port`.
+    pub fn shard_subscribers(&self, port: u16, channel: &str) -> i64 {
+        let reply = query(port, &["PUBSUB", "SHARDNUMSUB", channel]);
+        reply
+            .lines()
+            .last()
+            .and_then(|n| n.trim_start_matches(':').trim().parse().ok())
+            .expect("PUBSUB SHARDNUMSUB")
+    }
+
+    /// Whether the node on `port` has `key` (it must own the key's slot to say yes).
+    pub fn exists_on(&self, port: u16, key: &str) -> bool {
+        query(port, &["EXISTS", key]).trim() == "1"
+    }
+
+    /// Moves the slot of `key` with its keys from its primary to the primary on `to`, as
+    /// `redis-cli --cluster reshard` does for each slot: IMPORTING / MIGRATING, MIGRATE of
+    /// every key, then the new owner announced to every primary.
+    pub fn move_slot(&self, key: &str, to: u16) {
+        let from = self.primary_of(key);
+        let slot = query(from, &["CLUSTER", "KEYSLOT", key]).trim().to_owned();
+        let id = |port: u16| query(port, &["CLUSTER", "MYID"]).trim().to_owned();
+        let (from_id, to_id) = (id(from), id(to));
+        query(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
+        query(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
+        let keys = query(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        if !keys.is_empty() {
+            let to_port = to.to_string();
+            let mut migrate = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys);
+            let reply = query(from, &migrate);
+            assert!(reply.trim() == "OK", "MIGRATE: {reply}");
+        }
+        let others = self
+            .primaries()
+            .into_iter()
+            .filter(|p| ![to, from].contains(p));
+        for port in [to, from].into_iter().chain(others) {
+            query(port, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+        }
+        wait_until(&format!("slot {slot} served by {to}"), || {
+            self.primary_of(key) == to
+        });
+    }
+
+    /// SIGKILL of the node on `port`, as a crash would.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(node) = self.nodes.iter_mut().find(|n| n.port == port) {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for port in self.live() {
+            self.kill(port);
+        }
+    }
+}
+
+/// A key whose slot the primary on `port` owns: `prefix` plus a number.
+pub fn key_on(cluster: &Cluster, port: u16, prefix: &str) -> String {
+    (0..10_000)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|k| cluster.primary_of(&format!("tower-lock:{{{k}}}")) == port)
+        .expect("a key on every shard")
+}
+
+/// `n` free ports whose cluster bus port (+10000) is free too.
+fn cluster_ports(n: usize) -> Vec<u16> {
+    let mut ports = Vec::new();
+    let mut held = Vec::new();
+    while ports.len() < n {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let bus = port.checked_add(10_000).filter(|b| *b < 65_535);
+        if let Some(bus) = bus.and_then(|b| TcpListener::bind(("127.0.0.1", b)).ok()) {
+            ports.push(port);
+            held.push(bus);
+        }
+        // Held until all are picked, so the same port is not picked twice.
+        held.push(listener);
+    }
+    ports
+}
+
+/// Runs one command with `redis-cli` (no Redis client needed outside a runtime).
+fn query(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The reply of `command` (split on spaces), or `None` when the node does not answer.
+fn info(port: u16, command: &str) -> Option<String> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(command.split(' '))
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.success() && !text.is_empty() && !text.starts_with("Could not connect"))
+        .then_some(text)
+}
+
+fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting until {what}");
+}
