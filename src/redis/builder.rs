@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::pool::Pool;
+use super::pool::{Pool, RedisCause};
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::runtime::Spawner;
 use super::scripts::Scripts;
+use super::sentinel::SentinelGroup;
 use super::topology::Topology;
 use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
@@ -20,7 +21,7 @@ use crate::queue::Queues;
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct RedisBackendBuilder {
-    url: String,
+    target: Target,
     pool_size: u32,
     namespace: String,
     max_key_len: usize,
@@ -32,10 +33,30 @@ pub struct RedisBackendBuilder {
     max_local_handoffs: u32,
 }
 
+/// Where the backend's Redis is, as the user gave it.
+#[derive(Debug, Clone)]
+enum Target {
+    /// One server's URL.
+    Url(String),
+    /// The URLs of the sentinels that monitor `master_name`.
+    Sentinel {
+        urls: Vec<String>,
+        master_name: String,
+    },
+}
+
 impl RedisBackendBuilder {
     pub(super) fn new(url: String) -> Self {
+        Self::with_target(Target::Url(url))
+    }
+
+    pub(super) fn sentinel(urls: Vec<String>, master_name: String) -> Self {
+        Self::with_target(Target::Sentinel { urls, master_name })
+    }
+
+    fn with_target(target: Target) -> Self {
         RedisBackendBuilder {
-            url,
+            target,
             pool_size: 4,
             namespace: "tower-lock".to_owned(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
@@ -143,10 +164,7 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let client = redis::Client::open(self.url.as_str()).map_err(|e| BuildError::Url {
-            source: Box::new(e),
-        })?;
-        let topology = Topology::Server(client);
+        let topology = self.topology().await?;
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new());
@@ -208,6 +226,28 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Opens the target: a server's client, or the Sentinel group once it named a master.
+    async fn topology(&self) -> Result<Topology, BuildError> {
+        match &self.target {
+            Target::Url(url) => redis::Client::open(url.as_str())
+                .map(Topology::Server)
+                .map_err(|e| BuildError::Url {
+                    source: Box::new(e),
+                }),
+            Target::Sentinel { urls, master_name } => {
+                let group = SentinelGroup::new(urls, master_name)?;
+                // Asked here once, so that unreachable sentinels or an unknown name fail
+                // the build with that cause rather than as a failed PING. redis-rs bounds
+                // each sentinel's connect and reply by its own timeouts.
+                group.master().await.map_err(|e| BuildError::Sentinel {
+                    master_name: master_name.clone(),
+                    source: Box::new(RedisCause::from(e)),
+                })?;
+                Ok(Topology::Sentinel(Arc::new(group)))
+            }
+        }
+    }
+
     /// Refuses values that would fail every call, instead of failing each request later.
     fn validate_settings(&self) -> Result<(), BuildError> {
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });

@@ -12,6 +12,7 @@ mod pool;
 mod pubsub;
 mod runtime;
 mod scripts;
+mod sentinel;
 mod topology;
 mod watchdog;
 
@@ -114,6 +115,47 @@ impl RedisBackend {
     /// (`redis://[:password@]host:port[/db]`).
     pub fn builder(url: impl Into<String>) -> RedisBackendBuilder {
         RedisBackendBuilder::new(url.into())
+    }
+
+    /// Starts configuring a backend for the master that Redis Sentinel names `master_name`.
+    ///
+    /// `sentinels` are the sentinels' URLs (`redis://[[user]:password@]host:port`), asked in
+    /// order. Each connection the backend opens asks them for the current master and checks
+    /// its `ROLE`, so after a failover the backend's connections and its subscriber move to
+    /// the promoted replica as they are replaced: connections to a dead master fail and are
+    /// retired, and a demoted master's `READONLY` reply retires its connection too.
+    ///
+    /// The master is reached with the username, password and database (`/db`) of the
+    /// first URL; each sentinel with its own URL's username and password. Sentinels and
+    /// data nodes that share one password (`requirepass` plus `sentinel auth-pass`) need
+    /// nothing else.
+    ///
+    /// ```no_run
+    /// use tower_lock::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_lock::BuildError> {
+    /// let backend = RedisBackend::sentinel(
+    ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
+    ///     "mymaster",
+    /// )
+    /// .build()
+    /// .await?;
+    /// # drop(backend);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
+    /// knows `master_name`, or the master they name is down.
+    pub fn sentinel(
+        sentinels: impl IntoIterator<Item = impl AsRef<str>>,
+        master_name: &str,
+    ) -> RedisBackendBuilder {
+        let urls = sentinels
+            .into_iter()
+            .map(|url| url.as_ref().to_owned())
+            .collect();
+        RedisBackendBuilder::sentinel(urls, master_name.to_owned())
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).

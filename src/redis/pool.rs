@@ -171,7 +171,13 @@ fn cause(e: &RedisError) -> &(dyn std::error::Error + 'static) {
 
 /// A `RedisError` as one level of a chain: the text of [`cause`], and that cause's source.
 #[derive(Debug)]
-struct RedisCause(Arc<RedisError>);
+pub(crate) struct RedisCause(Arc<RedisError>);
+
+impl From<RedisError> for RedisCause {
+    fn from(e: RedisError) -> Self {
+        RedisCause(Arc::new(e))
+    }
+}
 
 impl fmt::Display for RedisCause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -202,6 +208,10 @@ impl bb8::ErrorSink<RedisError> for ConnectFailures {
 
 fn is_transport(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
+}
+
+fn is_read_only(e: &RedisError) -> bool {
+    e.kind() == redis::ServerErrorKind::ReadOnly.into()
 }
 
 /// The backend's command pool.
@@ -360,7 +370,10 @@ impl Conn {
 
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
-            if is_transport(&e) {
+            // A master demoted to replica (a failover) refuses writes with READONLY but
+            // stays up: the connection is as useless as a dead one, and so are its
+            // siblings, and a fresh one goes to whichever server is master now.
+            if is_transport(&e) || is_read_only(&e) {
                 self.broken.store(true, Ordering::Relaxed);
                 self.failure_epoch.raise();
             }

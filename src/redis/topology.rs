@@ -6,14 +6,23 @@
 //! topology that moves (a failover) answers each call with the server that is current
 //! then, so a reconnect is also how the backend follows the primary.
 
+use std::sync::Arc;
+
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
+use super::sentinel::SentinelGroup;
+
 /// The Redis deployment a backend talks to.
+// One per backend, cloned only into its pool and subscriber: the size of a variant does
+// not matter, and boxing the client would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub(crate) enum Topology {
     /// One server (plaintext or TLS) at a fixed address.
     Server(redis::Client),
+    /// The master of a Sentinel group, asked of the sentinels at every connect.
+    Sentinel(Arc<SentinelGroup>),
 }
 
 impl Topology {
@@ -24,6 +33,13 @@ impl Topology {
                 .get_multiplexed_async_connection_with_config(config)
                 .await
                 .map(AnyConn::Server),
+            // A master connection is a plain one: commands on it need no routing.
+            Topology::Sentinel(group) => group
+                .master()
+                .await?
+                .get_multiplexed_async_connection_with_config(config)
+                .await
+                .map(AnyConn::Server),
         }
     }
 
@@ -31,6 +47,7 @@ impl Topology {
     pub(crate) async fn subscriber_client(&self) -> RedisResult<redis::Client> {
         match self {
             Topology::Server(client) => Ok(client.clone()),
+            Topology::Sentinel(group) => group.master().await,
         }
     }
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different subset of these helpers
 
 pub mod child;
+pub mod sentinel;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -1,0 +1,331 @@
+//! Redis Sentinel: a backend built through the sentinels takes and releases locks, and
+//! follows a failover (the master SIGKILLed, the replica promoted) without a restart.
+//!
+//! One deployment (master, replica, three sentinels) serves every scenario of this binary,
+//! driven in order by one test, and is killed when it ends.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Request, State};
+use axum::routing;
+use axum::{Extension, Router};
+use futures_util::StreamExt;
+use http::StatusCode;
+use support::sentinel::{MASTER_NAME, SentinelSet};
+use support::{HttpClient, http_client, post, serve};
+use tower_lock::{BuildError, HeldLock, LockLayer, RedisBackend};
+
+/// Generous bound on the failover (kill to first served request); measured figures are
+/// printed, not asserted.
+const FAILOVER_BOUND: Duration = Duration::from_secs(30);
+
+/// A backend on the set with short timeouts, so requests fail fast while there is no
+/// master.
+async fn sentinel_backend(set: &SentinelSet) -> Result<RedisBackend, BuildError> {
+    RedisBackend::sentinel(set.sentinel_urls(), MASTER_NAME)
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
+    support::init_tracing();
+    let mut set = SentinelSet::start().await;
+    locks_are_taken_and_released_on_the_master(&set).await;
+    an_unknown_master_name_fails_the_build(&set).await;
+    three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
+}
+
+async fn locks_are_taken_and_released_on_the_master(set: &SentinelSet) {
+    let backend = sentinel_backend(set)
+        .await
+        .expect("backend through sentinels");
+    let guard = backend.lock("basic").try_once().await.expect("lock taken");
+    let master = set.server(set.master_port().await);
+    assert!(master.exists(&support::lock_key("basic")).await);
+    let contended = backend.lock("basic").try_once().await;
+    assert!(
+        contended.is_err(),
+        "a second owner is refused: {contended:?}"
+    );
+    guard.release().await.expect("released");
+    assert!(!master.exists(&support::lock_key("basic")).await);
+}
+
+async fn an_unknown_master_name_fails_the_build(set: &SentinelSet) {
+    let error = RedisBackend::sentinel(set.sentinel_urls(), "no-such-master")
+        .build()
+        .await
+        .expect_err("no sentinel knows the name");
+    assert!(
+        matches!(&error, BuildError::Sentinel { master_name, .. } if master_name == "no-such-master"),
+        "{error:?}"
+    );
+    let message = chain(&error);
+    assert!(message.contains("`no-such-master`"), "{message}");
+    println!("unknown master name: {message}");
+}
+
+#[tokio::test]
+async fn build_fails_when_no_sentinel_answers() {
+    // Ports that were just free: nothing listens there.
+    let urls: Vec<String> = (0..2)
+        .map(|_| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("free port");
+            format!("redis://127.0.0.1:{port}")
+        })
+        .collect();
+    let error = tokio::time::timeout(
+        Duration::from_secs(10),
+        RedisBackend::sentinel(&urls, MASTER_NAME).build(),
+    )
+    .await
+    .expect("build gives up by itself")
+    .expect_err("no sentinel answers");
+    assert!(matches!(error, BuildError::Sentinel { .. }), "{error:?}");
+    let message = chain(&error);
+    assert!(message.to_lowercase().contains("refused"), "{message}");
+    println!("no sentinel: {message}");
+}
+
+#[tokio::test]
+async fn build_refuses_an_empty_sentinel_list() {
+    let error = RedisBackend::sentinel(Vec::<String>::new(), MASTER_NAME)
+        .build()
+        .await
+        .expect_err("no sentinel given");
+    assert!(
+        matches!(
+            error,
+            BuildError::Setting {
+                name: "sentinel",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+}
+
+/// The error chain as anyhow's `{:#}` prints it.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut levels = vec![error.to_string()];
+    let mut source = error.source();
+    while let Some(e) = source {
+        levels.push(e.to_string());
+        source = e.source();
+    }
+    levels.join(": ")
+}
+
+const STOCK: i64 = 600;
+/// Sales before the master is killed.
+const SOLD_BEFORE_KILL: usize = 200;
+
+/// The stock, kept in this process so that a failover cannot roll it back (asynchronous
+/// replication may lose the last writes to the old master; a counter kept there could
+/// come back higher and hide or fake an oversell). Every access is fenced: it is refused
+/// when a holder with a newer token has already been here, so a holder whose lock was
+/// lost in the failover (its acquisition never reached the replica) cannot oversell
+/// either; such refusals are counted.
+#[derive(Default)]
+struct Shop {
+    stock: i64,
+    newest_token: u64,
+    /// The token of every sale, in the order the sales were made.
+    sales: Vec<u64>,
+    refused: u64,
+}
+
+type SharedShop = Arc<Mutex<Shop>>;
+
+impl Shop {
+    fn access(shop: &SharedShop, token: u64, sell: bool) -> Result<i64, ()> {
+        let mut shop = shop.lock().expect("shop");
+        if token < shop.newest_token {
+            shop.refused += 1;
+            return Err(());
+        }
+        shop.newest_token = token;
+        if sell {
+            shop.stock -= 1;
+            shop.sales.push(token);
+        }
+        Ok(shop.stock)
+    }
+}
+
+/// Reads the stock, yields to other requests, then sells one: the read-check-write race
+/// the lock must close.
+async fn buy(State(shop): State<SharedShop>, Extension(lock): Extension<HeldLock>) -> StatusCode {
+    let token = lock.fencing_token();
+    let Ok(stock) = Shop::access(&shop, token, false) else {
+        return StatusCode::CONFLICT;
+    };
+    if stock <= 0 {
+        return StatusCode::GONE;
+    }
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    match Shop::access(&shop, token, true) {
+        Ok(_) => StatusCode::OK,
+        Err(()) => StatusCode::CONFLICT,
+    }
+}
+
+fn stock_key(_: &Request) -> Option<&'static str> {
+    Some("stock")
+}
+
+/// What the buyers saw.
+#[derive(Default)]
+struct Outcomes {
+    statuses: BTreeMap<u16, u64>,
+    /// When the first request sent after the kill was served.
+    recovered_at: Option<Instant>,
+}
+
+async fn three_instances_sell_exactly_the_stock_across_a_failover(set: &mut SentinelSet) {
+    let shop = SharedShop::default();
+    shop.lock().expect("shop").stock = STOCK;
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let backend = sentinel_backend(set)
+            .await
+            .expect("backend through sentinels");
+        let key_fn: fn(&Request) -> Option<&'static str> = stock_key;
+        let app = Router::new()
+            .route("/buy", routing::post(buy))
+            .with_state(shop.clone())
+            .route_layer(LockLayer::new(backend, key_fn).wait(Duration::from_secs(2)));
+        instances.push(serve(app).await);
+    }
+    let switched = switch_master_watch(set).await;
+    let client = http_client();
+    let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let outcomes: Arc<Mutex<Outcomes>> = Arc::default();
+    let sold_out = Arc::new(AtomicBool::new(false));
+    let buyers: Vec<_> = (0..12)
+        .map(|i| {
+            let (client, addr) = (client.clone(), instances[i % 3]);
+            let (killed_at, outcomes) = (killed_at.clone(), outcomes.clone());
+            let sold_out = sold_out.clone();
+            tokio::spawn(async move {
+                buyer(&client, addr, &killed_at, &outcomes, &sold_out).await;
+            })
+        })
+        .collect();
+
+    wait_for_sales(&shop, SOLD_BEFORE_KILL).await;
+    let killed_port = set.kill_master().await;
+    let kill = Instant::now();
+    *killed_at.lock().expect("kill time") = Some(kill);
+    for buyer in buyers {
+        tokio::time::timeout(FAILOVER_BOUND + Duration::from_secs(30), buyer)
+            .await
+            .expect("the stock sells out after the failover")
+            .expect("buyer task");
+    }
+
+    let promoted = switched.await.expect("switch watch");
+    let new_master = set.master_port().await;
+    assert_ne!(
+        new_master, killed_port,
+        "the sentinels promoted the replica"
+    );
+    let outcomes = outcomes.lock().expect("outcomes");
+    let shop = shop.lock().expect("shop");
+    let recovered = outcomes
+        .recovered_at
+        .expect("a request sent after the kill was served")
+        - kill;
+    println!(
+        "sentinel failover: kill -> +switch-master {:?}, kill -> first served request {:?}; \
+         statuses {:?}; fenced refusals {}",
+        promoted.map(|at| at - kill),
+        recovered,
+        outcomes.statuses,
+        shop.refused,
+    );
+    assert!(
+        recovered < FAILOVER_BOUND,
+        "served again after {recovered:?}"
+    );
+    // No oversell: every sale took one item, the stock ends at zero, never below.
+    assert_eq!(shop.stock, 0);
+    assert_eq!(shop.sales.len() as i64, STOCK);
+    assert_eq!(outcomes.statuses.get(&200).copied(), Some(STOCK as u64));
+    let unexpected: Vec<_> = outcomes
+        .statuses
+        .keys()
+        .filter(|s| ![200, 409, 410, 503].contains(*s))
+        .collect();
+    assert!(unexpected.is_empty(), "statuses {:?}", outcomes.statuses);
+    // Tokens of the new master's locks continue above the old master's.
+    assert!(
+        shop.sales.windows(2).all(|w| w[0] < w[1]),
+        "fencing tokens strictly increase across the failover"
+    );
+}
+
+/// Buys until the stock is sold out; a 503 (no master yet) is retried shortly after.
+async fn buyer(
+    client: &HttpClient,
+    addr: std::net::SocketAddr,
+    killed_at: &Mutex<Option<Instant>>,
+    outcomes: &Mutex<Outcomes>,
+    sold_out: &AtomicBool,
+) {
+    while !sold_out.load(Ordering::Relaxed) {
+        let sent = Instant::now();
+        let status = post(client, addr, "/buy").await.status;
+        let after_kill = killed_at
+            .lock()
+            .expect("kill time")
+            .is_some_and(|k| sent > k);
+        {
+            let mut outcomes = outcomes.lock().expect("outcomes");
+            *outcomes.statuses.entry(status).or_default() += 1;
+            if status == 200 && after_kill && outcomes.recovered_at.is_none() {
+                outcomes.recovered_at = Some(Instant::now());
+            }
+        }
+        match status {
+            410 => sold_out.store(true, Ordering::Relaxed),
+            503 => tokio::time::sleep(Duration::from_millis(20)).await,
+            _ => {}
+        }
+    }
+}
+
+async fn wait_for_sales(shop: &SharedShop, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while shop.lock().expect("shop").sales.len() < n {
+        assert!(Instant::now() < deadline, "{n} sales before the kill");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Resolves with when the first sentinel announced `+switch-master` (None if it never
+/// did within the bound).
+async fn switch_master_watch(set: &SentinelSet) -> tokio::task::JoinHandle<Option<Instant>> {
+    let client = redis::Client::open(set.sentinel_urls()[0].as_str()).expect("sentinel url");
+    let mut pubsub = client.get_async_pubsub().await.expect("sentinel pubsub");
+    pubsub.subscribe("+switch-master").await.expect("subscribe");
+    tokio::spawn(async move {
+        let mut messages = pubsub.into_on_message();
+        tokio::time::timeout(FAILOVER_BOUND, messages.next())
+            .await
+            .ok()
+            .flatten()
+            .map(|_| Instant::now())
+    })
+}

@@ -1,0 +1,214 @@
+//! A Sentinel deployment on free loopback ports: one master, one replica, three sentinels
+//! (`redis-server FILE --sentinel`, each with its own writable config file in a temp dir).
+//! Every process is killed when the set is dropped.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{RedisServer, eventually};
+
+/// The name the sentinels monitor the master under.
+pub const MASTER_NAME: &str = "towerlock";
+
+/// One master, one replica and three sentinels watching them with quorum 2.
+pub struct SentinelSet {
+    /// The data nodes; either may be master after a failover.
+    servers: Vec<RedisServer>,
+    sentinels: Vec<SentinelProcess>,
+}
+
+impl SentinelSet {
+    /// Starts the data nodes, then the sentinels, and waits until every sentinel knows
+    /// the replica and the two other sentinels (so a failover can be voted at once).
+    pub async fn start() -> Self {
+        // Diskless sync without its 5 s delay: the replica links at once.
+        let fast_sync = ["--repl-diskless-sync-delay", "0"];
+        let master = RedisServer::start_with(&fast_sync);
+        let master_port = master.port().to_string();
+        let mut replica_args = fast_sync.to_vec();
+        replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
+        let replica = RedisServer::start_with(&replica_args);
+        eventually("the replica is linked to the master", || link_up(&replica)).await;
+        let sentinels = (0..3)
+            .map(|_| SentinelProcess::start(master.port()))
+            .collect();
+        let set = SentinelSet {
+            servers: vec![master, replica],
+            sentinels,
+        };
+        for sentinel in set.sentinel_urls() {
+            eventually("every sentinel sees the replica and its peers", || {
+                knows_everyone(&sentinel)
+            })
+            .await;
+        }
+        set
+    }
+
+    /// The sentinels' URLs, for [`tower_lock::RedisBackend::sentinel`].
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The port of the master the sentinels name now (asked of the first that answers).
+    pub async fn master_port(&self) -> u16 {
+        for url in self.sentinel_urls() {
+            let Ok(mut conn) = connect(&url).await else {
+                continue;
+            };
+            let addr: Result<Option<(String, u16)>, _> = redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(MASTER_NAME)
+                .query_async(&mut conn)
+                .await;
+            if let Ok(Some((_, port))) = addr {
+                return port;
+            }
+        }
+        panic!("no sentinel names the master");
+    }
+
+    /// The data node serving on `port`.
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port)
+            .expect("a data node of the set")
+    }
+
+    /// SIGKILLs the current master, as a crash would; returns its port.
+    pub async fn kill_master(&mut self) -> u16 {
+        let port = self.master_port().await;
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .expect("the master is a data node of the set")
+            .kill();
+        port
+    }
+}
+
+/// A `redis-server --sentinel` process, killed on drop.
+struct SentinelProcess {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelProcess {
+    fn start(master_port: u16) -> Self {
+        // Another process may take the free port before the sentinel binds it: retry.
+        for _ in 0..20 {
+            if let Some(sentinel) = Self::try_start(master_port) {
+                return sentinel;
+            }
+        }
+        panic!("could not start a sentinel on a free port");
+    }
+
+    fn try_start(master_port: u16) -> Option<Self> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        // Sentinel rewrites its config file (discovered peers, the new master after a
+        // failover), so each gets its own, writable.
+        let config = dir.path().join("sentinel.conf");
+        let name = MASTER_NAME;
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {name} 127.0.0.1 {master_port} 2\n\
+                 sentinel down-after-milliseconds {name} 1000\n\
+                 sentinel failover-timeout {name} 5000\n\
+                 sentinel parallel-syncs {name} 1\n",
+                dir = dir.path().display(),
+            ),
+        )
+        .expect("write sentinel config");
+        let child = Command::new("redis-server")
+            .arg(&config)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (it ships --sentinel)");
+        let mut sentinel = SentinelProcess {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = sentinel.child.try_wait() {
+                return None;
+            }
+            if sentinel.answers() {
+                return Some(sentinel);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Whether this process (not another that won the port) answers as a sentinel.
+    fn answers(&self) -> bool {
+        let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_connection() else {
+            return false;
+        };
+        let info: Result<String, _> = redis::cmd("INFO").arg("server").query(&mut conn);
+        info.is_ok_and(|info| {
+            info.contains(&format!("process_id:{}\r\n", self.child.id()))
+                && info.contains("redis_mode:sentinel")
+        })
+    }
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn connect(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await
+}
+
+async fn link_up(replica: &RedisServer) -> bool {
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut replica.conn().await)
+        .await
+        .expect("INFO replication");
+    info.contains("master_link_status:up")
+}
+
+async fn knows_everyone(sentinel: &str) -> bool {
+    let Ok(conn) = connect(sentinel).await else {
+        return false;
+    };
+    let count = |what: &'static str| {
+        let mut conn = conn.clone();
+        async move {
+            let nodes: Result<Vec<redis::Value>, _> = redis::cmd("SENTINEL")
+                .arg(what)
+                .arg(MASTER_NAME)
+                .query_async(&mut conn)
+                .await;
+            nodes.map_or(0, |n| n.len())
+        }
+    };
+    count("replicas").await == 1 && count("sentinels").await == 2
+}
