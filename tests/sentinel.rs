@@ -17,8 +17,8 @@ use axum::{Extension, Router};
 use futures_util::StreamExt;
 use http::StatusCode;
 use support::sentinel::{MASTER_NAME, SentinelSet};
-use support::{HttpClient, http_client, post, serve};
-use tower_lock::{BuildError, HeldLock, LockLayer, RedisBackend};
+use support::{HttpClient, RedisServer, eventually, http_client, post, serve};
+use tower_lock::{BuildError, HeldLock, LockError, LockLayer, RedisBackend};
 
 /// Generous bound on the failover (kill to first served request); measured figures are
 /// printed, not asserted.
@@ -114,6 +114,103 @@ async fn build_refuses_an_empty_sentinel_list() {
         ),
         "{error:?}"
     );
+}
+
+/// Makes `server` a replica of a server that does not exist: it stays up and answers, but
+/// refuses every write with `READONLY`, as a master demoted in a failover does.
+async fn demote(server: &RedisServer) {
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(nowhere)
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("REPLICAOF");
+}
+
+/// Makes `server` a primary again.
+async fn promote(server: &RedisServer) {
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("REPLICAOF NO ONE");
+}
+
+/// Ids of the clients whose last command was `cmd`.
+async fn clients_running(server: &RedisServer, cmd: &str) -> Vec<String> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("CLIENT LIST");
+    list.lines()
+        .filter(|line| line.split(' ').any(|f| f == format!("cmd={cmd}")))
+        .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// How many commands `server` refused with `READONLY`.
+async fn readonly_errors(server: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("errorstats")
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("INFO errorstats");
+    info.lines()
+        .find_map(|l| l.strip_prefix("errorstat_READONLY:count="))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_readonly_reply_retires_the_connection() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::builder(server.url())
+        .pool_size(1)
+        .build()
+        .await
+        .expect("backend");
+    let guard = backend.lock("a").try_once().await.expect("lock");
+    guard.release().await.expect("release");
+    let pooled = clients_running(&server, "evalsha").await;
+    assert_eq!(pooled.len(), 1, "one pooled connection ran the scripts");
+
+    demote(&server).await;
+    let refused = backend.lock("a").try_once().await;
+    assert!(matches!(refused, Err(LockError::Backend(_))), "{refused:?}");
+    promote(&server).await;
+    // The next request is served on a fresh connection (which, through Sentinel, would
+    // go to the new primary), and the one that met READONLY is closed.
+    let guard = backend.lock("a").try_once().await.expect("lock again");
+    guard.release().await.expect("release");
+    eventually("the refused connection is closed", || async {
+        let now = clients_running(&server, "evalsha").await;
+        now.len() == 1 && now[0] != pooled[0]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_release_refused_as_readonly_lands_once_a_primary_is_back() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let guard = backend.lock("b").try_once().await.expect("lock");
+    demote(&server).await;
+    let release = tokio::spawn(guard.release());
+    eventually("the release is refused", || async {
+        readonly_errors(&server).await > 0
+    })
+    .await;
+    promote(&server).await;
+    let _ = release.await;
+    // Well before the 30 s lease would free it.
+    server.wait_until_released("b").await;
 }
 
 /// The error chain as anyhow's `{:#}` prints it.
@@ -248,10 +345,11 @@ async fn three_instances_sell_exactly_the_stock_across_a_failover(set: &mut Sent
         .expect("a request sent after the kill was served")
         - kill;
     println!(
-        "sentinel failover: kill -> +switch-master {:?}, kill -> first served request {:?}; \
-         statuses {:?}; fenced refusals {}",
+        "sentinel failover: kill -> +switch-master {:?}, kill -> first served request {:?} \
+         ({:?} after the switch); statuses {:?}; fenced refusals {}",
         promoted.map(|at| at - kill),
         recovered,
+        promoted.map(|at| (kill + recovered).saturating_duration_since(at)),
         outcomes.statuses,
         shop.refused,
     );

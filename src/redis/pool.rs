@@ -115,6 +115,12 @@ impl CommandError {
         matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
     }
 
+    /// True when the server refused the command as a replica (`READONLY`): it did not
+    /// run, and a retry on a new connection reaches whichever server is primary now.
+    pub(crate) fn is_read_only(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if is_read_only(e))
+    }
+
     /// True when the command may have run even though no reply arrived.
     pub(crate) fn is_ambiguous(&self) -> bool {
         match self {
@@ -218,6 +224,7 @@ fn is_read_only(e: &RedisError) -> bool {
 #[derive(Clone)]
 pub(crate) struct Pool {
     pool: bb8::Pool<Manager>,
+    topology: Topology,
     failure_epoch: FailureEpoch,
     failures: ConnectFailures,
 }
@@ -245,15 +252,21 @@ impl Pool {
             .error_sink(Box::new(failures.clone()))
             .connection_timeout(connect_timeout)
             .build_unchecked(Manager {
-                topology,
+                topology: topology.clone(),
                 config,
                 failure_epoch: failure_epoch.clone(),
             });
         Pool {
             pool,
+            topology,
             failure_epoch,
             failures,
         }
+    }
+
+    /// Where the pool's connections go.
+    pub(crate) fn topology(&self) -> &Topology {
+        &self.topology
     }
 
     /// The counter that makes pooled connections prove themselves before their next use.

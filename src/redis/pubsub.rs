@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
 use super::runtime::{Daemon, Spawner};
-use super::topology::Topology;
+use super::topology::{Topology, TopologyChanges};
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -206,7 +206,8 @@ impl Drop for Waiter {
     }
 }
 
-/// Connects, serves, and reconnects with capped exponential backoff until shut down.
+/// Runs the subscriber, and the topology's announcements of a failover next to it, until
+/// shut down.
 async fn serve_until_shutdown(
     shared: Arc<Shared>,
     topology: Topology,
@@ -214,6 +215,28 @@ async fn serve_until_shutdown(
     failure_epoch: FailureEpoch,
     shutdown: CancellationToken,
 ) {
+    let announce = topology.announce_changes(
+        failure_epoch.clone(),
+        config.connect_timeout,
+        config.max_backoff,
+        shutdown.clone(),
+    );
+    tokio::join!(
+        subscribe_until_shutdown(shared, &topology, config.clone(), failure_epoch, shutdown),
+        announce
+    );
+}
+
+/// Connects, serves, and reconnects with capped exponential backoff until shut down. An
+/// announced failover ends the backoff, or the connection to the old primary, at once.
+async fn subscribe_until_shutdown(
+    shared: Arc<Shared>,
+    topology: &Topology,
+    config: SubscriberConfig,
+    failure_epoch: FailureEpoch,
+    shutdown: CancellationToken,
+) {
+    let mut changes = topology.changes();
     // However the task ends, even dropped with its runtime, no connection is claimed and
     // every waiter tries again.
     let _disconnected = Disconnected(&shared);
@@ -234,7 +257,14 @@ async fn serve_until_shutdown(
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected");
                 let (mut sink, mut stream) = pubsub.split();
-                let ended = serve(&shared, &mut sink, &mut stream, &config, &shutdown).await;
+                let ended = serve(
+                    &shared,
+                    (&mut sink, &mut stream),
+                    &config,
+                    &mut changes,
+                    &shutdown,
+                )
+                .await;
                 shared.disconnected();
                 match ended {
                     Ok(()) => return,
@@ -250,6 +280,7 @@ async fn serve_until_shutdown(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(backoff) => {}
+            _ = changes.next() => {}
         }
         backoff = (backoff * 2).min(config.max_backoff);
     }
@@ -258,9 +289,9 @@ async fn serve_until_shutdown(
 /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
 async fn serve(
     shared: &Shared,
-    sink: &mut PubSubSink,
-    stream: &mut PubSubStream,
+    (sink, stream): (&mut PubSubSink, &mut PubSubStream),
     config: &SubscriberConfig,
+    changes: &mut TopologyChanges,
     shutdown: &CancellationToken,
 ) -> Result<(), String> {
     let mut ping = tokio::time::interval(config.ping_interval);
@@ -272,6 +303,7 @@ async fn serve(
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = shared.dirty.notified() => {}
+            _ = changes.next() => return Err("another server took over".to_owned()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
                 shared.registry().wake_channel(message.get_channel_name());

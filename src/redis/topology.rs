@@ -9,8 +9,13 @@
 use std::sync::Arc;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use std::time::Duration;
 
+use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::pool::FailureEpoch;
 use super::sentinel::SentinelGroup;
 
 /// The Redis deployment a backend talks to.
@@ -49,6 +54,52 @@ impl Topology {
             Topology::Server(client) => Ok(client.clone()),
             Topology::Sentinel(group) => group.master().await,
         }
+    }
+}
+
+impl Topology {
+    /// Announcements that another server took over (a Sentinel promotion), so that code
+    /// sleeping before a retry can retry at once. A single server announces nothing.
+    pub(crate) fn changes(&self) -> TopologyChanges {
+        match self {
+            Topology::Server(_) => TopologyChanges(None),
+            Topology::Sentinel(group) => TopologyChanges(Some(group.promotions())),
+        }
+    }
+
+    /// Listens for the announcements of [`changes`](Self::changes) until `shutdown`
+    /// (returns at once for a topology that makes none).
+    pub(crate) async fn announce_changes(
+        &self,
+        failure_epoch: FailureEpoch,
+        connect_timeout: Duration,
+        max_backoff: Duration,
+        shutdown: CancellationToken,
+    ) {
+        match self {
+            Topology::Server(_) => {}
+            Topology::Sentinel(group) => {
+                group
+                    .listen_for_promotions(failure_epoch, connect_timeout, max_backoff, shutdown)
+                    .await
+            }
+        }
+    }
+}
+
+/// See [`Topology::changes`].
+pub(crate) struct TopologyChanges(Option<watch::Receiver<u64>>);
+
+impl TopologyChanges {
+    /// Resolves at the next announced change; never, for a topology that makes none.
+    /// Cancel-safe.
+    pub(crate) async fn next(&mut self) {
+        if let Some(promotions) = &mut self.0 {
+            if promotions.changed().await.is_ok() {
+                return;
+            }
+        }
+        std::future::pending().await
     }
 }
 
