@@ -24,14 +24,16 @@ use tower_lock::{BuildError, HeldLock, LockError, LockLayer, RedisBackend};
 /// printed, not asserted.
 const FAILOVER_BOUND: Duration = Duration::from_secs(30);
 
-/// A backend on the set with short timeouts, so requests fail fast while there is no
+/// The data nodes' password once [`data_nodes_require_a_password`] set it; the sentinels
+/// keep none.
+const MASTER_PASSWORD: &str = "data-node-secret";
+
+/// A builder on the set with short timeouts, so requests fail fast while there is no
 /// master.
-async fn sentinel_backend(set: &SentinelSet) -> Result<RedisBackend, BuildError> {
+fn sentinel_builder(set: &SentinelSet) -> tower_lock::RedisBackendBuilder {
     RedisBackend::sentinel(set.sentinel_urls(), MASTER_NAME)
         .command_timeout(Duration::from_millis(500))
         .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -40,11 +42,13 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     let mut set = SentinelSet::start().await;
     locks_are_taken_and_released_on_the_master(&set).await;
     an_unknown_master_name_fails_the_build(&set).await;
+    data_nodes_require_a_password(&set).await;
     three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
 }
 
 async fn locks_are_taken_and_released_on_the_master(set: &SentinelSet) {
-    let backend = sentinel_backend(set)
+    let backend = sentinel_builder(set)
+        .build()
         .await
         .expect("backend through sentinels");
     let guard = backend.lock("basic").try_once().await.expect("lock taken");
@@ -71,6 +75,76 @@ async fn an_unknown_master_name_fails_the_build(set: &SentinelSet) {
     let message = chain(&error);
     assert!(message.contains("`no-such-master`"), "{message}");
     println!("unknown master name: {message}");
+}
+
+/// From here on the data nodes require a password and the sentinels none (the common
+/// setup): the sentinel URLs carry no password, the builder gives the master's.
+async fn data_nodes_require_a_password(set: &SentinelSet) {
+    for sentinel in set.sentinel_urls() {
+        let mut conn = redis::Client::open(sentinel)
+            .expect("sentinel url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("sentinel");
+        let _: () = redis::cmd("SENTINEL")
+            .arg("SET")
+            .arg(MASTER_NAME)
+            .arg("auth-pass")
+            .arg(MASTER_PASSWORD)
+            .query_async(&mut conn)
+            .await
+            .expect("SENTINEL SET auth-pass");
+    }
+    for server in set.servers() {
+        let mut conn = server.conn().await;
+        for (name, value) in [
+            ("masterauth", MASTER_PASSWORD),
+            ("requirepass", MASTER_PASSWORD),
+        ] {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(name)
+                .arg(value)
+                .query_async(&mut conn)
+                .await
+                .expect("CONFIG SET");
+        }
+    }
+    let refused = sentinel_builder(set)
+        .build()
+        .await
+        .expect_err("the master refuses a client without its password");
+    assert!(
+        matches!(refused, BuildError::Sentinel { .. }),
+        "{refused:?}"
+    );
+    println!("master without its password: {}", chain(&refused));
+    let backend = sentinel_builder(set)
+        .master_password(MASTER_PASSWORD)
+        .build()
+        .await
+        .expect("the master's password from the builder");
+    let guard = backend.lock("auth").try_once().await.expect("lock taken");
+    guard.release().await.expect("released");
+}
+
+#[tokio::test]
+async fn master_credentials_are_refused_without_sentinel() {
+    let error = RedisBackend::builder("redis://127.0.0.1:1")
+        .master_password("pw")
+        .build()
+        .await
+        .expect_err("a setting for Sentinel only");
+    assert!(
+        matches!(
+            error,
+            BuildError::Setting {
+                name: "master_password",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
 }
 
 #[tokio::test]
@@ -295,7 +369,9 @@ async fn three_instances_sell_exactly_the_stock_across_a_failover(set: &mut Sent
     shop.lock().expect("shop").stock = STOCK;
     let mut instances = Vec::new();
     for _ in 0..3 {
-        let backend = sentinel_backend(set)
+        let backend = sentinel_builder(set)
+            .master_password(MASTER_PASSWORD)
+            .build()
             .await
             .expect("backend through sentinels");
         let key_fn: fn(&Request) -> Option<&'static str> = stock_key;

@@ -9,7 +9,7 @@ use super::pool::{Pool, RedisCause};
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::runtime::Spawner;
 use super::scripts::Scripts;
-use super::sentinel::SentinelGroup;
+use super::sentinel::{MasterAuth, SentinelGroup};
 use super::topology::Topology;
 use super::watchdog::Watchdog;
 use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, Inner, RedisBackend};
@@ -31,6 +31,9 @@ pub struct RedisBackendBuilder {
     ping_interval: Duration,
     max_backoff: Duration,
     max_local_handoffs: u32,
+    /// The master's credentials when they differ from the first sentinel URL's.
+    master_username: Option<String>,
+    master_password: Option<String>,
 }
 
 /// Where the backend's Redis is, as the user gave it.
@@ -67,6 +70,8 @@ impl RedisBackendBuilder {
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+            master_username: None,
+            master_password: None,
         }
     }
 
@@ -153,6 +158,21 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Sentinel only: the username the master is reached with, when it is not the first
+    /// sentinel URL's (see [`RedisBackend::sentinel`]).
+    pub fn master_username(mut self, username: impl Into<String>) -> Self {
+        self.master_username = Some(username.into());
+        self
+    }
+
+    /// Sentinel only: the password the master is reached with, when it is not the first
+    /// sentinel URL's: for sentinels that need another password than the data nodes, or
+    /// none (see [`RedisBackend::sentinel`]).
+    pub fn master_password(mut self, password: impl Into<String>) -> Self {
+        self.master_password = Some(password.into());
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
     /// The backend may be used from other runtimes too, also after this one shut down (a
@@ -235,7 +255,11 @@ impl RedisBackendBuilder {
                     source: Box::new(e),
                 }),
             Target::Sentinel { urls, master_name } => {
-                let group = SentinelGroup::new(urls, master_name)?;
+                let master = MasterAuth {
+                    username: self.master_username.as_deref(),
+                    password: self.master_password.as_deref(),
+                };
+                let group = SentinelGroup::new(urls, master_name, master)?;
                 // Asked here once, so that unreachable sentinels or an unknown name fail
                 // the build with that cause rather than as a failed PING. redis-rs bounds
                 // each sentinel's connect and reply by its own timeouts.
@@ -259,6 +283,15 @@ impl RedisBackendBuilder {
         }
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");
+        }
+        if matches!(self.target, Target::Url(_)) {
+            let sentinel_only = "it applies to a Sentinel backend; put the credentials in the URL";
+            if self.master_username.is_some() {
+                return refuse("master_username", sentinel_only);
+            }
+            if self.master_password.is_some() {
+                return refuse("master_password", sentinel_only);
+            }
         }
         Ok(())
     }

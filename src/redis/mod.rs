@@ -125,10 +125,12 @@ impl RedisBackend {
     /// the promoted replica as they are replaced: connections to a dead master fail and are
     /// retired, and a demoted master's `READONLY` reply retires its connection too.
     ///
-    /// The master is reached with the username, password and database (`/db`) of the
-    /// first URL; each sentinel with its own URL's username and password. Sentinels and
-    /// data nodes that share one password (`requirepass` plus `sentinel auth-pass`) need
-    /// nothing else.
+    /// Each sentinel is reached with its own URL's username and password. The master is
+    /// reached with the username, password and database (`/db`) of the first URL, so
+    /// sentinels and data nodes that share one password need nothing else; where they do
+    /// not (commonly: sentinels without a password, data nodes with one), set the master's
+    /// with [`master_password`](RedisBackendBuilder::master_password) and
+    /// [`master_username`](RedisBackendBuilder::master_username).
     ///
     /// ```no_run
     /// use tower_lock::RedisBackend;

@@ -30,6 +30,12 @@ use super::pool::FailureEpoch;
 
 use crate::error::BuildError;
 
+/// The master's credentials where they differ from the first sentinel URL's.
+pub(crate) struct MasterAuth<'a> {
+    pub(crate) username: Option<&'a str>,
+    pub(crate) password: Option<&'a str>,
+}
+
 /// The sentinels of one master group and how to reach the master they name.
 pub(crate) struct SentinelGroup {
     /// redis-rs' lookup keeps one connection per sentinel; lookups take turns on it.
@@ -44,9 +50,14 @@ pub(crate) struct SentinelGroup {
 
 impl SentinelGroup {
     /// Parses the sentinel URLs. The master is reached with the username, password and
-    /// database of the first URL; the sentinels themselves with each URL's credentials and
-    /// no database (a sentinel has none, and refuses `SELECT`).
-    pub(crate) fn new(urls: &[String], master_name: &str) -> Result<Self, BuildError> {
+    /// database of the first URL unless `auth` says otherwise; the sentinels themselves
+    /// with each URL's credentials and no database (a sentinel has none, and refuses
+    /// `SELECT`).
+    pub(crate) fn new(
+        urls: &[String],
+        master_name: &str,
+        auth: MasterAuth<'_>,
+    ) -> Result<Self, BuildError> {
         let url_error =
             |source: Box<dyn std::error::Error + Send + Sync>| BuildError::Url { source };
         if master_name.is_empty() {
@@ -66,8 +77,14 @@ impl SentinelGroup {
                 reason: "at least one sentinel URL is needed",
             });
         };
-        let master = SentinelNodeConnectionInfo::default()
-            .set_redis_connection_info(first.redis_settings().clone());
+        let mut settings = first.redis_settings().clone();
+        if let Some(username) = auth.username {
+            settings = settings.set_username(username);
+        }
+        if let Some(password) = auth.password {
+            settings = settings.set_password(password);
+        }
+        let master = SentinelNodeConnectionInfo::default().set_redis_connection_info(settings);
         let sentinels: Vec<ConnectionInfo> = infos
             .into_iter()
             .map(|info| {

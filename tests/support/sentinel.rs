@@ -72,6 +72,11 @@ impl SentinelSet {
         panic!("no sentinel names the master");
     }
 
+    /// The data nodes (master and replica, in either role).
+    pub fn servers(&self) -> &[RedisServer] {
+        &self.servers
+    }
+
     /// The data node serving on `port`.
     pub fn server(&self, port: u16) -> &RedisServer {
         self.servers
