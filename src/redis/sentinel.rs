@@ -11,15 +11,15 @@
 //! the dead master, or the subscriber, may be sleeping in its backoff for up to a second or
 //! two after the promotion. So the backend also listens to `+switch-master` on one sentinel
 //! at a time and announces each promotion of its group ([`SentinelGroup::promotions`]):
-//! the subscriber reconnects at once and owed releases retry at once. Measured on the
-//! failover test (tests/sentinel.rs): kill to first served request 2.9 s without it, 2.3
-//! s with it, where the promotion itself is announced after about 2.2 s.
+//! the subscriber reconnects at once and owed releases retry at once. On the failover test
+//! (tests/sentinel.rs) that brought the first served request from about 0.7 s after the
+//! promotion down to about 20 ms. A listener whose sentinel connection went half-open
+//! hears nothing; the backoffs above are then the fallback.
 
 use std::fmt;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 use tokio::sync::{Mutex, watch};
@@ -27,7 +27,6 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
-
 use crate::error::BuildError;
 
 /// The master's credentials where they differ from the first sentinel URL's.
@@ -111,9 +110,7 @@ impl SentinelGroup {
         tracing::debug!(master = ?master.get_connection_info().addr(), "sentinels named the master");
         Ok(master)
     }
-}
 
-impl SentinelGroup {
     /// Changes whenever a sentinel announces that another server became the master.
     pub(crate) fn promotions(&self) -> watch::Receiver<u64> {
         self.promotions.subscribe()

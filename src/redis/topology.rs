@@ -7,10 +7,9 @@
 //! then, so a reconnect is also how the backend follows the primary.
 
 use std::sync::Arc;
-
-use redis::aio::{ConnectionLike, MultiplexedConnection};
 use std::time::Duration;
 
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
