@@ -37,6 +37,9 @@ pub(crate) struct Conn {
     failure_epoch: FailureEpoch,
     /// The failure epoch at which this connection was last known to work.
     proven: u64,
+    /// The topology's generation when the connection was opened (see
+    /// [`Topology::generation`]): once another server took over, it is retired.
+    generation: u64,
     /// The runtime that runs the connection's I/O task: when it shuts down (a backend
     /// shared by tests with a runtime each), the connection is dead.
     driver: Arc<RuntimeAlive>,
@@ -68,11 +71,14 @@ impl bb8::ManageConnection for Manager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<Conn, RedisError> {
+        // Read first: a takeover announced while connecting retires the connection.
+        let generation = self.topology.generation();
         let conn = self.topology.connect(&self.config).await?;
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
             proven: self.failure_epoch.level(),
+            generation,
             failure_epoch: self.failure_epoch.clone(),
             // redis-rs spawned the I/O task on the runtime this runs on.
             driver: Arc::new(RuntimeAlive::here()),
@@ -283,7 +289,7 @@ impl Pool {
         loop {
             let mut pooled = self.checkout().await.map_err(CommandError::Connect)?;
             tries = tries.saturating_sub(1);
-            if pooled.is_usable().await || tries == 0 {
+            if pooled.is_usable(self.topology.generation()).await || tries == 0 {
                 return Ok(pooled.clone());
             }
         }
@@ -349,10 +355,12 @@ impl Pool {
 }
 
 impl Conn {
-    /// False when the connection failed before, or cannot answer a PING after another
-    /// connection was found dead.
-    async fn is_usable(&mut self) -> bool {
-        if !self.driver.is_alive() {
+    /// False when the connection failed before, was opened before another server took
+    /// over, or cannot answer a PING after another connection was found dead.
+    async fn is_usable(&mut self, generation: u64) -> bool {
+        // A server that was master until a failover may still answer, and even take
+        // writes until the sentinels demote it: a PING proves nothing.
+        if !self.driver.is_alive() || self.generation != generation {
             self.broken.store(true, Ordering::Relaxed);
         }
         if self.broken.load(Ordering::Relaxed) {

@@ -116,6 +116,11 @@ impl SentinelGroup {
         self.promotions.subscribe()
     }
 
+    /// How many promotions the listener has heard of.
+    pub(crate) fn generation(&self) -> u64 {
+        *self.promotions.borrow()
+    }
+
     /// Listens to `+switch-master` on the sentinels, one at a time, until `shutdown`; each
     /// promotion of this group raises `failure_epoch` (pooled connections to the old master
     /// prove themselves before use) and is announced to [`promotions`](Self::promotions).

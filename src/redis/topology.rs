@@ -66,6 +66,14 @@ impl Topology {
         }
     }
 
+    /// How many takeovers [`changes`](Self::changes) announced so far.
+    pub(crate) fn generation(&self) -> u64 {
+        match self {
+            Topology::Server(_) => 0,
+            Topology::Sentinel(group) => group.generation(),
+        }
+    }
+
     /// Listens for the announcements of [`changes`](Self::changes) until `shutdown`
     /// (returns at once for a topology that makes none).
     pub(crate) async fn announce_changes(

@@ -2,6 +2,7 @@
 //! (`redis-server FILE --sentinel`, each with its own writable config file in a temp dir).
 //! Every process is killed when the set is dropped.
 
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,34 +17,130 @@ pub struct SentinelSet {
     /// The data nodes; either may be master after a failover.
     servers: Vec<RedisServer>,
     sentinels: Vec<SentinelProcess>,
+    /// The data nodes' password, once [`require_password`](Self::require_password) set one.
+    password: Option<String>,
 }
 
 impl SentinelSet {
-    /// Starts the data nodes, then the sentinels, and waits until every sentinel knows
-    /// the replica and the two other sentinels (so a failover can be voted at once).
+    /// Starts the data nodes, then the sentinels, and waits until they are
+    /// [ready](Self::wait_until_ready).
     pub async fn start() -> Self {
-        // Diskless sync without its 5 s delay: the replica links at once.
+        // Diskless sync without its 5 s delay: a replica links at once.
         let fast_sync = ["--repl-diskless-sync-delay", "0"];
         let master = RedisServer::start_with(&fast_sync);
         let master_port = master.port().to_string();
         let mut replica_args = fast_sync.to_vec();
         replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
         let replica = RedisServer::start_with(&replica_args);
-        eventually("the replica is linked to the master", || link_up(&replica)).await;
         let sentinels = (0..3)
             .map(|_| SentinelProcess::start(master.port()))
             .collect();
         let set = SentinelSet {
             servers: vec![master, replica],
             sentinels,
+            password: None,
         };
-        for sentinel in set.sentinel_urls() {
+        set.wait_until_ready().await;
+        set
+    }
+
+    /// Waits until the replica is linked to the master and every sentinel sees it healthy
+    /// and knows the two other sentinels, so that a failover can be voted and go to it.
+    pub async fn wait_until_ready(&self) {
+        let master = self.master_port().await;
+        for server in self.servers.iter().filter(|s| s.port() != master) {
+            eventually("the replica is linked to the master", || async {
+                let info: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query_async(&mut self.data_conn(server).await)
+                    .await
+                    .expect("INFO replication");
+                info.contains("master_link_status:up")
+            })
+            .await;
+        }
+        for sentinel in self.sentinel_urls() {
             eventually("every sentinel sees the replica and its peers", || {
                 knows_everyone(&sentinel)
             })
             .await;
         }
-        set
+    }
+
+    /// Makes the data nodes require `password` (the sentinels keep none): the sentinels
+    /// authenticate with it (`auth-pass`), and so does a replica to its master.
+    pub async fn require_password(&mut self, password: &str) {
+        for sentinel in self.sentinel_urls() {
+            let _: () = redis::cmd("SENTINEL")
+                .arg("SET")
+                .arg(MASTER_NAME)
+                .arg("auth-pass")
+                .arg(password)
+                .query_async(&mut connect(&sentinel).await.expect("sentinel"))
+                .await
+                .expect("SENTINEL SET auth-pass");
+        }
+        for server in &self.servers {
+            let mut conn = self.data_conn(server).await;
+            for name in ["masterauth", "requirepass"] {
+                let _: () = redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg(name)
+                    .arg(password)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("CONFIG SET");
+            }
+        }
+        self.password = Some(password.to_owned());
+        // The sentinels reconnect to the data nodes with the password.
+        self.wait_until_ready().await;
+    }
+
+    /// A connection to a data node, with its password if it has one.
+    pub async fn data_conn(&self, server: &RedisServer) -> redis::aio::MultiplexedConnection {
+        let password = self.password.as_deref().unwrap_or_default();
+        connect(&format!("redis://:{password}@127.0.0.1:{}", server.port()))
+            .await
+            .expect("connect to a data node")
+    }
+
+    /// Asks the first sentinel for a planned failover (`SENTINEL FAILOVER`): the replica is
+    /// promoted while the old master stays up, to be turned into its replica.
+    ///
+    /// A sentinel refuses (`NOGOODSLAVE`) until its view of the replica is fresh enough;
+    /// such refusals are retried for a few seconds.
+    pub async fn switchover(&self) {
+        let mut sentinel = connect(&self.sentinel_urls()[0]).await.expect("sentinel");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let asked: redis::RedisResult<()> = redis::cmd("SENTINEL")
+                .arg("FAILOVER")
+                .arg(MASTER_NAME)
+                .query_async(&mut sentinel)
+                .await;
+            match asked {
+                Ok(()) => return,
+                Err(e) if e.code() == Some("NOGOODSLAVE") && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("SENTINEL FAILOVER: {e}"),
+            }
+        }
+    }
+
+    /// Makes the data node on `old_master` a replica of the current master, as the
+    /// sentinels do on their own only at their next `INFO` round (every 10 s), so that
+    /// the next failover has a replica to promote.
+    pub async fn demote(&self, old_master: u16) {
+        let master = self.master_port().await;
+        assert_ne!(master, old_master, "the sentinels named a new master");
+        let _: () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(master)
+            .query_async(&mut self.data_conn(self.server(old_master)).await)
+            .await
+            .expect("REPLICAOF");
     }
 
     /// The sentinels' URLs, for [`tower_lock::RedisBackend::sentinel`].
@@ -191,29 +288,24 @@ async fn connect(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnect
         .await
 }
 
-async fn link_up(replica: &RedisServer) -> bool {
-    let info: String = redis::cmd("INFO")
-        .arg("replication")
-        .query_async(&mut replica.conn().await)
-        .await
-        .expect("INFO replication");
-    info.contains("master_link_status:up")
-}
-
 async fn knows_everyone(sentinel: &str) -> bool {
     let Ok(conn) = connect(sentinel).await else {
         return false;
     };
-    let count = |what: &'static str| {
+    let nodes = |what: &'static str| {
         let mut conn = conn.clone();
         async move {
-            let nodes: Result<Vec<redis::Value>, _> = redis::cmd("SENTINEL")
+            let nodes: Result<Vec<HashMap<String, String>>, _> = redis::cmd("SENTINEL")
                 .arg(what)
                 .arg(MASTER_NAME)
                 .query_async(&mut conn)
                 .await;
-            nodes.map_or(0, |n| n.len())
+            nodes.unwrap_or_default()
         }
     };
-    count("replicas").await == 1 && count("sentinels").await == 2
+    let replicas = nodes("replicas").await;
+    // A healthy replica is flagged `slave` alone (no s_down, disconnected, ...).
+    let healthy =
+        replicas.len() == 1 && replicas[0].get("flags").map(String::as_str) == Some("slave");
+    healthy && nodes("sentinels").await.len() == 2
 }
