@@ -44,6 +44,7 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     an_unknown_master_name_fails_the_build(&set).await;
     data_nodes_require_a_password(&mut set).await;
     a_planned_switchover_moves_the_backend(&set).await;
+    a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(&set).await;
     three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
 }
 
@@ -191,6 +192,65 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
     // The old master becomes the replica the next failover promotes.
     set.demote(old_master).await;
     set.wait_until_ready().await;
+}
+
+/// The sentinels lose the master while clients still reach it (a partition): they promote
+/// the replica but cannot demote the old master, which keeps answering and taking writes.
+/// Once the backend hears the promotion, its connections opened before it are retired
+/// and its locks go to the new master only.
+async fn a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(set: &SentinelSet) {
+    let backend = sentinel_builder(set)
+        .master_password(MASTER_PASSWORD)
+        .build()
+        .await
+        .expect("backend through sentinels");
+    // Pooled connections to the master that is about to be cut off.
+    for _ in 0..4 {
+        let guard = backend.lock("partition").try_once().await.expect("lock");
+        guard.release().await.expect("release");
+    }
+    let subscribed = backend.stats().subscriber_connections_made;
+    let switched = switch_master_watch(set).await;
+    let old_master = set.cut_sentinels_off().await;
+    switched
+        .await
+        .expect("switch watch")
+        .expect("the sentinels promote the replica");
+    // The backend heard it too: its subscriber moved.
+    eventually("the subscriber reconnects after the promotion", || async {
+        backend.stats().subscriber_connections_made > subscribed
+    })
+    .await;
+    let new_master = set.master_port().await;
+    assert_ne!(new_master, old_master);
+    let mut old = set.data_conn(set.server(old_master)).await;
+    let role: (String,) = redis::cmd("ROLE")
+        .query_async::<Vec<redis::Value>>(&mut old)
+        .await
+        .map(|v| (redis::from_redis_value(v[0].clone()).expect("role"),))
+        .expect("ROLE");
+    assert_eq!(role.0, "master", "the old master still takes writes");
+    let mut new = set.data_conn(set.server(new_master)).await;
+    let lock = support::lock_key("partition");
+    for _ in 0..4 {
+        let guard = backend.lock("partition").try_once().await.expect("lock");
+        let on_new: bool = redis::cmd("EXISTS")
+            .arg(&lock)
+            .query_async(&mut new)
+            .await
+            .expect("EXISTS");
+        let on_old: bool = redis::cmd("EXISTS")
+            .arg(&lock)
+            .query_async(&mut old)
+            .await
+            .expect("EXISTS");
+        assert!(
+            on_new && !on_old,
+            "held on the new master only (new {on_new}, old {on_old})"
+        );
+        guard.release().await.expect("release");
+    }
+    set.reconnect_sentinels(old_master).await;
 }
 
 #[tokio::test]

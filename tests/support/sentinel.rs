@@ -12,6 +12,9 @@ use super::{RedisServer, eventually};
 /// The name the sentinels monitor the master under.
 pub const MASTER_NAME: &str = "towerlock";
 
+/// The ACL user the sentinels authenticate as once the data nodes require a password.
+pub const SENTINEL_USER: &str = "sentinel-user";
+
 /// One master, one replica and three sentinels watching them with quorum 2.
 pub struct SentinelSet {
     /// The data nodes; either may be master after a failover.
@@ -67,21 +70,24 @@ impl SentinelSet {
         }
     }
 
-    /// Makes the data nodes require `password` (the sentinels keep none): the sentinels
-    /// authenticate with it (`auth-pass`), and so does a replica to its master.
+    /// Makes the data nodes require `password` (the sentinels keep none). The sentinels
+    /// authenticate as their own ACL user [`SENTINEL_USER`] with it, so that
+    /// [`cut_sentinels_off`](Self::cut_sentinels_off) can lock them out alone; a replica
+    /// authenticates to its master as the default user.
     pub async fn require_password(&mut self, password: &str) {
-        for sentinel in self.sentinel_urls() {
-            let _: () = redis::cmd("SENTINEL")
-                .arg("SET")
-                .arg(MASTER_NAME)
-                .arg("auth-pass")
-                .arg(password)
-                .query_async(&mut connect(&sentinel).await.expect("sentinel"))
-                .await
-                .expect("SENTINEL SET auth-pass");
-        }
         for server in &self.servers {
             let mut conn = self.data_conn(server).await;
+            let _: () = redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg(SENTINEL_USER)
+                .arg("on")
+                .arg(format!(">{password}"))
+                .arg("+@all")
+                .arg("~*")
+                .arg("&*")
+                .query_async(&mut conn)
+                .await
+                .expect("ACL SETUSER");
             for name in ["masterauth", "requirepass"] {
                 let _: () = redis::cmd("CONFIG")
                     .arg("SET")
@@ -92,8 +98,72 @@ impl SentinelSet {
                     .expect("CONFIG SET");
             }
         }
+        for sentinel in self.sentinel_urls() {
+            let mut conn = connect(&sentinel).await.expect("sentinel");
+            for (name, value) in [("auth-user", SENTINEL_USER), ("auth-pass", password)] {
+                let _: () = redis::cmd("SENTINEL")
+                    .arg("SET")
+                    .arg(MASTER_NAME)
+                    .arg(name)
+                    .arg(value)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("SENTINEL SET");
+            }
+        }
         self.password = Some(password.to_owned());
         // The sentinels reconnect to the data nodes with the password.
+        self.wait_until_ready().await;
+    }
+
+    /// Locks the sentinels out of the current master (their user is disabled and their
+    /// connections cut) while clients keep reaching it: to the sentinels it is down, so
+    /// they promote the replica and cannot demote the old master, which stays writable.
+    /// Returns the old master's port. Needs [`require_password`](Self::require_password).
+    pub async fn cut_sentinels_off(&self) -> u16 {
+        let port = self.master_port().await;
+        let mut conn = self.data_conn(self.server(port)).await;
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(SENTINEL_USER)
+            .arg("off")
+            .query_async(&mut conn)
+            .await
+            .expect("ACL SETUSER off");
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("USER")
+            .arg(SENTINEL_USER)
+            .query_async(&mut conn)
+            .await
+            .expect("CLIENT KILL USER");
+        port
+    }
+
+    /// Undoes [`cut_sentinels_off`](Self::cut_sentinels_off) and makes the old master a
+    /// replica of the new one.
+    pub async fn reconnect_sentinels(&self, old_master: u16) {
+        let mut conn = self.data_conn(self.server(old_master)).await;
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(SENTINEL_USER)
+            .arg("on")
+            .query_async(&mut conn)
+            .await
+            .expect("ACL SETUSER on");
+        // A sentinel keeps a connection whose AUTH was refused and takes every -NOAUTH
+        // reply as the node being down: cut those connections (all but this one), so
+        // that the sentinels reconnect and authenticate.
+        for kind in ["normal", "pubsub"] {
+            let _: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg(kind)
+                .query_async(&mut conn)
+                .await
+                .expect("CLIENT KILL TYPE");
+        }
+        self.demote(old_master).await;
         self.wait_until_ready().await;
     }
 
