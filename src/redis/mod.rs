@@ -123,7 +123,11 @@ impl RedisBackend {
     /// order. Each connection the backend opens asks them for the current master and checks
     /// its `ROLE`, so after a failover the backend's connections and its subscriber move to
     /// the promoted replica as they are replaced: connections to a dead master fail and are
-    /// retired, and a demoted master's `READONLY` reply retires its connection too.
+    /// retired, and a demoted master's `READONLY` reply retires its connection too. The
+    /// backend also listens to the sentinels' `+switch-master` announcement: from then on it
+    /// uses no connection opened before (an old master cut off from the sentinels may still
+    /// answer, and take writes), its subscriber moves and its waiters try again, and
+    /// releases owed to the dead master are retried at once.
     ///
     /// Each sentinel is reached with its own URL's username and password. The master is
     /// reached with the username, password and database (`/db`) of the first URL, so
@@ -149,6 +153,13 @@ impl RedisBackend {
     ///
     /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
     /// knows `master_name`, or the master they name is down.
+    ///
+    /// Replication is asynchronous, so a failover loses the writes the replica had not
+    /// received, and those that reached the old master after the promotion: a lock taken
+    /// there may be taken again ([fencing tokens](crate::HeldLock::fencing_token) stay
+    /// increasing and are the safety net), and a lock released there stays held on the new
+    /// master until its lease runs out (in a planned `SENTINEL FAILOVER` of a busy key,
+    /// expect that key to wait up to one lease).
     pub fn sentinel(
         sentinels: impl IntoIterator<Item = impl AsRef<str>>,
         master_name: &str,
