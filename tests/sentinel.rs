@@ -179,7 +179,7 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
         .collect();
     let steady = outcomes
         .iter()
-        .find(|(at, ok)| *ok && failed.iter().all(|f| f < at))
+        .find(|(at, ok)| *ok && *at > promoted && failed.iter().all(|f| f < at))
         .map(|(at, _)| at.saturating_duration_since(promoted));
     println!(
         "sentinel switchover: SENTINEL FAILOVER -> +switch-master {:?}; {} acquisitions \
