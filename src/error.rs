@@ -250,6 +250,15 @@ pub enum BuildError {
         /// Why the connection failed.
         source: Box<dyn StdError + Send + Sync>,
     },
+    /// No sentinel named a usable master: none could be reached, none knows the master
+    /// name, or the master they name is down or unreachable; the cause is the
+    /// [`source`](StdError::source).
+    Sentinel {
+        /// The master name given to [`RedisBackend::sentinel`](crate::RedisBackend::sentinel).
+        master_name: String,
+        /// Why the lookup failed (the last sentinel's or the named master's error).
+        source: Box<dyn StdError + Send + Sync>,
+    },
     /// The server was reached but refused to load the lock scripts.
     Scripts {
         /// Why loading failed.
@@ -303,6 +312,9 @@ impl fmt::Display for BuildError {
             BuildError::Setting { name, reason } => write!(f, "invalid `{name}`: {reason}"),
             BuildError::Url { .. } => f.write_str("invalid Redis URL"),
             BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
+            BuildError::Sentinel { master_name, .. } => {
+                write!(f, "the sentinels name no usable master `{master_name}`")
+            }
             BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
             BuildError::Auth { user, .. } => {
                 write!(
@@ -333,6 +345,7 @@ impl StdError for BuildError {
             BuildError::Url { source }
             | BuildError::Connect { source }
             | BuildError::Scripts { source }
+            | BuildError::Sentinel { source, .. }
             | BuildError::Auth { source, .. }
             | BuildError::Rights { source, .. } => Some(&**source),
             BuildError::Tls { source, .. } => source.as_deref().map(|e| e as _),

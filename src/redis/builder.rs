@@ -7,12 +7,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::checks::{ServerChecks, connect_failure};
 use super::cluster::ClusterNodes;
-use super::pool::{CommandError, Pool};
+use super::pool::{CommandError, Pool, RedisCause};
 use super::pubsub::{Subscriber, SubscriberConfig};
 use super::recheck::Recheck;
 use super::replicas::SyncReplicas;
 use super::runtime::Spawner;
 use super::scripts::Scripts;
+use super::sentinel::{MasterAuth, SentinelGroup};
 use super::tls::TlsSettings;
 use super::topology::Topology;
 use super::watchdog::Watchdog;
@@ -26,9 +27,7 @@ use crate::queue::Queues;
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct RedisBackendBuilder {
-    url: String,
-    /// Seed nodes of a Redis Cluster; `url` is unused when set.
-    cluster_nodes: Option<Vec<String>>,
+    target: Target,
     pool_size: u32,
     namespace: String,
     max_key_len: usize,
@@ -43,13 +42,41 @@ pub struct RedisBackendBuilder {
     restart_guard: bool,
     max_lease: Duration,
     sync_replicas: Option<SyncReplicas>,
+    /// The master's credentials when they differ from the first sentinel URL's.
+    master_username: Option<String>,
+    master_password: Option<String>,
+}
+
+/// Where the backend's Redis is, as the user gave it.
+#[derive(Debug, Clone)]
+enum Target {
+    /// One server's URL.
+    Url(String),
+    /// The URLs of the sentinels that monitor `master_name`.
+    Sentinel {
+        urls: Vec<String>,
+        master_name: String,
+    },
+    /// The seed nodes of a Redis Cluster.
+    Cluster(Vec<String>),
 }
 
 impl RedisBackendBuilder {
     pub(super) fn new(url: String) -> Self {
+        Self::with_target(Target::Url(url))
+    }
+
+    pub(super) fn sentinel(urls: Vec<String>, master_name: String) -> Self {
+        Self::with_target(Target::Sentinel { urls, master_name })
+    }
+
+    pub(super) fn new_cluster(nodes: Vec<String>) -> Self {
+        Self::with_target(Target::Cluster(nodes))
+    }
+
+    fn with_target(target: Target) -> Self {
         RedisBackendBuilder {
-            url,
-            cluster_nodes: None,
+            target,
             pool_size: 4,
             namespace: "tower-lock".to_owned(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
@@ -65,13 +92,8 @@ impl RedisBackendBuilder {
             restart_guard: false,
             max_lease: DEFAULT_LEASE,
             sync_replicas: None,
-        }
-    }
-
-    pub(super) fn new_cluster(nodes: Vec<String>) -> Self {
-        RedisBackendBuilder {
-            cluster_nodes: Some(nodes),
-            ..Self::new(String::new())
+            master_username: None,
+            master_password: None,
         }
     }
 
@@ -269,6 +291,21 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Sentinel only: the username the master is reached with, when it is not the first
+    /// sentinel URL's (see [`RedisBackend::sentinel`]).
+    pub fn master_username(mut self, username: impl Into<String>) -> Self {
+        self.master_username = Some(username.into());
+        self
+    }
+
+    /// Sentinel only: the password the master is reached with, when it is not the first
+    /// sentinel URL's: for sentinels that need another password than the data nodes, or
+    /// none (see [`RedisBackend::sentinel`]).
+    pub fn master_password(mut self, password: impl Into<String>) -> Self {
+        self.master_password = Some(password.into());
+        self
+    }
+
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
     ///
     /// The backend may be used from other runtimes too, also after this one shut down (a
@@ -286,7 +323,7 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let (topology, user) = self.topology()?;
+        let (topology, user) = self.topology().await?;
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
@@ -390,14 +427,26 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
-    /// Where the backend connects: parses the URLs, connects nowhere yet.
-    /// Where the servers are, and the ACL user the connections log in as (for errors).
-    fn topology(&self) -> Result<(Topology, String), BuildError> {
+    /// Where the servers are (for Sentinel: the master the sentinels name now, asked once
+    /// so that unreachable sentinels or an unknown name fail the build with that cause),
+    /// and the ACL user the connections log in as (for errors).
+    async fn topology(&self) -> Result<(Topology, String), BuildError> {
         let url_error = |e: redis::RedisError| BuildError::Url {
             source: Box::new(e),
         };
-        let (topology, info) = match &self.cluster_nodes {
-            Some(nodes) => {
+        let user_of = |url: &str| {
+            redis::IntoConnectionInfo::into_connection_info(url)
+                .map(|info| info.redis_settings().username().map(str::to_owned))
+                .map_err(url_error)
+        };
+        let (topology, user) = match &self.target {
+            Target::Url(url) => {
+                let client = self.tls.client(url)?;
+                let info = client.get_connection_info();
+                let user = info.redis_settings().username().map(str::to_owned);
+                (Topology::Server(client), user)
+            }
+            Target::Cluster(nodes) => {
                 self.tls.check_cluster(nodes)?;
                 let cluster = ClusterNodes::new(
                     nodes.clone(),
@@ -406,20 +455,30 @@ impl RedisBackendBuilder {
                     self.command_timeout,
                 )
                 .map_err(url_error)?;
-                // The cluster client checked that every seed parses and agrees on them.
-                let first = nodes.first().map(String::as_str).unwrap_or_default();
-                let info =
-                    redis::IntoConnectionInfo::into_connection_info(first).map_err(url_error)?;
-                (Topology::Cluster(cluster), info)
+                // The cluster client checked that there are seeds and that they agree.
+                let user = user_of(nodes.first().map(String::as_str).unwrap_or_default())?;
+                (Topology::Cluster(cluster), user)
             }
-            None => {
-                let client = self.tls.client(&self.url)?;
-                let info = client.get_connection_info().clone();
-                (Topology::Server(client), info)
+            Target::Sentinel { urls, master_name } => {
+                self.tls.check_sentinel(urls)?;
+                let master = MasterAuth {
+                    username: self.master_username.as_deref(),
+                    password: self.master_password.as_deref(),
+                };
+                let group = SentinelGroup::new(urls, master_name, master)?;
+                // redis-rs bounds each sentinel's connect and reply by its own timeouts.
+                group.master().await.map_err(|e| BuildError::Sentinel {
+                    master_name: master_name.clone(),
+                    source: Box::new(RedisCause::from(e)),
+                })?;
+                let user = match &self.master_username {
+                    Some(user) => Some(user.clone()),
+                    None => user_of(urls.first().map(String::as_str).unwrap_or_default())?,
+                };
+                (Topology::Sentinel(Arc::new(group)), user)
             }
         };
-        let user = info.redis_settings().username().unwrap_or("default");
-        Ok((topology, user.to_owned()))
+        Ok((topology, user.unwrap_or_else(|| "default".to_owned())))
     }
 
     /// Refuses values that would fail every call, instead of failing each request later.
@@ -449,6 +508,15 @@ impl RedisBackendBuilder {
         }
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");
+        }
+        if matches!(self.target, Target::Url(_)) {
+            let sentinel_only = "it applies to a Sentinel backend; put the credentials in the URL";
+            if self.master_username.is_some() {
+                return refuse("master_username", sentinel_only);
+            }
+            if self.master_password.is_some() {
+                return refuse("master_password", sentinel_only);
+            }
         }
         Ok(())
     }

@@ -162,6 +162,7 @@ impl RedisHold {
             .is_some_and(|slot| slot.streak().saturating_add(1) >= inner.max_local_handoffs);
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
+        let mut changes = inner.pool.topology().changes();
         loop {
             let invocation = self.invocation(successor.as_ref(), streak_spent);
             let sent_at = Instant::now();
@@ -181,6 +182,7 @@ impl RedisHold {
                 Ok(Err(e)) => {
                     let retry = e.is_ambiguous()
                         || e.is_topology_change()
+                        || e.is_read_only()
                         || matches!(e, CommandError::Connect(_));
                     self.may_have_run |= e.is_ambiguous();
                     if !retry {
@@ -196,7 +198,11 @@ impl RedisHold {
             if Instant::now() + backoff >= give_up {
                 return Err(error);
             }
-            sleep(backoff).await;
+            // A failover announced meanwhile (Sentinel) is worth a retry at once.
+            tokio::select! {
+                _ = sleep(backoff) => {}
+                _ = changes.next() => {}
+            }
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }

@@ -16,6 +16,7 @@ mod recheck;
 mod replicas;
 mod runtime;
 mod scripts;
+mod sentinel;
 mod shard_pubsub;
 mod tls;
 mod topology;
@@ -158,6 +159,60 @@ impl RedisBackend {
     pub fn cluster(nodes: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
         let nodes = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
         RedisBackendBuilder::new_cluster(nodes)
+    }
+
+    /// Starts configuring a backend for the master that Redis Sentinel names `master_name`.
+    ///
+    /// `sentinels` are the sentinels' URLs (`redis://[[user]:password@]host:port`), asked in
+    /// order. Each connection the backend opens asks them for the current master and checks
+    /// its `ROLE`, so after a failover the backend's connections and its subscriber move to
+    /// the promoted replica as they are replaced: connections to a dead master fail and are
+    /// retired, and a demoted master's `READONLY` reply retires its connection too. The
+    /// backend also listens to the sentinels' `+switch-master` announcement: from then on it
+    /// uses no connection opened before (an old master cut off from the sentinels may still
+    /// answer, and take writes), its subscriber moves and its waiters try again, and
+    /// releases owed to the dead master are retried at once.
+    ///
+    /// Each sentinel is reached with its own URL's username and password. The master is
+    /// reached with the username, password and database (`/db`) of the first URL, so
+    /// sentinels and data nodes that share one password need nothing else; where they do
+    /// not (commonly: sentinels without a password, data nodes with one), set the master's
+    /// with [`master_password`](RedisBackendBuilder::master_password) and
+    /// [`master_username`](RedisBackendBuilder::master_username).
+    ///
+    /// ```no_run
+    /// use tower_lock::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_lock::BuildError> {
+    /// let backend = RedisBackend::sentinel(
+    ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
+    ///     "mymaster",
+    /// )
+    /// .build()
+    /// .await?;
+    /// # drop(backend);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
+    /// knows `master_name`, or the master they name is down.
+    ///
+    /// Replication is asynchronous, so a failover loses the writes the replica had not
+    /// received, and those that reached the old master after the promotion: a lock taken
+    /// there may be taken again ([fencing tokens](crate::HeldLock::fencing_token) stay
+    /// increasing and are the safety net), and a lock released there stays held on the new
+    /// master until its lease runs out (in a planned `SENTINEL FAILOVER` of a busy key,
+    /// expect that key to wait up to one lease).
+    pub fn sentinel(
+        sentinels: impl IntoIterator<Item = impl AsRef<str>>,
+        master_name: &str,
+    ) -> RedisBackendBuilder {
+        let urls = sentinels
+            .into_iter()
+            .map(|url| url.as_ref().to_owned())
+            .collect();
+        RedisBackendBuilder::sentinel(urls, master_name.to_owned())
     }
 
     /// Starts building an acquisition of `key` (see [`LockRequest`]).

@@ -39,6 +39,9 @@ pub(crate) struct Conn {
     failure_epoch: FailureEpoch,
     /// The failure epoch at which this connection was last known to work.
     proven: u64,
+    /// The topology's generation when the connection was opened (see
+    /// [`Topology::generation`]): once another server took over, it is retired.
+    generation: u64,
     /// The runtime that runs the connection's I/O task: when it shuts down (a backend
     /// shared by tests with a runtime each), the connection is dead.
     driver: Arc<RuntimeAlive>,
@@ -87,12 +90,15 @@ impl bb8::ManageConnection for Manager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<Conn, RedisError> {
+        // Read first: a takeover announced while connecting retires the connection.
+        let generation = self.topology.generation();
         let mut conn = self.topology.connect(&self.config).await?;
         self.check_server(&mut conn).await?;
         Ok(Conn {
             conn,
             broken: Arc::new(AtomicBool::new(false)),
             proven: self.failure_epoch.level(),
+            generation,
             failure_epoch: self.failure_epoch.clone(),
             // redis-rs spawned the I/O task on the runtime this runs on.
             driver: Arc::new(RuntimeAlive::here()),
@@ -147,6 +153,12 @@ impl CommandError {
     /// a failover): nothing ran, and a later try may succeed.
     pub(crate) fn is_topology_change(&self) -> bool {
         matches!(self, CommandError::Redis(e) if e.is_cluster_error() || e.code() == Some("MASTERDOWN"))
+    }
+
+    /// True when the server refused the command as a replica (`READONLY`): it did not
+    /// run, and a retry on a new connection reaches whichever server is primary now.
+    pub(crate) fn is_read_only(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if is_read_only(e))
     }
 
     /// True when the command may have run even though no reply arrived.
@@ -223,7 +235,13 @@ fn cause(e: &RedisError) -> &(dyn std::error::Error + 'static) {
 
 /// A `RedisError` as one level of a chain: the text of [`cause`], and that cause's source.
 #[derive(Debug)]
-struct RedisCause(Arc<RedisError>);
+pub(crate) struct RedisCause(Arc<RedisError>);
+
+impl From<RedisError> for RedisCause {
+    fn from(e: RedisError) -> Self {
+        RedisCause(Arc::new(e))
+    }
+}
 
 impl fmt::Display for RedisCause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -256,10 +274,15 @@ pub(crate) fn is_transport(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 
+fn is_read_only(e: &RedisError) -> bool {
+    e.kind() == redis::ServerErrorKind::ReadOnly.into()
+}
+
 /// The backend's command pool.
 #[derive(Clone)]
 pub(crate) struct Pool {
     pool: bb8::Pool<Manager>,
+    topology: Topology,
     failure_epoch: FailureEpoch,
     failures: ConnectFailures,
 }
@@ -288,7 +311,7 @@ impl Pool {
             .error_sink(Box::new(failures.clone()))
             .connection_timeout(connect_timeout)
             .build_unchecked(Manager {
-                topology,
+                topology: topology.clone(),
                 config,
                 failure_epoch: failure_epoch.clone(),
                 opened_at: AtomicU64::new(0),
@@ -296,9 +319,15 @@ impl Pool {
             });
         Pool {
             pool,
+            topology,
             failure_epoch,
             failures,
         }
+    }
+
+    /// Where the pool's connections go.
+    pub(crate) fn topology(&self) -> &Topology {
+        &self.topology
     }
 
     /// The counter that makes pooled connections prove themselves before their next use.
@@ -315,7 +344,7 @@ impl Pool {
         loop {
             let mut pooled = self.checkout().await.map_err(CommandError::Connect)?;
             tries = tries.saturating_sub(1);
-            if pooled.is_usable().await || tries == 0 {
+            if pooled.is_usable(self.topology.generation()).await || tries == 0 {
                 return Ok(pooled.clone());
             }
         }
@@ -401,10 +430,12 @@ impl Pool {
 }
 
 impl Conn {
-    /// False when the connection failed before, or cannot answer a PING after another
-    /// connection was found dead.
-    async fn is_usable(&mut self) -> bool {
-        if !self.driver.is_alive() {
+    /// False when the connection failed before, was opened before another server took
+    /// over, or cannot answer a PING after another connection was found dead.
+    async fn is_usable(&mut self, generation: u64) -> bool {
+        // A server that was master until a failover may still answer, and even take
+        // writes until the sentinels demote it: a PING proves nothing.
+        if !self.driver.is_alive() || self.generation != generation {
             self.broken.store(true, Ordering::Relaxed);
         }
         if self.broken.load(Ordering::Relaxed) {
@@ -449,7 +480,11 @@ impl Conn {
 
     fn observe<T>(&self, result: Result<T, RedisError>) -> Result<T, CommandError> {
         result.map_err(|e| {
-            if is_transport(&e) && !self.conn.heals_itself() {
+            // A master demoted to replica (a failover) refuses writes with READONLY but
+            // stays up: the connection is as useless as a dead one, and so are its
+            // siblings, and a fresh one goes to whichever server is master now. A cluster
+            // connection follows its cluster by itself.
+            if (is_transport(&e) && !self.conn.heals_itself()) || is_read_only(&e) {
                 self.broken.store(true, Ordering::Relaxed);
                 self.failure_epoch.raise();
             }

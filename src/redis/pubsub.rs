@@ -23,7 +23,7 @@ use super::pool::FailureEpoch;
 use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::shard_pubsub;
-use super::topology::Topology;
+use super::topology::{Topology, TopologyChanges};
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -264,12 +264,8 @@ impl From<&str> for Ended {
     }
 }
 
-/// Connects, serves, and reconnects with capped exponential backoff until shut down.
-///
-/// The backoff starts over only after a connection proved itself (a subscription was
-/// confirmed or a ping answered): a connection that is accepted and then refused or
-/// dropped at once, as under an ACL user without channel rights, must not reconnect in a
-/// tight loop (219 connections in 5 s were seen).
+/// Runs the subscriber, and the topology's announcements of a failover next to it, until
+/// shut down.
 async fn serve_until_shutdown(
     shared: Arc<Shared>,
     topology: Topology,
@@ -283,6 +279,34 @@ async fn serve_until_shutdown(
         let signs = (failure_epoch, recheck);
         return shard_pubsub::serve_until_shutdown(shared, nodes, config, signs, shutdown).await;
     }
+    let announce = topology.announce_changes(
+        failure_epoch.clone(),
+        config.connect_timeout,
+        config.max_backoff,
+        shutdown.clone(),
+    );
+    let signs = (failure_epoch, recheck);
+    tokio::join!(
+        subscribe_until_shutdown(shared, &topology, config.clone(), signs, shutdown),
+        announce
+    );
+}
+
+/// Connects, serves, and reconnects with capped exponential backoff until shut down. An
+/// announced failover ends the backoff, or the connection to the old primary, at once.
+///
+/// The backoff starts over only after a connection proved itself (a subscription was
+/// confirmed or a ping answered): a connection that is accepted and then refused or
+/// dropped at once, as under an ACL user without channel rights, must not reconnect in a
+/// tight loop (219 connections in 5 s were seen).
+async fn subscribe_until_shutdown(
+    shared: Arc<Shared>,
+    topology: &Topology,
+    config: SubscriberConfig,
+    (failure_epoch, recheck): (FailureEpoch, Recheck),
+    shutdown: CancellationToken,
+) {
+    let mut changes = topology.changes();
     // However the task ends, even dropped with its runtime, no connection is claimed and
     // every waiter tries again.
     let _disconnected = Disconnected(&shared);
@@ -309,9 +333,9 @@ async fn serve_until_shutdown(
                 let mut proven = false;
                 let ended = serve(
                     &shared,
-                    &mut sink,
-                    &mut stream,
+                    (&mut sink, &mut stream),
                     &config,
+                    &mut changes,
                     &shutdown,
                     &mut proven,
                 )
@@ -346,6 +370,7 @@ async fn serve_until_shutdown(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(backoff) => {}
+            _ = changes.next() => {}
         }
         backoff = (backoff * 2).min(config.max_backoff);
     }
@@ -355,9 +380,9 @@ async fn serve_until_shutdown(
 /// Sets `proven` once the server confirmed a subscription or answered a ping.
 async fn serve(
     shared: &Shared,
-    sink: &mut PubSubSink,
-    stream: &mut PubSubStream,
+    (sink, stream): (&mut PubSubSink, &mut PubSubStream),
     config: &SubscriberConfig,
+    changes: &mut TopologyChanges,
     shutdown: &CancellationToken,
     proven: &mut bool,
 ) -> Result<(), Ended> {
@@ -370,6 +395,7 @@ async fn serve(
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = shared.dirty.notified() => {}
+            _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
                 shared.registry().wake_channel(message.get_channel_name());

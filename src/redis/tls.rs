@@ -86,6 +86,16 @@ impl TlsSettings {
         ))
     }
 
+    /// Refuses TLS for Sentinel, which this version reaches in plaintext only.
+    pub(crate) fn check_sentinel(&self, sentinels: &[String]) -> Result<(), BuildError> {
+        if !self.is_empty() || sentinels.iter().any(|url| is_tls_url(url)) {
+            return Err(refused(
+                "TLS to Sentinel and the master it names is not supported yet: use                  `redis://` sentinel URLs and no TLS certificates",
+            ));
+        }
+        Ok(())
+    }
+
     /// The certificates for redis-rs, when any were given.
     #[cfg(feature = "tls")]
     pub(crate) fn certificates(&self) -> Option<redis::TlsCertificates> {

@@ -7,16 +7,22 @@
 //! then, so a reconnect is also how the backend follows the primary.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::pool::FailureEpoch;
+use super::sentinel::SentinelGroup;
 
 use super::cluster::{self, ClusterNodes};
 
 /// The Redis deployment a backend talks to.
-// One per backend, cloned only when a connection is opened: a boxed client would save
-// nothing worth the indirection.
+// One per backend, cloned only into its pool and subscriber: the size of a variant does
+// not matter, and boxing the client would only add an indirection.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub(crate) enum Topology {
@@ -24,6 +30,8 @@ pub(crate) enum Topology {
     Server(redis::Client),
     /// A Redis Cluster, found through its seed nodes (see `cluster.rs`).
     Cluster(Arc<ClusterNodes>),
+    /// The master of a Sentinel group, asked of the sentinels at every connect.
+    Sentinel(Arc<SentinelGroup>),
 }
 
 impl Topology {
@@ -35,6 +43,13 @@ impl Topology {
                 .await
                 .map(AnyConn::Server),
             Topology::Cluster(nodes) => nodes.connect().await.map(AnyConn::Cluster),
+            // A master connection is a plain one: commands on it need no routing.
+            Topology::Sentinel(group) => group
+                .master()
+                .await?
+                .get_multiplexed_async_connection_with_config(config)
+                .await
+                .map(AnyConn::Server),
         }
     }
 
@@ -50,7 +65,62 @@ impl Topology {
         match self {
             Topology::Server(client) => Ok(client.clone()),
             Topology::Cluster(_) => Err(cluster::no_single_server()),
+            Topology::Sentinel(group) => group.master().await,
         }
+    }
+}
+
+impl Topology {
+    /// Announcements that another server took over (a Sentinel promotion), so that code
+    /// sleeping before a retry can retry at once. A single server announces nothing.
+    pub(crate) fn changes(&self) -> TopologyChanges {
+        match self {
+            Topology::Server(_) | Topology::Cluster(_) => TopologyChanges(None),
+            Topology::Sentinel(group) => TopologyChanges(Some(group.promotions())),
+        }
+    }
+
+    /// How many takeovers [`changes`](Self::changes) announced so far.
+    pub(crate) fn generation(&self) -> u64 {
+        match self {
+            Topology::Server(_) | Topology::Cluster(_) => 0,
+            Topology::Sentinel(group) => group.generation(),
+        }
+    }
+
+    /// Listens for the announcements of [`changes`](Self::changes) until `shutdown`
+    /// (returns at once for a topology that makes none).
+    pub(crate) async fn announce_changes(
+        &self,
+        failure_epoch: FailureEpoch,
+        connect_timeout: Duration,
+        max_backoff: Duration,
+        shutdown: CancellationToken,
+    ) {
+        match self {
+            Topology::Server(_) | Topology::Cluster(_) => {}
+            Topology::Sentinel(group) => {
+                group
+                    .listen_for_promotions(failure_epoch, connect_timeout, max_backoff, shutdown)
+                    .await
+            }
+        }
+    }
+}
+
+/// See [`Topology::changes`].
+pub(crate) struct TopologyChanges(Option<watch::Receiver<u64>>);
+
+impl TopologyChanges {
+    /// Resolves at the next announced change; never, for a topology that makes none.
+    /// Cancel-safe.
+    pub(crate) async fn next(&mut self) {
+        if let Some(promotions) = &mut self.0 {
+            if promotions.changed().await.is_ok() {
+                return;
+            }
+        }
+        std::future::pending().await
     }
 }
 

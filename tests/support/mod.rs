@@ -6,6 +6,7 @@
 pub mod child;
 pub mod cluster;
 pub mod replica;
+pub mod sentinel;
 pub mod tls;
 
 use std::io::{Read, Write};

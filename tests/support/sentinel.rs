@@ -1,0 +1,381 @@
+//! A Sentinel deployment on free loopback ports: one master, one replica, three sentinels
+//! (`redis-server FILE --sentinel`, each with its own writable config file in a temp dir).
+//! Every process is killed when the set is dropped.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{RedisServer, eventually};
+
+/// The name the sentinels monitor the master under.
+pub const MASTER_NAME: &str = "towerlock";
+
+/// The ACL user the sentinels authenticate as once the data nodes require a password.
+pub const SENTINEL_USER: &str = "sentinel-user";
+
+/// One master, one replica and three sentinels watching them with quorum 2.
+pub struct SentinelSet {
+    /// The data nodes; either may be master after a failover.
+    servers: Vec<RedisServer>,
+    sentinels: Vec<SentinelProcess>,
+    /// The data nodes' password, once [`require_password`](Self::require_password) set one.
+    password: Option<String>,
+}
+
+impl SentinelSet {
+    /// Starts the data nodes, then the sentinels, and waits until they are
+    /// [ready](Self::wait_until_ready).
+    pub async fn start() -> Self {
+        // Diskless sync without its 5 s delay: a replica links at once.
+        let fast_sync = ["--repl-diskless-sync-delay", "0"];
+        let master = RedisServer::start_with(&fast_sync);
+        let master_port = master.port().to_string();
+        let mut replica_args = fast_sync.to_vec();
+        replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
+        let replica = RedisServer::start_with(&replica_args);
+        let sentinels = (0..3)
+            .map(|_| SentinelProcess::start(master.port()))
+            .collect();
+        let set = SentinelSet {
+            servers: vec![master, replica],
+            sentinels,
+            password: None,
+        };
+        set.wait_until_ready().await;
+        set
+    }
+
+    /// Waits until the replica is linked to the master and every sentinel sees it healthy
+    /// and knows the two other sentinels, so that a failover can be voted and go to it.
+    pub async fn wait_until_ready(&self) {
+        let master = self.master_port().await;
+        for server in self.servers.iter().filter(|s| s.port() != master) {
+            eventually("the replica is linked to the master", || async {
+                let info: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query_async(&mut self.data_conn(server).await)
+                    .await
+                    .expect("INFO replication");
+                info.contains("master_link_status:up")
+            })
+            .await;
+        }
+        for sentinel in self.sentinel_urls() {
+            eventually("every sentinel sees the replica and its peers", || {
+                knows_everyone(&sentinel)
+            })
+            .await;
+        }
+    }
+
+    /// Makes the data nodes require `password` (the sentinels keep none). The sentinels
+    /// authenticate as their own ACL user [`SENTINEL_USER`] with it, so that
+    /// [`cut_sentinels_off`](Self::cut_sentinels_off) can lock them out alone; a replica
+    /// authenticates to its master as the default user.
+    pub async fn require_password(&mut self, password: &str) {
+        for server in &self.servers {
+            let mut conn = self.data_conn(server).await;
+            let _: () = redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg(SENTINEL_USER)
+                .arg("on")
+                .arg(format!(">{password}"))
+                .arg("+@all")
+                .arg("~*")
+                .arg("&*")
+                .query_async(&mut conn)
+                .await
+                .expect("ACL SETUSER");
+            for name in ["masterauth", "requirepass"] {
+                let _: () = redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg(name)
+                    .arg(password)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("CONFIG SET");
+            }
+        }
+        for sentinel in self.sentinel_urls() {
+            let mut conn = connect(&sentinel).await.expect("sentinel");
+            for (name, value) in [("auth-user", SENTINEL_USER), ("auth-pass", password)] {
+                let _: () = redis::cmd("SENTINEL")
+                    .arg("SET")
+                    .arg(MASTER_NAME)
+                    .arg(name)
+                    .arg(value)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("SENTINEL SET");
+            }
+        }
+        self.password = Some(password.to_owned());
+        // The sentinels reconnect to the data nodes with the password.
+        self.wait_until_ready().await;
+    }
+
+    /// Locks the sentinels out of the current master (their user is disabled and their
+    /// connections cut) while clients keep reaching it: to the sentinels it is down, so
+    /// they promote the replica and cannot demote the old master, which stays writable.
+    /// Returns the old master's port. Needs [`require_password`](Self::require_password).
+    pub async fn cut_sentinels_off(&self) -> u16 {
+        let port = self.master_port().await;
+        let mut conn = self.data_conn(self.server(port)).await;
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(SENTINEL_USER)
+            .arg("off")
+            .query_async(&mut conn)
+            .await
+            .expect("ACL SETUSER off");
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("USER")
+            .arg(SENTINEL_USER)
+            .query_async(&mut conn)
+            .await
+            .expect("CLIENT KILL USER");
+        port
+    }
+
+    /// Undoes [`cut_sentinels_off`](Self::cut_sentinels_off) and makes the old master a
+    /// replica of the new one.
+    pub async fn reconnect_sentinels(&self, old_master: u16) {
+        let mut conn = self.data_conn(self.server(old_master)).await;
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(SENTINEL_USER)
+            .arg("on")
+            .query_async(&mut conn)
+            .await
+            .expect("ACL SETUSER on");
+        // A sentinel keeps a connection whose AUTH was refused and takes every -NOAUTH
+        // reply as the node being down: cut those connections (all but this one), so
+        // that the sentinels reconnect and authenticate.
+        for kind in ["normal", "pubsub"] {
+            let _: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg(kind)
+                .query_async(&mut conn)
+                .await
+                .expect("CLIENT KILL TYPE");
+        }
+        self.demote(old_master).await;
+        self.wait_until_ready().await;
+    }
+
+    /// A connection to a data node, with its password if it has one.
+    pub async fn data_conn(&self, server: &RedisServer) -> redis::aio::MultiplexedConnection {
+        let password = self.password.as_deref().unwrap_or_default();
+        connect(&format!("redis://:{password}@127.0.0.1:{}", server.port()))
+            .await
+            .expect("connect to a data node")
+    }
+
+    /// Asks the first sentinel for a planned failover (`SENTINEL FAILOVER`): the replica is
+    /// promoted while the old master stays up, to be turned into its replica.
+    ///
+    /// A sentinel refuses (`NOGOODSLAVE`) until its view of the replica is fresh enough;
+    /// such refusals are retried for a few seconds.
+    pub async fn switchover(&self) {
+        let mut sentinel = connect(&self.sentinel_urls()[0]).await.expect("sentinel");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let asked: redis::RedisResult<()> = redis::cmd("SENTINEL")
+                .arg("FAILOVER")
+                .arg(MASTER_NAME)
+                .query_async(&mut sentinel)
+                .await;
+            match asked {
+                Ok(()) => return,
+                Err(e) if e.code() == Some("NOGOODSLAVE") && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("SENTINEL FAILOVER: {e}"),
+            }
+        }
+    }
+
+    /// Makes the data node on `old_master` a replica of the current master, as the
+    /// sentinels do on their own only at their next `INFO` round (every 10 s), so that
+    /// the next failover has a replica to promote.
+    pub async fn demote(&self, old_master: u16) {
+        let master = self.master_port().await;
+        assert_ne!(master, old_master, "the sentinels named a new master");
+        let _: () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(master)
+            .query_async(&mut self.data_conn(self.server(old_master)).await)
+            .await
+            .expect("REPLICAOF");
+    }
+
+    /// The sentinels' URLs, for [`tower_lock::RedisBackend::sentinel`].
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The port of the master the sentinels name now (asked of the first that answers).
+    pub async fn master_port(&self) -> u16 {
+        for url in self.sentinel_urls() {
+            let Ok(mut conn) = connect(&url).await else {
+                continue;
+            };
+            let addr: Result<Option<(String, u16)>, _> = redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(MASTER_NAME)
+                .query_async(&mut conn)
+                .await;
+            if let Ok(Some((_, port))) = addr {
+                return port;
+            }
+        }
+        panic!("no sentinel names the master");
+    }
+
+    /// The data nodes (master and replica, in either role).
+    pub fn servers(&self) -> &[RedisServer] {
+        &self.servers
+    }
+
+    /// The data node serving on `port`.
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port)
+            .expect("a data node of the set")
+    }
+
+    /// SIGKILLs the current master, as a crash would; returns its port.
+    pub async fn kill_master(&mut self) -> u16 {
+        let port = self.master_port().await;
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .expect("the master is a data node of the set")
+            .kill();
+        port
+    }
+}
+
+/// A `redis-server --sentinel` process, killed on drop.
+struct SentinelProcess {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelProcess {
+    fn start(master_port: u16) -> Self {
+        // Another process may take the free port before the sentinel binds it: retry.
+        for _ in 0..20 {
+            if let Some(sentinel) = Self::try_start(master_port) {
+                return sentinel;
+            }
+        }
+        panic!("could not start a sentinel on a free port");
+    }
+
+    fn try_start(master_port: u16) -> Option<Self> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        // Sentinel rewrites its config file (discovered peers, the new master after a
+        // failover), so each gets its own, writable.
+        let config = dir.path().join("sentinel.conf");
+        let name = MASTER_NAME;
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {name} 127.0.0.1 {master_port} 2\n\
+                 sentinel down-after-milliseconds {name} 1000\n\
+                 sentinel failover-timeout {name} 5000\n\
+                 sentinel parallel-syncs {name} 1\n",
+                dir = dir.path().display(),
+            ),
+        )
+        .expect("write sentinel config");
+        let child = Command::new("redis-server")
+            .arg(&config)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (it ships --sentinel)");
+        let mut sentinel = SentinelProcess {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = sentinel.child.try_wait() {
+                return None;
+            }
+            if sentinel.answers() {
+                return Some(sentinel);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Whether this process (not another that won the port) answers as a sentinel.
+    fn answers(&self) -> bool {
+        let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_connection() else {
+            return false;
+        };
+        let info: Result<String, _> = redis::cmd("INFO").arg("server").query(&mut conn);
+        info.is_ok_and(|info| {
+            info.contains(&format!("process_id:{}\r\n", self.child.id()))
+                && info.contains("redis_mode:sentinel")
+        })
+    }
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn connect(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await
+}
+
+async fn knows_everyone(sentinel: &str) -> bool {
+    let Ok(conn) = connect(sentinel).await else {
+        return false;
+    };
+    let nodes = |what: &'static str| {
+        let mut conn = conn.clone();
+        async move {
+            let nodes: Result<Vec<HashMap<String, String>>, _> = redis::cmd("SENTINEL")
+                .arg(what)
+                .arg(MASTER_NAME)
+                .query_async(&mut conn)
+                .await;
+            nodes.unwrap_or_default()
+        }
+    };
+    let replicas = nodes("replicas").await;
+    // A healthy replica is flagged `slave` alone (no s_down, disconnected, ...).
+    let healthy =
+        replicas.len() == 1 && replicas[0].get("flags").map(String::as_str) == Some("slave");
+    healthy && nodes("sentinels").await.len() == 2
+}
