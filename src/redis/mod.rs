@@ -7,6 +7,7 @@ mod builder;
 mod call;
 mod checks;
 mod cluster;
+mod command_error;
 mod fence;
 mod hold;
 mod keys;

@@ -17,7 +17,6 @@
 //! after the connect timeout. The pool's error sink therefore publishes every failed
 //! connection attempt, and a caller waiting for a connection fails at once with it.
 
-use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -26,8 +25,10 @@ use bb8_redis::bb8;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError, ScriptInvocation, Value};
 use tokio::sync::watch;
 
+pub(crate) use super::command_error::{
+    CommandError, ConnectError, RedisCause, is_read_only, is_transport,
+};
 use super::recheck::Recheck;
-use super::replicas::Unreplicated;
 use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
 
@@ -114,147 +115,6 @@ impl bb8::ManageConnection for Manager {
     }
 }
 
-/// Why a command did not complete.
-#[derive(Debug)]
-pub(crate) enum CommandError {
-    /// No connection could be had; nothing was sent.
-    Connect(ConnectError),
-    /// Redis answered with an error, or the transport failed after sending.
-    Redis(RedisError),
-    /// The runtime is shutting down and the command's task was dropped.
-    Shutdown,
-    /// An acquisition too few replicas acknowledged in time (and that was given back).
-    Unreplicated(Unreplicated),
-}
-
-/// Why no connection could be had.
-#[derive(Debug, Clone)]
-pub(crate) enum ConnectError {
-    /// Opening a connection failed.
-    Failed(Arc<RedisError>),
-    /// No connection came within the connect timeout; the last failed attempt, if any.
-    TimedOut(Option<Arc<RedisError>>),
-}
-
-impl CommandError {
-    /// True when Redis refused the command because a key holds another type of value:
-    /// something other than this crate wrote it, and retrying cannot help.
-    pub(crate) fn is_wrong_type(&self) -> bool {
-        matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
-    }
-
-    /// True when the Redis user may not run the command (ACL).
-    pub(crate) fn is_no_permission(&self) -> bool {
-        matches!(self, CommandError::Redis(e) if e.code() == Some("NOPERM"))
-    }
-
-    /// True when a cluster refused the command while its topology changes (MOVED, ASK
-    /// or TRYAGAIN that redis-rs could not follow in time, CLUSTERDOWN, MASTERDOWN during
-    /// a failover): nothing ran, and a later try may succeed.
-    pub(crate) fn is_topology_change(&self) -> bool {
-        matches!(self, CommandError::Redis(e) if e.is_cluster_error() || e.code() == Some("MASTERDOWN"))
-    }
-
-    /// True when the server refused the command as a replica (`READONLY`): it did not
-    /// run, and a retry on a new connection reaches whichever server is primary now.
-    pub(crate) fn is_read_only(&self) -> bool {
-        matches!(self, CommandError::Redis(e) if is_read_only(e))
-    }
-
-    /// True when the command may have run even though no reply arrived.
-    pub(crate) fn is_ambiguous(&self) -> bool {
-        match self {
-            CommandError::Connect(_) => false,
-            CommandError::Redis(e) => is_transport(e),
-            CommandError::Shutdown => true,
-            CommandError::Unreplicated(_) => false,
-        }
-    }
-}
-
-// Each level says only its own part and leaves the cause to `source`, so a chain printed
-// level by level (anyhow's `{:#}`) names the cause once.
-impl fmt::Display for CommandError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let what = match self {
-            CommandError::Connect(ConnectError::Failed(_)) => "cannot connect to Redis",
-            CommandError::Connect(ConnectError::TimedOut(_)) => {
-                "timed out waiting for a Redis connection"
-            }
-            CommandError::Redis(_) => "Redis command failed",
-            CommandError::Shutdown => "the runtime is shutting down",
-            // Transparent: it says all there is, and has no cause of its own.
-            CommandError::Unreplicated(e) => return e.fmt(f),
-        };
-        f.write_str(what)
-    }
-}
-
-impl std::error::Error for CommandError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            CommandError::Connect(ConnectError::Failed(e))
-            | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(cause(e)),
-            CommandError::Redis(e) => Some(cause(e)),
-            CommandError::Connect(ConnectError::TimedOut(None))
-            | CommandError::Shutdown
-            | CommandError::Unreplicated(_) => None,
-        }
-    }
-}
-
-impl CommandError {
-    /// The Redis error behind this one: the server's reply, or why a connection failed.
-    pub(crate) fn redis_error(&self) -> Option<&RedisError> {
-        match self {
-            CommandError::Connect(ConnectError::Failed(e))
-            | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(e),
-            CommandError::Redis(e) => Some(e),
-            CommandError::Connect(ConnectError::TimedOut(None))
-            | CommandError::Shutdown
-            | CommandError::Unreplicated(_) => None,
-        }
-    }
-
-    /// The cause alone, for an error whose own words already say what failed (a build
-    /// that could not connect).
-    pub(crate) fn into_cause(self) -> Box<dyn std::error::Error + Send + Sync> {
-        match self {
-            CommandError::Connect(ConnectError::Failed(e)) => Box::new(RedisCause(e)),
-            CommandError::Redis(e) => Box::new(RedisCause(Arc::new(e))),
-            other => Box::new(other),
-        }
-    }
-}
-
-/// The error to show as the cause: a `RedisError` that wraps another (an I/O or server
-/// error) prints that error's text as its own, so the wrapped one stands in for it.
-fn cause(e: &RedisError) -> &(dyn std::error::Error + 'static) {
-    std::error::Error::source(e).unwrap_or(e)
-}
-
-/// A `RedisError` as one level of a chain: the text of [`cause`], and that cause's source.
-#[derive(Debug)]
-pub(crate) struct RedisCause(Arc<RedisError>);
-
-impl From<RedisError> for RedisCause {
-    fn from(e: RedisError) -> Self {
-        RedisCause(Arc::new(e))
-    }
-}
-
-impl fmt::Display for RedisCause {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(cause(&self.0), f)
-    }
-}
-
-impl std::error::Error for RedisCause {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        cause(&self.0).source()
-    }
-}
-
 /// Every failed connection attempt of the pool, newest last, for the callers waiting on one.
 #[derive(Debug, Clone)]
 struct ConnectFailures(Arc<watch::Sender<Option<Arc<RedisError>>>>);
@@ -268,14 +128,6 @@ impl bb8::ErrorSink<RedisError> for ConnectFailures {
     fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<RedisError>> {
         Box::new(self.clone())
     }
-}
-
-pub(crate) fn is_transport(e: &RedisError) -> bool {
-    e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
-}
-
-fn is_read_only(e: &RedisError) -> bool {
-    e.kind() == redis::ServerErrorKind::ReadOnly.into()
 }
 
 /// The backend's command pool.

@@ -1,0 +1,252 @@
+//! [`RedisBackendBuilder::build`]: validation, the topology, the checks of the server and
+//! the backend's tasks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{RedisBackendBuilder, Target};
+use crate::backend::OwnerIds;
+use crate::error::BuildError;
+use crate::queue::Queues;
+use crate::redis::checks::{ServerChecks, connect_failure};
+use crate::redis::cluster::ClusterNodes;
+use crate::redis::pool::{CommandError, Pool, RedisCause};
+use crate::redis::pubsub::{Subscriber, SubscriberConfig};
+use crate::redis::recheck::Recheck;
+use crate::redis::runtime::Spawner;
+use crate::redis::scripts::Scripts;
+use crate::redis::sentinel::{MasterAuth, SentinelGroup};
+use crate::redis::topology::Topology;
+use crate::redis::watchdog::Watchdog;
+use crate::redis::{Inner, RedisBackend};
+
+impl RedisBackendBuilder {
+    /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
+    ///
+    /// The backend may be used from other runtimes too, also after this one shut down (a
+    /// `static` shared by `#[tokio::test]`s): its tasks run on the caller's runtime, and
+    /// its connections and background tasks are started again there when theirs is gone.
+    ///
+    /// Fails with the cause as soon as it is known (connection refused, unknown host,
+    /// wrong password, a TLS certificate that does not verify, ...); only a server that
+    /// does not answer takes the connect timeout. Before the backend is returned, the
+    /// server is checked: its `maxmemory-policy` must be `noeviction` (unless
+    /// [`allow_eviction`](Self::allow_eviction)), and the URL's ACL user must be allowed to
+    /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
+    /// `SUBSCRIBE` on its channels, or the error says which right is missing. The checks
+    /// run on a probe key of the namespace and leave nothing behind.
+    pub async fn build(self) -> Result<RedisBackend, BuildError> {
+        validate_namespace(&self.namespace)?;
+        self.validate_settings()?;
+        let (topology, user) = self.topology().await?;
+        let runtime = Spawner::current();
+        let shutdown = CancellationToken::new();
+        let scripts = Arc::new(Scripts::new(topology.is_cluster()));
+        let recheck = Recheck::default();
+        let pool = Pool::new(
+            topology.clone(),
+            self.pool_size,
+            self.connect_timeout,
+            self.command_timeout,
+            recheck.clone(),
+        );
+        // The pool bounds the connect by the connect timeout and the reply by the command
+        // timeout, so no outer timeout is needed (one would cut a slow connect short).
+        // Every primary of a cluster must answer, as the one server must.
+        pool.query_each_primary::<String>(&redis::cmd("PING"))
+            .await
+            .map_err(|e| connect_failure(e, &user))?;
+        // A cluster's subscriber connects to every node, sharded (see `shard_pubsub.rs`).
+        let subscriber_client = match topology.is_cluster() {
+            true => None,
+            false => Some(
+                topology
+                    .subscriber_client()
+                    .await
+                    .map_err(|e| connect_failure(CommandError::Redis(e), &user))?,
+            ),
+        };
+        ServerChecks {
+            pool: &pool,
+            scripts: &scripts,
+            user: &user,
+            namespace: &self.namespace,
+            connect_timeout: self.connect_timeout,
+            command_timeout: self.command_timeout,
+            publish: if topology.is_cluster() {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            },
+        }
+        .run(subscriber_client.as_ref(), self.allow_eviction)
+        .await?;
+        if self.restart_guard {
+            // The guard reads the uptime inside the acquire script: refuse a user that may
+            // not, instead of failing every acquisition.
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            match pool.query::<String>(&info).await {
+                Ok(_) => {}
+                Err(e) if e.is_no_permission() => {
+                    return Err(BuildError::Setting {
+                        name: "restart_guard",
+                        reason: "the Redis user must be allowed to run INFO (the guard reads \
+                                 the server's uptime)",
+                    });
+                }
+                Err(e) => return Err(connect_failure(e, &user)),
+            }
+        }
+        let subscriber = Subscriber::spawn(
+            topology,
+            SubscriberConfig {
+                connect_timeout: self.connect_timeout,
+                command_timeout: self.command_timeout,
+                ping_interval: self.ping_interval,
+                max_backoff: self.max_backoff,
+            },
+            pool.failure_epoch(),
+            recheck.clone(),
+            shutdown.clone(),
+            &runtime,
+        );
+        let watchdog = Watchdog::spawn(
+            pool.clone(),
+            scripts.clone(),
+            self.command_timeout,
+            recheck,
+            shutdown.clone(),
+            &runtime,
+        );
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                pool,
+                scripts,
+                subscriber,
+                watchdog,
+                queues: Queues::default(),
+                max_local_handoffs: self.max_local_handoffs,
+                namespace: self.namespace,
+                max_key_len: self.max_key_len,
+                command_timeout: self.command_timeout,
+                fence_ttl: self.fence_ttl,
+                restart_guard: self.restart_guard.then_some(self.max_lease),
+                sync_replicas: self.sync_replicas,
+                owners: OwnerIds::new(),
+                runtime,
+                shutdown,
+            }),
+        })
+    }
+}
+
+impl RedisBackendBuilder {
+    /// Where the servers are (for Sentinel: the master the sentinels name now, asked once
+    /// so that unreachable sentinels or an unknown name fail the build with that cause),
+    /// and the ACL user the connections log in as (for errors).
+    async fn topology(&self) -> Result<(Topology, String), BuildError> {
+        let url_error = |e: redis::RedisError| BuildError::Url {
+            source: Box::new(e),
+        };
+        let user_of = |url: &str| {
+            redis::IntoConnectionInfo::into_connection_info(url)
+                .map(|info| info.redis_settings().username().map(str::to_owned))
+                .map_err(url_error)
+        };
+        let (topology, user) = match &self.target {
+            Target::Url(url) => {
+                let client = self.tls.client(url)?;
+                let info = client.get_connection_info();
+                let user = info.redis_settings().username().map(str::to_owned);
+                (Topology::Server(client), user)
+            }
+            Target::Cluster(nodes) => {
+                self.tls.check_cluster(nodes)?;
+                let cluster = ClusterNodes::new(
+                    nodes.clone(),
+                    self.tls.clone(),
+                    self.connect_timeout,
+                    self.command_timeout,
+                )
+                .map_err(url_error)?;
+                // The cluster client checked that there are seeds and that they agree.
+                let user = user_of(nodes.first().map(String::as_str).unwrap_or_default())?;
+                (Topology::Cluster(cluster), user)
+            }
+            Target::Sentinel { urls, master_name } => {
+                self.tls.check_sentinel(urls)?;
+                let master = MasterAuth {
+                    username: self.master_username.as_deref(),
+                    password: self.master_password.as_deref(),
+                };
+                let group = SentinelGroup::new(urls, master_name, master)?;
+                // redis-rs bounds each sentinel's connect and reply by its own timeouts.
+                group.master().await.map_err(|e| BuildError::Sentinel {
+                    master_name: master_name.clone(),
+                    source: Box::new(RedisCause::from(e)),
+                })?;
+                let user = match &self.master_username {
+                    Some(user) => Some(user.clone()),
+                    None => user_of(urls.first().map(String::as_str).unwrap_or_default())?,
+                };
+                (Topology::Sentinel(Arc::new(group)), user)
+            }
+        };
+        Ok((topology, user.unwrap_or_else(|| "default".to_owned())))
+    }
+
+    /// Refuses values that would fail every call, instead of failing each request later.
+    fn validate_settings(&self) -> Result<(), BuildError> {
+        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
+        if self.command_timeout.is_zero() {
+            return refuse("command_timeout", "it must be above zero");
+        }
+        if self.connect_timeout.is_zero() {
+            return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_lease < Duration::from_millis(3) {
+            return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
+        }
+        if let Some(sync) = self.sync_replicas {
+            if sync.replicas == 0 {
+                return refuse("sync_replicas", "it must wait for at least one replica");
+            }
+            // WAIT 0 would block forever; a wait past the command timeout would fail every
+            // acquisition by the reply's timeout instead.
+            if sync.timeout.is_zero() || sync.timeout >= self.command_timeout {
+                return refuse(
+                    "sync_replicas",
+                    "its timeout must be above zero and below the command timeout",
+                );
+            }
+        }
+        if self.max_key_len == 0 {
+            return refuse("max_key_len", "it must be at least one byte");
+        }
+        if matches!(self.target, Target::Url(_)) {
+            let sentinel_only = "it applies to a Sentinel backend; put the credentials in the URL";
+            if self.master_username.is_some() {
+                return refuse("master_username", sentinel_only);
+            }
+            if self.master_password.is_some() {
+                return refuse("master_password", sentinel_only);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
+    if namespace.is_empty()
+        || namespace.contains(['{', '}'])
+        || namespace.contains(char::is_control)
+    {
+        return Err(BuildError::Namespace {
+            namespace: namespace.to_owned(),
+        });
+    }
+    Ok(())
+}
