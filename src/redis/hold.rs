@@ -290,7 +290,7 @@ impl ReleaseHold for WatchedHold {
         // (or when the caller stops waiting) is finished in the background, so a release
         // that could not reach Redis (paused, restarting) happens once it can, instead of
         // leaving the lock to its lease.
-        let retry_for = hold.inner.command_timeout * 2;
+        let retry_for = hold.inner.command_timeout.saturating_mul(2);
         Box::pin(PendingRelease(Some(hold)).settle(retry_for))
     }
 

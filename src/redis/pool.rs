@@ -82,6 +82,11 @@ impl Manager {
             self.recheck
                 .raise("a command connection was opened after a connection failed");
         }
+        // A cluster answers `INFO` from one of its primaries, another on each call: its
+        // run_id says nothing (a lost node is reported by the sharded subscriber instead).
+        if conn.heals_itself() {
+            return Ok(());
+        }
         self.recheck.read_run_id(conn).await
     }
 }

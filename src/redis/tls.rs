@@ -90,7 +90,8 @@ impl TlsSettings {
     pub(crate) fn check_sentinel(&self, sentinels: &[String]) -> Result<(), BuildError> {
         if !self.is_empty() || sentinels.iter().any(|url| is_tls_url(url)) {
             return Err(refused(
-                "TLS to Sentinel and the master it names is not supported yet: use                  `redis://` sentinel URLs and no TLS certificates",
+                "TLS to Sentinel and the master it names is not supported yet: use `redis://` \
+                 sentinel URLs and no TLS certificates",
             ));
         }
         Ok(())

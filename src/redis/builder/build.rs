@@ -226,8 +226,9 @@ impl RedisBackendBuilder {
         if self.max_key_len == 0 {
             return refuse("max_key_len", "it must be at least one byte");
         }
-        if matches!(self.target, Target::Url(_)) {
-            let sentinel_only = "it applies to a Sentinel backend; put the credentials in the URL";
+        if !matches!(self.target, Target::Sentinel { .. }) {
+            let sentinel_only =
+                "it applies to a Sentinel backend only; put the credentials in the URL(s)";
             if self.master_username.is_some() {
                 return refuse("master_username", sentinel_only);
             }

@@ -113,14 +113,15 @@ impl RedisBackendBuilder {
 
     /// How long to wait for a new connection (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        // Clamped like every duration of the crate, so that arithmetic on it cannot overflow.
+        self.connect_timeout = timeout.min(MAX_DURATION);
         self
     }
 
     /// How long one command may take before it counts as failed (default 1 s). Waiting
     /// for a held lock is not a command: it is bounded by the wait, not by this.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+        self.command_timeout = timeout.min(MAX_DURATION);
         self
     }
 
