@@ -272,3 +272,22 @@ async fn build_without_the_tls_feature_names_it() {
     assert!(matches!(error, BuildError::Tls { .. }), "{error:?}");
     assert_names(&error, &["the crate's `tls` feature"]);
 }
+
+/// A single-server backend pointed at a node of a Redis Cluster is refused at build with
+/// the builder to use, instead of failing later with a bare `MOVED` for most keys.
+#[tokio::test]
+async fn a_cluster_node_given_to_the_single_server_builder_names_the_cluster_builder() {
+    let node = RedisServer::start_with(&["--cluster-enabled", "yes"]);
+    let error = RedisBackend::builder(node.url())
+        .build()
+        .await
+        .expect_err("a cluster node is not a single server");
+    assert!(
+        matches!(error, BuildError::Setting { .. }),
+        "unexpected error: {error:?}"
+    );
+    assert!(
+        error.to_string().contains("RedisBackend::cluster"),
+        "the error names the cluster builder: {error}"
+    );
+}

@@ -58,6 +58,9 @@ impl RedisBackendBuilder {
         pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| connect_failure(e, &user))?;
+        if !topology.is_cluster() {
+            refuse_cluster_node(&pool).await?;
+        }
         // A cluster's subscriber connects to every node, sharded (see `shard_pubsub.rs`).
         let subscriber_client = match topology.is_cluster() {
             true => None,
@@ -247,6 +250,24 @@ fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
     {
         return Err(BuildError::Namespace {
             namespace: namespace.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a single-server backend pointed at a node of a Redis Cluster, which would
+/// otherwise fail later with a bare `MOVED` for every key the node does not own. A user
+/// who may not run `INFO` is let through (the checks after this one name that right).
+async fn refuse_cluster_node(pool: &Pool) -> Result<(), BuildError> {
+    let info = pool
+        .query::<String>(redis::cmd("INFO").arg("cluster"))
+        .await
+        .unwrap_or_default();
+    if info.lines().any(|line| line.trim() == "cluster_enabled:1") {
+        return Err(BuildError::Setting {
+            name: "RedisBackend::builder",
+            reason: "the server is a node of a Redis Cluster: build the backend with \
+                     `RedisBackend::cluster(nodes)`",
         });
     }
     Ok(())
