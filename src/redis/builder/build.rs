@@ -12,7 +12,7 @@ use crate::error::BuildError;
 use crate::queue::Queues;
 use crate::redis::checks::{ServerChecks, connect_failure};
 use crate::redis::cluster::ClusterNodes;
-use crate::redis::pool::{CommandError, Pool, RedisCause};
+use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::recheck::Recheck;
 use crate::redis::runtime::Spawner;
@@ -58,16 +58,6 @@ impl RedisBackendBuilder {
         pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| connect_failure(e, &user))?;
-        // A cluster's subscriber connects to every node, sharded (see `shard_pubsub.rs`).
-        let subscriber_client = match topology.is_cluster() {
-            true => None,
-            false => Some(
-                topology
-                    .subscriber_client()
-                    .await
-                    .map_err(|e| connect_failure(CommandError::Redis(e), &user))?,
-            ),
-        };
         ServerChecks {
             pool: &pool,
             scripts: &scripts,
@@ -81,7 +71,7 @@ impl RedisBackendBuilder {
                 "PUBLISH"
             },
         }
-        .run(subscriber_client.as_ref(), self.allow_eviction)
+        .run(&topology, self.allow_eviction)
         .await?;
         if self.restart_guard {
             // The guard reads the uptime inside the acquire script: refuse a user that may
