@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tower_lock::{BuildError, RedisBackend, RedisBackendBuilder};
 
 use crate::support::cluster::{Cluster, key_on};
-use crate::support::cluster_acl::{APP_RULES, NodeChanges, builder_as, chain};
+use crate::support::cluster_acl::{APP_RULES, NodeChanges, attempts, builder_as, chain};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
@@ -18,6 +18,7 @@ pub async fn build_checks_hold_on_every_primary(cluster: &Cluster) {
     a_primary_that_denies_channels_is_named(cluster).await;
     a_user_missing_on_one_primary_is_refused(cluster).await;
     an_evicting_primary_is_refused_unless_allowed(cluster).await;
+    revoked_channel_rights_do_not_make_the_shard_subscriber_spin(cluster).await;
 }
 
 /// Builds, printing how long the build took (a figure, not an assertion).
@@ -155,4 +156,55 @@ fn cluster_builder(cluster: &Cluster) -> RedisBackendBuilder {
     RedisBackend::cluster(cluster.urls())
         .command_timeout(Duration::from_millis(500))
         .connect_timeout(Duration::from_millis(500))
+}
+
+/// A waiter's channel rights are revoked on every node after build: Redis drops its
+/// subscription and refuses every SSUBSCRIBE from then on. The subscriber must not turn
+/// that into a loop (the issue saw 219 reconnects in 5 s on one server), and the waiter
+/// still gets the lock once it is free.
+async fn revoked_channel_rights_do_not_make_the_shard_subscriber_spin(cluster: &Cluster) {
+    let mut changes = NodeChanges::new(cluster);
+    changes.set_user(&cluster.live(), "app", &APP_RULES);
+    let app = build("before the revoke", builder_as(cluster, "app", "secret"))
+        .await
+        .expect("full rights");
+    let other = cluster.backend().await;
+    let shard = cluster.primaries()[0];
+    let key = key_on(cluster, shard, "revoked:");
+    let channel = format!("tower-lock:{{{key}}}:released");
+    let held = other
+        .lock(key.clone())
+        .lease(Duration::from_secs(2))
+        .try_once()
+        .await
+        .expect("free");
+    let waiter = tokio::spawn({
+        let (app, key) = (app.clone(), key.clone());
+        async move { app.lock(key).wait(HANG).await.map(drop) }
+    });
+    crate::support::eventually("the waiter subscribed on its shard", || async {
+        cluster.shard_subscribers(shard, &channel) == 1
+    })
+    .await;
+
+    changes.set_user(&cluster.live(), "app", &["resetchannels"]);
+    let (before, connections) = (
+        attempts(cluster, shard, "ssubscribe"),
+        app.stats().subscriber_connections_made,
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let tried = attempts(cluster, shard, "ssubscribe") - before;
+    let reconnects = app.stats().subscriber_connections_made - connections;
+    eprintln!("in 3 s without channel rights: {tried} SSUBSCRIBE, {reconnects} reconnects");
+    // Each refusal waits the longest backoff (2 s): one SSUBSCRIBE at the revoke, one
+    // more 2 s later, and maybe one by redis-rs when it reconnects the node.
+    assert!(tried <= 5, "{tried} SSUBSCRIBE in 3 s");
+    assert!(reconnects <= 15, "{reconnects} reconnects in 3 s");
+
+    drop(held);
+    let acquired = tokio::time::timeout(HANG, waiter)
+        .await
+        .expect("the waiter ends")
+        .expect("no panic");
+    acquired.expect("the waiter gets the lock without its subscription");
 }

@@ -80,6 +80,24 @@ impl Drop for NodeChanges<'_> {
     }
 }
 
+/// How many times the node on `port` was sent `command`, run or refused (`calls`,
+/// `rejected_calls` and `failed_calls` of `INFO commandstats`).
+pub fn attempts(cluster: &Cluster, port: u16, command: &str) -> u64 {
+    let stats = cluster.run(port, &["INFO", "commandstats"]);
+    let prefix = format!("cmdstat_{command}:");
+    stats
+        .lines()
+        .filter_map(|line| line.strip_prefix(&prefix))
+        .flat_map(|fields| fields.split(','))
+        .filter_map(|field| {
+            let (name, value) = field.split_once('=')?;
+            ["calls", "rejected_calls", "failed_calls"]
+                .contains(&name)
+                .then(|| value.trim().parse::<u64>().ok())?
+        })
+        .sum()
+}
+
 /// A cluster builder that logs in as `user:password` on every seed node, with the short
 /// timeouts of [`Cluster::backend`].
 pub fn builder_as(cluster: &Cluster, user: &str, password: &str) -> RedisBackendBuilder {

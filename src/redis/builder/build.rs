@@ -37,6 +37,12 @@ impl RedisBackendBuilder {
     /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
     /// `SUBSCRIBE` on its channels, or the error says which right is missing. The checks
     /// run on a probe key of the namespace and leave nothing behind.
+    ///
+    /// On a Redis Cluster, where ACL users and settings are per node, every primary that
+    /// owns hash slots is checked on its own: the user must log in to it, its
+    /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
+    /// the scripts, `SPUBLISH`, `PUBSUB SHARDNUMSUB` and `SSUBSCRIBE`; the error names the
+    /// primary that refused. Replicas are not checked.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
