@@ -103,9 +103,12 @@ impl ServerChecks<'_> {
                 tracing::warn!(%host, port, "no probe key found for a primary's slots");
                 continue;
             };
-            self.log_in(nodes, &host, port)
-                .await
-                .map_err(|e| on_primary(e, &host, port))?;
+            // A node the slot map cannot address is probed through the cluster client only.
+            if host != "?" {
+                self.log_in(nodes, &host, port)
+                    .await
+                    .map_err(|e| on_primary(e, &host, port))?;
+            }
             primaries.push(Primary { host, port, probe });
         }
         Ok(Shards {
@@ -219,20 +222,12 @@ fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
         else {
             return Err(unexpected());
         };
-        // A node is [host, port, id, metadata...]: the first two are what is needed.
-        let node = Vec::<Value>::from_redis_value(primary)
-            .ok()
-            .and_then(|node| {
-                let mut node = node.into_iter();
-                let host = String::from_redis_value(node.next()?).ok()?;
-                Some((host, u16::from_redis_value(node.next()?).ok()?))
-            });
         let parsed = (
             u16::from_redis_value(start),
             u16::from_redis_value(end),
-            node.ok_or(()),
+            node_address(primary),
         );
-        let (Ok(start), Ok(end), Ok((host, port))) = parsed else {
+        let (Ok(start), Ok(end), Some((host, port))) = parsed else {
             return Err(unexpected());
         };
         match owners.iter_mut().find(|o| o.host == host && o.port == port) {
@@ -245,6 +240,22 @@ fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
         }
     }
     Ok(owners)
+}
+
+/// The host and port of a node of a `CLUSTER SLOTS` reply: `[host, port, id, ...]`. A node
+/// that does not know its address announces an empty, NULL or wildcard host (read as the
+/// seed's, see `TlsSettings::node_client`), an unknown node "?".
+fn node_address(node: Value) -> Option<(String, u16)> {
+    let mut node = Vec::<Value>::from_redis_value(node).ok()?.into_iter();
+    let host = match node.next()? {
+        Value::Nil => String::new(),
+        host => String::from_redis_value(host).ok()?,
+    };
+    let host = match host.as_str() {
+        "0.0.0.0" | "::" => String::new(),
+        _ => host,
+    };
+    Some((host, u16::from_redis_value(node.next()?).ok()?))
 }
 
 /// `error`, naming the primary it came from.
@@ -296,5 +307,43 @@ impl fmt::Display for NodeError {
 impl std::error::Error for NodeError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&*self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(host: Value, port: i64) -> Value {
+        let id = Value::BulkString(b"id".to_vec());
+        Value::Array(vec![host, Value::Int(port), id, Value::Map(Vec::new())])
+    }
+
+    fn range(start: i64, end: i64, primary: Value, replica: Value) -> Value {
+        Value::Array(vec![Value::Int(start), Value::Int(end), primary, replica])
+    }
+
+    #[test]
+    fn slot_owners_groups_ranges_by_primary_and_reads_unknown_hosts_as_the_seeds() {
+        let a = || node(Value::BulkString(b"10.0.0.1".to_vec()), 7000);
+        let replica = || node(Value::BulkString(b"10.0.0.9".to_vec()), 7009);
+        let reply = Value::Array(vec![
+            range(0, 99, a(), replica()),
+            range(100, 199, node(Value::Nil, 7001), replica()),
+            range(200, 16383, a(), replica()),
+        ]);
+        let owners = slot_owners(reply).expect("parsed");
+        let found: Vec<(&str, u16, &[(u16, u16)])> = owners
+            .iter()
+            .map(|o| (o.host.as_str(), o.port, o.ranges.as_slice()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("10.0.0.1", 7000, &[(0, 99), (200, 16383)][..]),
+                ("", 7001, &[(100, 199)][..]),
+            ]
+        );
+        assert!(slot_owners(Value::Array(vec![Value::Int(1)])).is_err());
     }
 }

@@ -71,14 +71,23 @@ impl TlsSettings {
         port: u16,
     ) -> Result<redis::Client, BuildError> {
         let info = redis::IntoConnectionInfo::into_connection_info(seed).map_err(url_error)?;
+        // A node that does not know its own address announces an empty host: it is the
+        // seed's then, as redis-rs reads the slot map.
+        let host = match info.addr() {
+            redis::ConnectionAddr::Tcp(seed_host, _)
+            | redis::ConnectionAddr::TcpTls {
+                host: seed_host, ..
+            } if host.is_empty() => seed_host.clone(),
+            _ => host.to_owned(),
+        };
         let addr = match info.addr() {
             redis::ConnectionAddr::TcpTls { insecure, .. } => redis::ConnectionAddr::TcpTls {
-                host: host.to_owned(),
+                host: host.clone(),
                 port,
                 insecure: *insecure,
                 tls_params: None,
             },
-            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+            _ => redis::ConnectionAddr::Tcp(host, port),
         };
         let info = info.set_addr(addr);
         if is_tls_url(seed) || !self.is_empty() {
