@@ -1,6 +1,8 @@
 //! Redis Cluster: three primaries with a replica each, started once for this binary; the
 //! scenarios share it, the one that kills a primary last.
 
+#[path = "cluster/checks.rs"]
+mod checks;
 mod support;
 
 use std::net::SocketAddr;
@@ -31,6 +33,7 @@ async fn cluster_scenarios() {
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
+    checks::build_checks_hold_on_every_primary(&cluster).await;
     a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
 }
 

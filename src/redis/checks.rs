@@ -4,8 +4,8 @@
 //!
 //! Every check is a real probe, never `ACL DRYRUN` (a user without ACL rights must still be
 //! checkable): the lock scripts run on a probe key of the namespace, the subscriber
-//! subscribes to the probe key's channel, and the probe key is deleted afterwards. Other
-//! topologies run the same checks on each server they use.
+//! subscribes to the probe key's channel, and the probe key is deleted afterwards. A
+//! cluster runs them on every shard (`cluster_checks.rs`).
 
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use super::keys::LockKey;
 use super::pool::{CommandError, Pool};
 use super::scripts::Scripts;
 use super::tls::handshake_failure;
+use super::topology::Topology;
 use crate::error::BuildError;
 
 /// How long the probe lock and its fencing counter live if deleting them fails.
@@ -83,16 +84,19 @@ fn refused(error: &CommandError) -> Option<Refused> {
 }
 
 impl ServerChecks<'_> {
-    /// Loads the scripts and runs every check: the eviction policy (unless
-    /// `allow_eviction`), the scripts on a probe key, and `SUBSCRIBE` through `subscriber`
-    /// (plain pub/sub; a cluster passes `None`, subscribes with `SSUBSCRIBE` to a channel
-    /// of [`probe_key`](Self::probe_key) itself and reports a failure through
-    /// [`subscribe_failure`](Self::subscribe_failure)).
+    /// Runs every check: on a cluster, each primary lets the user log in (see
+    /// `cluster_checks.rs`); the scripts load; the eviction policy of every primary (unless
+    /// `allow_eviction`); then the probes: the scripts on a probe key, `PUBSUB NUMSUB` and
+    /// `SUBSCRIBE` on its channel, or on a cluster the same sharded, once per shard.
     pub(crate) async fn run(
         &self,
-        subscriber: Option<&redis::Client>,
+        topology: &Topology,
         allow_eviction: bool,
     ) -> Result<(), BuildError> {
+        let shards = match topology {
+            Topology::Cluster(nodes) => Some(self.shards(nodes).await?),
+            Topology::Server(_) | Topology::Sentinel(_) => None,
+        };
         for script in self.scripts.all() {
             self.pool
                 .load(script)
@@ -110,24 +114,34 @@ impl ServerChecks<'_> {
         if !allow_eviction {
             self.eviction_policy().await?;
         }
-        let probe = self.probe_key()?;
-        let scripts = self.lock_scripts(&probe).await;
-        self.delete(&probe).await;
-        scripts?;
+        if let Some(shards) = shards {
+            return self.probe_shards(shards).await;
+        }
+        let probe = self.probe_key(&uuid::Uuid::new_v4().simple().to_string())?;
+        self.probe_scripts(&probe).await?;
         // A release that may hand the lock on asks whether other instances wait.
         self.pool
             .query::<redis::Value>(redis::cmd("PUBSUB").arg("NUMSUB").arg(&probe.channel))
             .await
             .map_err(|e| self.failure(e, "run PUBSUB NUMSUB (a release asks it)"))?;
-        if let Some(client) = subscriber {
-            self.subscribe(client, &probe.channel).await?;
-        }
-        Ok(())
+        let client = topology
+            .subscriber_client()
+            .await
+            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))?;
+        self.subscribe(&client, &probe.channel).await
+    }
+
+    /// Runs the lock scripts on `probe` and deletes it.
+    pub(crate) async fn probe_scripts(&self, probe: &LockKey) -> Result<(), BuildError> {
+        let scripts = self.lock_scripts(probe).await;
+        self.delete(probe).await;
+        scripts
     }
 
     /// A lock key of the namespace that no application key maps to by chance.
-    pub(crate) fn probe_key(&self) -> Result<LockKey, BuildError> {
-        let user = format!("tower-lock-build-check:{}", uuid::Uuid::new_v4().simple());
+    /// `id` makes it unique (a fresh UUID, plus a number to pick its hash slot).
+    pub(crate) fn probe_key(&self, id: &str) -> Result<LockKey, BuildError> {
+        let user = format!("tower-lock-build-check:{id}");
         // Only an invalid namespace can fail this, and `build` checked it already.
         LockKey::new(self.namespace, user, usize::MAX).map_err(|_| BuildError::Namespace {
             namespace: self.namespace.to_owned(),
@@ -280,7 +294,7 @@ impl ServerChecks<'_> {
     }
 
     /// A refusal of `right` as [`BuildError::Rights`]; any other failure as what it is.
-    fn failure(&self, error: CommandError, right: &str) -> BuildError {
+    pub(crate) fn failure(&self, error: CommandError, right: &str) -> BuildError {
         if refused(&error).is_some() {
             return self.rights_error(right.to_owned(), error.into_cause());
         }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::tls::TlsSettings;
+use crate::error::BuildError;
 use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
@@ -49,6 +50,13 @@ impl ClusterNodes {
     /// backend's connect and command timeouts (set on the client).
     pub(crate) async fn connect(&self) -> RedisResult<ClusterConnection> {
         self.commands.get_async_connection().await
+    }
+
+    /// A client of the node at `host:port` (from the slot map), with the seeds' credentials
+    /// and TLS settings.
+    pub(crate) fn node_client(&self, host: &str, port: u16) -> Result<redis::Client, BuildError> {
+        let seed = self.nodes.first().map(String::as_str).unwrap_or_default();
+        self.tls.node_client(seed, host, port)
     }
 
     /// Opens the subscriber's connection: RESP3, so that one connection per node carries
@@ -137,8 +145,12 @@ pub(crate) async fn query_each_primary(
     let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
     match conn.route_command(cmd.clone(), routing).await? {
         // Without a response policy redis-rs answers with a map: node address -> reply.
-        Value::Map(replies) => Ok(replies.into_iter().map(|(_, reply)| reply).collect()),
-        other => Ok(vec![other]),
+        // A node's error reply is a value among the others.
+        Value::Map(replies) => replies
+            .into_iter()
+            .map(|(_, reply)| reply.extract_error())
+            .collect(),
+        other => Ok(vec![other.extract_error()?]),
     }
 }
 

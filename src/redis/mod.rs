@@ -7,6 +7,7 @@ mod builder;
 mod call;
 mod checks;
 mod cluster;
+mod cluster_checks;
 mod command_error;
 mod fence;
 mod hold;

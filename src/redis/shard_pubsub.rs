@@ -44,6 +44,7 @@ pub(super) async fn serve_until_shutdown(
     // However the task ends, even dropped with its runtime, every waiter tries again.
     let _disconnected = Disconnected(&shared);
     let mut backoff = INITIAL_BACKOFF;
+    let mut refusal_logged = false;
     while !shutdown.is_cancelled() {
         let (pushes, received) = unbounded_channel();
         let connected = tokio::select! {
@@ -61,7 +62,8 @@ pub(super) async fn serve_until_shutdown(
                 // A node may have restarted or failed over while the subscriber was away.
                 recheck.raise("the subscriber connection was (re)opened");
                 let signs = (&failure_epoch, &recheck);
-                let ended = serve(&shared, conn, received, &config, signs, &shutdown).await;
+                let session = (&shutdown, &mut refusal_logged);
+                let ended = serve(&shared, conn, received, &config, signs, session).await;
                 shared.disconnected();
                 match ended {
                     Ok(()) => return,
@@ -84,7 +86,10 @@ pub(super) async fn serve_until_shutdown(
 
 /// Channels whose shard refused or did not answer `SSUBSCRIBE` (its primary is down and
 /// not yet replaced): left alone until `until`, so that a shard that is down does not hold
-/// up every later reconcile, then asked for again with a doubled backoff.
+/// up every later reconcile, then asked for again with a doubled backoff. A refusal for
+/// lack of rights (NOPERM: the ACL user's channel rights were revoked after build) waits
+/// the longest backoff at once: rights do not come back within milliseconds, and a
+/// refused subscriber must not hammer the shard (the issue saw 219 reconnects in 5 s).
 struct Deferred {
     channels: HashSet<String>,
     until: Option<Instant>,
@@ -92,13 +97,14 @@ struct Deferred {
 }
 
 /// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
+/// `refusal_logged` says whether the refusal of the current run of NOPERMs was logged.
 async fn serve(
     shared: &Shared,
     mut conn: ClusterConnection,
     mut pushes: UnboundedReceiver<PushInfo>,
     config: &SubscriberConfig,
     (failure_epoch, recheck): (&FailureEpoch, &Recheck),
-    shutdown: &CancellationToken,
+    (shutdown, refusal_logged): (&CancellationToken, &mut bool),
 ) -> Result<(), String> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -114,10 +120,27 @@ async fn serve(
             deferred.until = None;
         }
         let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
-        if failed.is_empty() && deferred.channels.is_empty() {
+        match &failed.refusal {
+            Some(error) if !*refusal_logged => {
+                *refusal_logged = true;
+                tracing::warn!(
+                    %error,
+                    "the cluster refused SSUBSCRIBE for lack of rights (were the ACL user's \
+                     channel rights revoked?); waiters fall back to their lock's lease and \
+                     the subscription is retried every max_backoff"
+                );
+            }
+            Some(error) => tracing::debug!(%error, "lock subscriber still refused"),
+            None if failed.confirmed => *refusal_logged = false,
+            None => {}
+        }
+        if failed.channels.is_empty() && deferred.channels.is_empty() {
             deferred.backoff = INITIAL_BACKOFF;
-        } else if !failed.is_empty() {
-            deferred.channels.extend(failed);
+        } else if !failed.channels.is_empty() {
+            if failed.refusal.is_some() {
+                deferred.backoff = config.max_backoff;
+            }
+            deferred.channels.extend(failed.channels);
             deferred.until = Some(Instant::now() + deferred.backoff);
             deferred.backoff = (deferred.backoff * 2).min(config.max_backoff);
         }
@@ -192,16 +215,26 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
     }
 }
 
+/// What a reconcile could not do.
+#[derive(Default)]
+struct Failed {
+    /// The channels that could not be subscribed.
+    channels: Vec<String>,
+    /// A refusal for lack of rights among the failures (NOPERM), as the server put it.
+    refusal: Option<String>,
+    /// Whether some subscription was confirmed.
+    confirmed: bool,
+}
+
 /// Brings the subscriptions in line with the registry, one `SSUBSCRIBE` / `SUNSUBSCRIBE`
 /// per hash slot (a sharded command's channels must share one), the slots in flight
-/// together, leaving out `deferred` channels. Returns the channels that could not be
-/// subscribed.
+/// together, leaving out `deferred` channels.
 async fn reconcile(
     shared: &Shared,
     conn: &ClusterConnection,
     command_timeout: Duration,
     deferred: &HashSet<String>,
-) -> Vec<String> {
+) -> Failed {
     let (mut subscribe, unsubscribe) = shared.registry().changes();
     subscribe.retain(|c| !deferred.contains(c));
     let unsubscribing = cluster::by_slot(unsubscribe, |c| c)
@@ -222,19 +255,26 @@ async fn reconcile(
             async move {
                 let outcome = match timeout(command_timeout, conn.ssubscribe(&channels)).await {
                     Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err("timed out".to_owned()),
+                    Ok(Err(e)) => Err((e.to_string(), e.code() == Some("NOPERM"))),
+                    Err(_) => Err(("timed out".to_owned(), false)),
                 };
                 (channels, outcome)
             }
         });
-    let mut failed = Vec::new();
+    let mut failed = Failed::default();
     for (channels, outcome) in join_all(subscribing).await {
         match outcome {
-            Ok(()) => shared.registry().confirmed(channels),
-            Err(error) => {
-                tracing::debug!(%error, "lock subscriber cannot subscribe on a shard yet");
-                failed.extend(channels);
+            Ok(()) => {
+                failed.confirmed = true;
+                shared.registry().confirmed(channels);
+            }
+            Err((error, refused)) => {
+                if refused {
+                    failed.refusal = Some(error);
+                } else {
+                    tracing::debug!(%error, "lock subscriber cannot subscribe on a shard yet");
+                }
+                failed.channels.extend(channels);
             }
         }
     }

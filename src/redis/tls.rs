@@ -55,12 +55,45 @@ impl TlsSettings {
                 "TLS certificates were given for a `redis://` URL; TLS needs `rediss://`",
             ));
         }
+        let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(url_error)?;
         if tls || !self.is_empty() {
-            return self.tls_client(url);
+            return self.tls_client(info);
         }
-        redis::Client::open(url).map_err(|e| BuildError::Url {
-            source: Box::new(e),
-        })
+        redis::Client::open(info).map_err(url_error)
+    }
+
+    /// A client of the cluster node at `host:port` with the credentials and TLS settings of
+    /// the cluster's seed URL `seed` (a node the slot map names, not among the seeds).
+    pub(crate) fn node_client(
+        &self,
+        seed: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<redis::Client, BuildError> {
+        let info = redis::IntoConnectionInfo::into_connection_info(seed).map_err(url_error)?;
+        // A node that does not know its own address announces an empty host: it is the
+        // seed's then, as redis-rs reads the slot map.
+        let host = match info.addr() {
+            redis::ConnectionAddr::Tcp(seed_host, _)
+            | redis::ConnectionAddr::TcpTls {
+                host: seed_host, ..
+            } if host.is_empty() => seed_host.clone(),
+            _ => host.to_owned(),
+        };
+        let addr = match info.addr() {
+            redis::ConnectionAddr::TcpTls { insecure, .. } => redis::ConnectionAddr::TcpTls {
+                host: host.clone(),
+                port,
+                insecure: *insecure,
+                tls_params: None,
+            },
+            _ => redis::ConnectionAddr::Tcp(host, port),
+        };
+        let info = info.set_addr(addr);
+        if is_tls_url(seed) || !self.is_empty() {
+            return self.tls_client(info);
+        }
+        redis::Client::open(info).map_err(url_error)
     }
 
     /// Checks these settings against a cluster's seed URLs as [`client`](Self::client)
@@ -127,11 +160,7 @@ impl TlsSettings {
     }
 
     #[cfg(feature = "tls")]
-    fn tls_client(&self, url: &str) -> Result<redis::Client, BuildError> {
-        use redis::IntoConnectionInfo;
-        let info = url.into_connection_info().map_err(|e| BuildError::Url {
-            source: Box::new(e),
-        })?;
+    fn tls_client(&self, info: redis::ConnectionInfo) -> Result<redis::Client, BuildError> {
         install_crypto_provider();
         if self.is_empty() {
             return redis::Client::open(info).map_err(|e| BuildError::Url {
@@ -150,10 +179,16 @@ impl TlsSettings {
     }
 
     #[cfg(not(feature = "tls"))]
-    fn tls_client(&self, _url: &str) -> Result<redis::Client, BuildError> {
+    fn tls_client(&self, _info: redis::ConnectionInfo) -> Result<redis::Client, BuildError> {
         Err(refused(
             "`rediss://` URLs and TLS certificates need the crate's `tls` feature",
         ))
+    }
+}
+
+fn url_error(error: redis::RedisError) -> BuildError {
+    BuildError::Url {
+        source: Box::new(error),
     }
 }
 

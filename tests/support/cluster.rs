@@ -222,6 +222,12 @@ impl Cluster {
             .expect("PUBSUB SHARDNUMSUB")
     }
 
+    /// Runs one command on the node on `port` (ACL and CONFIG changes are per node) and
+    /// returns `redis-cli`'s output.
+    pub fn run(&self, port: u16, args: &[&str]) -> String {
+        query(port, args)
+    }
+
     /// Whether the node on `port` has `key` (it must own the key's slot to say yes).
     pub fn exists_on(&self, port: u16, key: &str) -> bool {
         query(port, &["EXISTS", key]).trim() == "1"

@@ -5,6 +5,7 @@
 
 pub mod child;
 pub mod cluster;
+pub mod cluster_acl;
 pub mod replica;
 pub mod sentinel;
 pub mod tls;

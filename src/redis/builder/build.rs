@@ -12,7 +12,7 @@ use crate::error::BuildError;
 use crate::queue::Queues;
 use crate::redis::checks::{ServerChecks, connect_failure};
 use crate::redis::cluster::ClusterNodes;
-use crate::redis::pool::{CommandError, Pool, RedisCause};
+use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::recheck::Recheck;
 use crate::redis::runtime::Spawner;
@@ -37,6 +37,12 @@ impl RedisBackendBuilder {
     /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
     /// `SUBSCRIBE` on its channels, or the error says which right is missing. The checks
     /// run on a probe key of the namespace and leave nothing behind.
+    ///
+    /// On a Redis Cluster, where ACL users and settings are per node, every primary that
+    /// owns hash slots is checked on its own: the user must log in to it, its
+    /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
+    /// the scripts, `SPUBLISH`, `PUBSUB SHARDNUMSUB` and `SSUBSCRIBE`; the error names the
+    /// primary that refused. Replicas are not checked.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
@@ -61,16 +67,6 @@ impl RedisBackendBuilder {
         if !topology.is_cluster() {
             refuse_cluster_node(&pool).await?;
         }
-        // A cluster's subscriber connects to every node, sharded (see `shard_pubsub.rs`).
-        let subscriber_client = match topology.is_cluster() {
-            true => None,
-            false => Some(
-                topology
-                    .subscriber_client()
-                    .await
-                    .map_err(|e| connect_failure(CommandError::Redis(e), &user))?,
-            ),
-        };
         ServerChecks {
             pool: &pool,
             scripts: &scripts,
@@ -84,7 +80,7 @@ impl RedisBackendBuilder {
                 "PUBLISH"
             },
         }
-        .run(subscriber_client.as_ref(), self.allow_eviction)
+        .run(&topology, self.allow_eviction)
         .await?;
         if self.restart_guard {
             // The guard reads the uptime inside the acquire script: refuse a user that may

@@ -1,0 +1,349 @@
+//! The build-time checks of a Redis Cluster, shard by shard.
+//!
+//! ACL users, their rights and the server settings are per node in a cluster: a user
+//! created on two primaries of three, or with channel rights on only some, builds fine
+//! when one server is probed, and then fails every lock of the other shards. So, from the
+//! slot map (`CLUSTER SLOTS`), every primary that owns slots is checked on its own:
+//!
+//! - the user logs in to it, on a connection of its own (redis-rs' cluster client leaves a
+//!   node that refuses the credentials out of its connections without a word, and the
+//!   commands of its slots then fail with `MOVED`);
+//! - a probe key of the namespace whose hash slot the primary owns goes through the lock
+//!   scripts (acquire, renew, release with `SPUBLISH`), and is deleted;
+//! - `PUBSUB SHARDNUMSUB` (a release that may hand the lock on asks it) and `SSUBSCRIBE`
+//!   (then `SUNSUBSCRIBE`) on the probe key's channel, as the sharded subscriber will.
+//!
+//! A failure names the primary. Replicas are not checked (they may be down while the
+//! cluster serves); a replica without the user fails its shard after a failover.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::{AsyncConnectionConfig, FromRedisValue, PushInfo, RedisError, Value};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tokio::time::timeout;
+
+use super::checks::{ServerChecks, connect_failure};
+use super::cluster::ClusterNodes;
+use super::keys::LockKey;
+use super::pool::CommandError;
+use crate::error::BuildError;
+
+/// How many candidate probe keys are tried for a primary that owns few slots: a primary
+/// with a single slot is hit once in 16384 keys on average.
+const PROBE_CANDIDATES: u32 = 1 << 20;
+
+/// The primaries of a cluster with a probe key each, and the RESP3 connection the sharded
+/// probes use.
+pub(crate) struct Shards {
+    conn: ClusterConnection,
+    /// Kept open so that the connection's pushes (the `ssubscribe` confirmations) have
+    /// somewhere to go.
+    _pushes: UnboundedReceiver<PushInfo>,
+    primaries: Vec<Primary>,
+}
+
+/// A primary of a `CLUSTER SLOTS` reply and the slot ranges it owns.
+struct SlotOwner {
+    host: String,
+    port: u16,
+    ranges: Vec<(u16, u16)>,
+}
+
+/// A primary that owns hash slots, and a probe key in one of its slots.
+struct Primary {
+    host: String,
+    port: u16,
+    probe: LockKey,
+}
+
+impl ServerChecks<'_> {
+    /// Reads the slot map, checks that the user may log in to every primary that owns
+    /// slots, and picks a probe key for each.
+    pub(crate) async fn shards(&self, nodes: &ClusterNodes) -> Result<Shards, BuildError> {
+        let (sender, pushes) = unbounded_channel();
+        let mut conn = self
+            .bounded(self.connect_timeout, nodes.connect_subscriber(sender))
+            .await?;
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+        let mut cluster_slots = redis::cmd("CLUSTER");
+        cluster_slots.arg("SLOTS");
+        let slots = self
+            .bounded(
+                self.command_timeout,
+                routed(&mut conn, cluster_slots, routing),
+            )
+            .await?;
+        let owners = slot_owners(slots).map_err(|e| connect_failure(e, self.user))?;
+        let mut slot_owner = HashMap::new();
+        for (i, owner) in owners.iter().enumerate() {
+            for &(start, end) in &owner.ranges {
+                slot_owner.extend((start..=end).filter_map(Slot::new).map(|slot| (slot, i)));
+            }
+        }
+        let mut probes: Vec<Option<LockKey>> = vec![None; owners.len()];
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        for n in 0..PROBE_CANDIDATES {
+            if probes.iter().all(Option::is_some) {
+                break;
+            }
+            let probe = self.probe_key(&format!("{id}:{n}"))?;
+            if let Some(&i) = slot_owner.get(&Slot::for_key(&*probe.lock)) {
+                probes[i].get_or_insert(probe);
+            }
+        }
+        let mut primaries = Vec::with_capacity(owners.len());
+        for (SlotOwner { host, port, .. }, probe) in owners.into_iter().zip(probes) {
+            let Some(probe) = probe else {
+                // Not reachable with a well-formed slot map; the primary is left unprobed.
+                tracing::warn!(%host, port, "no probe key found for a primary's slots");
+                continue;
+            };
+            // A node the slot map cannot address is probed through the cluster client only.
+            if host != "?" {
+                self.log_in(nodes, &host, port)
+                    .await
+                    .map_err(|e| on_primary(e, &host, port))?;
+            }
+            primaries.push(Primary { host, port, probe });
+        }
+        Ok(Shards {
+            conn,
+            _pushes: pushes,
+            primaries,
+        })
+    }
+
+    /// Runs the sharded probes on every primary.
+    pub(crate) async fn probe_shards(&self, shards: Shards) -> Result<(), BuildError> {
+        let Shards {
+            mut conn,
+            _pushes,
+            primaries,
+        } = shards;
+        for primary in &primaries {
+            self.probe_shard(&mut conn, &primary.probe)
+                .await
+                .map_err(|e| on_primary(e, &primary.host, primary.port))?;
+        }
+        Ok(())
+    }
+
+    async fn probe_shard(
+        &self,
+        conn: &mut ClusterConnection,
+        probe: &LockKey,
+    ) -> Result<(), BuildError> {
+        self.probe_scripts(probe).await?;
+        let channel = &probe.channel;
+        let primary = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+            Route::with_key(channel, SlotAddr::Master),
+        ));
+        let mut numsub = redis::cmd("PUBSUB");
+        numsub.arg("SHARDNUMSUB").arg(channel);
+        let asked = timeout(self.command_timeout, routed(conn, numsub, primary)).await;
+        command_outcome(asked)
+            .map_err(|e| self.failure(e, "run PUBSUB SHARDNUMSUB (a release asks it)"))?;
+        // redis-rs returns once the server confirmed the subscription (or refused it).
+        let subscribed = timeout(self.command_timeout, conn.ssubscribe(channel)).await;
+        command_outcome(subscribed)
+            .map_err(|e| self.subscribe_failure(e, "SSUBSCRIBE", channel))?;
+        // The connection is dropped after the probes anyway, which ends the subscription.
+        let _ = timeout(self.command_timeout, conn.sunsubscribe(channel)).await;
+        Ok(())
+    }
+
+    /// Logs in to the node at `host:port` and PINGs it.
+    async fn log_in(&self, nodes: &ClusterNodes, host: &str, port: u16) -> Result<(), BuildError> {
+        let client = nodes.node_client(host, port)?;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.command_timeout));
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))?;
+        redis::cmd("PING")
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))
+    }
+
+    /// `future` within `limit`, a failure as a connection failure.
+    async fn bounded<T>(
+        &self,
+        limit: Duration,
+        future: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, BuildError> {
+        command_outcome(timeout(limit, future).await).map_err(|e| connect_failure(e, self.user))
+    }
+}
+
+/// Sends `cmd` where `routing` says. A routed command's error reply comes back as a value.
+async fn routed(
+    conn: &mut ClusterConnection,
+    cmd: redis::Cmd,
+    routing: RoutingInfo,
+) -> Result<Value, RedisError> {
+    conn.route_command(cmd, routing).await?.extract_error()
+}
+
+/// A command's outcome within its timeout, an elapsed timeout as an I/O error.
+fn command_outcome<T>(
+    outcome: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+) -> Result<T, CommandError> {
+    match outcome {
+        Ok(done) => done.map_err(CommandError::Redis),
+        Err(elapsed) => Err(CommandError::Redis(RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            elapsed,
+        )))),
+    }
+}
+
+/// The primaries (`host`, `port`) of a `CLUSTER SLOTS` reply, each with its slot ranges.
+fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
+    let unexpected = || {
+        CommandError::Redis(RedisError::from((
+            redis::ErrorKind::Parse,
+            "unexpected CLUSTER SLOTS reply",
+        )))
+    };
+    let ranges: Vec<Vec<Value>> = FromRedisValue::from_redis_value(reply)
+        .map_err(|e| CommandError::Redis(RedisError::from(e)))?;
+    let mut owners: Vec<SlotOwner> = Vec::new();
+    for range in ranges {
+        let mut fields = range.into_iter();
+        let (Some(start), Some(end), Some(primary)) = (fields.next(), fields.next(), fields.next())
+        else {
+            return Err(unexpected());
+        };
+        let parsed = (
+            u16::from_redis_value(start),
+            u16::from_redis_value(end),
+            node_address(primary),
+        );
+        let (Ok(start), Ok(end), Some((host, port))) = parsed else {
+            return Err(unexpected());
+        };
+        match owners.iter_mut().find(|o| o.host == host && o.port == port) {
+            Some(owner) => owner.ranges.push((start, end)),
+            None => owners.push(SlotOwner {
+                host,
+                port,
+                ranges: vec![(start, end)],
+            }),
+        }
+    }
+    Ok(owners)
+}
+
+/// The host and port of a node of a `CLUSTER SLOTS` reply: `[host, port, id, ...]`. A node
+/// that does not know its address announces an empty, NULL or wildcard host (read as the
+/// seed's, see `TlsSettings::node_client`), an unknown node "?".
+fn node_address(node: Value) -> Option<(String, u16)> {
+    let mut node = Vec::<Value>::from_redis_value(node).ok()?.into_iter();
+    let host = match node.next()? {
+        Value::Nil => String::new(),
+        host => String::from_redis_value(host).ok()?,
+    };
+    let host = match host.as_str() {
+        "0.0.0.0" | "::" => String::new(),
+        _ => host,
+    };
+    Some((host, u16::from_redis_value(node.next()?).ok()?))
+}
+
+/// `error`, naming the primary it came from.
+fn on_primary(error: BuildError, host: &str, port: u16) -> BuildError {
+    let node = |source| -> Box<dyn std::error::Error + Send + Sync> {
+        Box::new(NodeError {
+            node: format!("{host}:{port}"),
+            source,
+        })
+    };
+    match error {
+        BuildError::Rights {
+            user,
+            right,
+            source,
+        } => BuildError::Rights {
+            user,
+            right: format!("{right} on the primary {host}:{port}"),
+            source,
+        },
+        BuildError::Auth { user, source } => BuildError::Auth {
+            user,
+            source: node(source),
+        },
+        BuildError::Connect { source } => BuildError::Connect {
+            source: node(source),
+        },
+        BuildError::Scripts { source } => BuildError::Scripts {
+            source: node(source),
+        },
+        other => other,
+    }
+}
+
+/// An error of one node, as a level of the chain: "the primary HOST:PORT answered", then
+/// what it answered.
+#[derive(Debug)]
+struct NodeError {
+    node: String,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl fmt::Display for NodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the primary {} answered", self.node)
+    }
+}
+
+impl std::error::Error for NodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(host: Value, port: i64) -> Value {
+        let id = Value::BulkString(b"id".to_vec());
+        Value::Array(vec![host, Value::Int(port), id, Value::Map(Vec::new())])
+    }
+
+    fn range(start: i64, end: i64, primary: Value, replica: Value) -> Value {
+        Value::Array(vec![Value::Int(start), Value::Int(end), primary, replica])
+    }
+
+    #[test]
+    fn slot_owners_groups_ranges_by_primary_and_reads_unknown_hosts_as_the_seeds() {
+        let a = || node(Value::BulkString(b"10.0.0.1".to_vec()), 7000);
+        let replica = || node(Value::BulkString(b"10.0.0.9".to_vec()), 7009);
+        let reply = Value::Array(vec![
+            range(0, 99, a(), replica()),
+            range(100, 199, node(Value::Nil, 7001), replica()),
+            range(200, 16383, a(), replica()),
+        ]);
+        let owners = slot_owners(reply).expect("parsed");
+        let found: Vec<String> = owners
+            .iter()
+            .map(|o| format!("{}:{} {:?}", o.host, o.port, o.ranges))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                "10.0.0.1:7000 [(0, 99), (200, 16383)]",
+                ":7001 [(100, 199)]"
+            ]
+        );
+        assert!(slot_owners(Value::Array(vec![Value::Int(1)])).is_err());
+    }
+}
