@@ -25,6 +25,9 @@ async fn cluster_scenarios() {
     let mut cluster = Cluster::start();
     let shards = cluster.primaries();
     assert_eq!(shards.len(), 3, "three primaries");
+    an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
+    a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
+    sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
 
     locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(&cluster).await;
     waiters_do_not_poll_and_a_release_reaches_only_its_shard(&cluster).await;
@@ -575,4 +578,160 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(clus
             .collect();
         audit(&mut redis, item, stocked, &served).await;
     }
+}
+
+/// Runs `op` while the node on `port` is stopped, and has the node drop its command
+/// connections right after running what `op` sent: `CLIENT KILL TYPE normal`, sent after
+/// `op`'s command, is read in the same event-loop turn once the node resumes, so it runs
+/// after that command but before the reply is written. redis-rs sees the connection
+/// dropped without a reply and sends the command again on a new connection: one call, run
+/// twice, as after a connection lost at the wrong moment.
+async fn with_reply_lost<T: Send + 'static>(
+    cluster: &Cluster,
+    port: u16,
+    op: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let mut killer = cluster.node_conn(port).await;
+    let before = cluster.command_calls(port, &["evalsha"]);
+    cluster.pause(port);
+    let op = tokio::spawn(op);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let kill = tokio::spawn(async move {
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .query_async::<i64>(&mut killer)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    cluster.resume(port);
+    let killed = kill.await.expect("task").expect("CLIENT KILL");
+    let out = op.await.expect("task");
+    let runs = cluster.command_calls(port, &["evalsha"]) - before;
+    eprintln!("reply lost: {killed} connections dropped, {runs} script runs for one call");
+    assert!(
+        runs >= 2,
+        "the script was sent again after the connection dropped"
+    );
+    out
+}
+
+/// An acquisition whose connection drops after its script ran is sent again by the
+/// cluster client; the second run finds the first one's hold and does not count it again,
+/// so the one release frees the lock (instead of leaving it held for a whole lease).
+async fn an_acquisition_resent_after_a_lost_reply_is_taken_once(cluster: &Cluster) {
+    let port = cluster.primaries()[1];
+    let key = key_on(cluster, port, "resent:");
+    let lock = format!("tower-lock:{{{key}}}");
+    let backend = cluster.backend().await;
+    let warm = backend.lock(key.clone()).try_once().await.expect("free");
+    warm.release().await.expect("release");
+    let taking = {
+        let (backend, key) = (backend.clone(), key.clone());
+        async move { backend.lock(key).try_once().await }
+    };
+    let guard = with_reply_lost(cluster, port, taking)
+        .await
+        .expect("acquired");
+    let owner = guard.held().owner().as_str().to_owned();
+    assert_eq!(
+        cluster.hold_count(port, &lock, &owner),
+        Some(1),
+        "one acquisition, one hold"
+    );
+    guard.release().await.expect("release");
+    assert!(
+        !cluster.exists_on(port, &lock),
+        "released by its one release"
+    );
+    cluster.wait_until_ok();
+}
+
+/// A release whose connection drops after its script ran is sent again by the cluster
+/// client and finds the lock already freed or handed over: that is the release done, not
+/// a lost lock, and the handoff to the queued task stands.
+async fn a_release_resent_after_a_lost_reply_is_not_reported_lost(cluster: &Cluster) {
+    let port = cluster.primaries()[2];
+    let key = key_on(cluster, port, "rerelease:");
+    let lock = format!("tower-lock:{{{key}}}");
+    let backend = cluster.backend().await;
+    let guard = backend.lock(key.clone()).try_once().await.expect("free");
+    let released = with_reply_lost(cluster, port, guard.release()).await;
+    assert!(released.is_ok(), "freed, not lost: {released:?}");
+    assert!(!cluster.exists_on(port, &lock));
+    cluster.wait_until_ok();
+
+    // Handed over to a task of the same backend waiting for the key.
+    let guard = backend.lock(key.clone()).try_once().await.expect("free");
+    let waiting = tokio::spawn({
+        let (backend, key) = (backend.clone(), key.clone());
+        async move { backend.lock(key).wait(Duration::from_secs(10)).await }
+    });
+    support::queued(&backend, 1).await;
+    let released = with_reply_lost(cluster, port, guard.release()).await;
+    assert!(released.is_ok(), "handed over, not lost: {released:?}");
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the queued task gets the lock")
+        .expect("task")
+        .expect("handed over");
+    let owner = next.held().owner().as_str().to_owned();
+    assert_eq!(cluster.hold_count(port, &lock, &owner), Some(1));
+    next.release().await.expect("release");
+    assert!(!cluster.exists_on(port, &lock));
+    cluster.wait_until_ok();
+}
+
+/// `sync_replicas` waits for the replica of the lock's own shard only: with the replica of
+/// one shard stopped, that shard refuses acquisitions and the others keep granting them.
+async fn sync_replicas_waits_only_on_the_shard_of_the_lock(cluster: &Cluster) {
+    let backend = RedisBackend::cluster(cluster.urls())
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .sync_replicas(1, Duration::from_millis(200))
+        .build()
+        .await
+        .expect("backend");
+    let primaries = cluster.primaries();
+    let keys: Vec<String> = primaries
+        .iter()
+        .map(|&port| key_on(cluster, port, "synced:"))
+        .collect();
+    for key in &keys {
+        let guard = backend.lock(key.clone()).try_once().await;
+        guard
+            .expect("acknowledged by its replica")
+            .release()
+            .await
+            .expect("release");
+    }
+    let stopped = cluster.replica_of(primaries[2]);
+    cluster.pause(stopped);
+    let refused = backend.lock(keys[2].clone()).try_once().await;
+    let mut granted = Vec::new();
+    for key in &keys[..2] {
+        let started = Instant::now();
+        granted.push((
+            backend.lock(key.clone()).try_once().await,
+            started.elapsed(),
+        ));
+    }
+    cluster.resume(stopped);
+    assert!(
+        refused.is_err(),
+        "its replica is stopped: {:?}",
+        refused.map(|g| g.fencing_token())
+    );
+    for (guard, took) in granted {
+        eprintln!(
+            "sync_replicas acquisition on a healthy shard while another's replica is stopped: {took:?}"
+        );
+        guard
+            .expect("a healthy shard grants")
+            .release()
+            .await
+            .expect("release");
+    }
+    cluster.wait_until_healthy();
 }

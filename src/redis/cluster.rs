@@ -14,7 +14,9 @@ use super::tls::TlsSettings;
 use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
+};
 use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
 
 /// The seed nodes of a cluster and the timeouts of the connections made to it.
@@ -126,6 +128,17 @@ pub(crate) fn req_packed_command<'a>(
     } else {
         conn.req_packed_command(cmd)
     }
+}
+
+/// Sends `cmd` to the primary that owns the slot of `key`.
+pub(crate) async fn query_at(
+    conn: &mut ClusterConnection,
+    key: &str,
+    cmd: &Cmd,
+) -> RedisResult<Value> {
+    let route = Route::with_key(key, SlotAddr::Master);
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+    conn.route_command(cmd.clone(), routing).await
 }
 
 /// Sends `cmd` to every primary and returns their replies, in no particular order: a
