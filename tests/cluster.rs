@@ -25,15 +25,16 @@ async fn cluster_scenarios() {
     let mut cluster = Cluster::start();
     let shards = cluster.primaries();
     assert_eq!(shards.len(), 3, "three primaries");
-    an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
-    a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
-    sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
 
     locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(&cluster).await;
     waiters_do_not_poll_and_a_release_reaches_only_its_shard(&cluster).await;
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
+    an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
+    a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
+    sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
+    a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(&cluster).await;
     a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
 }
 
@@ -734,4 +735,38 @@ async fn sync_replicas_waits_only_on_the_shard_of_the_lock(cluster: &Cluster) {
             .expect("release");
     }
     cluster.wait_until_healthy();
+}
+
+/// The watchdog's renewal calls of different shards complete on their own: while one
+/// primary is stopped (its renewal call hangs for the command timeout, 500 ms), locks on
+/// the other shards with a 300 ms lease keep being renewed and are not declared lost.
+async fn a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(cluster: &Cluster) {
+    let backend = cluster.backend().await;
+    let primaries = cluster.primaries();
+    let lease = Duration::from_millis(300);
+    let mut guards = Vec::new();
+    for &port in &primaries {
+        let key = key_on(cluster, port, "renewed:");
+        let guard = backend.lock(key).lease(lease).try_once().await;
+        guards.push(guard.expect("free"));
+    }
+    let stopped = primaries[0];
+    cluster.pause(stopped);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    cluster.resume(stopped);
+    let stopped_lost = guards[0].is_lost();
+    for guard in &guards[1..] {
+        assert!(
+            !guard.is_lost(),
+            "{} on a healthy shard was renewed",
+            guard.key()
+        );
+    }
+    eprintln!("the lock on the stopped shard was found lost: {stopped_lost}");
+    let mut guards = guards.into_iter();
+    drop(guards.next());
+    for guard in guards {
+        guard.release().await.expect("release");
+    }
+    cluster.wait_until_ok();
 }
