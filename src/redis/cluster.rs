@@ -5,6 +5,11 @@
 //! key, follows MOVED and ASK, and refreshes its slot map after a failover or a reshard.
 //! Every Redis name of one lock shares the lock's hash tag (`keys.rs`), so each script runs
 //! on one shard; only the watchdog's batches mix locks, and it groups them with `by_slot`.
+//!
+//! The client also sends a command again by itself when the node's connection drops or a
+//! read fails before the reply, whether or not the command ran: the lock scripts are made
+//! safe to run twice for one call (acquire.lua's attempt id, release.lua's release id and
+//! handoff check, which `hold.rs` always asks for on a cluster).
 
 use std::collections::HashMap;
 use std::sync::Arc;
