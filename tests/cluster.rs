@@ -34,6 +34,10 @@ async fn cluster_scenarios() {
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
     checks::build_checks_hold_on_every_primary(&cluster).await;
+    an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
+    a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
+    sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
+    a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(&cluster).await;
     a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
 }
 
@@ -578,4 +582,194 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(clus
             .collect();
         audit(&mut redis, item, stocked, &served).await;
     }
+}
+
+/// Runs `op` while the node on `port` is stopped, and has the node drop its command
+/// connections right after running what `op` sent: `CLIENT KILL TYPE normal`, sent after
+/// `op`'s command, is read in the same event-loop turn once the node resumes, so it runs
+/// after that command but before the reply is written. redis-rs sees the connection
+/// dropped without a reply and sends the command again on a new connection: one call, run
+/// twice, as after a connection lost at the wrong moment.
+async fn with_reply_lost<T: Send + 'static>(
+    cluster: &Cluster,
+    port: u16,
+    op: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let mut killer = cluster.node_conn(port).await;
+    let before = cluster.command_calls(port, &["evalsha"]);
+    cluster.pause(port);
+    let op = tokio::spawn(op);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let kill = tokio::spawn(async move {
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .query_async::<i64>(&mut killer)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    cluster.resume(port);
+    let killed = kill.await.expect("task").expect("CLIENT KILL");
+    let out = op.await.expect("task");
+    let runs = cluster.command_calls(port, &["evalsha"]) - before;
+    eprintln!("reply lost: {killed} connections dropped, {runs} script runs for one call");
+    assert!(
+        runs >= 2,
+        "the script was sent again after the connection dropped"
+    );
+    out
+}
+
+/// An acquisition whose connection drops after its script ran is sent again by the
+/// cluster client; the second run finds the first one's hold and does not count it again,
+/// so the one release frees the lock (instead of leaving it held for a whole lease).
+async fn an_acquisition_resent_after_a_lost_reply_is_taken_once(cluster: &Cluster) {
+    let port = cluster.primaries()[1];
+    let key = key_on(cluster, port, "resent:");
+    let lock = format!("tower-lock:{{{key}}}");
+    let backend = cluster.backend().await;
+    let warm = backend.lock(key.clone()).try_once().await.expect("free");
+    warm.release().await.expect("release");
+    let taking = {
+        let (backend, key) = (backend.clone(), key.clone());
+        async move { backend.lock(key).try_once().await }
+    };
+    let guard = with_reply_lost(cluster, port, taking)
+        .await
+        .expect("acquired");
+    let owner = guard.held().owner().as_str().to_owned();
+    assert_eq!(
+        cluster.hold_count(port, &lock, &owner),
+        Some(1),
+        "one acquisition, one hold"
+    );
+    guard.release().await.expect("release");
+    assert!(
+        !cluster.exists_on(port, &lock),
+        "released by its one release"
+    );
+    cluster.wait_until_ok();
+}
+
+/// A release whose connection drops after its script ran is sent again by the cluster
+/// client and finds the lock already freed or handed over: that is the release done, not
+/// a lost lock, and the handoff to the queued task stands.
+async fn a_release_resent_after_a_lost_reply_is_not_reported_lost(cluster: &Cluster) {
+    let port = cluster.primaries()[2];
+    let key = key_on(cluster, port, "rerelease:");
+    let lock = format!("tower-lock:{{{key}}}");
+    let backend = cluster.backend().await;
+    let guard = backend.lock(key.clone()).try_once().await.expect("free");
+    let released = with_reply_lost(cluster, port, guard.release()).await;
+    assert!(released.is_ok(), "freed, not lost: {released:?}");
+    assert!(!cluster.exists_on(port, &lock));
+    cluster.wait_until_ok();
+
+    // Handed over to a task of the same backend waiting for the key.
+    let guard = backend.lock(key.clone()).try_once().await.expect("free");
+    let waiting = tokio::spawn({
+        let (backend, key) = (backend.clone(), key.clone());
+        async move { backend.lock(key).wait(Duration::from_secs(10)).await }
+    });
+    support::queued(&backend, 1).await;
+    let released = with_reply_lost(cluster, port, guard.release()).await;
+    assert!(released.is_ok(), "handed over, not lost: {released:?}");
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the queued task gets the lock")
+        .expect("task")
+        .expect("handed over");
+    let owner = next.held().owner().as_str().to_owned();
+    assert_eq!(cluster.hold_count(port, &lock, &owner), Some(1));
+    next.release().await.expect("release");
+    assert!(!cluster.exists_on(port, &lock));
+    cluster.wait_until_ok();
+}
+
+/// `sync_replicas` waits for the replica of the lock's own shard only: with the replica of
+/// one shard stopped, that shard refuses acquisitions and the others keep granting them.
+async fn sync_replicas_waits_only_on_the_shard_of_the_lock(cluster: &Cluster) {
+    let backend = RedisBackend::cluster(cluster.urls())
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .sync_replicas(1, Duration::from_millis(200))
+        .build()
+        .await
+        .expect("backend");
+    let primaries = cluster.primaries();
+    let keys: Vec<String> = primaries
+        .iter()
+        .map(|&port| key_on(cluster, port, "synced:"))
+        .collect();
+    for key in &keys {
+        let guard = backend.lock(key.clone()).try_once().await;
+        guard
+            .expect("acknowledged by its replica")
+            .release()
+            .await
+            .expect("release");
+    }
+    let stopped = cluster.replica_of(primaries[2]);
+    cluster.pause(stopped);
+    let refused = backend.lock(keys[2].clone()).try_once().await;
+    let mut granted = Vec::new();
+    for key in &keys[..2] {
+        let started = Instant::now();
+        granted.push((
+            backend.lock(key.clone()).try_once().await,
+            started.elapsed(),
+        ));
+    }
+    cluster.resume(stopped);
+    assert!(
+        refused.is_err(),
+        "its replica is stopped: {:?}",
+        refused.map(|g| g.fencing_token())
+    );
+    for (guard, took) in granted {
+        eprintln!(
+            "sync_replicas acquisition on a healthy shard while another's replica is stopped: {took:?}"
+        );
+        guard
+            .expect("a healthy shard grants")
+            .release()
+            .await
+            .expect("release");
+    }
+    cluster.wait_until_healthy();
+}
+
+/// The watchdog's renewal calls of different shards complete on their own: while one
+/// primary is stopped (its renewal call hangs for the command timeout, 500 ms), locks on
+/// the other shards with a 300 ms lease keep being renewed and are not declared lost.
+async fn a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(cluster: &Cluster) {
+    let backend = cluster.backend().await;
+    let primaries = cluster.primaries();
+    let lease = Duration::from_millis(300);
+    let mut guards = Vec::new();
+    for &port in &primaries {
+        let key = key_on(cluster, port, "renewed:");
+        let guard = backend.lock(key).lease(lease).try_once().await;
+        guards.push(guard.expect("free"));
+    }
+    let stopped = primaries[0];
+    cluster.pause(stopped);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    cluster.resume(stopped);
+    let stopped_lost = guards[0].is_lost();
+    for guard in &guards[1..] {
+        assert!(
+            !guard.is_lost(),
+            "{} on a healthy shard was renewed",
+            guard.key()
+        );
+    }
+    eprintln!("the lock on the stopped shard was found lost: {stopped_lost}");
+    let mut guards = guards.into_iter();
+    drop(guards.next());
+    for guard in guards {
+        guard.release().await.expect("release");
+    }
+    cluster.wait_until_ok();
 }

@@ -60,17 +60,22 @@ impl AcquireCall {
                     Ok(conn) => conn,
                     Err(e) => return (Err(e), None),
                 };
+                // One id per run of the script that this crate sends: a copy that the
+                // cluster client sends again after a lost reply carries the same id, and
+                // takes no second hold (see acquire.lua).
+                let attempt = format!("{}@{}", owner.as_str(), inner.owners.serial());
                 let mut invocation = inner.scripts.acquire.key(&*key.lock);
                 invocation
                     .key(&key.fence)
                     .arg(owner.as_str())
                     .arg(millis(*lease))
                     .arg(millis(inner.fence_ttl))
-                    .arg(inner.restart_guard.map_or(0, millis));
+                    .arg(inner.restart_guard.map_or(0, millis))
+                    .arg(attempt);
                 let reply = conn.invoke::<Vec<i64>>(&invocation).await;
                 match (&reply, inner.sync_replicas) {
                     (Ok(taken), Some(sync)) if is_hold(taken) => {
-                        if let Err(e) = sync.wait(&mut conn).await {
+                        if let Err(e) = sync.wait(&mut conn, &key.lock).await {
                             // Not known to be on enough replicas: given back before the
                             // attempt fails, on the same connection, so it runs first.
                             unclaimed.hold().undo(conn).await;

@@ -201,7 +201,8 @@ impl ServerChecks<'_> {
             .arg(PROBE_TTL_MS)
             .arg(PROBE_TTL_MS)
             // The restart guard is off for the probe: it checks rights, not the server's age.
-            .arg(0);
+            .arg(0)
+            .arg(format!("{owner}@1"));
         let mut renew = self.scripts.renew.key(lock);
         renew.arg(owner).arg(PROBE_TTL_MS);
         let mut release = self.scripts.release.key(lock);
@@ -303,7 +304,8 @@ impl ServerChecks<'_> {
 }
 
 /// The commands each script calls, named when a user may not run one of them.
-const ACQUIRE_CALLS: &str = "TYPE, HEXISTS, PTTL, HINCRBY, PEXPIRE, HGET, TIME, GET, SET, HSET";
+const ACQUIRE_CALLS: &str =
+    "TYPE, HEXISTS, HMGET, PTTL, HINCRBY, PEXPIRE, HGET, TIME, GET, SET, HSET";
 const RENEW_CALLS: &str = "HEXISTS, PTTL, PEXPIRE";
 const RELEASE_CALLS: &str =
     "HEXISTS, HGET, HMGET, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, PUBSUB, TIME, GET, SET";

@@ -5,6 +5,11 @@
 //! key, follows MOVED and ASK, and refreshes its slot map after a failover or a reshard.
 //! Every Redis name of one lock shares the lock's hash tag (`keys.rs`), so each script runs
 //! on one shard; only the watchdog's batches mix locks, and it groups them with `by_slot`.
+//!
+//! The client also sends a command again by itself when the node's connection drops or a
+//! read fails before the reply, whether or not the command ran: the lock scripts are made
+//! safe to run twice for one call (acquire.lua's attempt id, release.lua's release id and
+//! handoff check, which `hold.rs` always asks for on a cluster).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,7 +20,9 @@ use crate::error::BuildError;
 use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
+};
 use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
 
 /// The seed nodes of a cluster and the timeouts of the connections made to it.
@@ -134,6 +141,17 @@ pub(crate) fn req_packed_command<'a>(
     } else {
         conn.req_packed_command(cmd)
     }
+}
+
+/// Sends `cmd` to the primary that owns the slot of `key`.
+pub(crate) async fn query_at(
+    conn: &mut ClusterConnection,
+    key: &str,
+    cmd: &Cmd,
+) -> RedisResult<Value> {
+    let route = Route::with_key(key, SlotAddr::Master);
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+    conn.route_command(cmd.clone(), routing).await
 }
 
 /// Sends `cmd` to every primary and returns their replies, in no particular order: a

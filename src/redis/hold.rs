@@ -91,6 +91,16 @@ impl RedisHold {
         }
     }
 
+    /// Whether an earlier run of this hold's release script may have freed or handed over
+    /// the lock. Always on a cluster: its client sends a call again by itself when the
+    /// connection drops before the reply, without telling us, so a final release that
+    /// finds the lock gone may be the second run of one that freed it. (A lease that ran
+    /// out just before the release is then not reported as `Lost`; the watchdog reports
+    /// the losses it finds while the lock is held.)
+    fn may_have_run(&self) -> bool {
+        self.may_have_run || self.inner.scripts.sharded
+    }
+
     /// The release script for this hold, handing the lock to `successor` if given.
     fn invocation(&self, successor: Option<&Claim>, streak_spent: bool) -> ScriptInvocation<'_> {
         let mut invocation = self.inner.scripts.release.key(&*self.key.lock);
@@ -104,7 +114,7 @@ impl RedisHold {
             .arg(successor.map_or(0, |s| millis(s.lease)))
             .arg(millis(self.inner.fence_ttl))
             .arg(u8::from(streak_spent))
-            .arg(u8::from(self.may_have_run))
+            .arg(u8::from(self.may_have_run()))
             .arg(u8::from(self.inner.scripts.sharded));
         invocation
     }
@@ -242,7 +252,7 @@ impl RedisHold {
             }
             [1] => Ok(()),
             // Not held: lost, unless an earlier attempt whose reply was lost did it.
-            [0] if self.may_have_run => Ok(()),
+            [0] if self.may_have_run() => Ok(()),
             [0] => Err(LockError::Lost {
                 key: self.key.user.clone(),
             }),

@@ -14,7 +14,8 @@ use crate::key::validate;
 pub(crate) struct LockKey {
     /// The key as the application gave it (for errors, spans and `HeldLock::key`).
     pub(crate) user: String,
-    /// The lock hash: `owner -> reentry count`, plus the token field.
+    /// The lock hash: `owner -> reentry count`, plus the token field and the ids of
+    /// acquisition attempts and undone re-entries (see acquire.lua and release.lua).
     pub(crate) lock: Arc<str>,
     /// The fencing counter, kept apart from the lock so tokens survive its deletion.
     pub(crate) fence: String,

@@ -326,12 +326,20 @@ impl Conn {
         self.observe(result)
     }
 
-    /// Runs one command on this connection.
-    pub(crate) async fn query<T: FromRedisValue>(
+    /// Sends `cmd`, a command that names no key (`WAIT`), to the server that holds `key`:
+    /// on a cluster the primary of its slot, over the node connection that `key`'s
+    /// scripts went out on (redis-rs would send it to every primary).
+    pub(crate) async fn query_at<T: FromRedisValue>(
         &mut self,
+        key: &str,
         cmd: &redis::Cmd,
     ) -> Result<T, CommandError> {
-        let result = cmd.query_async(&mut self.conn).await;
+        let result = match &mut self.conn {
+            AnyConn::Cluster(cluster) => super::cluster::query_at(cluster, key, cmd)
+                .await
+                .and_then(|v| T::from_redis_value(v).map_err(RedisError::from)),
+            server => cmd.query_async(server).await,
+        };
         self.observe(result)
     }
 

@@ -15,7 +15,9 @@
 -- ARGV[8]  "1" when the process's run of handoffs is used up: then the lock is released
 --          for real if anyone (another instance) is subscribed to ARGV[4]
 -- ARGV[9]  "1" when an earlier call of this same release may have run (its reply was
---          lost): only then can a handoff it made exist, so only then is one looked for
+--          lost): only then can a handoff it made exist, so only then is one looked for.
+--          Always "1" on a Redis Cluster, whose client sends a call again by itself when
+--          its connection drops before the reply
 -- ARGV[10] "1" on a Redis Cluster: publish on sharded pub/sub (SPUBLISH, Redis 7), so the
 --          release reaches only the shard that owns ARGV[4] (KEYS[1]'s hash tag); "0" on a
 --          single server, where PUBLISH keeps working on Redis before 7

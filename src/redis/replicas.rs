@@ -16,12 +16,14 @@ pub(crate) struct SyncReplicas {
 }
 
 impl SyncReplicas {
-    /// Waits until `replicas` replicas have every write sent on `conn` so far (the
-    /// acquisition just made), or the timeout passed.
-    pub(crate) async fn wait(&self, conn: &mut Conn) -> Result<(), CommandError> {
+    /// Waits until `replicas` replicas of the server that holds `lock` have every write
+    /// sent on `conn` so far (the acquisition just made), or the timeout passed. On a
+    /// cluster only `lock`'s shard is asked: one shard failing over must not fail (or slow)
+    /// the acquisitions of the others.
+    pub(crate) async fn wait(&self, conn: &mut Conn, lock: &str) -> Result<(), CommandError> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(self.replicas).arg(millis(self.timeout));
-        let acked = conn.query::<i64>(&wait).await?;
+        let acked = conn.query_at::<i64>(lock, &wait).await?;
         if acked >= i64::from(self.replicas) {
             return Ok(());
         }

@@ -264,6 +264,52 @@ impl Cluster {
         });
     }
 
+    /// SIGSTOP of the node on `port`: it answers nothing (TCP still accepts and buffers)
+    /// until [`resume`](Self::resume).
+    pub fn pause(&self, port: u16) {
+        super::send_signal(self.pid(port), "-STOP");
+    }
+
+    /// SIGCONT of the node on `port`.
+    pub fn resume(&self, port: u16) {
+        super::send_signal(self.pid(port), "-CONT");
+    }
+
+    fn pid(&self, port: u16) -> u32 {
+        self.nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .map(Child::id)
+            .expect("a live node on the port")
+    }
+
+    /// The port of the replica of the primary on `primary`.
+    pub fn replica_of(&self, primary: u16) -> u16 {
+        let id = query(primary, &["CLUSTER", "MYID"]).trim().to_owned();
+        let replicas = query(primary, &["CLUSTER", "REPLICAS", &id]);
+        replicas
+            .split_whitespace()
+            .nth(1)
+            .and_then(|addr| addr.split(['@', ':']).nth(1))
+            .and_then(|p| p.parse().ok())
+            .expect("CLUSTER REPLICAS names a replica")
+    }
+
+    /// The re-entry count of `owner` in the lock hash `lock` on the node on `port`.
+    pub fn hold_count(&self, port: u16, lock: &str, owner: &str) -> Option<i64> {
+        query(port, &["HGET", lock, owner]).trim().parse().ok()
+    }
+
+    /// A plain (not cluster-aware) connection to the node on `port`.
+    pub async fn node_conn(&self, port: u16) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            .expect("node url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to the node")
+    }
+
     /// SIGKILL of the node on `port`, as a crash would.
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.nodes.iter_mut().find(|n| n.port == port) {

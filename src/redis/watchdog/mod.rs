@@ -1,6 +1,7 @@
-//! Lease renewal for held locks: one task per backend, one batched script call per round.
+//! Lease renewal for held locks: one task per backend, batched script calls (`batch.rs`;
+//! one per hash slot on a cluster), each handled as it ends while the task goes on.
 //!
-//! Every held lock is renewed every lease/3. A failed round is retried soon after and the
+//! Every held lock is renewed every lease/3. A failed call is retried soon after and the
 //! lock is kept; it is declared lost only when Redis answers that the owner no longer
 //! holds it, or when the lease has certainly run out since the last confirmed renewal
 //! (Redis unreachable for a whole lease). Releasing deregisters the hold before the release
@@ -9,15 +10,16 @@
 //! When Redis may have lost data (see `recheck.rs`), every held lock is renewed at once,
 //! and every hold without renewal checked, so a lock that is gone is found lost then.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 
 use super::cluster;
 use super::pool::Pool;
@@ -26,12 +28,16 @@ use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
 use crate::lock::{LockOwner, MAX_DURATION};
 
+mod batch;
+
+use batch::{Due, renew_batch};
+
 /// Leases due within this window of the earliest are renewed in the same call.
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// Upper bound on the keys renewed by one script call.
 const MAX_BATCH: usize = 512;
-/// Renewal calls of different hash slots in flight at once, on a cluster.
-const SLOT_CALLS_IN_FLIGHT: usize = 32;
+/// Renewal calls in flight at once (of different hash slots, on a cluster).
+const CALLS_IN_FLIGHT: usize = 32;
 
 type HoldKey = (Arc<str>, LockOwner);
 
@@ -51,6 +57,8 @@ struct WatchedLock {
     next: Instant,
     /// A hold without renewal to be checked at `next` (Redis may have lost it).
     recheck: bool,
+    /// A renewal call for this hold is queued or in flight: none is added until it ends.
+    in_flight: bool,
     /// When the last acquisition or renewal that Redis confirmed was sent: the lease runs
     /// until at least this instant plus `lease`.
     confirmed: Instant,
@@ -59,6 +67,16 @@ struct WatchedLock {
 }
 
 impl WatchedLock {
+    /// When the watchdog must look at this hold next: when it is due, or, while a call for
+    /// it is in flight, when its lease certainly ends.
+    fn wake(&self) -> Instant {
+        if self.in_flight {
+            self.confirmed + self.lease
+        } else {
+            self.next
+        }
+    }
+
     /// Fires `lost`; the hooks are returned to be run once the state lock is released.
     fn lose(&mut self) -> Vec<OnLost> {
         self.lost.cancel();
@@ -74,6 +92,8 @@ fn run_hooks(hooks: Vec<OnLost>) {
 struct State {
     holds: HashMap<HoldKey, WatchedLock>,
     generations: u64,
+    /// How many times every hold was made due because Redis may have lost data.
+    rechecks: u64,
     /// When the task looks at the holds next (`None`: when told). A new hold due later
     /// needs no wakeup, which spares a hot key one task switch per acquisition.
     wake_at: Option<Instant>,
@@ -157,6 +177,7 @@ impl Watchdog {
                 renewing: 0,
                 next: sent_at + if renew { lease / 3 } else { lease },
                 recheck: false,
+                in_flight: false,
                 confirmed: sent_at,
                 lost: CancellationToken::new(),
                 on_lost: Vec::new(),
@@ -226,14 +247,6 @@ impl Watchdog {
     }
 }
 
-struct Due {
-    key: HoldKey,
-    generation: u64,
-    lease: Duration,
-    /// False: only check that the lock is still held (a hold without renewal).
-    renew: bool,
-}
-
 async fn renew_until_shutdown(
     shared: Arc<Shared>,
     pool: Pool,
@@ -242,16 +255,34 @@ async fn renew_until_shutdown(
     command_timeout: Duration,
     shutdown: CancellationToken,
 ) {
+    // Renewal calls queued and in flight. Each is handled as it ends, and the loop goes on
+    // meanwhile: a call that hangs (its shard down, up to `command_timeout`) must not hold
+    // up the renewals of the other shards, whose leases may be shorter than that.
+    let mut queued: VecDeque<Vec<Due>> = VecDeque::new();
+    let mut calls = FuturesUnordered::new();
     loop {
+        while calls.len() < CALLS_IN_FLIGHT {
+            let Some(batch) = queued.pop_front() else {
+                break;
+            };
+            calls.push(renew_batch(
+                &shared,
+                &pool,
+                &scripts,
+                command_timeout,
+                batch,
+            ));
+        }
         let next = {
             let mut state = shared.state();
-            state.wake_at = state.holds.values().map(|e| e.next).min();
+            state.wake_at = state.holds.values().map(WatchedLock::wake).min();
             state.wake_at
         };
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = shared.changed.notified() => continue,
             _ = recheck.raised() => recheck_all(&shared),
+            Some(()) = calls.next(), if !calls.is_empty() => {}
             _ = async {
                 match next {
                     Some(at) => sleep_until(at).await,
@@ -262,18 +293,21 @@ async fn renew_until_shutdown(
         let now = Instant::now();
         let (due, hooks) = collect_due(&shared, now);
         run_hooks(hooks);
-        if scripts.sharded {
-            // A script's keys must share a hash slot on a cluster (CROSSSLOT otherwise):
-            // one call per slot, the slots' calls in flight together.
-            let batches = cluster::by_slot(due, |d| &d.key.0);
-            futures_util::stream::iter(batches.iter().flat_map(|b| b.chunks(MAX_BATCH)))
-                .for_each_concurrent(SLOT_CALLS_IN_FLIGHT, |batch| {
-                    renew_batch(&shared, &pool, &scripts, command_timeout, batch)
-                })
-                .await;
+        // A script's keys must share a hash slot on a cluster (CROSSSLOT otherwise): one
+        // call per slot there.
+        let batches = if scripts.sharded {
+            cluster::by_slot(due, |d| &d.key.0)
         } else {
-            for batch in due.chunks(MAX_BATCH) {
-                renew_batch(&shared, &pool, &scripts, command_timeout, batch).await;
+            vec![due]
+        };
+        for mut batch in batches {
+            while batch.len() > MAX_BATCH {
+                let rest = batch.split_off(MAX_BATCH);
+                queued.push_back(batch);
+                batch = rest;
+            }
+            if !batch.is_empty() {
+                queued.push_back(batch);
             }
         }
     }
@@ -282,7 +316,9 @@ async fn renew_until_shutdown(
 /// Makes every hold due now: renewed if it asked for renewal, else checked.
 fn recheck_all(shared: &Shared) {
     let now = Instant::now();
-    for entry in shared.state().holds.values_mut() {
+    let mut state = shared.state();
+    state.rechecks += 1;
+    for entry in state.holds.values_mut() {
         entry.next = now;
         entry.recheck = entry.renewing == 0;
     }
@@ -292,6 +328,7 @@ fn recheck_all(shared: &Shared) {
 /// with the hooks of the expired holds.
 fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
     let mut state = shared.state();
+    let rechecks = state.rechecks;
     let mut due = Vec::new();
     let mut hooks = Vec::new();
     state.holds.retain(|key, entry| {
@@ -301,12 +338,14 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
             return false;
         }
         let renew = entry.renewing > 0;
-        if (renew || entry.recheck) && entry.next <= now + BATCH_WINDOW {
+        if (renew || entry.recheck) && !entry.in_flight && entry.next <= now + BATCH_WINDOW {
+            entry.in_flight = true;
             due.push(Due {
                 key: key.clone(),
                 generation: entry.generation,
                 lease: entry.lease,
                 renew,
+                rechecks,
             });
         }
         true
@@ -322,80 +361,6 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
         };
     }
     (due, hooks)
-}
-
-async fn renew_batch(
-    shared: &Shared,
-    pool: &Pool,
-    scripts: &Scripts,
-    command_timeout: Duration,
-    batch: &[Due],
-) {
-    let mut invocation = scripts.renew.prepare_invoke();
-    for due in batch {
-        // A lease of 0 only checks (see renew.lua).
-        let lease = if due.renew { millis(due.lease) } else { 0 };
-        invocation
-            .key(&*due.key.0)
-            .arg(due.key.1.as_str())
-            .arg(lease);
-    }
-    let sent_at = Instant::now();
-    let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
-    let mut state = shared.state();
-    let mut hooks = Vec::new();
-    match result {
-        Ok(Ok(renewed)) if renewed.len() == batch.len() => {
-            for (due, still_held) in batch.iter().zip(renewed) {
-                let Some(entry) = state
-                    .holds
-                    .get_mut(&due.key)
-                    .filter(|e| e.generation == due.generation)
-                else {
-                    continue; // released (or lost and taken anew) while the renewal was in flight
-                };
-                if still_held == 1 && due.renew {
-                    entry.recheck = false;
-                    entry.confirmed = sent_at;
-                    entry.next = sent_at + entry.lease / 3;
-                } else if still_held == 1 {
-                    // Checked, not extended: the lease still ends where it did.
-                    entry.recheck = false;
-                    entry.next = entry.confirmed + entry.lease;
-                } else {
-                    tracing::warn!(key = %due.key.0, "lock no longer held at renewal");
-                    hooks.extend(entry.lose());
-                    state.holds.remove(&due.key);
-                }
-            }
-        }
-        outcome => {
-            match outcome {
-                Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
-                // Recorded as an error, so subscribers print its sources (the cause).
-                Ok(Err(e)) => tracing::warn!(
-                    error = &e as &(dyn std::error::Error + 'static),
-                    "lock renewal failed; retrying"
-                ),
-                Err(_) => tracing::warn!("lock renewal timed out; retrying"),
-            }
-            // Keep the locks and try again soon; `collect_due` declares them lost only once
-            // their lease has certainly run out.
-            for due in batch {
-                if let Some(entry) = state
-                    .holds
-                    .get_mut(&due.key)
-                    .filter(|e| e.generation == due.generation)
-                {
-                    let retry =
-                        (entry.lease / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
-                    entry.next = Instant::now() + retry;
-                }
-            }
-        }
-    }
-    drop(state);
-    run_hooks(hooks);
 }
 
 /// `d` as the milliseconds of a `PEXPIRE` or `SET .. PX`: at least 1 (Redis refuses 0)
