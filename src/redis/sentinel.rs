@@ -14,7 +14,8 @@
 //! the subscriber reconnects at once and owed releases retry at once. On the failover test
 //! (tests/sentinel.rs) that brought the first served request from about 0.7 s after the
 //! promotion down to about 20 ms. A listener whose sentinel connection went half-open
-//! hears nothing; the backoffs above are then the fallback.
+//! hears nothing; the backoffs above are then the fallback. The announcement also redoes
+//! the releases the old master took after the promotion (see `replay.rs`).
 
 use std::fmt;
 use std::time::Duration;
