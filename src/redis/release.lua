@@ -38,7 +38,8 @@ if ARGV[9] == '1' and ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) 
 end
 local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
 local count = tonumber(held[1])
-if not count or (ARGV[11] ~= '' and tonumber(held[2]) ~= tonumber(ARGV[11])) then
+local only = ARGV[11] or ''
+if not count or (only ~= '' and tonumber(held[2]) ~= tonumber(only)) then
   return {0}
 end
 if count > 1 then
