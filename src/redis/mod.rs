@@ -200,6 +200,15 @@ impl RedisBackend {
     /// # }
     /// ```
     ///
+    /// TLS: with `rediss://` sentinel URLs (all of them; mixing schemes is refused) the
+    /// sentinels and the master they name are both reached over TLS (feature `tls`, on by
+    /// default), verified against the system roots, or against
+    /// [`tls_root_cert`](RedisBackendBuilder::tls_root_cert), and presenting
+    /// [`tls_client_cert`](RedisBackendBuilder::tls_client_cert) where set. Sentinels
+    /// configured with `tls-replication yes` talk TLS to the data nodes and to each other.
+    /// With those certificates every sentinel URL must carry the same username and password
+    /// (redis-rs then logs in to all sentinels as one user).
+    ///
     /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
     /// knows `master_name`, or the master they name is down.
     ///

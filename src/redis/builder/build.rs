@@ -192,12 +192,12 @@ impl RedisBackendBuilder {
                 (Topology::Cluster(cluster), user)
             }
             Target::Sentinel { urls, master_name } => {
-                self.tls.check_sentinel(urls)?;
+                let use_tls = self.tls.check_sentinel(urls)?;
                 let master = MasterAuth {
                     username: self.master_username.as_deref(),
                     password: self.master_password.as_deref(),
                 };
-                let group = SentinelGroup::new(urls, master_name, master)?;
+                let group = SentinelGroup::new(urls, master_name, master, &self.tls, use_tls)?;
                 // redis-rs bounds each sentinel's connect and reply by its own timeouts.
                 group.master().await.map_err(|e| BuildError::Sentinel {
                     master_name: master_name.clone(),
