@@ -16,6 +16,12 @@
 //! promotion down to about 20 ms. A listener whose sentinel connection went half-open
 //! hears nothing; the backoffs above are then the fallback. The announcement also redoes
 //! the releases the old master took after the promotion (see `replay.rs`).
+//!
+//! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener and the master. Each
+//! sentinel's connection info carries the builder's certificates; the master's come from
+//! the sentinels as a bare address, which redis-rs' `Sentinel` reaches with the system
+//! roots only, so with certificates the lookup goes through its `SentinelClient`, which
+//! takes them for the master too (but one login for all sentinels).
 
 use std::fmt;
 use std::time::Duration;
