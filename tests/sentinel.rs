@@ -283,12 +283,23 @@ async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
     assert!(again.fencing_token() > first_token, "a new acquisition");
     let old_master = set.master_port().await;
     // On the replica before the switch, so the switch itself loses none of them.
-    let _: i64 = redis::cmd("WAIT")
-        .arg(1)
-        .arg(5000)
-        .query_async(&mut set.data_conn(set.server(old_master)).await)
-        .await
-        .expect("WAIT");
+    let replica = set
+        .servers()
+        .iter()
+        .find(|s| s.port() != old_master)
+        .expect("the replica");
+    let mut on_replica = set.data_conn(replica).await;
+    eventually("the replica has the locks", || async {
+        let held: i64 = redis::cmd("EXISTS")
+            .arg(support::lock_key("newer-other"))
+            .arg(support::lock_key("newer-same"))
+            .arg(support::lock_key("newer-outer"))
+            .query_async(&mut on_replica.clone())
+            .await
+            .expect("EXISTS");
+        held == 3
+    })
+    .await;
     let subscribed = ours.stats().subscriber_connections_made;
     let switched = switch_master_watch(set).await;
     set.switchover().await;
