@@ -288,7 +288,7 @@ async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
         .iter()
         .find(|s| s.port() != old_master)
         .expect("the replica");
-    let mut on_replica = set.data_conn(replica).await;
+    let on_replica = set.data_conn(replica).await;
     eventually("the replica has the locks", || async {
         let held: i64 = redis::cmd("EXISTS")
             .arg(support::lock_key("newer-other"))
