@@ -77,8 +77,9 @@ pub(super) struct RedisHold {
     slot: Option<Slot>,
     /// Whether a release script of this hold may have run without its reply reaching us.
     may_have_run: bool,
-    /// The hold's fencing token, when known: a final release is remembered with it, to be
-    /// sent again after a failover (see `replay.rs`).
+    /// The hold's fencing token, when known: a final release is remembered with it, so that
+    /// after a failover the backend can tell this hold, kept by mistake on the new master,
+    /// from a newer one (see `replay.rs`).
     token: Option<u64>,
 }
 
