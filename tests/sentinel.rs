@@ -44,6 +44,7 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     an_unknown_master_name_fails_the_build(&set).await;
     data_nodes_require_a_password(&mut set).await;
     a_planned_switchover_moves_the_backend(&set).await;
+    a_switchover_leaves_newer_holds_alone(&set).await;
     a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(&set).await;
     three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
 }
@@ -101,16 +102,20 @@ async fn data_nodes_require_a_password(set: &mut SentinelSet) {
     guard.release().await.expect("released");
 }
 
-/// The lease of the locks taken across the planned switchover.
-const SWITCHOVER_LEASE: Duration = Duration::from_secs(3);
+/// The lease of the locks taken across the planned switchover: long, so that a key left
+/// held by a release the switch lost would clearly wait for it.
+const SWITCHOVER_LEASE: Duration = Duration::from_secs(30);
+
+/// How soon after the announcement the key must be served again: well under the lease.
+const FREE_AGAIN_BOUND: Duration = Duration::from_secs(10);
 
 /// `SENTINEL FAILOVER` while three tasks take turns on a key: the old master stays up, and
 /// the backend moves to the new one as soon as the sentinels announce it.
 ///
 /// Writes that reach the old master between the replica's promotion and that announcement
-/// are lost: typically the release of a lock taken just before the promotion, which then
-/// stays held on the new master until its lease ends. So the first lock after the switch
-/// may come up to a lease later (printed, not asserted; hence a short lease here).
+/// are lost: typically the release of a lock taken just before the promotion. The backend
+/// sends its recent releases again to the new master when it hears the announcement, so
+/// the key is free again at once instead of a lease (30 s) later.
 async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
     let backend = sentinel_builder(set)
         .master_password(MASTER_PASSWORD)
@@ -118,8 +123,8 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
         .await
         .expect("backend through sentinels");
     let old_master = set.master_port().await;
-    // Every acquisition's end, and whether it got the lock.
-    let outcomes: Arc<Mutex<Vec<(Instant, bool)>>> = Arc::default();
+    // Every acquisition's start and end, and whether it got the lock.
+    let outcomes: Arc<Mutex<Vec<(Instant, Instant, bool)>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let tasks: Vec<_> = (0..3)
         .map(|_| {
@@ -127,11 +132,13 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let lock = backend.lock("switch").lease(SWITCHOVER_LEASE);
+                    let started = Instant::now();
                     let taken = lock.wait(Duration::from_secs(2)).await;
-                    outcomes
-                        .lock()
-                        .expect("outcomes")
-                        .push((Instant::now(), taken.is_ok()));
+                    outcomes.lock().expect("outcomes").push((
+                        started,
+                        Instant::now(),
+                        taken.is_ok(),
+                    ));
                     match taken {
                         Ok(guard) => drop(guard.release().await),
                         Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -140,18 +147,21 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
             })
         })
         .collect();
+    // Acquisitions that started after `since` and got the lock.
     let served_since = |since: Instant| {
         let outcomes = outcomes.lock().expect("outcomes");
         outcomes
             .iter()
-            .filter(|(at, ok)| *ok && *at > since)
-            .count()
+            .filter(|(started, _, ok)| *ok && *started > since)
+            .map(|(_, ended, _)| *ended)
+            .collect::<Vec<_>>()
     };
     let started = Instant::now();
     eventually("locks are served before the switchover", || async {
-        served_since(started) >= 50
+        served_since(started).len() >= 50
     })
     .await;
+    let subscribed = backend.stats().subscriber_connections_made;
     let switched = switch_master_watch(set).await;
     let asked = Instant::now();
     set.switchover().await;
@@ -159,9 +169,42 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
         .await
         .expect("switch watch")
         .expect("the sentinels announce the switch");
-    // Generous: a lock whose release was lost in the switch blocks for one lease.
-    tokio::time::timeout(SWITCHOVER_LEASE + Duration::from_secs(20), async {
-        while served_since(promoted + SWITCHOVER_LEASE) < 50 {
+    // The backend heard it too once its subscriber moved: acquisitions started from then on
+    // go to the new master.
+    eventually("the subscriber moves to the new master", || async {
+        backend.stats().subscriber_connections_made > subscribed
+    })
+    .await;
+    let moved = Instant::now();
+    let free_again = tokio::time::timeout(FREE_AGAIN_BOUND, async {
+        loop {
+            if let Some(first) = served_since(moved).into_iter().min() {
+                return first;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let Ok(free_again) = free_again else {
+        let mut held = Vec::new();
+        for server in set.servers() {
+            let mut conn = set.data_conn(server).await;
+            let hash: Vec<String> = redis::cmd("HGETALL")
+                .arg(support::lock_key("switch"))
+                .query_async(&mut conn)
+                .await
+                .expect("HGETALL");
+            held.push((server.port(), hash));
+        }
+        panic!(
+            "the key is served again within {FREE_AGAIN_BOUND:?} of the announcement, \
+             not a lease ({SWITCHOVER_LEASE:?}) later; master {}, the lock on each server: \
+             {held:?}",
+            set.master_port().await
+        )
+    };
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while served_since(free_again).len() < 50 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -174,23 +217,20 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
     let outcomes = outcomes.lock().expect("outcomes").clone();
     let failed: Vec<Instant> = outcomes
         .iter()
-        .filter(|(_, ok)| !ok)
-        .map(|(at, _)| *at)
+        .filter(|(_, _, ok)| !ok)
+        .map(|(_, at, _)| *at)
         .collect();
-    let steady = outcomes
-        .iter()
-        .find(|(at, ok)| *ok && *at > promoted && failed.iter().all(|f| f < at))
-        .map(|(at, _)| at.saturating_duration_since(promoted));
     println!(
-        "sentinel switchover: SENTINEL FAILOVER -> +switch-master {:?}; {} acquisitions \
-         failed (2 s waits), the last {:?} after the switch; served without failures from \
-         {:?} after the switch (lease {:?})",
+        "sentinel switchover: SENTINEL FAILOVER -> +switch-master {:?}; +switch-master -> \
+         backend moved {:?}, -> key served again {:?}; {} acquisitions failed (2 s waits), \
+         the last {:?} after the switch (lease {:?})",
         promoted - asked,
+        moved.saturating_duration_since(promoted),
+        free_again.saturating_duration_since(promoted),
         failed.len(),
         failed
             .last()
             .map(|at| at.saturating_duration_since(promoted)),
-        steady,
         SWITCHOVER_LEASE,
     );
     let new_master = set.master_port().await;
@@ -206,6 +246,88 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
     assert!(held, "the lock is on the new master");
     guard.release().await.expect("release");
     // The old master becomes the replica the next failover promotes.
+    set.demote(old_master).await;
+    set.wait_until_ready().await;
+}
+
+/// After a switchover the backend releases, on the new master, holds it had already
+/// released (see the previous scenario); holds taken after those releases, by another
+/// instance or by the same owner again (a newer token), stay held and are not lost.
+async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
+    let (ours, theirs) = (
+        sentinel_builder(set).master_password(MASTER_PASSWORD),
+        sentinel_builder(set).master_password(MASTER_PASSWORD),
+    );
+    let ours = ours.build().await.expect("backend through sentinels");
+    let theirs = theirs.build().await.expect("another instance");
+    // Released by us, then taken by another instance.
+    let released = ours.lock("newer-other").try_once().await.expect("lock");
+    released.release().await.expect("release");
+    let other = theirs.lock("newer-other").try_once().await.expect("lock");
+    // Released by one of our owners, then taken again by the same owner (a new token).
+    let outer = ours.lock("newer-outer").try_once().await.expect("lock");
+    let first = ours
+        .lock("newer-same")
+        .reentrant(outer.held())
+        .try_once()
+        .await;
+    let first = first.expect("lock");
+    let first_token = first.fencing_token();
+    first.release().await.expect("release");
+    let again = ours
+        .lock("newer-same")
+        .reentrant(outer.held())
+        .try_once()
+        .await;
+    let again = again.expect("lock again");
+    assert!(again.fencing_token() > first_token, "a new acquisition");
+    let old_master = set.master_port().await;
+    // On the replica before the switch, so the switch itself loses none of them.
+    let replica = set
+        .servers()
+        .iter()
+        .find(|s| s.port() != old_master)
+        .expect("the replica");
+    let on_replica = set.data_conn(replica).await;
+    eventually("the replica has the locks", || async {
+        let held: i64 = redis::cmd("EXISTS")
+            .arg(support::lock_key("newer-other"))
+            .arg(support::lock_key("newer-same"))
+            .arg(support::lock_key("newer-outer"))
+            .query_async(&mut on_replica.clone())
+            .await
+            .expect("EXISTS");
+        held == 3
+    })
+    .await;
+    let subscribed = ours.stats().subscriber_connections_made;
+    let switched = switch_master_watch(set).await;
+    set.switchover().await;
+    switched
+        .await
+        .expect("switch watch")
+        .expect("the sentinels announce the switch");
+    eventually("our subscriber moves to the new master", || async {
+        ours.stats().subscriber_connections_made > subscribed
+    })
+    .await;
+    // The check of released keys runs at the announcement and takes milliseconds.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let new_master = set.master_port().await;
+    assert_ne!(new_master, old_master, "the replica was promoted");
+    let mut conn = set.data_conn(set.server(new_master)).await;
+    for key in ["newer-other", "newer-same", "newer-outer"] {
+        let held: bool = redis::cmd("EXISTS")
+            .arg(support::lock_key(key))
+            .query_async(&mut conn)
+            .await
+            .expect("EXISTS");
+        assert!(held, "{key} is still held on the new master");
+    }
+    assert!(!other.is_lost() && !again.is_lost() && !outer.is_lost());
+    for guard in [other, again, outer] {
+        guard.release().await.expect("released by its holder");
+    }
     set.demote(old_master).await;
     set.wait_until_ready().await;
 }

@@ -78,7 +78,7 @@ impl AcquireCall {
                         if let Err(e) = sync.wait(&mut conn, &key.lock).await {
                             // Not known to be on enough replicas: given back before the
                             // attempt fails, on the same connection, so it runs first.
-                            unclaimed.hold().undo(conn).await;
+                            unclaimed.hold(None).undo(conn).await;
                             return (Err(e), None);
                         }
                         (reply, Some(conn))
@@ -142,13 +142,15 @@ impl Drop for AcquireCall {
 }
 
 impl Unclaimed {
-    fn hold(&self) -> RedisHold {
+    /// The hold the call took, under `token` if its reply said.
+    fn hold(&self, token: Option<u64>) -> RedisHold {
         RedisHold::new(
             self.inner.clone(),
             self.key.clone(),
             self.owner.clone(),
             self.lease,
             None,
+            token,
         )
     }
 
@@ -157,7 +159,8 @@ impl Unclaimed {
         match (reply, conn) {
             // Acquired (or re-entered) for an attempt that is gone: release that one hold.
             (Ok(reply), _) if reply.first() == Some(&1) => {
-                let _ = self.hold().release_retrying(self.lease).await;
+                let token = reply.get(1).and_then(|t| u64::try_from(*t).ok());
+                let _ = self.hold(token).release_retrying(self.lease).await;
             }
             (Err(e), Some(conn)) if e.is_ambiguous() => self.undo(conn).await,
             _ => {}
@@ -170,7 +173,7 @@ impl Unclaimed {
     /// away.
     async fn undo(self, conn: Conn) {
         if !self.inner.watchdog.is_held(&self.key.lock, &self.owner) {
-            self.hold().undo(conn).await;
+            self.hold(None).undo(conn).await;
         }
     }
 }

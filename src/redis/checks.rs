@@ -217,7 +217,8 @@ impl ServerChecks<'_> {
             .arg(PROBE_TTL_MS)
             .arg(0)
             .arg(0)
-            .arg(u8::from(self.scripts.sharded));
+            .arg(u8::from(self.scripts.sharded))
+            .arg("");
         let steps = [
             ("acquire", &acquire, ACQUIRE_CALLS),
             ("renew", &renew, RENEW_CALLS),

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::keys::LockKey;
 use super::pool::{CommandError, Conn};
+use super::scripts::Scripts;
 use super::watchdog::{OnLost, millis};
 use super::{Inner, UnexpectedReply};
 use crate::error::LockError;
@@ -28,7 +29,14 @@ impl Inner {
         slot: Option<Slot>,
     ) -> LockGuard {
         let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
-        let hold = RedisHold::new(self.clone(), key, claim.owner, claim.lease, slot);
+        let hold = RedisHold::new(
+            self.clone(),
+            key,
+            claim.owner,
+            claim.lease,
+            slot,
+            Some(token),
+        );
         let (lost, generation) = self.watchdog.register(
             hold.key.lock.clone(),
             hold.owner.clone(),
@@ -69,6 +77,10 @@ pub(super) struct RedisHold {
     slot: Option<Slot>,
     /// Whether a release script of this hold may have run without its reply reaching us.
     may_have_run: bool,
+    /// The hold's fencing token, when known: a final release is remembered with it, so that
+    /// after a failover the backend can tell this hold, kept by mistake on the new master,
+    /// from a newer one (see `replay.rs`).
+    token: Option<u64>,
 }
 
 impl RedisHold {
@@ -78,6 +90,7 @@ impl RedisHold {
         owner: LockOwner,
         lease: Duration,
         slot: Option<Slot>,
+        token: Option<u64>,
     ) -> Self {
         let seq = inner.owners.serial();
         RedisHold {
@@ -88,6 +101,7 @@ impl RedisHold {
             lease,
             slot,
             may_have_run: false,
+            token,
         }
     }
 
@@ -103,20 +117,17 @@ impl RedisHold {
 
     /// The release script for this hold, handing the lock to `successor` if given.
     fn invocation(&self, successor: Option<&Claim>, streak_spent: bool) -> ScriptInvocation<'_> {
-        let mut invocation = self.inner.scripts.release.key(&*self.key.lock);
-        invocation
-            .key(&self.key.fence)
-            .arg(self.owner.as_str())
-            .arg(&self.release_id)
-            .arg(millis(self.lease))
-            .arg(&self.key.channel)
-            .arg(successor.map_or("", |s| s.owner.as_str()))
-            .arg(successor.map_or(0, |s| millis(s.lease)))
-            .arg(millis(self.inner.fence_ttl))
-            .arg(u8::from(streak_spent))
-            .arg(u8::from(self.may_have_run()))
-            .arg(u8::from(self.inner.scripts.sharded));
-        invocation
+        ReleaseCall {
+            key: &self.key,
+            owner: &self.owner,
+            release_id: &self.release_id,
+            lease: self.lease,
+            successor,
+            streak_spent,
+            may_have_run: self.may_have_run(),
+            token: None,
+        }
+        .invocation(&self.inner.scripts, self.inner.fence_ttl)
     }
 
     /// Undoes an acquire script whose outcome is unknown. The release goes first on the
@@ -176,13 +187,14 @@ impl RedisHold {
         loop {
             let invocation = self.invocation(successor.as_ref(), streak_spent);
             let sent_at = Instant::now();
+            let generation = inner.pool.topology().generation();
             let reply = timeout(
                 inner.command_timeout,
                 inner.pool.invoke::<Vec<i64>>(&invocation),
             )
             .await;
             let error = match reply {
-                Ok(Ok(reply)) => return self.released(&reply, sent_at),
+                Ok(Ok(reply)) => return self.released(&reply, (sent_at, generation)),
                 // The key was overwritten with another type: the lock is gone.
                 Ok(Err(e)) if e.is_wrong_type() => {
                     return Err(LockError::Lost {
@@ -227,7 +239,12 @@ impl RedisHold {
 
     /// Acts on the release script's reply (see release.lua). The slot, unless it went
     /// along with the lock, is passed on when the hold is dropped.
-    fn released(&mut self, reply: &[i64], sent_at: Instant) -> Result<(), LockError> {
+    fn released(&mut self, reply: &[i64], sent: (Instant, u64)) -> Result<(), LockError> {
+        let (sent_at, generation) = sent;
+        if let ([2] | [3, _], Some(replays), Some(token)) = (reply, &self.inner.replays, self.token)
+        {
+            replays.record(&self.key, token, self.lease, generation);
+        }
         match reply {
             [3, token] => {
                 let token = u64::try_from(*token)
@@ -337,5 +354,42 @@ impl Drop for PendingRelease {
             hold.may_have_run = true;
             hold.finish_in_background();
         }
+    }
+}
+
+/// One call of the release script (see release.lua for what each argument does).
+pub(super) struct ReleaseCall<'a> {
+    pub(super) key: &'a LockKey,
+    pub(super) owner: &'a LockOwner,
+    pub(super) release_id: &'a str,
+    pub(super) lease: Duration,
+    pub(super) successor: Option<&'a Claim>,
+    pub(super) streak_spent: bool,
+    pub(super) may_have_run: bool,
+    /// Only acts on the hold of this fencing token (a replay after a failover).
+    pub(super) token: Option<u64>,
+}
+
+impl ReleaseCall<'_> {
+    pub(super) fn invocation<'s>(
+        self,
+        scripts: &'s Scripts,
+        fence_ttl: Duration,
+    ) -> ScriptInvocation<'s> {
+        let mut invocation = scripts.release.key(&*self.key.lock);
+        invocation
+            .key(&self.key.fence)
+            .arg(self.owner.as_str())
+            .arg(self.release_id)
+            .arg(millis(self.lease))
+            .arg(&self.key.channel)
+            .arg(self.successor.map_or("", |s| s.owner.as_str()))
+            .arg(self.successor.map_or(0, |s| millis(s.lease)))
+            .arg(millis(fence_ttl))
+            .arg(u8::from(self.streak_spent))
+            .arg(u8::from(self.may_have_run))
+            .arg(u8::from(scripts.sharded))
+            .arg(self.token.map(|t| t.to_string()).unwrap_or_default());
+        invocation
     }
 }

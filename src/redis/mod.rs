@@ -15,6 +15,7 @@ mod keys;
 mod pool;
 mod pubsub;
 mod recheck;
+mod replay;
 mod replicas;
 mod runtime;
 mod scripts;
@@ -34,6 +35,7 @@ pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::pool::Pool;
 use self::pubsub::Subscriber;
+use self::replay::Replays;
 use self::replicas::SyncReplicas;
 use self::runtime::Spawner;
 use self::scripts::Scripts;
@@ -108,6 +110,8 @@ struct Inner {
     scripts: Arc<Scripts>,
     subscriber: Subscriber,
     watchdog: Watchdog,
+    /// Recent releases, sent again after a Sentinel failover; `None` on other topologies.
+    replays: Option<Replays>,
     queues: Queues,
     max_local_handoffs: u32,
     namespace: String,
@@ -197,15 +201,30 @@ impl RedisBackend {
     /// # }
     /// ```
     ///
+    /// TLS: with `rediss://` sentinel URLs (all of them; mixing schemes is refused) the
+    /// sentinels and the master they name are both reached over TLS (feature `tls`, on by
+    /// default), verified against the system roots, or against
+    /// [`tls_root_cert`](RedisBackendBuilder::tls_root_cert), and presenting
+    /// [`tls_client_cert`](RedisBackendBuilder::tls_client_cert) where set. Sentinels
+    /// configured with `tls-replication yes` talk TLS to the data nodes and to each other.
+    /// With those certificates every sentinel URL must carry the same username and password
+    /// (redis-rs then logs in to all sentinels as one user).
+    ///
     /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
     /// knows `master_name`, or the master they name is down.
     ///
     /// Replication is asynchronous, so a failover loses the writes the replica had not
     /// received, and those that reached the old master after the promotion: a lock taken
     /// there may be taken again ([fencing tokens](crate::HeldLock::fencing_token) stay
-    /// increasing and are the safety net), and a lock released there stays held on the new
-    /// master until its lease runs out (in a planned `SENTINEL FAILOVER` of a busy key,
-    /// expect that key to wait up to one lease).
+    /// increasing and are the safety net, and the holder sees
+    /// [`lost`](crate::HeldLock::lost)), and a lock released there would stay held on the
+    /// new master until its lease ran out. So when the promotion is announced, the backend
+    /// looks up on the new master the keys it released in the last seconds, and releases a
+    /// hold found there that it had already released (one of its own owners, no longer
+    /// holding in this process, with a fencing token no newer than the one it released
+    /// last): the key is free again within milliseconds of the announcement. Only such a
+    /// hold is touched; a newer one (another owner's, or a new acquisition of the same
+    /// owner) never is.
     pub fn sentinel(
         sentinels: impl IntoIterator<Item = impl AsRef<str>>,
         master_name: &str,

@@ -21,12 +21,15 @@
 -- ARGV[10] "1" on a Redis Cluster: publish on sharded pub/sub (SPUBLISH, Redis 7), so the
 --          release reaches only the shard that owns ARGV[4] (KEYS[1]'s hash tag); "0" on a
 --          single server, where PUBLISH keeps working on Redis before 7
+-- ARGV[11] the fencing token of the hold being released, or "" not to check it: a release
+--          sent again after a failover (replay.rs) must act only on that very hold, never
+--          on a later one of the same owner (which has a newer token; a re-entry keeps it)
 --
 -- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
--- or a retried final release).
+-- or a retried final release), or holds it under another token than ARGV[11].
 -- The release id is looked for on every call: a retry sent on another connection may run
 -- before the original, which must then not decrement a second time.
 if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
@@ -37,7 +40,8 @@ if ARGV[9] == '1' and ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) 
 end
 local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
 local count = tonumber(held[1])
-if not count then
+local only = ARGV[11] or ''
+if not count or (only ~= '' and tonumber(held[2]) ~= tonumber(only)) then
   return {0}
 end
 if count > 1 then

@@ -14,19 +14,27 @@
 //! the subscriber reconnects at once and owed releases retry at once. On the failover test
 //! (tests/sentinel.rs) that brought the first served request from about 0.7 s after the
 //! promotion down to about 20 ms. A listener whose sentinel connection went half-open
-//! hears nothing; the backoffs above are then the fallback.
+//! hears nothing; the backoffs above are then the fallback. The announcement also redoes
+//! the releases the old master took after the promotion (see `replay.rs`).
+//!
+//! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener and the master. Each
+//! sentinel's connection info carries the builder's certificates; the master's come from
+//! the sentinels as a bare address, which redis-rs' `Sentinel` reaches with the system
+//! roots only, so with certificates the lookup goes through its `SentinelClient`, which
+//! takes them for the master too (but one login for all sentinels).
 
 use std::fmt;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
-use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
+use redis::{ConnectionInfo, RedisResult};
 use tokio::sync::{Mutex, watch};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
+use super::tls::TlsSettings;
 use crate::error::BuildError;
 
 /// The master's credentials where they differ from the first sentinel URL's.
@@ -38,7 +46,7 @@ pub(crate) struct MasterAuth<'a> {
 /// The sentinels of one master group and how to reach the master they name.
 pub(crate) struct SentinelGroup {
     /// redis-rs' lookup keeps one connection per sentinel; lookups take turns on it.
-    sentinel: Mutex<Sentinel>,
+    lookup: Mutex<Lookup>,
     /// The sentinels again, for the `+switch-master` listener.
     sentinels: Vec<ConnectionInfo>,
     master_name: String,
@@ -47,15 +55,29 @@ pub(crate) struct SentinelGroup {
     promotions: watch::Sender<u64>,
 }
 
+/// redis-rs' two ways to ask the sentinels for the master.
+enum Lookup {
+    /// Each sentinel is reached with its own URL's credentials; a TLS master is verified
+    /// against the system roots.
+    Plain(Sentinel),
+    /// TLS with the builder's certificates, which redis-rs applies to the master only
+    /// through its `SentinelClient`; that one logs in to every sentinel as the same user.
+    #[cfg(feature = "tls")]
+    Certified(redis::sentinel::SentinelClient),
+}
+
 impl SentinelGroup {
     /// Parses the sentinel URLs. The master is reached with the username, password and
     /// database of the first URL unless `auth` says otherwise; the sentinels themselves
     /// with each URL's credentials and no database (a sentinel has none, and refuses
-    /// `SELECT`).
+    /// `SELECT`). With `rediss://` URLs (`use_tls`, see [`TlsSettings::check_sentinel`])
+    /// the sentinels and the master are reached over TLS, with the certificates of `tls`.
     pub(crate) fn new(
         urls: &[String],
         master_name: &str,
         auth: MasterAuth<'_>,
+        tls: &TlsSettings,
+        use_tls: bool,
     ) -> Result<Self, BuildError> {
         let url_error =
             |source: Box<dyn std::error::Error + Send + Sync>| BuildError::Url { source };
@@ -65,11 +87,11 @@ impl SentinelGroup {
                 reason: "the master name must not be empty",
             });
         }
+        // A client per URL carries its TLS certificates in its connection info.
         let infos = urls
             .iter()
-            .map(|url| url.as_str().into_connection_info())
-            .collect::<RedisResult<Vec<ConnectionInfo>>>()
-            .map_err(|e| url_error(Box::new(e)))?;
+            .map(|url| Ok(tls.client(url)?.get_connection_info().clone()))
+            .collect::<Result<Vec<ConnectionInfo>, BuildError>>()?;
         let Some(first) = infos.first() else {
             return Err(BuildError::Setting {
                 name: "sentinel",
@@ -83,7 +105,11 @@ impl SentinelGroup {
         if let Some(password) = auth.password {
             settings = settings.set_password(password);
         }
-        let master = SentinelNodeConnectionInfo::default().set_redis_connection_info(settings);
+        let mut master =
+            SentinelNodeConnectionInfo::default().set_redis_connection_info(settings.clone());
+        if use_tls {
+            master = master.set_tls_mode(redis::TlsMode::Secure);
+        }
         let sentinels: Vec<ConnectionInfo> = infos
             .into_iter()
             .map(|info| {
@@ -91,9 +117,15 @@ impl SentinelGroup {
                 info.set_redis_settings(settings)
             })
             .collect();
-        let sentinel = Sentinel::build(sentinels.clone()).map_err(|e| url_error(Box::new(e)))?;
+        let lookup = match use_tls && !tls.is_empty() {
+            #[cfg(feature = "tls")]
+            true => Lookup::Certified(certified(&sentinels, master_name, &settings, tls)?),
+            _ => Lookup::Plain(
+                Sentinel::build(sentinels.clone()).map_err(|e| url_error(Box::new(e)))?,
+            ),
+        };
         Ok(SentinelGroup {
-            sentinel: Mutex::new(sentinel),
+            lookup: Mutex::new(lookup),
             sentinels,
             master_name: master_name.to_owned(),
             master,
@@ -103,10 +135,15 @@ impl SentinelGroup {
 
     /// The client of the master the sentinels name now, confirmed by its `ROLE`.
     pub(crate) async fn master(&self) -> RedisResult<redis::Client> {
-        let mut sentinel = self.sentinel.lock().await;
-        let master = sentinel
-            .async_master_for(&self.master_name, Some(&self.master))
-            .await?;
+        let master = match &mut *self.lookup.lock().await {
+            Lookup::Plain(sentinel) => {
+                sentinel
+                    .async_master_for(&self.master_name, Some(&self.master))
+                    .await?
+            }
+            #[cfg(feature = "tls")]
+            Lookup::Certified(client) => client.async_get_client().await?,
+        };
         tracing::debug!(master = ?master.get_connection_info().addr(), "sentinels named the master");
         Ok(master)
     }
@@ -183,6 +220,67 @@ impl SentinelGroup {
         }
         Ok(())
     }
+}
+
+/// redis-rs' `SentinelClient` for TLS with the builder's certificates: to the sentinels (as
+/// the user of the first URL, the only one it takes) and to the master (as `master`).
+#[cfg(feature = "tls")]
+fn certified(
+    sentinels: &[ConnectionInfo],
+    master_name: &str,
+    master: &redis::RedisConnectionInfo,
+    tls: &TlsSettings,
+) -> Result<redis::sentinel::SentinelClient, BuildError> {
+    use redis::TlsMode;
+    use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
+    let login = |info: &ConnectionInfo| {
+        let settings = info.redis_settings();
+        (
+            settings.username().map(str::to_owned),
+            settings.password().map(str::to_owned),
+        )
+    };
+    let (username, password) = sentinels.first().map(login).unwrap_or_default();
+    if sentinels
+        .iter()
+        .any(|info| login(info) != (username.clone(), password.clone()))
+    {
+        return Err(BuildError::Tls {
+            reason: "with TLS certificates every sentinel URL must carry the same username \
+                     and password",
+            source: None,
+        });
+    }
+    let built = |e: redis::RedisError| BuildError::Url {
+        source: Box::new(e),
+    };
+    let addrs = sentinels.iter().map(|info| info.addr().clone());
+    let certificates = || {
+        tls.certificates().ok_or(BuildError::Tls {
+            reason: "no TLS certificates were given",
+            source: None,
+        })
+    };
+    let mut builder = SentinelClientBuilder::new(addrs, master_name, SentinelServerType::Master)
+        .map_err(built)?
+        .set_client_to_sentinel_tls_mode(TlsMode::Secure)
+        .set_client_to_sentinel_certificates(certificates()?)
+        .set_client_to_redis_tls_mode(TlsMode::Secure)
+        .set_client_to_redis_certificates(certificates()?)
+        .set_client_to_redis_db(master.db());
+    if let Some(username) = username {
+        builder = builder.set_client_to_sentinel_username(username);
+    }
+    if let Some(password) = password {
+        builder = builder.set_client_to_sentinel_password(password);
+    }
+    if let Some(username) = master.username() {
+        builder = builder.set_client_to_redis_username(username);
+    }
+    if let Some(password) = master.password() {
+        builder = builder.set_client_to_redis_password(password);
+    }
+    builder.build().map_err(built)
 }
 
 impl fmt::Debug for SentinelGroup {

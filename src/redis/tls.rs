@@ -42,7 +42,7 @@ pub(crate) fn is_tls_url(url: &str) -> bool {
 }
 
 impl TlsSettings {
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.root_cert.is_none() && self.client_cert.is_none()
     }
 
@@ -119,15 +119,20 @@ impl TlsSettings {
         ))
     }
 
-    /// Refuses TLS for Sentinel, which this version reaches in plaintext only.
-    pub(crate) fn check_sentinel(&self, sentinels: &[String]) -> Result<(), BuildError> {
-        if !self.is_empty() || sentinels.iter().any(|url| is_tls_url(url)) {
+    /// Checks these settings against the sentinel URLs, and readies rustls when they ask
+    /// for TLS. Returns whether they do: then the sentinels and the master they name are
+    /// all reached over TLS, with these certificates.
+    pub(crate) fn check_sentinel(&self, sentinels: &[String]) -> Result<bool, BuildError> {
+        let tls = sentinels.iter().filter(|url| is_tls_url(url)).count();
+        if tls != 0 && tls != sentinels.len() {
             return Err(refused(
-                "TLS to Sentinel and the master it names is not supported yet: use `redis://` \
-                 sentinel URLs and no TLS certificates",
+                "the sentinel URLs mix `redis://` and `rediss://`: TLS is on for the whole \
+                 deployment (the sentinels and the master) or off",
             ));
         }
-        Ok(())
+        // Certificates without TLS URLs are refused, as for a cluster's seeds.
+        self.check_cluster(sentinels)?;
+        Ok(tls != 0)
     }
 
     /// The certificates for redis-rs, when any were given.

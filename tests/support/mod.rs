@@ -9,6 +9,7 @@ pub mod cluster_acl;
 pub mod replica;
 pub mod sentinel;
 pub mod tls;
+pub mod tls_sentinel;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

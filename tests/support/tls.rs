@@ -212,7 +212,7 @@ impl TlsServer {
 }
 
 /// Waits until `child` (not another process that took the port) answers over TLS.
-fn wait_ready(child: &mut Child, port: u16, certs: &Certs) -> bool {
+pub fn wait_ready(child: &mut Child, port: u16, certs: &Certs) -> bool {
     let pid = format!("process_id:{}", child.id());
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
@@ -227,7 +227,9 @@ fn wait_ready(child: &mut Child, port: u16, certs: &Certs) -> bool {
     false
 }
 
-fn cli(port: u16, certs: &Certs, args: &[&str]) -> Option<String> {
+/// Runs `redis-cli --tls` against the TLS port `port`, trusting `certs`' CA and presenting
+/// its client certificate; the output, if the command succeeded.
+pub fn cli(port: u16, certs: &Certs, args: &[&str]) -> Option<String> {
     let output = Command::new("redis-cli")
         .args(["--tls", "--cacert"])
         .arg(certs.path("ca.crt"))

@@ -15,6 +15,7 @@ use crate::redis::cluster::ClusterNodes;
 use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::recheck::Recheck;
+use crate::redis::replay::{ReplayConfig, Replays};
 use crate::redis::runtime::Spawner;
 use crate::redis::scripts::Scripts;
 use crate::redis::sentinel::{MasterAuth, SentinelGroup};
@@ -120,12 +121,26 @@ impl RedisBackendBuilder {
             shutdown.clone(),
             &runtime,
         );
+        let owners = OwnerIds::new();
+        // Only a topology that announces takeovers can redo what one lost.
+        let replays = matches!(pool.topology(), Topology::Sentinel(_)).then(|| {
+            let config = ReplayConfig {
+                pool: pool.clone(),
+                scripts: scripts.clone(),
+                watchdog: watchdog.clone(),
+                instance: owners.instance().to_owned(),
+                fence_ttl: self.fence_ttl,
+                command_timeout: self.command_timeout,
+            };
+            Replays::spawn(config, shutdown.clone(), &runtime)
+        });
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 pool,
                 scripts,
                 subscriber,
                 watchdog,
+                replays,
                 queues: Queues::default(),
                 max_local_handoffs: self.max_local_handoffs,
                 namespace: self.namespace,
@@ -134,7 +149,7 @@ impl RedisBackendBuilder {
                 fence_ttl: self.fence_ttl,
                 restart_guard: self.restart_guard.then_some(self.max_lease),
                 sync_replicas: self.sync_replicas,
-                owners: OwnerIds::new(),
+                owners,
                 runtime,
                 shutdown,
             }),
@@ -176,12 +191,12 @@ impl RedisBackendBuilder {
                 (Topology::Cluster(cluster), user)
             }
             Target::Sentinel { urls, master_name } => {
-                self.tls.check_sentinel(urls)?;
+                let use_tls = self.tls.check_sentinel(urls)?;
                 let master = MasterAuth {
                     username: self.master_username.as_deref(),
                     password: self.master_password.as_deref(),
                 };
-                let group = SentinelGroup::new(urls, master_name, master)?;
+                let group = SentinelGroup::new(urls, master_name, master, &self.tls, use_tls)?;
                 // redis-rs bounds each sentinel's connect and reply by its own timeouts.
                 group.master().await.map_err(|e| BuildError::Sentinel {
                     master_name: master_name.clone(),
