@@ -5,25 +5,13 @@
 
 mod support;
 
-use std::error::Error;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use support::{RedisServer, lock_key};
+use support::{RedisServer, chain, lock_key, timed_build as build};
 use tower_lock::{BuildError, LockError, RedisBackend, RedisBackendBuilder};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
-
-/// The chain as anyhow's `{:#}` prints it.
-fn chain(error: &(dyn Error + 'static)) -> String {
-    let mut levels = vec![error.to_string()];
-    let mut source = error.source();
-    while let Some(e) = source {
-        levels.push(e.to_string());
-        source = e.source();
-    }
-    levels.join(": ")
-}
 
 /// `ACL SETUSER name rules...` on the test server.
 async fn set_user(server: &RedisServer, name: &str, rules: &[&str]) {
@@ -58,20 +46,6 @@ fn builder(server: &RedisServer, user: &str, password: &str) -> RedisBackendBuil
         server.port()
     ))
     .connect_timeout(Duration::from_secs(5))
-}
-
-/// Builds, printing how long the build took (a figure, not an assertion).
-async fn build(what: &str, builder: RedisBackendBuilder) -> Result<RedisBackend, BuildError> {
-    let started = Instant::now();
-    let built = tokio::time::timeout(HANG, builder.build())
-        .await
-        .expect("build() ends");
-    let outcome = match &built {
-        Ok(_) => "ok".to_owned(),
-        Err(e) => chain(e),
-    };
-    println!("{what}: build() took {:?}: {outcome}", started.elapsed());
-    built
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@ mod support;
 
 use std::time::Duration;
 
+use support::chain;
 use support::tls_sentinel::{TLS_MASTER_NAME, TlsSentinelSet};
 use tower_lock::{BuildError, RedisBackend};
 
@@ -98,15 +99,4 @@ async fn mixed_sentinel_schemes_are_refused() {
         .await
         .expect_err("certificates for plaintext sentinels");
     assert!(matches!(error, BuildError::Tls { .. }), "{error:?}");
-}
-
-/// The error chain as anyhow's `{:#}` prints it.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut levels = vec![error.to_string()];
-    let mut source = error.source();
-    while let Some(e) = source {
-        levels.push(e.to_string());
-        source = e.source();
-    }
-    levels.join(": ")
 }

@@ -5,42 +5,19 @@
 
 mod support;
 
-use std::error::Error;
 use std::time::{Duration, Instant};
 
-use support::lock_key;
 use support::tls::{Certs, TlsServer};
+use support::{chain, lock_key};
 use tower_lock::{BuildError, LockError, RedisBackend, RedisBackendBuilder};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
 
-/// The chain as anyhow's `{:#}` prints it.
-fn chain(error: &(dyn Error + 'static)) -> String {
-    let mut levels = vec![error.to_string()];
-    let mut source = error.source();
-    while let Some(e) = source {
-        levels.push(e.to_string());
-        source = e.source();
-    }
-    levels.join(": ")
-}
-
-/// Builds, printing how long it took (a figure, not an assertion).
+/// Builds with a connect timeout long enough that a failure which only times out would
+/// read "timed out", not the cause (see `support::timed_build`).
 async fn build(what: &str, builder: RedisBackendBuilder) -> Result<RedisBackend, BuildError> {
-    let started = Instant::now();
-    let built = tokio::time::timeout(
-        HANG,
-        builder.connect_timeout(Duration::from_secs(5)).build(),
-    )
-    .await
-    .expect("build() ends");
-    let outcome = match &built {
-        Ok(_) => "ok".to_owned(),
-        Err(e) => chain(e),
-    };
-    println!("{what}: build() took {:?}: {outcome}", started.elapsed());
-    built
+    support::timed_build(what, builder.connect_timeout(Duration::from_secs(5))).await
 }
 
 /// A backend on `host` trusting the server's CA.

@@ -1,12 +1,13 @@
 //! `build()` on a cluster checks every primary (ACL users, rights and settings are per
 //! node): scenarios on the shared cluster, each undoing its ACL and CONFIG changes.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tower_lock::{BuildError, RedisBackend, RedisBackendBuilder};
 
 use crate::support::cluster::{Cluster, key_on};
-use crate::support::cluster_acl::{APP_RULES, NodeChanges, attempts, builder_as, chain};
+use crate::support::cluster_acl::{APP_RULES, NodeChanges, attempts, builder_as};
+use crate::support::{chain, timed_build as build};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
@@ -19,20 +20,6 @@ pub async fn build_checks_hold_on_every_primary(cluster: &Cluster) {
     a_user_missing_on_one_primary_is_refused(cluster).await;
     an_evicting_primary_is_refused_unless_allowed(cluster).await;
     revoked_channel_rights_do_not_make_the_shard_subscriber_spin(cluster).await;
-}
-
-/// Builds, printing how long the build took (a figure, not an assertion).
-async fn build(what: &str, builder: RedisBackendBuilder) -> Result<RedisBackend, BuildError> {
-    let started = Instant::now();
-    let built = tokio::time::timeout(HANG, builder.build())
-        .await
-        .expect("build() ends");
-    let outcome = match &built {
-        Ok(_) => "ok".to_owned(),
-        Err(e) => chain(e),
-    };
-    eprintln!("{what}: build() took {:?}: {outcome}", started.elapsed());
-    built
 }
 
 /// No probe key of the build checks is left on any primary.

@@ -2,7 +2,6 @@
 //! cluster), undone when the [`NodeChanges`] are dropped so that later scenarios on the
 //! shared cluster see it as it was.
 
-use std::error::Error;
 use std::time::Duration;
 
 use tower_lock::{RedisBackend, RedisBackendBuilder};
@@ -18,17 +17,6 @@ pub const APP_RULES: [&str; 6] = [
     "&tower-lock:*",
     "+@all",
 ];
-
-/// The error chain as anyhow's `{:#}` prints it.
-pub fn chain(error: &(dyn Error + 'static)) -> String {
-    let mut levels = vec![error.to_string()];
-    let mut source = error.source();
-    while let Some(e) = source {
-        levels.push(e.to_string());
-        source = e.source();
-    }
-    levels.join(": ")
-}
 
 /// Changes made to nodes of a cluster, undone on drop (also when a scenario panics, though
 /// the cluster is then killed anyway).

@@ -472,3 +472,32 @@ pub async fn queued(backend: &RedisBackend, n: usize) {
     })
     .await;
 }
+
+/// The error chain as anyhow's `{:#}` prints it: every level's Display joined by ": ".
+pub fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut levels = vec![error.to_string()];
+    let mut source = error.source();
+    while let Some(e) = source {
+        levels.push(e.to_string());
+        source = e.source();
+    }
+    levels.join(": ")
+}
+
+/// Builds, printing how long the build took and how it ended (a figure, not an
+/// assertion); a build that does not end within 20 s fails the test.
+pub async fn timed_build(
+    what: &str,
+    builder: tower_lock::RedisBackendBuilder,
+) -> Result<RedisBackend, tower_lock::BuildError> {
+    let started = Instant::now();
+    let built = tokio::time::timeout(Duration::from_secs(20), builder.build())
+        .await
+        .expect("build() ends");
+    let outcome = match &built {
+        Ok(_) => "ok".to_owned(),
+        Err(e) => chain(e),
+    };
+    eprintln!("{what}: build() took {:?}: {outcome}", started.elapsed());
+    built
+}
