@@ -7,6 +7,7 @@ use tracing::Instrument;
 
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::telemetry::{Labels, Namespace, Outcome};
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
 /// [`MemoryBackend`](crate::MemoryBackend) inside one process.
@@ -51,73 +52,93 @@ mod sealed {
 
         /// A new owner: one per request.
         fn new_owner(&self) -> LockOwner;
+
+        /// The `namespace` label of the backend's metrics.
+        fn metrics(&self) -> &crate::telemetry::Namespace;
     }
 }
 
-/// The `lock.acquire` span every backend opens per acquisition.
-pub(crate) fn acquire_span(key: &str, max_key_len: usize, mode: Mode) -> tracing::Span {
-    // A rejected key may be huge or hold control characters: never log it raw.
-    let shown = if key.len() <= max_key_len {
-        key
-    } else {
-        "<oversized key>"
-    };
-    tracing::info_span!(
-        "lock.acquire",
-        key = ?shown,
-        mode = match mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
-        waited_ms = tracing::field::Empty,
-        outcome = tracing::field::Empty,
-        token = tracing::field::Empty,
-    )
-}
-
-/// Runs the acquisition `acquire` makes in `span`, and records how long it waited, its
-/// outcome and its token.
-///
-/// Takes a closure rather than the future: a future passed in would be stored twice in
-/// this one's state (once as captured, once as awaited), and every task queued for a key
-/// carries this state.
-pub(crate) fn traced<F, Fut>(
+/// What every backend records of an acquisition: the `lock.acquire` span (how long it
+/// waited, its outcome and token) and the metrics.
+pub(crate) struct Observe {
     span: tracing::Span,
-    acquire: F,
-) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
-{
-    async move {
-        let started = Instant::now();
-        let result = acquire().await;
-        let span = tracing::Span::current();
-        span.record(
-            "waited_ms",
-            u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        );
-        match &result {
-            Ok(guard) => {
-                span.record("outcome", "acquired");
-                span.record("token", guard.fencing_token());
-            }
-            Err(e) => {
-                span.record("outcome", outcome(e));
-            }
-        }
-        tracing::debug!("lock acquisition finished");
-        result
-    }
-    .instrument(span)
+    labels: Labels,
+    waits: bool,
 }
 
-fn outcome(error: &LockError) -> &'static str {
-    match error {
-        LockError::Contended { .. } => "contended",
-        LockError::TimedOut { .. } => "timed_out",
-        LockError::QueueFull { .. } => "queue_full",
-        LockError::InvalidKey(_) => "invalid_key",
-        LockError::Lost { .. } => "lost",
-        LockError::NotALock { .. } => "not_a_lock",
-        LockError::Backend(_) => "backend_error",
+impl Observe {
+    pub(crate) fn new(request: &LockRequest, max_key_len: usize, namespace: &Namespace) -> Self {
+        // A rejected key may be huge or hold control characters: never log it raw.
+        let shown = if request.key.len() <= max_key_len {
+            request.key.as_str()
+        } else {
+            "<oversized key>"
+        };
+        let span = tracing::info_span!(
+            "lock.acquire",
+            key = ?shown,
+            mode = match request.mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
+            waited_ms = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            token = tracing::field::Empty,
+        );
+        Observe {
+            span,
+            labels: Labels::new(namespace, &request.route),
+            waits: matches!(request.mode, Mode::Wait(_)),
+        }
+    }
+
+    /// Runs the acquisition `acquire` makes, recording it.
+    ///
+    /// Takes a closure rather than the future: a future passed in would be stored twice in
+    /// this one's state (once as captured, once as awaited), and every task queued for a
+    /// key carries this state.
+    pub(crate) fn run<F, Fut>(
+        self,
+        acquire: F,
+    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
+    {
+        let Observe {
+            span,
+            labels,
+            waits,
+        } = self;
+        async move {
+            let started = Instant::now();
+            let mut result = {
+                let _waiting = waits.then(|| labels.waiting());
+                acquire().await
+            };
+            let waited = started.elapsed();
+            let span = tracing::Span::current();
+            span.record(
+                "waited_ms",
+                u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            );
+            let outcome = match &mut result {
+                Ok(guard) => {
+                    span.record("token", guard.fencing_token());
+                    guard.count_hold(labels.hold());
+                    if guard.is_reentry() {
+                        Outcome::Reentered
+                    } else {
+                        Outcome::Acquired
+                    }
+                }
+                Err(e) => Outcome::of(e),
+            };
+            span.record("outcome", outcome.as_str());
+            // A refused key waited for nothing.
+            let waited = (outcome != Outcome::InvalidKey).then_some(waited);
+            labels.acquisition(outcome, waited);
+            tracing::debug!("lock acquisition finished");
+            result
+        }
+        .instrument(span)
     }
 }
 

@@ -14,6 +14,7 @@ use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
 use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
 use crate::service::LockService;
+use crate::telemetry::{self, Route};
 
 /// How long a request waits for a held lock by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
@@ -39,6 +40,8 @@ pub(crate) struct Config {
     pub(crate) max_local_waiters: usize,
     pub(crate) hold_body: bool,
     pub(crate) rejection: Option<Arc<Rejection>>,
+    /// The `route` label of the layer's metrics; unset: axum's matched path.
+    pub(crate) route: Route,
 }
 
 impl Config {
@@ -108,6 +111,7 @@ pub struct LockLayer<K> {
 impl<K> LockLayer<K> {
     /// Locks requests on the key `key` extracts, using `backend`. Waits up to 5 s by default.
     pub fn new(backend: impl LockBackend, key: K) -> Self {
+        telemetry::describe_metrics();
         LockLayer {
             store: backend.store(),
             key,
@@ -118,6 +122,7 @@ impl<K> LockLayer<K> {
                 max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
                 hold_body: false,
                 rejection: None,
+                route: Route::default(),
             }),
         }
     }
@@ -169,6 +174,28 @@ impl<K> LockLayer<K> {
     /// while the body is sent ends the body with an error, which aborts the response.
     pub fn hold_until_body_end(mut self) -> Self {
         Arc::make_mut(&mut self.config).hold_body = true;
+        self
+    }
+
+    /// Names this layer in the crate's metrics (feature `metrics`): the `route` label of
+    /// every acquisition and hold it makes. Without it the label is the path pattern axum
+    /// matched (`/orders/{id}/pay`), or empty outside an axum router. Never a key: every
+    /// value is its own time series, so keep labels to a fixed set.
+    ///
+    /// ```
+    /// # use axum::extract::Request;
+    /// use tower_lock::{LockLayer, MemoryBackend};
+    ///
+    /// let layer = LockLayer::new(MemoryBackend::new(), |req: &Request| {
+    ///     Some(req.uri().path().to_owned())
+    /// })
+    /// .metrics_label("checkout");
+    /// # drop(layer);
+    /// ```
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        Arc::make_mut(&mut self.config).route = Route::new(label.into());
         self
     }
 

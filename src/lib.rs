@@ -51,6 +51,11 @@
 //! [`tls_root_cert`](RedisBackendBuilder::tls_root_cert); the crate installs ring as the
 //! process's rustls crypto provider when none is installed.
 //!
+//! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
+//! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
+//! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace and route (see
+//! `LockLayer::metrics_label`), never by key; the application installs the exporter.
+//!
 //! The README (on the repository) covers the semantics in detail, the reliability
 //! suite and the benchmarks.
 //!
@@ -77,6 +82,7 @@ mod redis;
 pub mod response;
 mod service;
 mod spawner;
+mod telemetry;
 
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
@@ -98,6 +104,9 @@ pub use crate::redis::{
     FencedWrite, RedisBackend, RedisBackendBuilder,
 };
 pub use crate::service::LockService;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use crate::telemetry::describe_metrics;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -10,6 +10,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::backend::Store;
 use crate::error::LockError;
+use crate::telemetry::{self, Route};
 
 /// A boxed, sendable future, as returned by the backend trait.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -90,6 +91,8 @@ pub struct LockRequest {
     pub(crate) watchdog: bool,
     pub(crate) mode: Mode,
     pub(crate) max_local_waiters: usize,
+    /// The `route` label of the acquisition's metrics.
+    pub(crate) route: Route,
 }
 
 impl LockRequest {
@@ -102,6 +105,7 @@ impl LockRequest {
             watchdog: true,
             mode: Mode::TryOnce,
             max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
+            route: Route::default(),
         }
     }
 
@@ -138,6 +142,21 @@ impl LockRequest {
 
     pub(crate) fn owner(mut self, owner: LockOwner) -> Self {
         self.owner = Some(owner);
+        self
+    }
+
+    /// The `route` label of this acquisition's metrics (feature `metrics`; default empty),
+    /// as [`LockLayer::metrics_label`](crate::LockLayer::metrics_label) sets it for a
+    /// layer. Keep it to a fixed set of names: every value is its own time series.
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        self.route = Route::new(label.into());
+        self
+    }
+
+    pub(crate) fn route(mut self, route: Route) -> Self {
+        self.route = route;
         self
     }
 
@@ -192,7 +211,7 @@ impl fmt::Debug for LockRequest {
             .field("watchdog", &self.watchdog)
             .field("mode", &self.mode)
             .field("max_local_waiters", &self.max_local_waiters)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -289,6 +308,10 @@ pub(crate) trait ReleaseHold: Send + Sync + 'static {
 pub struct LockGuard {
     held: HeldLock,
     hold: Option<Box<dyn ReleaseHold>>,
+    /// The owner held the key already: this hold re-entered it.
+    reentry: bool,
+    /// Counts the hold in the metrics until it ends.
+    counted: Option<telemetry::Hold>,
 }
 
 impl LockGuard {
@@ -296,7 +319,23 @@ impl LockGuard {
         LockGuard {
             held,
             hold: Some(hold),
+            reentry: false,
+            counted: None,
         }
+    }
+
+    pub(crate) fn reentry(mut self, reentry: bool) -> Self {
+        self.reentry = reentry;
+        self
+    }
+
+    pub(crate) fn is_reentry(&self) -> bool {
+        self.reentry
+    }
+
+    /// Counts this hold in the metrics until it is released.
+    pub(crate) fn count_hold(&mut self, hold: telemetry::Hold) {
+        self.counted = Some(hold);
     }
 
     /// The held lock's handle, to keep or to pass to [`LockRequest::reentrant`].
@@ -345,7 +384,11 @@ impl LockGuard {
     /// The backend's release future itself (`None` if already released), so the layer's
     /// futures hold it without boxing it again.
     pub(crate) fn into_release(mut self) -> Option<BoxFuture<'static, Result<(), LockError>>> {
-        self.hold.take().map(|hold| hold.release())
+        let release = self.hold.take()?.release();
+        Some(match self.counted.take() {
+            Some(counted) => counted.end_with(release, self.held.clone()),
+            None => release,
+        })
     }
 }
 
@@ -353,6 +396,9 @@ impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(hold) = self.hold.take() {
             hold.release_in_background();
+        }
+        if let Some(counted) = self.counted.take() {
+            counted.end(self.held.is_lost());
         }
     }
 }

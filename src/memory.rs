@@ -35,12 +35,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{LockBackend, OwnerIds, Sealed, Store, acquire_span, traced};
+use crate::backend::{LockBackend, Observe, OwnerIds, Sealed, Store};
 use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode, ReleaseHold};
 use crate::queue::{Claim, Queues, Slot, Turn};
 use crate::spawner::Spawner;
+use crate::telemetry::Namespace;
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.
 const MAX_KEY_LEN: usize = 1024;
@@ -67,6 +68,8 @@ struct Inner {
     /// Where expiry timers run, also when a guard is dropped outside any runtime.
     runtime: Spawner,
     generations: AtomicU64,
+    /// The `namespace` label of the metrics: `memory`.
+    metrics: Namespace,
 }
 
 /// One held key.
@@ -99,6 +102,7 @@ impl MemoryBackend {
                 tokens: AtomicU64::new(clock_micros()),
                 runtime: Spawner::default(),
                 generations: AtomicU64::new(0),
+                metrics: Namespace::new("memory"),
             }),
         }
     }
@@ -142,12 +146,16 @@ impl Store for Inner {
         self: Arc<Self>,
         request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        let span = acquire_span(&request.key, MAX_KEY_LEN, request.mode);
-        Box::pin(traced(span, move || self.acquire_traced(request)))
+        let observe = Observe::new(&request, MAX_KEY_LEN, &self.metrics);
+        Box::pin(observe.run(move || self.acquire_traced(request)))
     }
 
     fn new_owner(&self) -> LockOwner {
         self.owners.next()
+    }
+
+    fn metrics(&self) -> &Namespace {
+        &self.metrics
     }
 }
 
@@ -262,11 +270,12 @@ impl Inner {
             lease: claim.lease,
             renew: claim.renew,
         };
+        let reentry = lock.holds > 1;
         if lock.renewing == 0 {
             self.expire_when_due(key.clone(), lock.generation);
         }
         drop(locks);
-        Ok(LockGuard::new(held, Box::new(hold)))
+        Ok(LockGuard::new(held, Box::new(hold)).reentry(reentry))
     }
 
     /// Starts a timer that frees the lock `generation` of `key` when its lease runs out

@@ -15,6 +15,7 @@ use crate::held::push_outer;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::lock::{HeldLock, LockRequest};
+use crate::telemetry::{Labels, Outcome, Route};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
@@ -95,10 +96,12 @@ where
         if unmatched_by_router(&request) {
             return self.pass_through(request);
         }
+        let route = route_of(&self.config, &request);
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return self.pass_through(request),
             Err(e) => {
+                Labels::new(self.store.metrics(), &route).acquisition(Outcome::InvalidKey, None);
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }
         };
@@ -118,6 +121,7 @@ where
             .lease(self.config.lease)
             .max_local_waiters(self.config.max_local_waiters)
             .mode(self.config.mode)
+            .route(route)
             .into_future();
         ResponseFuture::acquiring(acquire, request, self.inner.clone(), self.config.clone())
     }
@@ -149,6 +153,19 @@ fn unmatched_by_router<B>(request: &Request<B>) -> bool {
         && extensions
             .get::<OriginalUri>()
             .is_some_and(|original| original.0 == *request.uri())
+}
+
+/// The `route` label of a request's metrics: the layer's, else the path pattern axum
+/// matched.
+fn route_of<B>(config: &Config, request: &Request<B>) -> Route {
+    #[cfg(all(feature = "metrics", feature = "axum"))]
+    if !config.route.is_set() {
+        if let Some(path) = request.extensions().get::<axum::extract::MatchedPath>() {
+            return Route::new(path.as_str().to_owned());
+        }
+    }
+    let _ = request;
+    config.route.clone()
 }
 
 /// Without the `axum` feature no router is known: every request is locked.

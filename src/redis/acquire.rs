@@ -9,16 +9,19 @@ use tokio::time::{Instant, sleep_until, timeout};
 use super::call::AcquireCall;
 use super::keys::LockKey;
 use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
-use crate::backend::{Store, acquire_span, traced};
+use crate::backend::{Observe, Store};
 use crate::error::LockError;
 use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
 use crate::queue::{Claim, Slot, Turn};
+use crate::telemetry::Namespace;
 
 /// What one run of the acquire script found.
 enum Attempt {
     Acquired {
         token: u64,
         sent_at: Instant,
+        /// The owner held the lock already: this hold re-entered it.
+        reentry: bool,
     },
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
@@ -29,12 +32,16 @@ impl Store for Inner {
         self: Arc<Self>,
         request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        let span = acquire_span(&request.key, self.max_key_len, request.mode);
-        Box::pin(traced(span, move || self.acquire_traced(request)))
+        let observe = Observe::new(&request, self.max_key_len, &self.metrics);
+        Box::pin(observe.run(move || self.acquire_traced(request)))
     }
 
     fn new_owner(&self) -> LockOwner {
         self.owners.next()
+    }
+
+    fn metrics(&self) -> &Namespace {
+        &self.metrics
     }
 }
 
@@ -113,8 +120,13 @@ impl Inner {
         // other instances, woken by that release, get their turn.
         if !slot.as_ref().is_some_and(Slot::yielded) {
             match self.attempt(c).await? {
-                Attempt::Acquired { token, sent_at } => {
-                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
+                Attempt::Acquired {
+                    token,
+                    sent_at,
+                    reentry,
+                } => {
+                    let guard = self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot);
+                    return Ok(guard.reentry(reentry));
                 }
                 Attempt::Held(p) => pttl = p,
             }
@@ -137,9 +149,14 @@ impl Inner {
                 _ = sleep_until(nap) => {}
             }
             match self.attempt(c).await? {
-                Attempt::Acquired { token, sent_at } => {
+                Attempt::Acquired {
+                    token,
+                    sent_at,
+                    reentry,
+                } => {
                     drop(waiter);
-                    return Ok(self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot));
+                    let guard = self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot);
+                    return Ok(guard.reentry(reentry));
                 }
                 Attempt::Held(p) => pttl = p,
             }
@@ -167,8 +184,12 @@ impl Inner {
         let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
         match reply {
             Ok(reply) => match reply.as_slice() {
-                [1, token, _count] => u64::try_from(*token)
-                    .map(|token| Attempt::Acquired { token, sent_at })
+                [1, token, count] => u64::try_from(*token)
+                    .map(|token| Attempt::Acquired {
+                        token,
+                        sent_at,
+                        reentry: *count > 1,
+                    })
                     .map_err(|_| unexpected()),
                 [0, pttl] => Ok(Attempt::Held(
                     u64::try_from(*pttl).ok().map(Duration::from_millis),

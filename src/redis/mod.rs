@@ -44,6 +44,7 @@ use crate::backend::{LockBackend, OwnerIds, Sealed, Store};
 use crate::error::BuildError;
 use crate::lock::LockRequest;
 use crate::queue::Queues;
+use crate::telemetry::Namespace;
 
 /// Default upper bound on a key's length in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
@@ -115,6 +116,8 @@ struct Inner {
     queues: Queues,
     max_local_handoffs: u32,
     namespace: String,
+    /// The `namespace` label of this backend's metrics.
+    metrics: Namespace,
     max_key_len: usize,
     command_timeout: Duration,
     fence_ttl: Duration,

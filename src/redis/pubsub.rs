@@ -24,6 +24,7 @@ use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::shard_pubsub;
 use super::topology::{Topology, TopologyChanges};
+use crate::telemetry::Namespace;
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -32,6 +33,8 @@ pub(crate) struct SubscriberConfig {
     pub(crate) command_timeout: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) max_backoff: Duration,
+    /// The backend's namespace label for the subscriber's metrics.
+    pub(crate) metrics: Namespace,
 }
 
 #[derive(Default)]
@@ -43,6 +46,8 @@ pub(super) struct Registry {
     pub(super) active: HashSet<String>,
     /// Whether a subscriber connection is up (for introspection and tests).
     pub(super) connected: bool,
+    /// The subscriptions last counted in the metrics.
+    reported: usize,
 }
 
 impl Registry {
@@ -98,6 +103,7 @@ pub(super) struct Shared {
     pub(super) dirty: Notify,
     next_id: AtomicU64,
     pub(super) reconnects: AtomicU64,
+    metrics: Namespace,
 }
 
 impl Shared {
@@ -114,6 +120,25 @@ impl Shared {
         // waiter tries again now, and again once its channel is resubscribed.
         registry.active.clear();
         registry.wake_all();
+        drop(registry);
+        self.report_subscriptions();
+    }
+
+    /// Counts a connection made; every one after the first is a reconnect.
+    pub(super) fn connection_made(&self) {
+        if self.reconnects.fetch_add(1, Ordering::Relaxed) > 0 {
+            self.metrics.subscriber_reconnected();
+        }
+    }
+
+    /// Counts the change in confirmed subscriptions since the last report (a change, not
+    /// a value: several backends of one process add up in one gauge).
+    pub(super) fn report_subscriptions(&self) {
+        let mut registry = self.registry();
+        let (before, now) = (registry.reported, registry.active.len());
+        registry.reported = now;
+        drop(registry);
+        self.metrics.subscribed_channels(before, now);
     }
 }
 
@@ -151,6 +176,7 @@ impl Subscriber {
             dirty: Notify::new(),
             next_id: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
+            metrics: config.metrics.clone(),
         });
         let serving = shared.clone();
         let start = move |shutdown| {
@@ -323,7 +349,7 @@ async fn subscribe_until_shutdown(
         };
         match connected {
             Ok(Ok(pubsub)) => {
-                shared.reconnects.fetch_add(1, Ordering::Relaxed);
+                shared.connection_made();
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected");
                 // The first sign of a restart (the old connection ended with the server)
@@ -423,6 +449,7 @@ async fn reconcile(
     loop {
         let (subscribe, unsubscribe) = shared.registry().changes();
         if subscribe.is_empty() && unsubscribe.is_empty() {
+            shared.report_subscriptions();
             return Ok(());
         }
         if !unsubscribe.is_empty() {

@@ -54,9 +54,7 @@ pub(super) async fn serve_until_shutdown(
         match connected {
             Ok(Ok(conn)) => {
                 backoff = INITIAL_BACKOFF;
-                shared
-                    .reconnects
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                shared.connection_made();
                 shared.registry().connected = true;
                 tracing::debug!("lock subscriber connected to the cluster");
                 // A node may have restarted or failed over while the subscriber was away.
@@ -278,5 +276,6 @@ async fn reconcile(
             }
         }
     }
+    shared.report_subscriptions();
     failed
 }

@@ -22,6 +22,7 @@ use crate::redis::sentinel::{MasterAuth, SentinelGroup};
 use crate::redis::topology::Topology;
 use crate::redis::watchdog::Watchdog;
 use crate::redis::{Inner, RedisBackend};
+use crate::telemetry::{self, Namespace};
 
 impl RedisBackendBuilder {
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
@@ -100,6 +101,8 @@ impl RedisBackendBuilder {
                 Err(e) => return Err(connect_failure(e, &user)),
             }
         }
+        let metrics = Namespace::new(&self.namespace);
+        telemetry::describe_metrics();
         let subscriber = Subscriber::spawn(
             topology,
             SubscriberConfig {
@@ -107,6 +110,7 @@ impl RedisBackendBuilder {
                 command_timeout: self.command_timeout,
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
+                metrics: metrics.clone(),
             },
             pool.failure_epoch(),
             recheck.clone(),
@@ -117,7 +121,7 @@ impl RedisBackendBuilder {
             pool.clone(),
             scripts.clone(),
             self.command_timeout,
-            recheck,
+            (recheck, metrics.clone()),
             shutdown.clone(),
             &runtime,
         );
@@ -144,6 +148,7 @@ impl RedisBackendBuilder {
                 queues: Queues::default(),
                 max_local_handoffs: self.max_local_handoffs,
                 namespace: self.namespace,
+                metrics,
                 max_key_len: self.max_key_len,
                 command_timeout: self.command_timeout,
                 fence_ttl: self.fence_ttl,

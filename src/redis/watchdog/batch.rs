@@ -76,6 +76,7 @@ pub(super) async fn renew_batch(
             }
         }
         outcome => {
+            shared.metrics.renewal_failed();
             match outcome {
                 Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
                 // Recorded as an error, so subscribers print its sources (the cause).

@@ -27,6 +27,7 @@ use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
 use crate::lock::{LockOwner, MAX_DURATION};
+use crate::telemetry::Namespace;
 
 mod batch;
 
@@ -102,6 +103,7 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     changed: Notify,
+    metrics: Namespace,
 }
 
 impl Shared {
@@ -123,13 +125,14 @@ impl Watchdog {
         pool: Pool,
         scripts: Arc<Scripts>,
         command_timeout: Duration,
-        recheck: Recheck,
+        (recheck, metrics): (Recheck, Namespace),
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
         let shared = Arc::new(Shared {
             state: Mutex::default(),
             changed: Notify::new(),
+            metrics,
         });
         let renewing = shared.clone();
         let start = move |shutdown| {

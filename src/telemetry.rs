@@ -1,0 +1,325 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`).
+//!
+//! The application installs a recorder (a Prometheus exporter, say); without one every
+//! call here is a no-op of the facade, and without the feature this module is empty
+//! no-ops that compile away. Labels are bounded: the backend's namespace, the layer's
+//! route label, the outcome. Never a key.
+
+/// The `outcome` label of [`ACQUISITIONS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Acquired,
+    Reentered,
+    Contended,
+    TimedOut,
+    QueueFull,
+    BackendError,
+    NotALock,
+    InvalidKey,
+    /// Counted when a hold that was lost ends (it was counted as acquired before).
+    Lost,
+}
+
+impl Outcome {
+    pub(crate) fn of(error: &crate::LockError) -> Self {
+        use crate::LockError;
+        match error {
+            LockError::Contended { .. } => Outcome::Contended,
+            LockError::TimedOut { .. } => Outcome::TimedOut,
+            LockError::QueueFull { .. } => Outcome::QueueFull,
+            LockError::InvalidKey(_) => Outcome::InvalidKey,
+            LockError::Lost { .. } => Outcome::Lost,
+            LockError::NotALock { .. } => Outcome::NotALock,
+            LockError::Backend(_) => Outcome::BackendError,
+        }
+    }
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Acquired => "acquired",
+            Outcome::Reentered => "reentered",
+            Outcome::Contended => "contended",
+            Outcome::TimedOut => "timed_out",
+            Outcome::QueueFull => "queue_full",
+            Outcome::BackendError => "backend_error",
+            Outcome::NotALock => "not_a_lock",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::Lost => "lost",
+        }
+    }
+}
+
+#[cfg(feature = "metrics")]
+pub use self::on::describe_metrics;
+#[cfg(feature = "metrics")]
+pub(crate) use self::on::*;
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) use self::off::*;
+
+#[cfg(feature = "metrics")]
+mod on {
+    use std::time::Duration;
+
+    use metrics::{Label, SharedString, Unit};
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::LockError;
+    use crate::lock::{BoxFuture, HeldLock};
+
+    /// Acquisitions by outcome (see [`Outcome`]).
+    pub(super) const ACQUISITIONS: &str = "tower_lock_acquisitions_total";
+    /// Seconds from asking for a lock to having it (or giving up).
+    pub(super) const WAIT: &str = "tower_lock_wait_seconds";
+    /// Seconds from having a lock to its release.
+    pub(super) const HOLD: &str = "tower_lock_hold_seconds";
+    /// Locks this process holds now.
+    pub(super) const HELD: &str = "tower_lock_held";
+    /// Requests of this process waiting for a lock now.
+    pub(super) const WAITERS: &str = "tower_lock_waiters";
+    /// Release channels the backend's subscriber is subscribed to now.
+    pub(super) const SUBSCRIBED: &str = "tower_lock_subscribed_channels";
+    /// Times the subscriber connection was opened again after the first.
+    pub(super) const RECONNECTS: &str = "tower_lock_subscriber_reconnects_total";
+    /// Renewal calls of the watchdog that failed (each is retried until the lease runs out).
+    pub(super) const RENEWALS_FAILED: &str = "tower_lock_renewals_failed_total";
+
+    /// Describes every metric of the crate to the installed recorder: their units and
+    /// help texts. Called when a layer or a backend is built; call it again if the
+    /// recorder was installed after them.
+    pub fn describe_metrics() {
+        use metrics::{describe_counter, describe_gauge, describe_histogram};
+        describe_counter!(
+            ACQUISITIONS,
+            Unit::Count,
+            "Lock acquisitions by outcome; `lost` counts holds that were lost when they end"
+        );
+        describe_histogram!(
+            WAIT,
+            Unit::Seconds,
+            "Time from asking for a lock to having it or giving up"
+        );
+        describe_histogram!(HOLD, Unit::Seconds, "Time a lock was held");
+        describe_gauge!(HELD, Unit::Count, "Locks this process holds");
+        describe_gauge!(
+            WAITERS,
+            Unit::Count,
+            "Requests of this process waiting for a lock"
+        );
+        describe_gauge!(
+            SUBSCRIBED,
+            Unit::Count,
+            "Release channels the lock subscriber is subscribed to"
+        );
+        describe_counter!(
+            RECONNECTS,
+            Unit::Count,
+            "Times the lock subscriber connection was opened again"
+        );
+        describe_counter!(
+            RENEWALS_FAILED,
+            Unit::Count,
+            "Watchdog renewal calls that failed (each is retried)"
+        );
+    }
+
+    /// The `namespace` label of a backend.
+    #[derive(Clone, Debug)]
+    pub struct Namespace(SharedString);
+
+    impl Namespace {
+        pub(crate) fn new(namespace: &str) -> Self {
+            Namespace(SharedString::from(std::sync::Arc::<str>::from(namespace)))
+        }
+
+        fn label(&self) -> Label {
+            Label::new("namespace", self.0.clone())
+        }
+
+        /// Moves the gauge of subscribed channels from `before` to `now`.
+        pub(crate) fn subscribed_channels(&self, before: usize, now: usize) {
+            if before != now {
+                let gauge = metrics::gauge!(SUBSCRIBED, vec![self.label()]);
+                gauge.increment(now as f64 - before as f64);
+            }
+        }
+
+        pub(crate) fn subscriber_reconnected(&self) {
+            metrics::counter!(RECONNECTS, vec![self.label()]).increment(1);
+        }
+
+        pub(crate) fn renewal_failed(&self) {
+            metrics::counter!(RENEWALS_FAILED, vec![self.label()]).increment(1);
+        }
+    }
+
+    /// The `route` label of an acquisition: the layer's
+    /// [`metrics_label`](crate::LockLayer::metrics_label), else axum's matched path,
+    /// else empty.
+    #[derive(Clone, Debug, Default)]
+    pub(crate) struct Route(Option<SharedString>);
+
+    impl Route {
+        pub(crate) fn new(label: impl Into<SharedString>) -> Self {
+            Route(Some(label.into()))
+        }
+
+        /// Whether a label was set.
+        pub(crate) fn is_set(&self) -> bool {
+            self.0.is_some()
+        }
+    }
+
+    /// The labels of one acquisition and its hold.
+    #[derive(Clone, Debug)]
+    pub(crate) struct Labels(std::sync::Arc<[Label; 2]>);
+
+    impl Labels {
+        pub(crate) fn new(namespace: &Namespace, route: &Route) -> Self {
+            let route = route.0.clone().unwrap_or(SharedString::const_str(""));
+            Labels(std::sync::Arc::new([
+                namespace.label(),
+                Label::new("route", route),
+            ]))
+        }
+
+        fn with_outcome(&self, outcome: Outcome) -> Vec<Label> {
+            let mut labels = self.0.to_vec();
+            labels.push(Label::from_static_parts("outcome", outcome.as_str()));
+            labels
+        }
+
+        /// Counts one acquisition's outcome, and how long it waited.
+        pub(crate) fn acquisition(&self, outcome: Outcome, waited: Option<Duration>) {
+            metrics::counter!(ACQUISITIONS, self.with_outcome(outcome)).increment(1);
+            if let Some(waited) = waited {
+                metrics::histogram!(WAIT, self.0.to_vec()).record(waited.as_secs_f64());
+            }
+        }
+
+        /// Counts a waiting request until the returned value is dropped.
+        pub(crate) fn waiting(&self) -> Waiting {
+            let gauge = metrics::gauge!(WAITERS, self.0.to_vec());
+            gauge.increment(1.0);
+            Waiting(gauge)
+        }
+
+        /// Counts a held lock until [`Hold::end`] (or its drop).
+        pub(crate) fn hold(&self) -> Hold {
+            metrics::gauge!(HELD, self.0.to_vec()).increment(1.0);
+            Hold {
+                labels: self.clone(),
+                since: Instant::now(),
+            }
+        }
+    }
+
+    /// One request counted in [`WAITERS`].
+    pub(crate) struct Waiting(metrics::Gauge);
+
+    impl Drop for Waiting {
+        fn drop(&mut self) {
+            self.0.decrement(1.0);
+        }
+    }
+
+    /// One lock counted in [`HELD`]; its end records [`HOLD`], and [`Outcome::Lost`] if it
+    /// was lost.
+    pub(crate) struct Hold {
+        labels: Labels,
+        since: Instant,
+    }
+
+    impl Hold {
+        pub(crate) fn end(self, lost: bool) {
+            let labels = &self.labels;
+            metrics::gauge!(HELD, labels.0.to_vec()).decrement(1.0);
+            metrics::histogram!(HOLD, labels.0.to_vec()).record(self.since.elapsed().as_secs_f64());
+            if lost {
+                labels.acquisition(Outcome::Lost, None);
+            }
+        }
+
+        /// Ends the hold as its release starts; a release that finds the lock lost counts
+        /// [`Outcome::Lost`].
+        pub(crate) fn end_with(
+            self,
+            release: BoxFuture<'static, Result<(), LockError>>,
+            held: HeldLock,
+        ) -> BoxFuture<'static, Result<(), LockError>> {
+            if held.is_lost() {
+                self.end(true);
+                return release;
+            }
+            let labels = self.labels.clone();
+            self.end(false);
+            Box::pin(async move {
+                let result = release.await;
+                if let Err(LockError::Lost { .. }) = result {
+                    labels.acquisition(Outcome::Lost, None);
+                }
+                result
+            })
+        }
+    }
+}
+
+/// The same names as `on`, doing nothing: the crate calls them unconditionally.
+#[cfg(not(feature = "metrics"))]
+mod off {
+    use std::time::Duration;
+
+    use super::Outcome;
+    use crate::LockError;
+    use crate::lock::{BoxFuture, HeldLock};
+
+    pub(crate) fn describe_metrics() {}
+
+    #[derive(Clone, Debug)]
+    pub struct Namespace;
+
+    impl Namespace {
+        pub(crate) fn new(_: &str) -> Self {
+            Namespace
+        }
+        pub(crate) fn subscribed_channels(&self, _: usize, _: usize) {}
+        pub(crate) fn subscriber_reconnected(&self) {}
+        pub(crate) fn renewal_failed(&self) {}
+    }
+
+    #[derive(Clone, Debug, Default)]
+    pub(crate) struct Route(());
+
+    #[derive(Clone, Debug)]
+    pub(crate) struct Labels;
+
+    impl Labels {
+        pub(crate) fn new(_: &Namespace, _: &Route) -> Self {
+            Labels
+        }
+        pub(crate) fn acquisition(&self, _: Outcome, _: Option<Duration>) {}
+        pub(crate) fn waiting(&self) -> Waiting {
+            Waiting
+        }
+        pub(crate) fn hold(&self) -> Hold {
+            Hold
+        }
+    }
+
+    pub(crate) struct Waiting;
+
+    pub(crate) struct Hold;
+
+    impl Hold {
+        pub(crate) fn end(self, _: bool) {}
+
+        pub(crate) fn end_with(
+            self,
+            release: BoxFuture<'static, Result<(), LockError>>,
+            _: HeldLock,
+        ) -> BoxFuture<'static, Result<(), LockError>> {
+            release
+        }
+    }
+}
