@@ -96,11 +96,11 @@ where
         if unmatched_by_router(&request) {
             return self.pass_through(request);
         }
-        let route = route_of(&self.config, &request);
         let key = match self.key.extract(&request) {
             Ok(Some(key)) => key,
             Ok(None) => return self.pass_through(request),
             Err(e) => {
+                let route = route_of(&self.config, &request);
                 Labels::new(self.store.metrics(), &route).acquisition(Outcome::InvalidKey, None);
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }
@@ -116,6 +116,7 @@ where
             }
             None => self.store.new_owner(),
         };
+        let route = route_of(&self.config, &request);
         let acquire = LockRequest::new(self.store.clone(), key)
             .owner(owner)
             .lease(self.config.lease)
