@@ -220,11 +220,10 @@ fn sale_panel(out: &mut String, t: &Timeline, top: f64) -> fmt::Result {
     }
     writeln!(
         out,
-        r#"<line class="start-stock" x1="{LEFT}" y1="{0:.1}" x2="{1}" y2="{0:.1}"/><text x="{2}" y="{3:.1}" text-anchor="end">stock at the start ({4}): sales above it were oversold</text>"#,
+        r#"<line class="start-stock" x1="{LEFT}" y1="{0:.1}" x2="{1}" y2="{0:.1}"/><text x="{1}" y="{2}" text-anchor="end">dotted: the stock at the start ({3}); sales above it were oversold</text>"#,
         y(t.stock as f64),
         LEFT + PLOT,
-        LEFT + PLOT - 4.0,
-        y(t.stock as f64) - 5.0,
+        top - 12.0,
         t.stock
     )?;
     writeln!(
