@@ -1,12 +1,14 @@
+# Optional shorthand: every recipe is a plain cargo command or `.ci/run` (see the README's
+# "Two commands"); nothing here is needed to build, run the demo or test.
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
 # List the recipes.
 default:
     @just --list
 
-# The flash-sale demonstration (a throwaway redis-server unless REDIS_URL is set).
+# The flash-sale demonstration (a throwaway redis-server, or MemoryBackend without one).
 demo:
-    scripts/with-redis.sh cargo run --quiet --release --example flash_sale
+    cargo run --release --example flash_sale
 
 # Every test; each test starts its own redis-server on a free port.
 test:
@@ -16,18 +18,11 @@ test:
 bench:
     cargo bench --bench contention
 
-# What CI runs: formatting, lints, docs, tests, and the crate without its `axum` feature.
+# What CI runs: installs redis-server when missing, then formatting, lints, docs, the
+# crate without its `axum` feature, and the tests.
 ci:
-    cargo fmt --all -- --check
-    cargo clippy --all-targets -- -D warnings
-    RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
-    just no-axum
-    just test
+    bash .ci/run
 
-# The crate for a plain tower/hyper service: builds, lints and passes its unit tests
-# without axum, and axum is not among its dependencies.
+# The crate for a plain tower/hyper service, without axum (part of `ci`).
 no-axum:
-    cargo build --no-default-features
-    cargo clippy --all-targets --no-default-features -- -D warnings
-    cargo test --no-default-features --lib
-    deps="$(cargo tree --no-default-features --edges normal --prefix none)"; ! grep -q '^axum ' <<< "$deps"
+    bash .ci/run no-axum

@@ -1,7 +1,7 @@
 //! The smallest useful setup: one route locked per order id, exercised against itself.
 //!
-//! `REDIS_URL=redis://127.0.0.1:6379 cargo run --example basic`
-//! (`just demo` starts a throwaway redis-server and sets `REDIS_URL`).
+//! `REDIS_URL=redis://127.0.0.1:6379 cargo run --example basic`, against a Redis you run
+//! (a throwaway one: `redis-server --port 6390 --save ""` and `REDIS_URL=redis://127.0.0.1:6390`).
 //!
 //! Two payments for the same order arrive at once: the second waits for the first to
 //! finish instead of running beside it, a payment for another order runs in parallel, and
@@ -31,7 +31,8 @@ fn order_id(req: &Request) -> Option<String> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL (or run `just demo`)")?;
+    let url = std::env::var("REDIS_URL")
+        .map_err(|_| "set REDIS_URL, e.g. REDIS_URL=redis://127.0.0.1:6379")?;
     let backend = RedisBackend::builder(&url)
         .namespace("tower-lock-basic")
         .build()

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use tower_lock::RedisBackend;
 
+use super::redis_tool;
+
 /// One node of the cluster.
 struct Node {
     port: u16,
@@ -30,20 +32,22 @@ impl Cluster {
         let cluster = (0..10)
             .find_map(|_| Cluster::spawn_nodes())
             .expect("six redis-server nodes on free ports");
-        let status = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(
-                cluster
-                    .nodes
-                    .iter()
-                    .map(|n| format!("127.0.0.1:{}", n.port)),
-            )
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .expect("redis-cli is installed");
+        let status = redis_tool(
+            Command::new("redis-cli")
+                .arg("--cluster")
+                .arg("create")
+                .args(
+                    cluster
+                        .nodes
+                        .iter()
+                        .map(|n| format!("127.0.0.1:{}", n.port)),
+                )
+                .args(["--cluster-replicas", "1", "--cluster-yes"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Command::status,
+        )
+        .expect("run redis-cli");
         assert!(status.success(), "redis-cli --cluster create");
         cluster.wait_until_healthy();
         cluster
@@ -54,21 +58,23 @@ impl Cluster {
         let mut cluster = Cluster { nodes: Vec::new() };
         for port in cluster_ports(6) {
             let dir = tempfile::tempdir().expect("temp dir");
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "1000"])
-                .args(["--cluster-replica-validity-factor", "0"])
-                .args(["--cluster-require-full-coverage", "no"])
-                .args(["--repl-diskless-sync-delay", "0"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server is installed");
+            let child = redis_tool(
+                Command::new("redis-server")
+                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--cluster-enabled", "yes"])
+                    .args(["--cluster-config-file", "nodes.conf"])
+                    .args(["--cluster-node-timeout", "1000"])
+                    .args(["--cluster-replica-validity-factor", "0"])
+                    .args(["--cluster-require-full-coverage", "no"])
+                    .args(["--repl-diskless-sync-delay", "0"])
+                    .args(["--save", "", "--appendonly", "no"])
+                    .arg("--dir")
+                    .arg(dir.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+                Command::spawn,
+            )
+            .expect("spawn redis-server");
             cluster.nodes.push(Node {
                 port,
                 child: Some(child),
@@ -357,21 +363,25 @@ fn cluster_ports(n: usize) -> Vec<u16> {
 
 /// Runs one command with `redis-cli` (no Redis client needed outside a runtime).
 fn query(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(args)
-        .output()
-        .expect("redis-cli");
+    let out = redis_tool(
+        Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args),
+        Command::output,
+    )
+    .expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The reply of `command` (split on spaces), or `None` when the node does not answer.
 fn info(port: u16, command: &str) -> Option<String> {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(command.split(' '))
-        .output()
-        .ok()?;
+    let out = redis_tool(
+        Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(command.split(' ')),
+        Command::output,
+    )
+    .ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     (out.status.success() && !text.is_empty() && !text.starts_with("Could not connect"))
         .then_some(text)

@@ -57,16 +57,18 @@ impl RedisServer {
 
     /// Spawns on `self.port`; false if it did not come up (for example the port was taken).
     fn spawn(&mut self) -> bool {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(&self.extra_args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (apt-get install redis-server)");
+        let child = redis_tool(
+            Command::new("redis-server")
+                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(self.dir.path())
+                .args(&self.extra_args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Command::spawn,
+        )
+        .expect("spawn redis-server");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
@@ -267,6 +269,26 @@ pub fn lock_key(user: &str) -> String {
 /// The release channel of a plain user key (see [`lock_key`]).
 pub fn channel(user: &str) -> String {
     format!("{}:released", lock_key(user))
+}
+
+/// Runs a `redis-server` or `redis-cli` command through `run` (`Command::spawn`,
+/// `Command::output`, ...). When the program is not on `PATH` the test fails here, naming
+/// the package to install: a test that needs Redis never skips.
+pub fn redis_tool<T>(
+    command: &mut Command,
+    run: impl FnOnce(&mut Command) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let result = run(command);
+    if let Err(e) = &result {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            panic!(
+                "{} not found on PATH: install it (Debian/Ubuntu: apt-get install redis-server; \
+                 macOS: brew install redis)",
+                command.get_program().to_string_lossy()
+            );
+        }
+    }
+    result
 }
 
 /// Sends `signal` (as `kill(1)` spells it, `-STOP`, `-KILL`, ...) to a process.

@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{RedisServer, eventually};
+use super::{RedisServer, eventually, redis_tool};
 
 /// The name the sentinels monitor the master under.
 pub const MASTER_NAME: &str = "towerlock";
@@ -304,13 +304,15 @@ impl SentinelProcess {
             ),
         )
         .expect("write sentinel config");
-        let child = Command::new("redis-server")
-            .arg(&config)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (it ships --sentinel)");
+        let child = redis_tool(
+            Command::new("redis-server")
+                .arg(&config)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Command::spawn,
+        )
+        .expect("spawn redis-server");
         let mut sentinel = SentinelProcess {
             child,
             port,

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::redis_tool;
 /// A CA and the certificates it signed, as PEM files in a temp dir.
 pub struct Certs {
     dir: tempfile::TempDir,
@@ -149,26 +150,28 @@ impl TlsServer {
         for _ in 0..20 {
             let dir = tempfile::tempdir().expect("temp dir");
             let port = super::free_port();
-            let mut child = Command::new("redis-server")
-                .args(["--port", "0", "--bind", "127.0.0.1"])
-                .args(["--tls-port", &port.to_string()])
-                .arg("--tls-cert-file")
-                .arg(certs.path("server.crt"))
-                .arg("--tls-key-file")
-                .arg(certs.path("server.key"))
-                .arg("--tls-ca-cert-file")
-                .arg(certs.path("ca.crt"))
-                .args([
-                    "--tls-auth-clients",
-                    if auth_clients { "yes" } else { "no" },
-                ])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server is installed");
+            let mut child = redis_tool(
+                Command::new("redis-server")
+                    .args(["--port", "0", "--bind", "127.0.0.1"])
+                    .args(["--tls-port", &port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(certs.path("server.crt"))
+                    .arg("--tls-key-file")
+                    .arg(certs.path("server.key"))
+                    .arg("--tls-ca-cert-file")
+                    .arg(certs.path("ca.crt"))
+                    .args([
+                        "--tls-auth-clients",
+                        if auth_clients { "yes" } else { "no" },
+                    ])
+                    .args(["--save", "", "--appendonly", "no"])
+                    .arg("--dir")
+                    .arg(dir.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+                Command::spawn,
+            )
+            .expect("spawn redis-server");
             if wait_ready(&mut child, port, &certs) {
                 return TlsServer {
                     child,
@@ -230,18 +233,20 @@ pub fn wait_ready(child: &mut Child, port: u16, certs: &Certs) -> bool {
 /// Runs `redis-cli --tls` against the TLS port `port`, trusting `certs`' CA and presenting
 /// its client certificate; the output, if the command succeeded.
 pub fn cli(port: u16, certs: &Certs, args: &[&str]) -> Option<String> {
-    let output = Command::new("redis-cli")
-        .args(["--tls", "--cacert"])
-        .arg(certs.path("ca.crt"))
-        .arg("--cert")
-        .arg(certs.path("client.crt"))
-        .arg("--key")
-        .arg(certs.path("client.key"))
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
+    let output = redis_tool(
+        Command::new("redis-cli")
+            .args(["--tls", "--cacert"])
+            .arg(certs.path("ca.crt"))
+            .arg("--cert")
+            .arg(certs.path("client.crt"))
+            .arg("--key")
+            .arg(certs.path("client.key"))
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
+            .stderr(Stdio::null()),
+        Command::output,
+    )
+    .ok()?;
     let text = String::from_utf8_lossy(&output.stdout).trim().to_owned();
     output.status.success().then_some(text)
 }

@@ -4,8 +4,8 @@
 
 use std::process::{Child, Command, Stdio};
 
-use super::free_port;
 use super::tls::{Certs, cli, wait_ready};
+use super::{free_port, redis_tool};
 
 /// The name the sentinel monitors the master under.
 pub const TLS_MASTER_NAME: &str = "towerlock-tls";
@@ -117,24 +117,26 @@ fn start(certs: &Certs, extra: impl Fn(u16, &std::path::Path) -> Vec<String>) ->
     for _ in 0..20 {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
-        let mut child = Command::new("redis-server")
-            .args(extra(port, dir.path()))
-            .args(["--port", "0", "--bind", "127.0.0.1"])
-            .args(["--tls-port", &port.to_string()])
-            .arg("--tls-cert-file")
-            .arg(certs.path("server.crt"))
-            .arg("--tls-key-file")
-            .arg(certs.path("server.key"))
-            .arg("--tls-ca-cert-file")
-            .arg(certs.path("ca.crt"))
-            .args(["--tls-auth-clients", "no", "--tls-replication", "yes"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed");
+        let mut child = redis_tool(
+            Command::new("redis-server")
+                .args(extra(port, dir.path()))
+                .args(["--port", "0", "--bind", "127.0.0.1"])
+                .args(["--tls-port", &port.to_string()])
+                .arg("--tls-cert-file")
+                .arg(certs.path("server.crt"))
+                .arg("--tls-key-file")
+                .arg(certs.path("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(certs.path("ca.crt"))
+                .args(["--tls-auth-clients", "no", "--tls-replication", "yes"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Command::spawn,
+        )
+        .expect("spawn redis-server");
         if wait_ready(&mut child, port, certs) {
             return TlsProcess {
                 child,

@@ -1,0 +1,230 @@
+//! The flash-sale oversell, and the one-line fix, in one table and one picture.
+//!
+//! A stock of 50 is shared by three app instances (each with its own lock backend and
+//! port, as three pods would have), and a few hundred buyers hit them round-robin, all at
+//! once. The buy handler reads the stock, awaits (the payment call), then writes stock - 1:
+//! without a lock, buyers on different instances read the same stock and sell the same item
+//! twice.
+//!
+//! - `/unsafe/buy`: the handler alone. Oversells.
+//! - `/buy`: the same handler under `LockLayer` (waits for the lock).
+//! - `/try-buy`: under `LockLayer::fail_fast()` (409 while someone else is buying).
+//!
+//! Sold out is 410 Gone. Exits non-zero if a locked route oversells.
+//!
+//! ```text
+//! cargo run --release --example flash_sale                     # picture: target/flash_sale.svg
+//! cargo run --release --example flash_sale -- docs/flash_sale.svg
+//! ```
+//!
+//! Where the stock and the locks live:
+//!
+//! - `REDIS_URL` set: that Redis. Every key the demo writes lives under a namespace unique
+//!   to the run, and is deleted at the end.
+//! - otherwise, with `redis-server` on `PATH`: a throwaway `redis-server` started here on a
+//!   free loopback port, killed when the demo ends.
+//! - otherwise: one in-process `MemoryBackend` shared by the three apps, and the stock in
+//!   process memory (with the same await between read and write, so `/unsafe/buy` still
+//!   oversells).
+//!
+//! The picture (see `timeline.rs`) shows who held the lock when on `/buy`, one lane per
+//! instance, and the sales of `/unsafe/buy` against the stock line crossing zero.
+
+mod load;
+mod shop;
+mod throwaway;
+mod timeline;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use tower_lock::{MemoryBackend, RedisBackend};
+
+use crate::load::Row;
+use crate::shop::{Recorders, Store};
+use crate::throwaway::ThrowawayRedis;
+use crate::timeline::Timeline;
+
+const STOCK: i64 = 50;
+const BUYERS: usize = 300;
+const INSTANCES: usize = 3;
+const ROUTES: [&str; 3] = ["/unsafe/buy", "/buy", "/try-buy"];
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where the stock and the locks live.
+enum Place {
+    Redis(String),
+    Memory,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let svg = match svg_path() {
+        Ok(path) => path,
+        Err(usage) => {
+            eprintln!("{usage}");
+            return ExitCode::from(2);
+        }
+    };
+    match demo(&svg).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("FAIL: a locked route oversold");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("flash_sale: {}", chain(&*e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its sources, joined by ": ".
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut levels = vec![error.to_string()];
+    let mut source = error.source();
+    while let Some(e) = source {
+        // Some errors print their source in their own message too.
+        let level = e.to_string();
+        if !levels.iter().any(|l| l.contains(&level)) {
+            levels.push(level);
+        }
+        source = e.source();
+    }
+    levels.join(": ")
+}
+
+/// The picture's path: the one argument, or `target/flash_sale.svg` in the crate.
+fn svg_path() -> Result<PathBuf, String> {
+    let mut args = std::env::args_os().skip(1);
+    match (args.next(), args.next()) {
+        (None, _) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("target/flash_sale.svg")),
+        (Some(path), None) if !path.to_string_lossy().starts_with('-') => Ok(path.into()),
+        _ => Err("usage: cargo run --release --example flash_sale [-- PICTURE.svg]".into()),
+    }
+}
+
+/// Runs the sale on every route, prints the table and writes the picture; whether the
+/// locked routes sold no more than the stock.
+async fn demo(svg: &Path) -> Result<bool, Error> {
+    // Lives until the end of this function: the server is killed on every way out.
+    let mut throwaway = None;
+    let (place, shared) = if let Some(url) =
+        std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty())
+    {
+        // The version is for the reader only: a Redis that refuses INFO still runs the demo.
+        match throwaway::server_info(&url).await {
+            Ok(info) => println!("Redis from REDIS_URL (redis-server {})", info.version),
+            Err(_) => println!("Redis from REDIS_URL"),
+        }
+        (Place::Redis(url), "one Redis")
+    } else if let Some(server) = ThrowawayRedis::start().await? {
+        println!(
+            "throwaway redis-server {} on {} (REDIS_URL is unset; stopped when the demo ends)",
+            server.version(),
+            server.url()
+        );
+        let url = server.url().to_owned();
+        throwaway = Some(server);
+        (Place::Redis(url), "one Redis")
+    } else {
+        println!(
+            "no redis-server on PATH and REDIS_URL unset: running on the in-process MemoryBackend \
+             (install redis-server or set REDIS_URL to run across a real Redis)"
+        );
+        (Place::Memory, "one in-process MemoryBackend")
+    };
+    let recorders = Recorders::default();
+    let rows = run(&place, &recorders).await?;
+    drop(throwaway);
+
+    println!(
+        "Stock {STOCK}, {BUYERS} concurrent buyers, round-robin over {INSTANCES} instances sharing {shared}.\n"
+    );
+    println!("{}", Row::HEADER);
+    rows.iter().for_each(Row::print);
+    println!();
+    let others: usize = rows.iter().map(Row::others).sum();
+    if others > 0 {
+        println!("({others} requests ended with another status or a transport error.)");
+    }
+    if let [unsafe_row, wait_row, fail_fast_row] = rows.as_slice() {
+        println!(
+            "Without a lock the three instances sold {} items that did not exist. Under LockLayer \
+             nothing was oversold: `/buy` queued buyers and sold exactly the stock ({}), then said 410; \
+             `/try-buy` sold {} and answered 409 to the {} buyers who came while someone was buying.",
+            unsafe_row.oversold(),
+            wait_row.sold,
+            fail_fast_row.sold,
+            fail_fast_row.count(409),
+        );
+    }
+
+    let title = format!(
+        "Flash sale: stock {STOCK}, {BUYERS} buyers at once, {INSTANCES} instances sharing {shared}"
+    );
+    let (locked, unlocked) = (recorders.locked.runs(), recorders.unlocked.runs());
+    let timeline = Timeline {
+        title: &title,
+        stock: STOCK,
+        instances: INSTANCES,
+        locked: &locked,
+        unlocked: &unlocked,
+    };
+    timeline::write(svg, &timeline)
+        .map_err(|e| format!("could not write the picture to {}: {e}", svg.display()))?;
+    let shown = std::env::current_dir()
+        .ok()
+        .and_then(|dir| svg.strip_prefix(dir).ok().map(Path::to_path_buf))
+        .unwrap_or_else(|| svg.to_path_buf());
+    println!("\nTimeline of /buy and /unsafe/buy: {}", shown.display());
+
+    let locked_oversold: i64 = rows.iter().skip(1).map(Row::oversold).sum();
+    Ok(locked_oversold == 0)
+}
+
+/// Starts the instances on `place` and sells on every route in turn.
+async fn run(place: &Place, recorders: &Recorders) -> Result<Vec<Row>, Error> {
+    let mut instances = Vec::new();
+    match place {
+        Place::Memory => {
+            let backend = MemoryBackend::new();
+            let store = Store::memory();
+            for instance in 1..=INSTANCES {
+                let app = shop::app(backend.clone(), store.clone(), instance, recorders);
+                instances.push(shop::serve(app).await?);
+            }
+            sell(&store, &instances).await
+        }
+        Place::Redis(url) => {
+            let namespace = format!(
+                "tower-lock-demo-flash-sale-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            );
+            for instance in 1..=INSTANCES {
+                let backend = RedisBackend::builder(url)
+                    .namespace(&namespace)
+                    .build()
+                    .await?;
+                let store = Store::redis(url, &namespace).await?;
+                let app = shop::app(backend, store, instance, recorders);
+                instances.push(shop::serve(app).await?);
+            }
+            let store = Store::redis(url, &namespace).await?;
+            let sold = sell(&store, &instances).await;
+            store.clean_up().await?;
+            sold
+        }
+    }
+}
+
+async fn sell(store: &Store, instances: &[SocketAddr]) -> Result<Vec<Row>, Error> {
+    let client = load::http_client();
+    let mut rows = Vec::new();
+    for route in ROUTES {
+        rows.push(load::run_route(store, &client, instances, route, (STOCK, BUYERS)).await?);
+    }
+    Ok(rows)
+}
