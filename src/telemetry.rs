@@ -166,6 +166,7 @@ mod on {
         }
 
         /// Whether a label was set.
+        #[cfg(feature = "axum")]
         pub(crate) fn is_set(&self) -> bool {
             self.0.is_some()
         }

@@ -27,10 +27,14 @@
 //!   process memory (with the same await between read and write, so `/unsafe/buy` still
 //!   oversells).
 //!
+//! Every instance serves `/metrics` (the crate's `metrics` feature through a Prometheus
+//! exporter); the demo prints the lines of the locked routes after the run.
+//!
 //! The picture (see `timeline.rs`) shows who held the lock when on `/buy`, one lane per
 //! instance, and the sales of `/unsafe/buy` against the stock line crossing zero.
 
 mod load;
+mod scrape;
 mod shop;
 mod throwaway;
 mod timeline;
@@ -39,6 +43,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use metrics_exporter_prometheus::PrometheusHandle;
 use tower_lock::{MemoryBackend, RedisBackend};
 
 use crate::load::Row;
@@ -137,7 +142,8 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
         (Place::Memory, "one in-process MemoryBackend")
     };
     let recorders = Recorders::default();
-    let rows = run(&place, &recorders).await?;
+    let prometheus = scrape::install()?;
+    let (rows, exposition) = run(&place, &recorders, &prometheus).await?;
     drop(throwaway);
 
     println!(
@@ -160,6 +166,14 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
             fail_fast_row.sold,
             fail_fast_row.count(409),
         );
+    }
+
+    println!(
+        "\nThe lock's metrics for /buy and /try-buy (GET /metrics on any instance; the three \
+         share this process's recorder):\n"
+    );
+    for line in scrape::locked_routes(&exposition) {
+        println!("{line}");
     }
 
     let title = format!(
@@ -185,16 +199,22 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
     Ok(locked_oversold == 0)
 }
 
-/// Starts the instances on `place` and sells on every route in turn.
-async fn run(place: &Place, recorders: &Recorders) -> Result<Vec<Row>, Error> {
+/// Starts the instances on `place`, sells on every route in turn, then scrapes the first
+/// instance's `/metrics`.
+async fn run(
+    place: &Place,
+    recorders: &Recorders,
+    prometheus: &PrometheusHandle,
+) -> Result<(Vec<Row>, String), Error> {
     let mut instances = Vec::new();
+    let metrics = || scrape::route(prometheus.clone());
     match place {
         Place::Memory => {
             let backend = MemoryBackend::new();
             let store = Store::memory();
             for instance in 1..=INSTANCES {
                 let app = shop::app(backend.clone(), store.clone(), instance, recorders);
-                instances.push(shop::serve(app).await?);
+                instances.push(shop::serve(app.merge(metrics())).await?);
             }
             sell(&store, &instances).await
         }
@@ -210,7 +230,7 @@ async fn run(place: &Place, recorders: &Recorders) -> Result<Vec<Row>, Error> {
                     .await?;
                 let store = Store::redis(url, &namespace).await?;
                 let app = shop::app(backend, store, instance, recorders);
-                instances.push(shop::serve(app).await?);
+                instances.push(shop::serve(app.merge(metrics())).await?);
             }
             let store = Store::redis(url, &namespace).await?;
             let sold = sell(&store, &instances).await;
@@ -220,11 +240,12 @@ async fn run(place: &Place, recorders: &Recorders) -> Result<Vec<Row>, Error> {
     }
 }
 
-async fn sell(store: &Store, instances: &[SocketAddr]) -> Result<Vec<Row>, Error> {
+async fn sell(store: &Store, instances: &[SocketAddr]) -> Result<(Vec<Row>, String), Error> {
     let client = load::http_client();
     let mut rows = Vec::new();
     for route in ROUTES {
         rows.push(load::run_route(store, &client, instances, route, (STOCK, BUYERS)).await?);
     }
-    Ok(rows)
+    let first = instances.first().ok_or("no instance started")?;
+    Ok((rows, scrape::fetch(&client, *first).await?))
 }

@@ -192,11 +192,19 @@ pub fn app<B: LockBackend>(
     let item = |_: &Request| Some(ITEM);
     let waiting = Router::new()
         .route("/buy", post(buy))
-        .route_layer(LockLayer::new(backend.clone(), item).wait(Duration::from_secs(10)))
+        .route_layer(
+            LockLayer::new(backend.clone(), item)
+                .wait(Duration::from_secs(10))
+                .metrics_label("buy"),
+        )
         .with_state(till(Some(&recorders.locked)));
     let fail_fast = Router::new()
         .route("/try-buy", post(buy))
-        .route_layer(LockLayer::new(backend, item).fail_fast())
+        .route_layer(
+            LockLayer::new(backend, item)
+                .fail_fast()
+                .metrics_label("try-buy"),
+        )
         .with_state(till(None));
     Router::new()
         .route("/unsafe/buy", post(buy))
