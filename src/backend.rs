@@ -7,6 +7,7 @@ use tracing::Instrument;
 
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::many::ManyLockRequest;
 use crate::telemetry::{Labels, Namespace, Outcome};
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
@@ -24,6 +25,17 @@ pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
     /// Starts building an acquisition of `key`.
     fn lock(&self, key: impl Into<String>) -> LockRequest {
         LockRequest::new(self.store(), key.into())
+    }
+
+    /// Starts building an acquisition of every key of `keys` at once (at most
+    /// [`MAX_KEYS`](crate::MAX_KEYS)): all or none, in canonical order, under one owner
+    /// (see [`ManyLockRequest`]).
+    fn lock_many<I>(&self, keys: I) -> ManyLockRequest
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        ManyLockRequest::new(self.store(), keys.into_iter().map(Into::into).collect())
     }
 }
 

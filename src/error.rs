@@ -198,6 +198,21 @@ pub enum KeyError {
         /// What was wrong, in words a client can act on.
         reason: String,
     },
+    /// A multi-key lock was asked for no key at all.
+    NoKeys,
+    /// A multi-key lock was asked for more keys than
+    /// [`MAX_KEYS`](crate::MAX_KEYS).
+    TooManyKeys {
+        /// How many keys were asked for.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A multi-key lock was asked for the same key twice.
+    DuplicateKey {
+        /// The key given more than once.
+        key: String,
+    },
 }
 
 impl fmt::Display for KeyError {
@@ -213,6 +228,13 @@ impl fmt::Display for KeyError {
             KeyError::ControlCharacter => f.write_str("the lock key contains a control character"),
             KeyError::Missing { source } => write!(f, "the request has no {source}"),
             KeyError::Malformed { reason } => f.write_str(reason),
+            KeyError::NoKeys => f.write_str("no lock key was given"),
+            KeyError::TooManyKeys { count, max } => {
+                write!(f, "{count} lock keys were given; the limit is {max}")
+            }
+            KeyError::DuplicateKey { key } => {
+                write!(f, "the lock key `{}` was given twice", key.escape_debug())
+            }
         }
     }
 }

@@ -97,6 +97,15 @@ use crate::error::KeyError;
 pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// Reads the key for `req`.
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError>;
+
+    /// Reads every key for `req`, for an extractor that may name several (the layer then
+    /// takes them all or none, as [`lock_many`](crate::LockBackend::lock_many) does).
+    /// `Ok(None)` runs the request unlocked; an empty list is refused with 400
+    /// ([`KeyError::NoKeys`]), as are duplicates. The layer calls this; the default reads
+    /// the one key of [`extract`](Self::extract).
+    fn extract_all(&self, req: &Request<B>) -> Result<Option<Vec<String>>, KeyError> {
+        self.extract(req).map(|key| key.map(|key| vec![key]))
+    }
 }
 
 // One blanket impl over the return type keeps closures' types inferred from their bodies;
@@ -108,6 +117,10 @@ where
 {
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError> {
         self(req).into_key()
+    }
+
+    fn extract_all(&self, req: &Request<B>) -> Result<Option<Vec<String>>, KeyError> {
+        self(req).into_keys()
     }
 }
 
@@ -138,6 +151,14 @@ mod sealed {
 pub trait KeyOutcome: sealed::Sealed {
     /// The key, `None` to run unlocked, or the reason to refuse the request.
     fn into_key(self) -> Result<Option<String>, KeyError>;
+
+    /// Every key, `None` to run unlocked, or the reason to refuse the request.
+    fn into_keys(self) -> Result<Option<Vec<String>>, KeyError>
+    where
+        Self: Sized,
+    {
+        self.into_key().map(|key| key.map(|key| vec![key]))
+    }
 }
 
 /// A key or no key, as a `Result`'s success value. A separate trait from `Into<String>`
@@ -177,6 +198,42 @@ impl<K: OptionalKey> sealed::Sealed for Result<K, KeyError> {}
 impl<K: OptionalKey> KeyOutcome for Result<K, KeyError> {
     fn into_key(self) -> Result<Option<String>, KeyError> {
         self.map(OptionalKey::into_optional_key)
+    }
+}
+
+/// Several keys, locked all or none (see [`KeyExtractor::extract_all`]). As one key
+/// ([`KeyExtractor::extract`]), a list of one is that key and a longer one is refused.
+impl<K: Into<String>> sealed::Sealed for Vec<K> {}
+impl<K: Into<String>> KeyOutcome for Vec<K> {
+    fn into_key(self) -> Result<Option<String>, KeyError> {
+        one_of(self.into_keys()?)
+    }
+
+    fn into_keys(self) -> Result<Option<Vec<String>>, KeyError> {
+        Ok(Some(self.into_iter().map(Into::into).collect()))
+    }
+}
+
+impl<K: Into<String>> sealed::Sealed for Result<Vec<K>, KeyError> {}
+impl<K: Into<String>> KeyOutcome for Result<Vec<K>, KeyError> {
+    fn into_key(self) -> Result<Option<String>, KeyError> {
+        one_of(self?.into_keys()?)
+    }
+
+    fn into_keys(self) -> Result<Option<Vec<String>>, KeyError> {
+        self?.into_keys()
+    }
+}
+
+/// The one key of `keys`, for a caller that asked for one.
+fn one_of(keys: Option<Vec<String>>) -> Result<Option<String>, KeyError> {
+    match keys {
+        Some(mut keys) if keys.len() <= 1 => keys.pop().map(Some).ok_or(KeyError::NoKeys),
+        Some(keys) => Err(KeyError::TooManyKeys {
+            count: keys.len(),
+            max: 1,
+        }),
+        None => Ok(None),
     }
 }
 

@@ -76,6 +76,7 @@ mod held;
 mod key;
 mod layer;
 mod lock;
+mod many;
 mod memory;
 mod queue;
 mod redis;
@@ -98,6 +99,7 @@ pub use crate::lock::{
     DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner, LockRequest,
     MAX_DURATION,
 };
+pub use crate::many::{MAX_KEYS, ManyLockRequest};
 pub use crate::memory::MemoryBackend;
 pub use crate::redis::{
     BackendStats, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, FencedStore, FencedValue,

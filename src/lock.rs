@@ -220,6 +220,9 @@ struct HeldInner {
     owner: LockOwner,
     token: u64,
     lost: CancellationToken,
+    /// The other keys of a multi-key lock with their tokens, after `key` in canonical
+    /// order; empty for a single key.
+    others: Vec<(String, u64)>,
 }
 
 /// A cheap, cloneable view of a held lock: its key, owner and fencing token, and a signal
@@ -237,19 +240,46 @@ pub struct HeldLock {
 
 impl HeldLock {
     pub(crate) fn new(key: String, owner: LockOwner, token: u64, lost: CancellationToken) -> Self {
+        Self::new_many(key, token, Vec::new(), owner, lost)
+    }
+
+    /// A multi-key lock: `key` and `token` first in canonical order, then `others`.
+    pub(crate) fn new_many(
+        key: String,
+        token: u64,
+        others: Vec<(String, u64)>,
+        owner: LockOwner,
+        lost: CancellationToken,
+    ) -> Self {
         HeldLock {
             inner: Arc::new(HeldInner {
                 key,
                 owner,
                 token,
                 lost,
+                others,
             }),
         }
     }
 
-    /// The key as the application gave it.
+    /// The key as the application gave it. Of a multi-key lock
+    /// ([`LockBackend::lock_many`](crate::LockBackend::lock_many)), the first key in
+    /// canonical (byte) order; [`keys`](Self::keys) lists them all.
     pub fn key(&self) -> &str {
         &self.inner.key
+    }
+
+    /// Every key with its fencing token, in canonical (byte) order: one pair for a lock of
+    /// one key, one per key for a multi-key lock.
+    pub fn keys(&self) -> impl Iterator<Item = (&str, u64)> {
+        let first = (self.inner.key.as_str(), self.inner.token);
+        let others = self.inner.others.iter().map(|(k, t)| (k.as_str(), *t));
+        std::iter::once(first).chain(others)
+    }
+
+    /// The fencing token of `key`, if this lock holds it.
+    pub fn fencing_token_of(&self, key: &str) -> Option<u64> {
+        self.keys().find(|(k, _)| *k == key).map(|(_, token)| token)
     }
 
     /// The owner this lock is held under.
@@ -257,7 +287,8 @@ impl HeldLock {
         &self.inner.owner
     }
 
-    /// A number strictly greater than the token of every earlier acquisition of this key,
+    /// A number strictly greater than the token of every earlier acquisition of this key
+    /// (of a multi-key lock: of its first key; see [`keys`](Self::keys)),
     /// even across deletion of the lock. Send it with every write the lock protects and
     /// have the store refuse writes with a token lower than one it has seen: that keeps a
     /// paused or partitioned former holder from overwriting newer data.
@@ -266,7 +297,7 @@ impl HeldLock {
     }
 
     /// True once the lock is known to be lost (renewal found it gone, or its lease ran out
-    /// while Redis was unreachable).
+    /// while Redis was unreachable); for a multi-key lock, once any of its keys is.
     pub fn is_lost(&self) -> bool {
         self.inner.lost.is_cancelled()
     }

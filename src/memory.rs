@@ -112,6 +112,16 @@ impl MemoryBackend {
         LockBackend::lock(self, key)
     }
 
+    /// Starts building an acquisition of every key of `keys` at once, all or none (see
+    /// [`ManyLockRequest`](crate::ManyLockRequest)).
+    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        LockBackend::lock_many(self, keys)
+    }
+
     /// How many keys are held right now.
     pub fn held(&self) -> usize {
         self.inner.locks().len()

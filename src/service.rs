@@ -15,6 +15,7 @@ use crate::held::push_outer;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::lock::{HeldLock, LockRequest};
+use crate::many::{ManyLockRequest, canonical};
 use crate::telemetry::{Labels, Outcome, Route};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
@@ -96,9 +97,16 @@ where
         if unmatched_by_router(&request) {
             return self.pass_through(request);
         }
-        let key = match self.key.extract(&request) {
-            Ok(Some(key)) => key,
+        // Several keys are checked here, as one key is by its backend: a refusal takes
+        // nothing.
+        let keys = match self.key.extract_all(&request) {
+            Ok(Some(keys)) if keys.len() == 1 => Ok(keys),
+            Ok(Some(keys)) => canonical(keys),
             Ok(None) => return self.pass_through(request),
+            Err(e) => Err(e),
+        };
+        let mut keys = match keys {
+            Ok(keys) => keys,
             Err(e) => {
                 let route = route_of(&self.config, &request);
                 Labels::new(self.store.metrics(), &route).acquisition(Outcome::InvalidKey, None);
@@ -117,13 +125,24 @@ where
             None => self.store.new_owner(),
         };
         let route = route_of(&self.config, &request);
-        let acquire = LockRequest::new(self.store.clone(), key)
-            .owner(owner)
-            .lease(self.config.lease)
-            .max_local_waiters(self.config.max_local_waiters)
-            .mode(self.config.mode)
-            .route(route)
-            .into_future();
+        let acquire = match (keys.pop(), keys.is_empty()) {
+            (Some(key), true) => LockRequest::new(self.store.clone(), key)
+                .owner(owner)
+                .lease(self.config.lease)
+                .max_local_waiters(self.config.max_local_waiters)
+                .mode(self.config.mode)
+                .route(route)
+                .into_future(),
+            (last, _) => {
+                keys.extend(last);
+                ManyLockRequest::new(self.store.clone(), keys)
+                    .owner(owner)
+                    .lease(self.config.lease)
+                    .max_local_waiters(self.config.max_local_waiters)
+                    .route(route)
+                    .into_future(self.config.mode)
+            }
+        };
         ResponseFuture::acquiring(acquire, request, self.inner.clone(), self.config.clone())
     }
 }

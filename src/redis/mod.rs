@@ -244,6 +244,16 @@ impl RedisBackend {
         LockBackend::lock(self, key)
     }
 
+    /// Starts building an acquisition of every key of `keys` at once, all or none (see
+    /// [`ManyLockRequest`](crate::ManyLockRequest)).
+    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        LockBackend::lock_many(self, keys)
+    }
+
     /// A snapshot of the backend's connections and bookkeeping.
     pub fn stats(&self) -> BackendStats {
         let subscriber = &self.inner.subscriber;

@@ -1,0 +1,285 @@
+//! Multi-key locks: every key or none, taken in one canonical order under one owner.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{join_all, select_all};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Store;
+use crate::error::{KeyError, LockError};
+use crate::key::validate;
+use crate::lock::{
+    BoxFuture, DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner,
+    LockRequest, MAX_DURATION, Mode, ReleaseHold,
+};
+use crate::telemetry::Route;
+
+/// The most keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each key is one
+/// acquisition (one round trip when free), taken one after another.
+pub const MAX_KEYS: usize = 16;
+
+/// An acquisition of several keys at once, being configured; finish it with
+/// [`try_once`](Self::try_once) or [`wait`](Self::wait). Created by
+/// [`LockBackend::lock_many`](crate::LockBackend::lock_many).
+///
+/// The keys are taken one by one in canonical (byte) order, whatever order they were
+/// given in, so two requests locking `{a, b}` and `{b, a}` never deadlock: whoever has
+/// `a` gets `b` next. All of them or none: if one cannot be had (held and not waited for,
+/// or the wait ran out), the keys already taken are released before the error returns.
+/// They are held under one owner, each with its own fencing token
+/// ([`HeldLock::keys`]), renewed together and released together.
+///
+/// On Redis Cluster the keys may hash to different slots: each is a lock of its own on
+/// its own shard, so the acquisition costs one round trip per key (per shard), in
+/// sequence, and a wait is a wait on each held key in turn.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_lock::{LockBackend, RedisBackend};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+/// // A transfer from B to A locks both accounts, in the same order as one from A to B.
+/// let guard = backend
+///     .lock_many(["account:B", "account:A"])
+///     .wait(Duration::from_secs(2))
+///     .await?;
+/// for (key, token) in guard.held().keys() {
+///     println!("{key} under token {token}");
+/// }
+/// guard.release().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
+pub struct ManyLockRequest {
+    store: Arc<dyn Store>,
+    keys: Vec<String>,
+    owner: Option<LockOwner>,
+    lease: Duration,
+    watchdog: bool,
+    max_local_waiters: usize,
+    route: Route,
+}
+
+impl ManyLockRequest {
+    pub(crate) fn new(store: Arc<dyn Store>, keys: Vec<String>) -> Self {
+        ManyLockRequest {
+            store,
+            keys,
+            owner: None,
+            lease: DEFAULT_LEASE,
+            watchdog: true,
+            max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
+            route: Route::default(),
+        }
+    }
+
+    /// Sets the lease of every key (see [`LockRequest::lease`]).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.clamp(Duration::from_millis(3), MAX_DURATION);
+        self
+    }
+
+    /// Turns renewal off for every key (see [`LockRequest::without_watchdog`]).
+    pub fn without_watchdog(mut self) -> Self {
+        self.watchdog = false;
+        self
+    }
+
+    /// Bounds the tasks queued for each key (see [`LockRequest::max_local_waiters`]).
+    pub fn max_local_waiters(mut self, max: usize) -> Self {
+        self.max_local_waiters = max;
+        self
+    }
+
+    /// Acquires as the owner of `held`, re-entering the keys it already holds.
+    pub fn reentrant(mut self, held: &HeldLock) -> Self {
+        self.owner = Some(held.owner().clone());
+        self
+    }
+
+    /// The `route` label of the acquisitions' metrics (see
+    /// [`LockRequest::metrics_label`]).
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        self.route = Route::new(label.into());
+        self
+    }
+
+    pub(crate) fn owner(mut self, owner: LockOwner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    pub(crate) fn route(mut self, route: Route) -> Self {
+        self.route = route;
+        self
+    }
+
+    /// Tries each key once; `Err(LockError::Contended)` naming the first key another owner
+    /// holds, with nothing held.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future releases (in the background) the keys it took.
+    pub fn try_once(self) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        self.into_future(Mode::TryOnce)
+    }
+
+    /// Waits up to `timeout` in all for every key; `Err(LockError::TimedOut)` naming the
+    /// key still held then, with nothing held.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future releases (in the background) the keys it took.
+    pub fn wait(
+        self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static {
+        self.into_future(Mode::Wait(timeout.min(MAX_DURATION)))
+    }
+
+    pub(crate) fn into_future(self, mode: Mode) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+        Box::pin(self.acquire(mode))
+    }
+
+    async fn acquire(self, mode: Mode) -> Result<LockGuard, LockError> {
+        let keys = canonical(self.keys).map_err(LockError::InvalidKey)?;
+        let owner = self.owner.unwrap_or_else(|| self.store.new_owner());
+        let started = Instant::now();
+        let deadline = match mode {
+            Mode::Wait(wait) => Some(started + wait),
+            Mode::TryOnce => None,
+        };
+        let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
+        for key in keys {
+            let mode = match deadline {
+                Some(deadline) => Mode::Wait(deadline.saturating_duration_since(Instant::now())),
+                None => Mode::TryOnce,
+            };
+            let mut request = LockRequest::new(self.store.clone(), key)
+                .owner(owner.clone())
+                .lease(self.lease)
+                .max_local_waiters(self.max_local_waiters)
+                .route(self.route.clone());
+            if !self.watchdog {
+                request = request.without_watchdog();
+            }
+            match request.mode(mode).into_future().await {
+                Ok(guard) => taken.push(guard),
+                Err(error) => {
+                    // None of them, and the keys taken are free again when this returns.
+                    join_all(taken.into_iter().map(LockGuard::release)).await;
+                    return Err(match error {
+                        LockError::TimedOut {
+                            key, retry_after, ..
+                        } => LockError::TimedOut {
+                            key,
+                            waited: started.elapsed(),
+                            retry_after,
+                        },
+                        other => other,
+                    });
+                }
+            }
+        }
+        Ok(combine(owner, taken))
+    }
+}
+
+impl fmt::Debug for ManyLockRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ManyLockRequest")
+            .field("keys", &self.keys)
+            .field("owner", &self.owner)
+            .field("lease", &self.lease)
+            .field("watchdog", &self.watchdog)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The keys sorted, after checking that there are some, not too many, none twice, and
+/// each one a key (the backend checks its length).
+pub(crate) fn canonical(mut keys: Vec<String>) -> Result<Vec<String>, KeyError> {
+    if keys.is_empty() {
+        return Err(KeyError::NoKeys);
+    }
+    if keys.len() > MAX_KEYS {
+        return Err(KeyError::TooManyKeys {
+            count: keys.len(),
+            max: MAX_KEYS,
+        });
+    }
+    keys.sort_unstable();
+    if let Some(pair) = keys.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(KeyError::DuplicateKey {
+            key: pair[0].clone(),
+        });
+    }
+    for key in &keys {
+        validate(key, usize::MAX)?;
+    }
+    Ok(keys)
+}
+
+/// One guard for the keys of `taken` (in canonical order): lost when any of them is.
+fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
+    if taken.len() == 1 {
+        if let Some(only) = taken.pop() {
+            return only;
+        }
+    }
+    let lost = CancellationToken::new();
+    let signals = taken.iter().map(|g| Box::pin(g.held().lost_signal()));
+    let watch = {
+        let (signals, lost) = (signals.collect::<Vec<_>>(), lost.clone());
+        tokio::spawn(async move {
+            select_all(signals).await;
+            lost.cancel();
+        })
+    };
+    let mut keys = taken.iter().map(|g| (g.key().to_owned(), g.fencing_token()));
+    let (key, token) = keys.next().unwrap_or_default();
+    let held = HeldLock::new_many(key, token, keys.collect(), owner, lost);
+    let hold = Holds {
+        guards: taken,
+        watch: watch.abort_handle(),
+    };
+    LockGuard::new(held, Box::new(hold))
+}
+
+/// The holds of a multi-key lock, released together.
+struct Holds {
+    guards: Vec<LockGuard>,
+    /// Cancels the multi-key lock's `lost` when one of its keys is lost.
+    watch: tokio::task::AbortHandle,
+}
+
+impl ReleaseHold for Holds {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let Holds { guards, watch } = *self;
+        watch.abort();
+        Box::pin(async move {
+            let outcomes = join_all(guards.into_iter().map(LockGuard::release)).await;
+            // A lost key says the most: the others were released.
+            let lost = outcomes
+                .iter()
+                .position(|o| matches!(o, Err(LockError::Lost { .. })));
+            let first_error = lost.or_else(|| outcomes.iter().position(Result::is_err));
+            match first_error {
+                Some(i) => outcomes.into_iter().nth(i).unwrap_or(Ok(())),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn release_in_background(self: Box<Self>) {
+        self.watch.abort();
+        // Each guard releases itself in the background as it drops.
+    }
+}

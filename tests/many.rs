@@ -1,0 +1,265 @@
+//! Multi-key locks: `lock_many` and a layer whose key closure returns several keys. All or
+//! none, in canonical order (no deadlock however the keys are ordered), one token per key.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, Request, State};
+use axum::http::StatusCode;
+use axum::routing::post;
+use redis::AsyncCommands;
+use redis::aio::MultiplexedConnection;
+use support::{RedisServer, http_client, lock_key, post as post_to, serve};
+use tower_lock::{HeldLock, KeyError, LockError, LockLayer, MAX_KEYS, MemoryBackend};
+
+const ACCOUNTS: usize = 5;
+const OPENING: i64 = 100;
+
+fn account(i: usize) -> String {
+    format!("test:balance:{i}")
+}
+
+/// Moves `amount` from one account to another: reads both balances, yields (other requests
+/// run meanwhile), then writes both. Without both locks, transfers lose money or overdraw.
+async fn transfer(
+    State(mut redis): State<MultiplexedConnection>,
+    Path((from, to, amount)): Path<(usize, usize, i64)>,
+    lock: HeldLock,
+) -> StatusCode {
+    assert_eq!(lock.keys().count(), 2, "a token per account: {lock:?}");
+    let balances: redis::RedisResult<(i64, i64)> = async {
+        Ok((redis.get(account(from)).await?, redis.get(account(to)).await?))
+    }
+    .await;
+    let Ok((from_balance, to_balance)) = balances else {
+        return StatusCode::INTERNAL_SERVER_ERROR;
+    };
+    if from_balance < amount {
+        return StatusCode::UNPROCESSABLE_ENTITY;
+    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let written: redis::RedisResult<()> = redis
+        .mset(&[
+            (account(from), from_balance - amount),
+            (account(to), to_balance + amount),
+        ])
+        .await;
+    match written {
+        Ok(()) => StatusCode::OK,
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// Both accounts of a transfer, in the order the request names them (not sorted: the
+/// layer must sort them).
+fn both_accounts(req: &Request) -> Vec<String> {
+    let mut parts = req.uri().path().split('/').skip(2);
+    let (from, to) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    vec![format!("account:{from}"), format!("account:{to}")]
+}
+
+async fn bank(server: &RedisServer, wait: bool) -> Router {
+    let backend = server.backend().await;
+    let layer = LockLayer::new(backend, both_accounts as fn(&Request) -> Vec<String>);
+    let layer = if wait {
+        layer.wait(Duration::from_secs(30))
+    } else {
+        layer.fail_fast()
+    };
+    Router::new()
+        .route("/transfer/{from}/{to}/{amount}", post(transfer))
+        .route_layer(layer)
+        .with_state(server.conn().await)
+}
+
+/// The lock hashes in Redis (fencing counters outlive their locks by design).
+async fn locks(server: &RedisServer) -> Vec<String> {
+    let keys = server.keys().await;
+    keys.into_iter()
+        .filter(|k| k.starts_with("tower-lock:") && !k.ends_with(":fence"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_transfers_in_random_order_neither_deadlock_nor_lose_money() {
+    let server = RedisServer::start();
+    let mut conn = server.conn().await;
+    for i in 0..ACCOUNTS {
+        let _: () = conn.set(account(i), OPENING).await.expect("SET");
+    }
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        instances.push(serve(bank(&server, true).await).await);
+    }
+    let client = http_client();
+    let mut transfers = tokio::task::JoinSet::new();
+    for n in 0..200 {
+        let from = fastrand::usize(0..ACCOUNTS);
+        let to = (from + fastrand::usize(1..ACCOUNTS)) % ACCOUNTS;
+        let amount = fastrand::i64(1..=60);
+        let (client, addr) = (client.clone(), instances[n % instances.len()]);
+        transfers.spawn(async move {
+            post_to(&client, addr, &format!("/transfer/{from}/{to}/{amount}"))
+                .await
+                .status
+        });
+    }
+    let statuses = tokio::time::timeout(Duration::from_secs(60), transfers.join_all())
+        .await
+        .expect("no deadlock: every transfer finishes");
+    let mut counts: HashMap<u16, usize> = HashMap::new();
+    statuses.iter().for_each(|s| *counts.entry(*s).or_default() += 1);
+    assert!(
+        statuses.iter().all(|s| [200, 422].contains(s)),
+        "every transfer ran (200) or found too little money (422): {counts:?}"
+    );
+    let mut total = 0;
+    for i in 0..ACCOUNTS {
+        let balance: i64 = conn.get(account(i)).await.expect("GET");
+        assert!(balance >= 0, "account {i} overdrawn: {balance}");
+        total += balance;
+    }
+    assert_eq!(total, OPENING * ACCOUNTS as i64, "money kept: {counts:?}");
+    println!("200 transfers over 5 accounts and 3 instances: {counts:?}");
+}
+
+#[tokio::test]
+async fn a_fail_fast_transfer_whose_second_key_is_held_gets_409_and_holds_neither() {
+    let server = RedisServer::start();
+    let mut conn = server.conn().await;
+    for i in 0..2 {
+        let _: () = conn.set(account(i), OPENING).await.expect("SET");
+    }
+    let addr = serve(bank(&server, false).await).await;
+    // `account:1` sorts after `account:0`: the request takes the first, then finds the
+    // second held.
+    let other = server.backend().await;
+    let held = other.lock("account:1").try_once().await.expect("free");
+    let reply = post_to(&http_client(), addr, "/transfer/0/1/10").await;
+    assert_eq!(reply.status, 409, "{reply:?}");
+    assert!(reply.headers.contains_key("retry-after"), "{reply:?}");
+    assert!(
+        !server.exists(&lock_key("account:0")).await,
+        "the first key was given back"
+    );
+    held.release().await.expect("released");
+    let reply = post_to(&http_client(), addr, "/transfer/1/0/10").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(locks(&server).await, Vec::<String>::new(), "both released");
+}
+
+#[tokio::test]
+async fn lock_many_gives_a_token_per_key_and_releases_them_together() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let guard = backend
+        .lock_many(["b", "a", "c"])
+        .try_once()
+        .await
+        .expect("free keys");
+    let keys: Vec<(String, u64)> = guard
+        .held()
+        .keys()
+        .map(|(k, t)| (k.to_owned(), t))
+        .collect();
+    assert_eq!(
+        keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+        ["a", "b", "c"],
+        "canonical order"
+    );
+    assert_eq!(guard.key(), "a");
+    assert_eq!(guard.held().fencing_token_of("c"), Some(keys[2].1));
+    for key in ["a", "b", "c"] {
+        assert!(server.exists(&lock_key(key)).await, "{key} held");
+    }
+    // Another owner gets none of them, and takes nothing trying.
+    let busy = backend.lock_many(["c", "d"]).try_once().await;
+    assert!(
+        matches!(&busy, Err(LockError::Contended { key, .. }) if key == "c"),
+        "{busy:?}"
+    );
+    assert!(!server.exists(&lock_key("d")).await);
+    // Losing one key loses the lock.
+    let _: () = redis::cmd("DEL")
+        .arg(lock_key("b"))
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("DEL");
+    let lost = guard.held().clone();
+    guard.release().await.expect_err("b was lost");
+    assert!(lost.is_lost() || !server.exists(&lock_key("a")).await);
+    for key in ["a", "b", "c"] {
+        assert!(!server.exists(&lock_key(key)).await, "{key} released");
+    }
+}
+
+#[tokio::test]
+async fn bad_key_lists_are_refused_and_take_nothing() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let refused = |result: Result<tower_lock::LockGuard, LockError>| match result {
+        Err(LockError::InvalidKey(e)) => e,
+        other => panic!("expected InvalidKey, got {other:?}"),
+    };
+    let none: [&str; 0] = [];
+    assert_eq!(
+        refused(backend.lock_many(none).try_once().await),
+        KeyError::NoKeys
+    );
+    assert_eq!(
+        refused(backend.lock_many(["x", "y", "x"]).try_once().await),
+        KeyError::DuplicateKey { key: "x".into() }
+    );
+    let many: Vec<String> = (0..=MAX_KEYS).map(|i| format!("k{i}")).collect();
+    assert_eq!(
+        refused(backend.lock_many(many).try_once().await),
+        KeyError::TooManyKeys {
+            count: MAX_KEYS + 1,
+            max: MAX_KEYS
+        }
+    );
+    assert_eq!(
+        refused(backend.lock_many(["ok", "bad\n"]).try_once().await),
+        KeyError::ControlCharacter
+    );
+    assert_eq!(locks(&server).await, Vec::<String>::new(), "nothing taken");
+
+    // On the layer: an empty list and a duplicate are 400, before anything is locked.
+    let keys_of = |req: &Request| {
+        req.uri()
+            .path()
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect::<Vec<String>>()
+    };
+    let app = Router::new()
+        .route("/", post(|| async {}))
+        .route("/{a}/{b}", post(|| async {}))
+        .route_layer(LockLayer::new(backend, keys_of));
+    let addr = serve(app).await;
+    let client = http_client();
+    let empty = post_to(&client, addr, "/").await;
+    assert!(empty.problem(400).contains("no lock key"), "{empty:?}");
+    let twice = post_to(&client, addr, "/x/x").await;
+    assert!(twice.problem(400).contains("twice"), "{twice:?}");
+    assert_eq!(post_to(&client, addr, "/x/y").await.status, 200);
+    assert_eq!(locks(&server).await, Vec::<String>::new(), "all released");
+}
+
+#[tokio::test]
+async fn memory_backend_takes_many_keys_in_canonical_order_too() {
+    let backend = MemoryBackend::new();
+    let first = backend.lock_many(["q", "p"]).try_once().await.expect("free");
+    let second = backend.lock_many(["p", "r"]).try_once().await;
+    assert!(
+        matches!(&second, Err(LockError::Contended { key, .. }) if key == "p"),
+        "{second:?}"
+    );
+    assert_eq!(backend.held(), 2, "r was not left taken");
+    first.release().await.expect("released");
+    assert_eq!(backend.held(), 0);
+}
