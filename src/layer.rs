@@ -177,10 +177,11 @@ impl<K> LockLayer<K> {
         self
     }
 
-    /// Names this layer in the crate's metrics (feature `metrics`): the `route` label of
-    /// every acquisition and hold it makes. Without it the label is the path pattern axum
-    /// matched (`/orders/{id}/pay`), or empty outside an axum router. Never a key: every
-    /// value is its own time series, so keep labels to a fixed set.
+    /// Names this layer in the crate's metrics: the `route` label of every acquisition
+    /// and hold it makes. Without it the label is the path pattern axum matched
+    /// (`/orders/{id}/pay`), or empty outside an axum router. Never a key: every value is
+    /// its own time series, so keep labels to a fixed set. Without the `metrics` feature
+    /// this does nothing (so an application's own optional metrics need no `cfg` here).
     ///
     /// ```
     /// # use axum::extract::Request;
@@ -192,8 +193,6 @@ impl<K> LockLayer<K> {
     /// .metrics_label("checkout");
     /// # drop(layer);
     /// ```
-    #[cfg(feature = "metrics")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
         Arc::make_mut(&mut self.config).route = Route::new(label.into());
         self

@@ -145,11 +145,10 @@ impl LockRequest {
         self
     }
 
-    /// The `route` label of this acquisition's metrics (feature `metrics`; default empty),
-    /// as [`LockLayer::metrics_label`](crate::LockLayer::metrics_label) sets it for a
-    /// layer. Keep it to a fixed set of names: every value is its own time series.
-    #[cfg(feature = "metrics")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    /// The `route` label of this acquisition's metrics (default empty), as
+    /// [`LockLayer::metrics_label`](crate::LockLayer::metrics_label) sets it for a layer.
+    /// Keep it to a fixed set of names: every value is its own time series. Does nothing
+    /// without the `metrics` feature.
     pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
         self.route = Route::new(label.into());
         self

@@ -94,6 +94,7 @@ struct Lock {
 impl MemoryBackend {
     /// An empty store.
     pub fn new() -> Self {
+        crate::telemetry::describe_metrics();
         MemoryBackend {
             inner: Arc::new(Inner {
                 owners: OwnerIds::new(),

@@ -181,7 +181,7 @@ fn route_of<B>(config: &Config, request: &Request<B>) -> Route {
     #[cfg(all(feature = "metrics", feature = "axum"))]
     if !config.route.is_set() {
         if let Some(path) = request.extensions().get::<axum::extract::MatchedPath>() {
-            return Route::new(path.as_str().to_owned());
+            return Route::matched(path.as_str());
         }
     }
     let _ = request;

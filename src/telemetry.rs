@@ -61,6 +61,8 @@ pub(crate) use self::off::*;
 mod on {
     use std::time::Duration;
 
+    use std::sync::Arc;
+
     use metrics::{Label, SharedString, Unit};
     use tokio::time::Instant;
 
@@ -74,7 +76,7 @@ mod on {
     pub(super) const WAIT: &str = "tower_lock_wait_seconds";
     /// Seconds from having a lock to its release.
     pub(super) const HOLD: &str = "tower_lock_hold_seconds";
-    /// Locks this process holds now.
+    /// Lock holds of this process now.
     pub(super) const HELD: &str = "tower_lock_held";
     /// Requests of this process waiting for a lock now.
     pub(super) const WAITERS: &str = "tower_lock_waiters";
@@ -101,7 +103,11 @@ mod on {
             "Time from asking for a lock to having it or giving up"
         );
         describe_histogram!(HOLD, Unit::Seconds, "Time a lock was held");
-        describe_gauge!(HELD, Unit::Count, "Locks this process holds");
+        describe_gauge!(
+            HELD,
+            Unit::Count,
+            "Lock holds of this process (a re-entry is a hold of its own)"
+        );
         describe_gauge!(
             WAITERS,
             Unit::Count,
@@ -130,7 +136,7 @@ mod on {
 
     impl Namespace {
         pub(crate) fn new(namespace: &str) -> Self {
-            Namespace(SharedString::from(std::sync::Arc::<str>::from(namespace)))
+            Namespace(SharedString::from(Arc::<str>::from(namespace)))
         }
 
         fn label(&self) -> Label {
@@ -161,8 +167,18 @@ mod on {
     pub(crate) struct Route(Option<SharedString>);
 
     impl Route {
-        pub(crate) fn new(label: impl Into<SharedString>) -> Self {
-            Route(Some(label.into()))
+        /// A label set once and cloned for every acquisition: shared, not copied.
+        pub(crate) fn new(label: std::borrow::Cow<'static, str>) -> Self {
+            Route(Some(match label {
+                std::borrow::Cow::Borrowed(label) => SharedString::const_str(label),
+                std::borrow::Cow::Owned(label) => SharedString::from(Arc::<str>::from(label)),
+            }))
+        }
+
+        /// The path pattern axum matched, shared by every acquisition of the request.
+        #[cfg(feature = "axum")]
+        pub(crate) fn matched(path: &str) -> Self {
+            Route(Some(SharedString::from(Arc::<str>::from(path))))
         }
 
         /// Whether a label was set.
@@ -174,15 +190,12 @@ mod on {
 
     /// The labels of one acquisition and its hold.
     #[derive(Clone, Debug)]
-    pub(crate) struct Labels(std::sync::Arc<[Label; 2]>);
+    pub(crate) struct Labels(Arc<[Label; 2]>);
 
     impl Labels {
         pub(crate) fn new(namespace: &Namespace, route: &Route) -> Self {
             let route = route.0.clone().unwrap_or(SharedString::const_str(""));
-            Labels(std::sync::Arc::new([
-                namespace.label(),
-                Label::new("route", route),
-            ]))
+            Labels(Arc::new([namespace.label(), Label::new("route", route)]))
         }
 
         fn with_outcome(&self, outcome: Outcome) -> Vec<Label> {
@@ -206,11 +219,14 @@ mod on {
             Waiting(gauge)
         }
 
-        /// Counts a held lock until [`Hold::end`] (or its drop).
+        /// Counts a held lock until [`Hold::end`]. The gauge counted up is the one counted
+        /// down, even if the recorder changes meanwhile.
         pub(crate) fn hold(&self) -> Hold {
-            metrics::gauge!(HELD, self.0.to_vec()).increment(1.0);
+            let held = metrics::gauge!(HELD, self.0.to_vec());
+            held.increment(1.0);
             Hold {
                 labels: self.clone(),
+                held,
                 since: Instant::now(),
             }
         }
@@ -229,13 +245,14 @@ mod on {
     /// was lost.
     pub(crate) struct Hold {
         labels: Labels,
+        held: metrics::Gauge,
         since: Instant,
     }
 
     impl Hold {
         pub(crate) fn end(self, lost: bool) {
             let labels = &self.labels;
-            metrics::gauge!(HELD, labels.0.to_vec()).decrement(1.0);
+            self.held.decrement(1.0);
             metrics::histogram!(HOLD, labels.0.to_vec()).record(self.since.elapsed().as_secs_f64());
             if lost {
                 labels.acquisition(Outcome::Lost, None);
@@ -291,6 +308,12 @@ mod off {
 
     #[derive(Clone, Debug, Default)]
     pub(crate) struct Route(());
+
+    impl Route {
+        pub(crate) fn new(_: std::borrow::Cow<'static, str>) -> Self {
+            Route(())
+        }
+    }
 
     #[derive(Clone, Debug)]
     pub(crate) struct Labels;

@@ -124,6 +124,18 @@ impl Snapshot {
             .collect()
     }
 
+    /// Every label name recorded.
+    fn label_keys(&self) -> Vec<&str> {
+        let mut keys: Vec<&str> = self
+            .values
+            .keys()
+            .flat_map(|(_, labels)| labels.iter().map(|(k, _)| k.as_str()))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
     fn names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.values.keys().map(|(n, _)| n.as_str()).collect();
         names.sort();
@@ -283,6 +295,7 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
     assert_eq!(after.units.get(WAIT), Some(&Unit::Seconds));
     assert_eq!(after.units.get(HOLD), Some(&Unit::Seconds));
     assert_eq!(after.units.get(ACQUISITIONS), Some(&Unit::Count));
+    assert_eq!(after.label_keys(), ["namespace", "outcome", "route"]);
     let values = [during.label_values(), after.label_values()].concat();
     assert!(
         values
@@ -424,4 +437,37 @@ async fn the_memory_backend_reports_under_the_namespace_memory() {
         )
     };
     assert_eq!((jobs("contended"), jobs("acquired")), (1, 1));
+}
+
+#[tokio::test]
+async fn a_waiter_that_gives_up_and_a_dropped_guard_bring_their_gauges_back_to_zero() {
+    let (_turn, recorded) = Recorded::turn().await;
+    let backend = MemoryBackend::new();
+    let held = backend
+        .lock("busy")
+        .metrics_label("gauges")
+        .try_once()
+        .await
+        .expect("free");
+    let waiting = backend
+        .lock("busy")
+        .metrics_label("gauges")
+        .wait(Duration::from_secs(30));
+    let waiting = tokio::spawn(waiting);
+    let labels = [("namespace", "memory"), ("route", "gauges")];
+    // One runtime thread: yielding lets the waiter run until it parks in the queue.
+    tokio::task::yield_now().await;
+    // The client went away: the waiting acquisition is dropped.
+    waiting.abort();
+    assert!(waiting.await.is_err_and(|e| e.is_cancelled()));
+    drop(held);
+
+    let s = recorded.take();
+    let gauge = |name| match s.value(name, &labels) {
+        Some(DebugValue::Gauge(v)) => v.into_inner(),
+        other => panic!("{name} was recorded as a gauge: {other:?}"),
+    };
+    assert_eq!(gauge(WAITERS), 0.0, "counted up, then down");
+    assert_eq!(gauge(HELD), 0.0, "counted up, then down");
+    assert_eq!(s.samples(HOLD, &labels).len(), 1);
 }

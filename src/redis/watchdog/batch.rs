@@ -40,6 +40,7 @@ pub(super) async fn renew_batch(
     }
     let sent_at = Instant::now();
     let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
+    let failed = !matches!(&result, Ok(Ok(renewed)) if renewed.len() == batch.len());
     let mut state = shared.state();
     let rechecks = state.rechecks;
     let mut hooks: Vec<OnLost> = Vec::new();
@@ -76,7 +77,6 @@ pub(super) async fn renew_batch(
             }
         }
         outcome => {
-            shared.metrics.renewal_failed();
             match outcome {
                 Ok(Ok(_)) => tracing::warn!("lock renewal returned a malformed reply"),
                 // Recorded as an error, so subscribers print its sources (the cause).
@@ -103,5 +103,8 @@ pub(super) async fn renew_batch(
         }
     }
     drop(state);
+    if failed {
+        shared.metrics.renewal_failed();
+    }
     run_hooks(hooks);
 }
