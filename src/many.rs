@@ -104,8 +104,6 @@ impl ManyLockRequest {
 
     /// The `route` label of the acquisitions' metrics (see
     /// [`LockRequest::metrics_label`]).
-    #[cfg(feature = "metrics")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
         self.route = Route::new(label.into());
         self
@@ -144,7 +142,10 @@ impl ManyLockRequest {
         self.into_future(Mode::Wait(timeout.min(MAX_DURATION)))
     }
 
-    pub(crate) fn into_future(self, mode: Mode) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+    pub(crate) fn into_future(
+        self,
+        mode: Mode,
+    ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
         Box::pin(self.acquire(mode))
     }
 
@@ -243,7 +244,9 @@ fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
             lost.cancel();
         })
     };
-    let mut keys = taken.iter().map(|g| (g.key().to_owned(), g.fencing_token()));
+    let mut keys = taken
+        .iter()
+        .map(|g| (g.key().to_owned(), g.fencing_token()));
     let (key, token) = keys.next().unwrap_or_default();
     let held = HeldLock::new_many(key, token, keys.collect(), owner, lost);
     let hold = Holds {

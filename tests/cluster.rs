@@ -29,6 +29,7 @@ async fn cluster_scenarios() {
     assert_eq!(shards.len(), 3, "three primaries");
 
     locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(&cluster).await;
+    a_multi_key_lock_spans_the_shards_of_its_keys(&cluster).await;
     waiters_do_not_poll_and_a_release_reaches_only_its_shard(&cluster).await;
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
@@ -113,6 +114,46 @@ async fn locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(clus
     }
     for (key, port) in &keys {
         assert!(!cluster.exists_on(*port, &format!("tower-lock:{{{key}}}")));
+    }
+}
+
+/// `lock_many` over keys of three shards: each key's lock hash is on its own shard, a
+/// second multi-key lock that overlaps gets `Contended` and leaves nothing taken, and the
+/// release frees every shard.
+async fn a_multi_key_lock_spans_the_shards_of_its_keys(cluster: &Cluster) {
+    let backend = cluster.backend().await;
+    let keys: Vec<(String, u16)> = cluster
+        .primaries()
+        .into_iter()
+        .map(|port| (key_on(cluster, port, "multi:"), port))
+        .collect();
+    let guard = backend
+        .lock_many(keys.iter().rev().map(|(key, _)| key.clone()))
+        .try_once()
+        .await
+        .expect("free keys on three shards");
+    assert_eq!(guard.held().keys().count(), 3);
+    for (key, port) in &keys {
+        assert!(
+            cluster.exists_on(*port, &format!("tower-lock:{{{key}}}")),
+            "{key} on {port}"
+        );
+    }
+    // The free key sorts first: it is taken, then given back when the held one is found.
+    let overlapping = [keys[0].0.clone(), "a-multi:elsewhere".to_owned()];
+    let busy = backend.lock_many(overlapping).try_once().await;
+    assert!(
+        matches!(busy, Err(tower_lock::LockError::Contended { .. })),
+        "{busy:?}"
+    );
+    let elsewhere = cluster.primary_of("tower-lock:{a-multi:elsewhere}");
+    assert!(!cluster.exists_on(elsewhere, "tower-lock:{a-multi:elsewhere}"));
+    guard.release().await.expect("released");
+    for (key, port) in &keys {
+        assert!(
+            !cluster.exists_on(*port, &format!("tower-lock:{{{key}}}")),
+            "{key} freed"
+        );
     }
 }
 

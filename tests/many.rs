@@ -31,7 +31,10 @@ async fn transfer(
 ) -> StatusCode {
     assert_eq!(lock.keys().count(), 2, "a token per account: {lock:?}");
     let balances: redis::RedisResult<(i64, i64)> = async {
-        Ok((redis.get(account(from)).await?, redis.get(account(to)).await?))
+        Ok((
+            redis.get(account(from)).await?,
+            redis.get(account(to)).await?,
+        ))
     }
     .await;
     let Ok((from_balance, to_balance)) = balances else {
@@ -111,7 +114,9 @@ async fn concurrent_transfers_in_random_order_neither_deadlock_nor_lose_money() 
         .await
         .expect("no deadlock: every transfer finishes");
     let mut counts: HashMap<u16, usize> = HashMap::new();
-    statuses.iter().for_each(|s| *counts.entry(*s).or_default() += 1);
+    statuses
+        .iter()
+        .for_each(|s| *counts.entry(*s).or_default() += 1);
     assert!(
         statuses.iter().all(|s| [200, 422].contains(s)),
         "every transfer ran (200) or found too little money (422): {counts:?}"
@@ -253,7 +258,11 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
 #[tokio::test]
 async fn memory_backend_takes_many_keys_in_canonical_order_too() {
     let backend = MemoryBackend::new();
-    let first = backend.lock_many(["q", "p"]).try_once().await.expect("free");
+    let first = backend
+        .lock_many(["q", "p"])
+        .try_once()
+        .await
+        .expect("free");
     let second = backend.lock_many(["p", "r"]).try_once().await;
     assert!(
         matches!(&second, Err(LockError::Contended { key, .. }) if key == "p"),
