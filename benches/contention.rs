@@ -8,6 +8,9 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+#[path = "parts/multi_key.rs"]
+mod multi_key;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -101,6 +104,7 @@ async fn run() -> String {
     );
     out += &uncontended(&server).await;
     out += &hot_key(&server, Duration::from_secs_f64(secs)).await;
+    out += &multi_key::multi_key(&server, Duration::from_secs_f64(secs)).await;
     out += &http(&server).await;
     out += &scale(&server).await;
     // Last: it installs the process's metrics recorder, which every later figure would pay.
