@@ -11,6 +11,9 @@ mod support;
 #[path = "parts/multi_key.rs"]
 mod multi_key;
 
+#[path = "parts/sweep.rs"]
+mod sweep;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -285,6 +288,8 @@ struct HotRun {
     /// Redis CPU seconds and commands over the rounds (`None` for the in-process mutex).
     redis: Option<(f64, u64)>,
     lost: u64,
+    /// Acquisitions made by each instance.
+    per_instance: Vec<u64>,
 }
 
 /// Rounds per critical-section length: the locks take turns, so that a burst of load
@@ -293,7 +298,8 @@ const ROUNDS: u32 = 3;
 
 async fn hot_key(server: &RedisServer, secs: Duration) -> String {
     let mut out = String::new();
-    for section in [Duration::ZERO, Duration::from_millis(1)] {
+    let mut points = Vec::new();
+    for section in sweep::SECTIONS {
         let bench = HotBench {
             server,
             section,
@@ -328,8 +334,12 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
                 bench.round(run).await;
             }
         }
-        out += &hot_table(section, &runs);
+        if [Duration::ZERO, Duration::from_millis(1)].contains(&section) {
+            out += &hot_table(section, &runs);
+        }
+        points.extend(runs.iter().map(|run| sweep::Point::of(section, run)));
     }
+    out += &sweep::report(&points);
     out
 }
 
@@ -344,6 +354,7 @@ impl HotRun {
             waits: Vec::new(),
             redis: on_redis.then_some((0.0, 0)),
             lost: 0,
+            per_instance: vec![0; INSTANCES],
         }
     }
 }
@@ -381,9 +392,10 @@ impl HotBench<'_> {
         tokio::time::sleep(self.secs).await;
         shared.stop.store(true, Ordering::Relaxed);
         let mut acquisitions = 0;
-        for task in tasks {
+        for (i, task) in tasks.into_iter().enumerate() {
             let waits = task.await.unwrap();
             acquisitions += waits.len() as u64;
+            run.per_instance[i % INSTANCES] += waits.len() as u64;
             run.waits.extend(waits);
         }
         run.elapsed += started.elapsed();
