@@ -1,21 +1,254 @@
-//! Jepsen on one machine: holders cut off from Redis, checked against the server.
+//! Jepsen on one machine: three app instances (real child processes, each an axum app
+//! behind the lock layer, each on its own network namespace) run guarded
+//! read-modify-write increments of fenced registers, while a nemesis partitions an
+//! instance from Redis, stalls and slows its proxy, cuts replies in the middle, restarts
+//! Redis empty with `kill -9`, and freezes instances with `SIGSTOP`. Every hold is
+//! recorded and checked (`support::history`), and every holder cut off from Redis for
+//! longer than its lease must stop before the lease ends on the server: the margin
+//! (server-side expiry minus the holder's stop) is measured each time and must never be
+//! negative.
+//!
+//! Runs 60 s of load by default; `JEPSEN_SECS=600 cargo test --test jepsen -- --nocapture`
+//! runs longer. Needs root and iproute2 (it says it skipped otherwise).
 
 mod support;
 
-use std::net::SocketAddr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+#[path = "jepsen/app.rs"]
+mod app;
+#[path = "jepsen/nemesis.rs"]
+mod nemesis;
 
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::child::{self, ChildProcess};
 use support::history::{self, Hold, Registers, Write};
+use support::netns::{HostRedis, Net};
 use support::proxy::FaultProxy;
+use tokio_util::sync::CancellationToken;
+
+use nemesis::*;
 
 /// The lease of every hold: short, so that many faults fit in a run.
 const LEASE: Duration = Duration::from_millis(1500);
+/// How long a request waits for its lock.
+const WAIT: Duration = Duration::from_secs(2);
+/// How long a probe (the hold a partition or stall is aimed at) holds when not stopped:
+/// longer than the longest cut-off (2 leases).
+const PROBE_HOLD: Duration = Duration::from_millis(4000);
+const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
+/// The instances with a direct (partitionable) link to Redis; the last one goes through
+/// the fault proxy.
+const PARTITIONABLE: [usize; 2] = [0, 1];
+const PROXIED: usize = 2;
+/// Lock namespaces: every instance has a backend with the delayed-restart guard (`g`) and
+/// one without (`n`), so each Redis restart hits both.
+const NAMESPACES: [&str; 2] = ["g", "n"];
+const KEYS: [&str; 2] = ["k0", "k1"];
+const HTTP_PORT: u16 = 8080;
+const REDIS_PORT: u16 = 6379;
+
+const REDIS_URL: &str = "JEPSEN_REDIS_URL";
+const DB_URL: &str = "JEPSEN_DB_URL";
+const LISTEN: &str = "JEPSEN_LISTEN";
+const INSTANCE: &str = "JEPSEN_INSTANCE";
 
 fn now_micros() -> u64 {
     let since_epoch = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("clock after 1970");
     u64::try_from(since_epoch.as_micros()).expect("fits")
+}
+
+/// The lock namespace of lock namespace label `ns`.
+fn namespace(ns: &str) -> String {
+    format!("jepsen-{ns}")
+}
+
+/// The Redis key of the lock on `key` in label `ns`.
+fn lock_key(ns: &str, key: &str) -> String {
+    format!("{}:{{{key}}}", namespace(ns))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before_expiry() {
+    const TEST: &str = "nemesis_workload";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    support::init_tracing();
+    let started = Instant::now();
+    let secs: u64 = std::env::var("JEPSEN_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+
+    let mut net = Net::new(&["redis", "app0", "app1", "app2"]);
+    for &i in &PARTITIONABLE {
+        net.link(INSTANCES[i], "redis");
+    }
+    let mut bind = vec![net.host_ip("redis")];
+    bind.extend(
+        PARTITIONABLE
+            .iter()
+            .map(|&i| net.link_ip(INSTANCES[i], "redis")),
+    );
+    let redis = HostRedis::start(
+        &net,
+        Some("redis"),
+        &bind,
+        SocketAddr::from((net.host_ip("redis"), REDIS_PORT)),
+        &["--notify-keyspace-events", "Ex", "--hz", "100"],
+    );
+    // The database of the fenced registers: in the test's namespace, reachable from every
+    // instance over its uplink, never faulted (a partition from Redis leaves it reachable,
+    // which is what makes a holder that does not stop dangerous).
+    let db_ips: Vec<Ipv4Addr> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
+    let db_port = free_port(db_ips[0]);
+    let db = HostRedis::start(
+        &net,
+        None,
+        &db_ips,
+        SocketAddr::from((db_ips[0], db_port)),
+        &[],
+    );
+    let proxy = FaultProxy::start(
+        SocketAddr::from((net.root_ip(INSTANCES[PROXIED]), 0)),
+        redis.addr(),
+    )
+    .await;
+
+    let log: SharedLog = Arc::default();
+    let stop_readers = CancellationToken::new();
+    let observer = tokio::spawn(observe_expiries(redis.addr(), log.clone()));
+    let mut readers = Vec::new();
+    let mut pids = Vec::new();
+    for (i, host) in INSTANCES.iter().enumerate() {
+        let redis_url = if i == PROXIED {
+            format!("redis://{}", proxy.addr())
+        } else {
+            format!("redis://{}:{REDIS_PORT}", net.link_ip(host, "redis"))
+        };
+        let settings = [
+            (REDIS_URL, redis_url),
+            (DB_URL, format!("redis://{}:{db_port}", net.root_ip(host))),
+            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
+            (INSTANCE, i.to_string()),
+        ];
+        let mut app = ChildProcess::spawn_in(&net.ns(host), "app::jepsen_child", "app", &settings);
+        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
+        pids.push(app.pid());
+        readers.push(tokio::spawn(read_reports(
+            app,
+            log.clone(),
+            stop_readers.clone(),
+        )));
+    }
+    let addrs: Vec<SocketAddr> = INSTANCES
+        .iter()
+        .map(|h| SocketAddr::from((net.host_ip(h), HTTP_PORT)))
+        .collect();
+    let mut cluster = Cluster {
+        net,
+        redis,
+        db,
+        proxy,
+        pids,
+    };
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let statuses: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let load: Vec<_> = (0..6)
+        .map(|_| tokio::spawn(load(addrs.clone(), deadline, statuses.clone())))
+        .collect();
+    let (faults, cut_offs) = run_nemesis(&mut cluster, &addrs, &log, deadline).await;
+    for task in load {
+        task.await.expect("load task");
+    }
+    // Every request has been answered: every handler has stopped and reported.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_readers.cancel();
+    for reader in readers {
+        reader.await.expect("reader");
+    }
+    observer.abort();
+
+    let registers = read_registers(&cluster).await;
+    let log = std::mem::take(&mut *lock(&log));
+    let violations = history::check(&log.holds, &registers);
+    let margins = margins(&cut_offs, &log);
+
+    // The summary.
+    let by_kind = |kind| faults.iter().filter(|f| **f == kind).count();
+    println!(
+        "jepsen: {secs} s of load, run time {:.1?}",
+        started.elapsed()
+    );
+    for kind in KINDS {
+        println!("  faults {kind:?}: {}", by_kind(kind));
+    }
+    println!("  replies cut: {}", cluster.proxy.cuts_done());
+    let written = log
+        .holds
+        .iter()
+        .filter(|h| matches!(h.write, Write::Written(_)))
+        .count();
+    println!(
+        "  holds checked: {} ({written} acknowledged writes), requests: {:?}",
+        log.holds.len(),
+        lock_map(&statuses)
+    );
+    for kind in [Fault::Partition, Fault::Stall, Fault::CutEveryReply] {
+        let of_kind: Vec<&Margin> = margins.iter().filter(|m| m.fault == kind).collect();
+        let min = of_kind.iter().map(|m| m.margin).min();
+        let min_event = of_kind.iter().filter_map(|m| m.by_event).min();
+        let survived = cut_offs.iter().filter(|c| c.fault == kind).count() - of_kind.len();
+        println!(
+            "  {kind:?}: holder stopped before expiry {} times, min margin {} \
+             (by the expired event {}), {survived} cut-offs too short to lose the lock",
+            of_kind.len(),
+            ms(min),
+            ms(min_event),
+        );
+    }
+    for v in &violations {
+        println!("  VIOLATION: {v}");
+    }
+
+    assert!(
+        violations.is_empty(),
+        "{} checker violations",
+        violations.len()
+    );
+    for m in &margins {
+        assert!(
+            m.margin >= 0,
+            "a cut-off holder ran past the server-side expiry: {m:?}"
+        );
+    }
+    assert!(
+        !margins.is_empty(),
+        "no cut-off holder was stopped: the promise was not exercised"
+    );
+    assert!(written > 0, "the workload made progress");
+}
+
+fn ms(us: Option<i64>) -> String {
+    us.map_or("-".to_owned(), |us| format!("{:.1} ms", us as f64 / 1000.0))
+}
+
+fn lock_map<T: Clone>(map: &Mutex<T>) -> T {
+    map.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn free_port(ip: Ipv4Addr) -> u16 {
+    std::net::TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
 }
 
 // ---------------------------------------------------------------------------------------
