@@ -44,7 +44,10 @@ pub(super) enum Fault {
     Latency,
     /// A few replies cut in the middle while the load runs.
     CutReplies,
+    /// `kill -9` and a restart, empty, after 0-300 ms (both lock namespaces: with and
+    /// without `.restart_guard()`).
     RedisRestart,
+    /// An instance frozen for 0.1-0.5 leases.
     Sigstop,
 }
 
@@ -63,6 +66,7 @@ pub(super) const FAULTS: [Fault; 10] = [
     Fault::Sigstop,
 ];
 
+/// Every kind once, in the order of the summary.
 pub(super) const KINDS: [Fault; 7] = [
     Fault::Partition,
     Fault::Stall,
@@ -73,7 +77,7 @@ pub(super) const KINDS: [Fault; 7] = [
     Fault::Sigstop,
 ];
 
-/// A holder cut off from Redis (partition or stall) while it held `probe`.
+/// A holder cut off from Redis (partition, stall, every reply cut) while it held `probe`.
 pub(super) struct CutOff {
     pub(super) fault: Fault,
     pub(super) probe: (usize, String, u64),
@@ -88,6 +92,7 @@ pub(super) struct CutOff {
     pub(super) expiries: Vec<(u64, u64)>,
 }
 
+/// What the nemesis acts on.
 pub(super) struct Cluster {
     pub(super) net: Net,
     pub(super) redis: HostRedis,
