@@ -295,8 +295,10 @@ impl HeldLock {
         self.inner.token
     }
 
-    /// True once the lock is known to be lost (renewal found it gone, or its lease ran out
-    /// while Redis was unreachable); for a multi-key lock, once any of its keys is.
+    /// True once the lock is known to be lost (renewal found it gone, or Redis was
+    /// unreachable until shortly before its lease could end there: 2% of the lease, at
+    /// least 4 ms, so that the handler has stopped by then); for a multi-key lock, once
+    /// any of its keys is.
     pub fn is_lost(&self) -> bool {
         self.inner.lost.is_cancelled()
     }

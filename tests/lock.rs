@@ -454,6 +454,8 @@ async fn an_unrenewed_hold_stops_being_renewed_when_a_renewing_reentry_leaves() 
     tokio::time::timeout(Duration::from_secs(10), outer.lost())
         .await
         .expect("the outer hold's lease runs out as it promised");
+    // `lost()` fires a little before the lease ends on the server; unrenewed, it ends.
+    server.wait_until_released(KEY).await;
     assert!(server.backend().await.lock(KEY).try_once().await.is_ok());
 }
 

@@ -41,7 +41,25 @@ impl ChildProcess {
     /// environment.
     pub fn spawn(entry: &str, role: &str, settings: &[(&str, String)]) -> Self {
         let exe = std::env::current_exe().expect("test binary path");
-        let mut child = Command::new(exe)
+        Self::spawn_with(Command::new(exe), entry, role, settings)
+    }
+
+    /// [`spawn`](Self::spawn) inside the network namespace `netns` (see `netns.rs`).
+    /// `ip netns exec` execs the binary, so [`pid`](Self::pid) is the child's own.
+    pub fn spawn_in(netns: &str, entry: &str, role: &str, settings: &[(&str, String)]) -> Self {
+        let exe = std::env::current_exe().expect("test binary path");
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", netns]).arg(exe);
+        Self::spawn_with(command, entry, role, settings)
+    }
+
+    fn spawn_with(
+        mut command: Command,
+        entry: &str,
+        role: &str,
+        settings: &[(&str, String)],
+    ) -> Self {
+        let mut child = command
             .args([
                 "--exact",
                 entry,

@@ -6,6 +6,9 @@
 pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
+pub mod history;
+pub mod netns;
+pub mod proxy;
 pub mod replica;
 pub mod sentinel;
 pub mod tls;

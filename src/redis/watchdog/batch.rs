@@ -67,7 +67,7 @@ pub(super) async fn renew_batch(
                     // Checked, not extended: the lease still ends where it did.
                     if settled {
                         entry.recheck = false;
-                        entry.next = entry.confirmed + entry.lease;
+                        entry.next = entry.end();
                     }
                 } else {
                     tracing::warn!(key = %due.key.0, "lock no longer held at renewal");
