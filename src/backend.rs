@@ -67,6 +67,9 @@ mod sealed {
 
         /// The `namespace` label of the backend's metrics.
         fn metrics(&self) -> &crate::telemetry::Namespace;
+
+        /// The longest key the backend accepts, in bytes.
+        fn max_key_len(&self) -> usize;
     }
 }
 

@@ -24,10 +24,134 @@
 //! ```
 
 use std::fmt;
+use std::sync::Arc;
 
 use http::Extensions;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::lock::HeldLock;
+use crate::lock::LockOwner;
+
+struct HeldInner {
+    key: String,
+    owner: LockOwner,
+    token: u64,
+    lost: CancellationToken,
+    /// The other keys of a multi-key lock with their tokens, after `key` in canonical
+    /// order; empty for a single key.
+    others: Vec<(String, u64)>,
+    /// Each key's own `lost` of a multi-key lock, asked directly by `is_lost`.
+    parts: Vec<CancellationToken>,
+}
+
+/// A cheap, cloneable view of a held lock: its key, owner and fencing token, and a signal
+/// for when it is lost.
+///
+/// The layer puts one into the request extensions (`extensions().get::<HeldLock>()`).
+/// With the `axum` feature a handler takes it as an argument: `lock: HeldLock` (a 500 [`MissingHeldLock`](crate::MissingHeldLock) if no
+/// layer locked the request), `lock: Option<HeldLock>` on a route whose key closure may
+/// return `None`, or [`HeldLocks`](crate::HeldLocks) for every lock of nested layers
+/// (`HeldLock` is the innermost one).
+#[derive(Clone)]
+pub struct HeldLock {
+    inner: Arc<HeldInner>,
+}
+
+impl HeldLock {
+    pub(crate) fn new(key: String, owner: LockOwner, token: u64, lost: CancellationToken) -> Self {
+        Self::new_many(key, token, Vec::new(), owner, (lost, Vec::new()))
+    }
+
+    /// A multi-key lock: `key` and `token` first in canonical order, then `others`.
+    pub(crate) fn new_many(
+        key: String,
+        token: u64,
+        others: Vec<(String, u64)>,
+        owner: LockOwner,
+        (lost, parts): (CancellationToken, Vec<CancellationToken>),
+    ) -> Self {
+        HeldLock {
+            inner: Arc::new(HeldInner {
+                key,
+                owner,
+                token,
+                lost,
+                others,
+                parts,
+            }),
+        }
+    }
+
+    /// The key as the application gave it. Of a multi-key lock
+    /// ([`LockBackend::lock_many`](crate::LockBackend::lock_many)), the first key in
+    /// canonical (byte) order; [`keys`](Self::keys) lists them all.
+    pub fn key(&self) -> &str {
+        &self.inner.key
+    }
+
+    /// Every key with its fencing token, in canonical (byte) order: one pair for a lock of
+    /// one key, one per key for a multi-key lock.
+    pub fn keys(&self) -> impl Iterator<Item = (&str, u64)> {
+        let first = (self.inner.key.as_str(), self.inner.token);
+        let others = self.inner.others.iter().map(|(k, t)| (k.as_str(), *t));
+        std::iter::once(first).chain(others)
+    }
+
+    /// The fencing token of `key`, if this lock holds it.
+    pub fn fencing_token_of(&self, key: &str) -> Option<u64> {
+        self.keys().find(|(k, _)| *k == key).map(|(_, token)| token)
+    }
+
+    /// The owner this lock is held under.
+    pub fn owner(&self) -> &LockOwner {
+        &self.inner.owner
+    }
+
+    /// A number strictly greater than the token of every earlier acquisition of this key
+    /// (of a multi-key lock: of its first key; see [`keys`](Self::keys)),
+    /// even across deletion of the lock. Send it with every write the lock protects and
+    /// have the store refuse writes with a token lower than one it has seen: that keeps a
+    /// paused or partitioned former holder from overwriting newer data.
+    pub fn fencing_token(&self) -> u64 {
+        self.inner.token
+    }
+
+    /// True once the lock is known to be lost (renewal found it gone, or Redis was
+    /// unreachable until shortly before its lease could end there: 2% of the lease, at
+    /// least 4 ms, so that the handler has stopped by then); for a multi-key lock, once
+    /// any of its keys is.
+    pub fn is_lost(&self) -> bool {
+        self.inner.lost.is_cancelled() || self.inner.parts.iter().any(|p| p.is_cancelled())
+    }
+
+    /// Resolves when the lock is lost. Never resolves while it is held.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.lost_signal()
+    }
+
+    /// [`lost`](Self::lost) as a named type, so the layer's futures hold it unboxed.
+    pub(crate) fn lost_signal(&self) -> WaitForCancellationFutureOwned {
+        self.inner.lost.clone().cancelled_owned()
+    }
+
+    /// The token [`lost`](Self::lost) waits on.
+    pub(crate) fn lost_token(&self) -> CancellationToken {
+        self.inner.lost.clone()
+    }
+}
+
+impl fmt::Debug for HeldLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut f = f.debug_struct("HeldLock");
+        f.field("key", &self.inner.key);
+        if !self.inner.others.is_empty() {
+            f.field("other_keys", &self.inner.others);
+        }
+        f.field("owner", &self.inner.owner)
+            .field("fencing_token", &self.inner.token)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
 
 /// The locks that outer layers took for this request, outermost first. The innermost
 /// lock is the `HeldLock` extension itself, which each layer replaces with its own (so
@@ -74,7 +198,10 @@ impl HeldLocks {
 
     /// The innermost lock held on `key` (as the application gave it), if any.
     pub fn get(&self, key: &str) -> Option<&HeldLock> {
-        self.0.iter().rev().find(|lock| lock.key() == key)
+        self.0
+            .iter()
+            .rev()
+            .find(|lock| lock.keys().any(|(k, _)| k == key))
     }
 
     /// How many locks the request holds.

@@ -17,6 +17,8 @@ use crate::error::KeyError;
 /// | `Option<K>` | `Some(key)` | `None` | never |
 /// | `Result<K, KeyError>` | `Ok(key)` | never | `Err(e)` |
 /// | `Result<Option<K>, KeyError>` | `Ok(Some(key))` | `Ok(None)` | `Err(e)` |
+/// | `Vec<K>` | every key, all or none (see [`lock_many`](crate::LockBackend::lock_many)) | never | an empty list, a duplicate, more than [`MAX_KEYS`](crate::MAX_KEYS) |
+/// | `Result<Vec<K>, KeyError>` | as `Vec<K>` | never | as `Vec<K>`, and `Err(e)` |
 ///
 /// where `K: Into<String>` (in the `Result` shapes: `String`, `&str`, `Box<str>`
 /// or `Cow<str>`). A route that must never run unlocked returns a `Result`, so

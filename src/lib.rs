@@ -34,7 +34,9 @@
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] and [`MemoryBackend`]: where locks live ([`LockBackend`]).
-//! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections.
+//! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
+//!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
+//!   does the same on the layer).
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`response`]: the status codes and problem+json bodies of rejections.

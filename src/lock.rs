@@ -1,4 +1,5 @@
-//! Taking locks without HTTP: the request builder, the guard and the held-lock handle.
+//! Taking locks without HTTP: the request builder and the guard (the held-lock handle is
+//! in `held.rs`).
 
 use std::fmt;
 use std::future::Future;
@@ -6,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+pub use crate::held::HeldLock;
 
 use crate::backend::Store;
 use crate::error::LockError;
@@ -211,117 +212,6 @@ impl fmt::Debug for LockRequest {
             .field("mode", &self.mode)
             .field("max_local_waiters", &self.max_local_waiters)
             .finish_non_exhaustive()
-    }
-}
-
-struct HeldInner {
-    key: String,
-    owner: LockOwner,
-    token: u64,
-    lost: CancellationToken,
-    /// The other keys of a multi-key lock with their tokens, after `key` in canonical
-    /// order; empty for a single key.
-    others: Vec<(String, u64)>,
-}
-
-/// A cheap, cloneable view of a held lock: its key, owner and fencing token, and a signal
-/// for when it is lost.
-///
-/// The layer puts one into the request extensions (`extensions().get::<HeldLock>()`).
-/// With the `axum` feature a handler takes it as an argument: `lock: HeldLock` (a 500 [`MissingHeldLock`](crate::MissingHeldLock) if no
-/// layer locked the request), `lock: Option<HeldLock>` on a route whose key closure may
-/// return `None`, or [`HeldLocks`](crate::HeldLocks) for every lock of nested layers
-/// (`HeldLock` is the innermost one).
-#[derive(Clone)]
-pub struct HeldLock {
-    inner: Arc<HeldInner>,
-}
-
-impl HeldLock {
-    pub(crate) fn new(key: String, owner: LockOwner, token: u64, lost: CancellationToken) -> Self {
-        Self::new_many(key, token, Vec::new(), owner, lost)
-    }
-
-    /// A multi-key lock: `key` and `token` first in canonical order, then `others`.
-    pub(crate) fn new_many(
-        key: String,
-        token: u64,
-        others: Vec<(String, u64)>,
-        owner: LockOwner,
-        lost: CancellationToken,
-    ) -> Self {
-        HeldLock {
-            inner: Arc::new(HeldInner {
-                key,
-                owner,
-                token,
-                lost,
-                others,
-            }),
-        }
-    }
-
-    /// The key as the application gave it. Of a multi-key lock
-    /// ([`LockBackend::lock_many`](crate::LockBackend::lock_many)), the first key in
-    /// canonical (byte) order; [`keys`](Self::keys) lists them all.
-    pub fn key(&self) -> &str {
-        &self.inner.key
-    }
-
-    /// Every key with its fencing token, in canonical (byte) order: one pair for a lock of
-    /// one key, one per key for a multi-key lock.
-    pub fn keys(&self) -> impl Iterator<Item = (&str, u64)> {
-        let first = (self.inner.key.as_str(), self.inner.token);
-        let others = self.inner.others.iter().map(|(k, t)| (k.as_str(), *t));
-        std::iter::once(first).chain(others)
-    }
-
-    /// The fencing token of `key`, if this lock holds it.
-    pub fn fencing_token_of(&self, key: &str) -> Option<u64> {
-        self.keys().find(|(k, _)| *k == key).map(|(_, token)| token)
-    }
-
-    /// The owner this lock is held under.
-    pub fn owner(&self) -> &LockOwner {
-        &self.inner.owner
-    }
-
-    /// A number strictly greater than the token of every earlier acquisition of this key
-    /// (of a multi-key lock: of its first key; see [`keys`](Self::keys)),
-    /// even across deletion of the lock. Send it with every write the lock protects and
-    /// have the store refuse writes with a token lower than one it has seen: that keeps a
-    /// paused or partitioned former holder from overwriting newer data.
-    pub fn fencing_token(&self) -> u64 {
-        self.inner.token
-    }
-
-    /// True once the lock is known to be lost (renewal found it gone, or Redis was
-    /// unreachable until shortly before its lease could end there: 2% of the lease, at
-    /// least 4 ms, so that the handler has stopped by then); for a multi-key lock, once
-    /// any of its keys is.
-    pub fn is_lost(&self) -> bool {
-        self.inner.lost.is_cancelled()
-    }
-
-    /// Resolves when the lock is lost. Never resolves while it is held.
-    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.lost_signal()
-    }
-
-    /// [`lost`](Self::lost) as a named type, so the layer's futures hold it unboxed.
-    pub(crate) fn lost_signal(&self) -> WaitForCancellationFutureOwned {
-        self.inner.lost.clone().cancelled_owned()
-    }
-}
-
-impl fmt::Debug for HeldLock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HeldLock")
-            .field("key", &self.inner.key)
-            .field("owner", &self.inner.owner)
-            .field("fencing_token", &self.inner.token)
-            .field("lost", &self.is_lost())
-            .finish()
     }
 }
 

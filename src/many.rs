@@ -32,6 +32,11 @@ pub const MAX_KEYS: usize = 16;
 /// They are held under one owner, each with its own fencing token
 /// ([`HeldLock::keys`]), renewed together and released together.
 ///
+/// The order holds within one acquisition: keys already held by the same owner (an outer
+/// layer, [`reentrant`](Self::reentrant)) that sort after one of `keys` were taken out of
+/// order, and can deadlock with another request until a wait runs out. Take all of a
+/// request's keys in one acquisition.
+///
 /// On Redis Cluster the keys may hash to different slots: each is a lock of its own on
 /// its own shard, so the acquisition costs one round trip per key (per shard), in
 /// sequence, and a wait is a wait on each held key in turn.
@@ -146,15 +151,19 @@ impl ManyLockRequest {
         self,
         mode: Mode,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+        let mode = match mode {
+            Mode::Wait(wait) => Mode::Wait(wait.min(MAX_DURATION)),
+            Mode::TryOnce => Mode::TryOnce,
+        };
         Box::pin(self.acquire(mode))
     }
 
     async fn acquire(self, mode: Mode) -> Result<LockGuard, LockError> {
-        let keys = canonical(self.keys).map_err(LockError::InvalidKey)?;
+        let keys = canonical(self.keys, self.store.max_key_len()).map_err(LockError::InvalidKey)?;
         let owner = self.owner.unwrap_or_else(|| self.store.new_owner());
         let started = Instant::now();
         let deadline = match mode {
-            Mode::Wait(wait) => Some(started + wait),
+            Mode::Wait(wait) => Some(started.checked_add(wait).unwrap_or(started + MAX_DURATION)),
             Mode::TryOnce => None,
         };
         let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
@@ -204,9 +213,9 @@ impl fmt::Debug for ManyLockRequest {
     }
 }
 
-/// The keys sorted, after checking that there are some, not too many, none twice, and
-/// each one a key (the backend checks its length).
-pub(crate) fn canonical(mut keys: Vec<String>) -> Result<Vec<String>, KeyError> {
+/// The keys sorted, after checking that there are some, not too many, each one a key the
+/// backend takes (`max_len`), and none twice: a refusal takes nothing.
+pub(crate) fn canonical(mut keys: Vec<String>, max_len: usize) -> Result<Vec<String>, KeyError> {
     if keys.is_empty() {
         return Err(KeyError::NoKeys);
     }
@@ -216,19 +225,23 @@ pub(crate) fn canonical(mut keys: Vec<String>) -> Result<Vec<String>, KeyError> 
             max: MAX_KEYS,
         });
     }
+    for key in &keys {
+        validate(key, max_len)?;
+    }
     keys.sort_unstable();
     if let Some(pair) = keys.windows(2).find(|pair| pair[0] == pair[1]) {
         return Err(KeyError::DuplicateKey {
             key: pair[0].clone(),
         });
     }
-    for key in &keys {
-        validate(key, usize::MAX)?;
-    }
     Ok(keys)
 }
 
 /// One guard for the keys of `taken` (in canonical order): lost when any of them is.
+///
+/// `is_lost` asks every key at once; `lost()` resolves through a small task that waits on
+/// the keys' signals (a task hop after the key's own; without a tokio runtime there is no
+/// such task, and only `is_lost` tells).
 fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
     if taken.len() == 1 {
         if let Some(only) = taken.pop() {
@@ -236,22 +249,32 @@ fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
         }
     }
     let lost = CancellationToken::new();
-    let signals = taken.iter().map(|g| Box::pin(g.held().lost_signal()));
-    let watch = {
-        let (signals, lost) = (signals.collect::<Vec<_>>(), lost.clone());
-        tokio::spawn(async move {
-            select_all(signals).await;
-            lost.cancel();
-        })
-    };
+    let parts: Vec<CancellationToken> = taken.iter().map(|g| g.held().lost_token()).collect();
+    if parts.iter().any(CancellationToken::is_cancelled) {
+        // Lost while the later keys were being taken.
+        lost.cancel();
+    }
+    let watch = tokio::runtime::Handle::try_current().ok().map(|runtime| {
+        let signals: Vec<_> = parts
+            .iter()
+            .map(|p| Box::pin(p.clone().cancelled_owned()))
+            .collect();
+        let lost = lost.clone();
+        runtime
+            .spawn(async move {
+                select_all(signals).await;
+                lost.cancel();
+            })
+            .abort_handle()
+    });
     let mut keys = taken
         .iter()
         .map(|g| (g.key().to_owned(), g.fencing_token()));
     let (key, token) = keys.next().unwrap_or_default();
-    let held = HeldLock::new_many(key, token, keys.collect(), owner, lost);
+    let held = HeldLock::new_many(key, token, keys.collect(), owner, (lost, parts));
     let hold = Holds {
         guards: taken,
-        watch: watch.abort_handle(),
+        watch,
     };
     LockGuard::new(held, Box::new(hold))
 }
@@ -260,13 +283,15 @@ fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
 struct Holds {
     guards: Vec<LockGuard>,
     /// Cancels the multi-key lock's `lost` when one of its keys is lost.
-    watch: tokio::task::AbortHandle,
+    watch: Option<tokio::task::AbortHandle>,
 }
 
 impl ReleaseHold for Holds {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let Holds { guards, watch } = *self;
-        watch.abort();
+        if let Some(watch) = watch {
+            watch.abort();
+        }
         Box::pin(async move {
             let outcomes = join_all(guards.into_iter().map(LockGuard::release)).await;
             // A lost key says the most: the others were released.
@@ -282,7 +307,9 @@ impl ReleaseHold for Holds {
     }
 
     fn release_in_background(self: Box<Self>) {
-        self.watch.abort();
+        if let Some(watch) = &self.watch {
+            watch.abort();
+        }
         // Each guard releases itself in the background as it drops.
     }
 }

@@ -168,6 +168,10 @@ impl Store for Inner {
     fn metrics(&self) -> &Namespace {
         &self.metrics
     }
+
+    fn max_key_len(&self) -> usize {
+        MAX_KEY_LEN
+    }
 }
 
 impl Inner {

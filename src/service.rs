@@ -101,7 +101,7 @@ where
         // nothing.
         let keys = match self.key.extract_all(&request) {
             Ok(Some(keys)) if keys.len() == 1 => Ok(keys),
-            Ok(Some(keys)) => canonical(keys),
+            Ok(Some(keys)) => canonical(keys, self.store.max_key_len()),
             Ok(None) => return self.pass_through(request),
             Err(e) => Err(e),
         };

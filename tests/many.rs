@@ -180,25 +180,76 @@ async fn lock_many_gives_a_token_per_key_and_releases_them_together() {
     for key in ["a", "b", "c"] {
         assert!(server.exists(&lock_key(key)).await, "{key} held");
     }
-    // Another owner gets none of them, and takes nothing trying.
-    let busy = backend.lock_many(["c", "d"]).try_once().await;
+    // Another owner gets none of them: "0" sorts first and is free, so it is taken, then
+    // given back when "c" is found held.
+    let busy = backend.lock_many(["c", "0"]).try_once().await;
     assert!(
         matches!(&busy, Err(LockError::Contended { key, .. }) if key == "c"),
         "{busy:?}"
     );
-    assert!(!server.exists(&lock_key("d")).await);
-    // Losing one key loses the lock.
-    let _: () = redis::cmd("DEL")
-        .arg(lock_key("b"))
-        .query_async(&mut server.conn().await)
-        .await
-        .expect("DEL");
-    let lost = guard.held().clone();
-    guard.release().await.expect_err("b was lost");
-    assert!(lost.is_lost() || !server.exists(&lock_key("a")).await);
+    assert!(!server.exists(&lock_key("0")).await, "0 given back");
+    guard.release().await.expect("released");
     for key in ["a", "b", "c"] {
         assert!(!server.exists(&lock_key(key)).await, "{key} released");
     }
+}
+
+#[tokio::test]
+async fn a_multi_key_lock_is_lost_when_one_of_its_keys_is() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let guard = backend
+        .lock_many(["x", "y"])
+        .lease(Duration::from_millis(300))
+        .try_once()
+        .await
+        .expect("free keys");
+    assert!(!guard.is_lost());
+    let _: () = redis::cmd("DEL")
+        .arg(lock_key("y"))
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("DEL");
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the watchdog finds y gone, and the lock is lost");
+    assert!(guard.is_lost());
+    let released = guard.release().await;
+    assert!(
+        matches!(&released, Err(LockError::Lost { key }) if key == "y"),
+        "{released:?}"
+    );
+    assert!(!server.exists(&lock_key("x")).await, "x released");
+}
+
+#[tokio::test]
+async fn a_wait_that_runs_out_on_the_second_key_gives_the_first_back() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let other = server.backend().await;
+    let held = other.lock("w2").try_once().await.expect("free");
+    let started = std::time::Instant::now();
+    let waited = backend
+        .lock_many(["w2", "w1"])
+        .wait(Duration::from_millis(300))
+        .await;
+    assert!(
+        matches!(&waited, Err(LockError::TimedOut { key, .. }) if key == "w2"),
+        "{waited:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "within the wait"
+    );
+    assert!(!server.exists(&lock_key("w1")).await, "w1 given back");
+    held.release().await.expect("released");
+    // A wait with no end is accepted, as for one key.
+    let forever = backend
+        .lock_many(["w1", "w2"])
+        .wait(Duration::MAX)
+        .await
+        .expect("free now");
+    forever.release().await.expect("released");
 }
 
 #[tokio::test]
@@ -230,6 +281,12 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
         refused(backend.lock_many(["ok", "bad\n"]).try_once().await),
         KeyError::ControlCharacter
     );
+    // Checked before anything is taken, though "a" sorts first.
+    let long = "z".repeat(2000);
+    assert!(matches!(
+        refused(backend.lock_many(["a", long.as_str()]).try_once().await),
+        KeyError::TooLong { len: 2000, .. }
+    ));
     assert_eq!(locks(&server).await, Vec::<String>::new(), "nothing taken");
 
     // On the layer: an empty list and a duplicate are 400, before anything is locked.
@@ -263,12 +320,36 @@ async fn memory_backend_takes_many_keys_in_canonical_order_too() {
         .try_once()
         .await
         .expect("free");
-    let second = backend.lock_many(["p", "r"]).try_once().await;
+    // "o" sorts before "p": taken, then given back when "p" is found held.
+    let second = backend.lock_many(["p", "o"]).try_once().await;
     assert!(
         matches!(&second, Err(LockError::Contended { key, .. }) if key == "p"),
         "{second:?}"
     );
-    assert_eq!(backend.held(), 2, "r was not left taken");
+    assert_eq!(backend.held(), 2, "o was given back");
     first.release().await.expect("released");
     assert_eq!(backend.held(), 0);
+}
+
+#[tokio::test]
+async fn a_layer_that_waits_without_end_takes_several_keys() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let keys_of = |req: &Request| {
+        req.uri()
+            .path()
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect::<Vec<String>>()
+    };
+    let app = Router::new()
+        .route(
+            "/{a}/{b}",
+            post(|lock: HeldLock| async move { lock.keys().count().to_string() }),
+        )
+        .route_layer(LockLayer::new(backend, keys_of).wait(Duration::MAX));
+    let addr = serve(app).await;
+    let reply = post_to(&http_client(), addr, "/m/n").await;
+    assert_eq!((reply.status, reply.body.as_str()), (200, "2"), "{reply:?}");
 }

@@ -43,6 +43,10 @@ impl Store for Inner {
     fn metrics(&self) -> &Namespace {
         &self.metrics
     }
+
+    fn max_key_len(&self) -> usize {
+        self.max_key_len
+    }
 }
 
 impl Inner {
