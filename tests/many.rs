@@ -78,6 +78,16 @@ async fn bank(server: &RedisServer, wait: bool) -> Router {
         .with_state(server.conn().await)
 }
 
+/// Every segment of the path, as a key each.
+fn path_keys(req: &Request) -> Vec<String> {
+    req.uri()
+        .path()
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The lock hashes in Redis (fencing counters outlive their locks by design).
 async fn locks(server: &RedisServer) -> Vec<String> {
     let keys = server.keys().await;
@@ -290,18 +300,10 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
     assert_eq!(locks(&server).await, Vec::<String>::new(), "nothing taken");
 
     // On the layer: an empty list and a duplicate are 400, before anything is locked.
-    let keys_of = |req: &Request| {
-        req.uri()
-            .path()
-            .split('/')
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect::<Vec<String>>()
-    };
     let app = Router::new()
         .route("/", post(|| async {}))
         .route("/{a}/{b}", post(|| async {}))
-        .route_layer(LockLayer::new(backend, keys_of));
+        .route_layer(LockLayer::new(backend, path_keys));
     let addr = serve(app).await;
     let client = http_client();
     let empty = post_to(&client, addr, "/").await;
@@ -335,20 +337,12 @@ async fn memory_backend_takes_many_keys_in_canonical_order_too() {
 async fn a_layer_that_waits_without_end_takes_several_keys() {
     let server = RedisServer::start();
     let backend = server.backend().await;
-    let keys_of = |req: &Request| {
-        req.uri()
-            .path()
-            .split('/')
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect::<Vec<String>>()
-    };
     let app = Router::new()
         .route(
             "/{a}/{b}",
             post(|lock: HeldLock| async move { lock.keys().count().to_string() }),
         )
-        .route_layer(LockLayer::new(backend, keys_of).wait(Duration::MAX));
+        .route_layer(LockLayer::new(backend, path_keys).wait(Duration::MAX));
     let addr = serve(app).await;
     let reply = post_to(&http_client(), addr, "/m/n").await;
     assert_eq!((reply.status, reply.body.as_str()), (200, "2"), "{reply:?}");

@@ -15,6 +15,7 @@ mod keys;
 mod pool;
 mod pubsub;
 mod recheck;
+mod registry;
 mod replay;
 mod replicas;
 mod runtime;
