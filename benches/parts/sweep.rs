@@ -63,7 +63,7 @@ pub fn report(points: &[Point]) -> String {
     let mut out = format!(
         "### Sweep of critical sections, one hot key, {TASKS} tasks over {INSTANCES} instances\n\n"
     );
-    out += "| lock | section | acq/s | vs mutex | wait p50 | wait p99 | p99/p50 | worst instance share vs fair | lost updates |\n";
+    out += "| lock | section | acq/s | vs mutex | wait p50 | wait p99 | p99/p50 | largest deviation of one instance from a fair share | lost updates |\n";
     out += "|---|---|---|---|---|---|---|---|---|\n";
     for point in points {
         let mutex = points
@@ -72,7 +72,7 @@ pub fn report(points: &[Point]) -> String {
             .map_or(1.0, |p| p.rate);
         let _ = writeln!(
             out,
-            "| {} | {} | {:.0} | {:.0}% | {:.2} ms | {:.2} ms | {:.1} | {:+.0}% | {} |",
+            "| {} | {} | {:.0} | {:.0}% | {:.2} ms | {:.2} ms | {:.1} | {:.0}% | {} |",
             point.lock,
             section_label(point.section),
             point.rate,
