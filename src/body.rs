@@ -9,9 +9,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::future::{Release, lost_error};
+use crate::held::LostSignal;
 use crate::lock::LockGuard;
 use crate::response::RejectionBody;
 
@@ -135,7 +135,7 @@ pub(crate) struct BodyHold {
     guard: Option<LockGuard>,
     /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
     #[pin]
-    lost: Option<WaitForCancellationFutureOwned>,
+    lost: Option<LostSignal>,
     release: Option<Release>,
     /// Bytes left until the declared `content-length`, where hyper stops polling.
     remaining: Option<u64>,
@@ -147,7 +147,7 @@ impl BodyHold {
     /// `content_length` is the length the response declares in its headers, if any.
     pub(crate) fn new(
         guard: LockGuard,
-        lost: Option<WaitForCancellationFutureOwned>,
+        lost: Option<LostSignal>,
         content_length: Option<u64>,
     ) -> Self {
         BodyHold {

@@ -13,11 +13,11 @@ use std::task::{Context, Poll, ready};
 
 use http::{Method, Request, Response};
 use pin_project::pin_project;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
 use crate::body::{BodyHold, ResponseBody, sent_length};
 use crate::error::LockError;
+use crate::held::LostSignal;
 use crate::layer::{Config, OnLockLost};
 use crate::lock::{BoxFuture, HeldLock, LockGuard};
 use crate::response::RejectionBody;
@@ -54,7 +54,7 @@ where
         guard: Option<LockGuard>,
         /// Resolves when the lock is lost; `None` unless the layer aborts on loss.
         #[pin]
-        lost: Option<WaitForCancellationFutureOwned>,
+        lost: Option<LostSignal>,
         /// The server sends no body in answer to `HEAD`: nothing to hold the lock through.
         method: Method,
         config: Arc<Config>,
@@ -186,7 +186,7 @@ pub(crate) fn lost_error(guard: &LockGuard, during: &str) -> LockError {
 }
 
 /// The signal a guarded handler or body watches: only when the layer aborts on loss.
-fn lost_signal(config: &Config, guard: &LockGuard) -> Option<WaitForCancellationFutureOwned> {
+fn lost_signal(config: &Config, guard: &LockGuard) -> Option<LostSignal> {
     match config.on_lost {
         OnLockLost::Abort => Some(guard.held().lost_signal()),
         OnLockLost::Continue => None,

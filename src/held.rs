@@ -24,9 +24,13 @@
 //! ```
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use http::Extensions;
+use pin_project::pin_project;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::lock::LockOwner;
@@ -39,7 +43,8 @@ struct HeldInner {
     /// The other keys of a multi-key lock with their tokens, after `key` in canonical
     /// order; empty for a single key.
     others: Vec<(String, u64)>,
-    /// Each key's own `lost` of a multi-key lock, asked directly by `is_lost`.
+    /// The other keys' `lost` of a multi-key lock (`lost` is the first key's), asked
+    /// directly by `is_lost` and polled by `lost()`.
     parts: Vec<CancellationToken>,
 }
 
@@ -129,13 +134,22 @@ impl HeldLock {
     }
 
     /// [`lost`](Self::lost) as a named type, so the layer's futures hold it unboxed.
-    pub(crate) fn lost_signal(&self) -> WaitForCancellationFutureOwned {
-        self.inner.lost.clone().cancelled_owned()
+    pub(crate) fn lost_signal(&self) -> LostSignal {
+        let first = self.inner.lost.clone().cancelled_owned();
+        if self.inner.parts.is_empty() {
+            return LostSignal::One { signal: first };
+        }
+        let rest = self.inner.parts.iter().map(|p| p.clone().cancelled_owned());
+        LostSignal::Many {
+            signals: std::iter::once(first).chain(rest).map(Box::pin).collect(),
+        }
     }
 
-    /// The token [`lost`](Self::lost) waits on.
-    pub(crate) fn lost_token(&self) -> CancellationToken {
-        self.inner.lost.clone()
+    /// The tokens this lock is lost by: its key's, then (of a multi-key lock) the others'.
+    pub(crate) fn lost_tokens(&self) -> impl Iterator<Item = CancellationToken> + '_ {
+        std::iter::once(&self.inner.lost)
+            .chain(&self.inner.parts)
+            .cloned()
     }
 }
 
@@ -150,6 +164,37 @@ impl fmt::Debug for HeldLock {
             .field("fencing_token", &self.inner.token)
             .field("lost", &self.is_lost())
             .finish()
+    }
+}
+
+/// Resolves when a lock is lost: when its key's signal does, or any key's of a multi-key
+/// lock (polled directly, no task in between).
+#[pin_project(project = LostSignalProj)]
+pub(crate) enum LostSignal {
+    One {
+        #[pin]
+        signal: WaitForCancellationFutureOwned,
+    },
+    Many {
+        signals: Vec<Pin<Box<WaitForCancellationFutureOwned>>>,
+    },
+}
+
+impl Future for LostSignal {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match self.project() {
+            LostSignalProj::One { signal } => signal.poll(cx),
+            LostSignalProj::Many { signals } => {
+                for signal in signals.iter_mut() {
+                    if signal.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(());
+                    }
+                }
+                Poll::Pending
+            }
+        }
     }
 }
 

@@ -4,9 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::{join_all, select_all};
+use futures_util::future::join_all;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::backend::Store;
 use crate::error::{KeyError, LockError};
@@ -237,61 +236,33 @@ pub(crate) fn canonical(mut keys: Vec<String>, max_len: usize) -> Result<Vec<Str
     Ok(keys)
 }
 
-/// One guard for the keys of `taken` (in canonical order): lost when any of them is.
-///
-/// `is_lost` asks every key at once; `lost()` resolves through a small task that waits on
-/// the keys' signals (a task hop after the key's own; without a tokio runtime there is no
-/// such task, and only `is_lost` tells).
+/// One guard for the keys of `taken` (in canonical order): lost when any of them is (its
+/// `HeldLock` asks and polls every key's own signal).
 fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
     if taken.len() == 1 {
         if let Some(only) = taken.pop() {
             return only;
         }
     }
-    let lost = CancellationToken::new();
-    let parts: Vec<CancellationToken> = taken.iter().map(|g| g.held().lost_token()).collect();
-    if parts.iter().any(CancellationToken::is_cancelled) {
-        // Lost while the later keys were being taken.
-        lost.cancel();
-    }
-    let watch = tokio::runtime::Handle::try_current().ok().map(|runtime| {
-        let signals: Vec<_> = parts
-            .iter()
-            .map(|p| Box::pin(p.clone().cancelled_owned()))
-            .collect();
-        let lost = lost.clone();
-        runtime
-            .spawn(async move {
-                select_all(signals).await;
-                lost.cancel();
-            })
-            .abort_handle()
-    });
+    let mut tokens = taken.iter().flat_map(|g| g.held().lost_tokens());
+    let first = tokens.next().unwrap_or_default();
+    let parts = tokens.collect();
     let mut keys = taken
         .iter()
         .map(|g| (g.key().to_owned(), g.fencing_token()));
     let (key, token) = keys.next().unwrap_or_default();
-    let held = HeldLock::new_many(key, token, keys.collect(), owner, (lost, parts));
-    let hold = Holds {
-        guards: taken,
-        watch,
-    };
-    LockGuard::new(held, Box::new(hold))
+    let held = HeldLock::new_many(key, token, keys.collect(), owner, (first, parts));
+    LockGuard::new(held, Box::new(Holds { guards: taken }))
 }
 
 /// The holds of a multi-key lock, released together.
 struct Holds {
     guards: Vec<LockGuard>,
-    /// Cancels the multi-key lock's `lost` when one of its keys is lost.
-    watch: Option<tokio::task::AbortHandle>,
 }
 
 impl ReleaseHold for Holds {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let Holds { guards, watch } = *self;
-        if let Some(watch) = watch {
-            watch.abort();
-        }
+        let Holds { guards } = *self;
         Box::pin(async move {
             let outcomes = join_all(guards.into_iter().map(LockGuard::release)).await;
             // A lost key says the most: the others were released.
@@ -307,9 +278,6 @@ impl ReleaseHold for Holds {
     }
 
     fn release_in_background(self: Box<Self>) {
-        if let Some(watch) = &self.watch {
-            watch.abort();
-        }
         // Each guard releases itself in the background as it drops.
     }
 }

@@ -347,3 +347,34 @@ async fn a_layer_that_waits_without_end_takes_several_keys() {
     let reply = post_to(&http_client(), addr, "/m/n").await;
     assert_eq!((reply.status, reply.body.as_str()), (200, "2"), "{reply:?}");
 }
+
+#[tokio::test]
+async fn a_handler_under_several_keys_is_stopped_when_one_of_them_is_lost() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let gate = support::Gate::default();
+    let inside = gate.clone();
+    let app = Router::new()
+        .route(
+            "/{a}/{b}",
+            post(move || {
+                let gate = inside.clone();
+                async move { gate.pass().await }
+            }),
+        )
+        .route_layer(LockLayer::new(backend, path_keys).lease(Duration::from_millis(300)));
+    let addr = serve(app).await;
+    let request = tokio::spawn(async move { post_to(&http_client(), addr, "/p/q").await });
+    gate.wait_inside(1).await;
+    let _: () = redis::cmd("DEL")
+        .arg(lock_key("q"))
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("DEL");
+    let reply = tokio::time::timeout(Duration::from_secs(5), request)
+        .await
+        .expect("the handler is stopped, not left running")
+        .expect("task");
+    reply.problem(503);
+    assert_eq!(locks(&server).await, Vec::<String>::new(), "p released too");
+}
