@@ -74,6 +74,8 @@ macro_rules! builder_methods {
 
 #[cfg(feature = "axum")]
 builder_methods!(PathParam);
+#[cfg(feature = "axum")]
+builder_methods!(PathParams);
 builder_methods!(Header, optional);
 builder_methods!(QueryParam, optional);
 
@@ -112,30 +114,113 @@ impl PathParam {
 #[cfg(feature = "axum")]
 impl<B> KeyExtractor<B> for PathParam {
     fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError> {
-        use axum::extract::{FromRequestParts, RawPathParams};
-        use futures_util::FutureExt;
-
-        // axum keeps the parameters in a private extension that only its extractors read,
-        // and extractors need owned parts: give `RawPathParams` a copy of the extensions.
-        let (mut parts, ()) = Request::new(()).into_parts();
-        parts.extensions = req.extensions().clone();
-        let params = match RawPathParams::from_request_parts(&mut parts, &()).now_or_never() {
-            Some(Ok(params)) => params,
-            Some(Err(
-                axum::extract::rejection::RawPathParamsRejection::InvalidUtf8InPathParam(_),
-            )) => {
-                return Err(KeyError::Malformed {
-                    reason: format!("path parameter {:?} is not UTF-8", self.name),
-                });
-            }
-            // No parameters at all (the layer ran before routing), or a future that
-            // would have to wait, which the extractor never does.
-            Some(Err(_)) | None => return Err(self.missing()),
-        };
+        let params = raw_path_params(req, &self.name)?;
         match params.iter().find(|(name, _)| *name == &*self.name) {
             Some((_, value)) => self.prefix.apply(value),
             None => Err(self.missing()),
         }
+    }
+}
+
+/// The route's path parameters, percent-decoded; `name` is the one asked for, for the
+/// error.
+#[cfg(feature = "axum")]
+fn raw_path_params<B>(
+    req: &Request<B>,
+    name: &str,
+) -> Result<axum::extract::RawPathParams, KeyError> {
+    use axum::extract::{FromRequestParts, RawPathParams};
+    use futures_util::FutureExt;
+
+    // axum keeps the parameters in a private extension that only its extractors read, and
+    // extractors need owned parts: give `RawPathParams` a copy of the extensions.
+    let (mut parts, ()) = Request::new(()).into_parts();
+    parts.extensions = req.extensions().clone();
+    match RawPathParams::from_request_parts(&mut parts, &()).now_or_never() {
+        Some(Ok(params)) => Ok(params),
+        Some(Err(axum::extract::rejection::RawPathParamsRejection::InvalidUtf8InPathParam(_))) => {
+            Err(KeyError::Malformed {
+                reason: format!("path parameter {name:?} is not UTF-8"),
+            })
+        }
+        // No parameters at all (the layer ran before routing), or a future that would
+        // have to wait, which the extractor never does.
+        Some(Err(_)) | None => Err(KeyError::Missing {
+            source: format!("path parameter {name:?}"),
+        }),
+    }
+}
+
+/// Keys a request on several of its route's path parameters at once, such as `from` and
+/// `to` in `/transfer/{from}/{to}`, percent-decoded: a multi-key lock (every key or none,
+/// in canonical order; see [`lock_many`](crate::LockBackend::lock_many)).
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tower_lock::{LockLayer, MemoryBackend, PathParams};
+///
+/// let app: Router = Router::new()
+///     .route("/transfer/{from}/{to}", post(|| async { "moved" }))
+///     // Locks `account:{from}` and `account:{to}`; `/transfer/7/7` is refused with 400.
+///     .route_layer(LockLayer::new(MemoryBackend::new(), PathParams::new(["from", "to"]).prefix("account")));
+/// ```
+///
+/// As with [`PathParam`], a request whose route lacks one of the parameters is rejected
+/// with [`KeyError::Missing`] (400).
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+#[derive(Debug, Clone)]
+pub struct PathParams {
+    names: Arc<[Arc<str>]>,
+    prefix: Prefix,
+}
+
+#[cfg(feature = "axum")]
+impl PathParams {
+    /// Keys on the path parameters called `names`, one key each.
+    pub fn new<I>(names: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<Arc<str>>,
+    {
+        PathParams {
+            names: names.into_iter().map(Into::into).collect(),
+            prefix: Prefix::default(),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<B> KeyExtractor<B> for PathParams {
+    /// The one key of a single parameter; several are refused (read them with
+    /// [`extract_all`](KeyExtractor::extract_all), as the layer does).
+    fn extract(&self, req: &Request<B>) -> Result<Option<String>, KeyError> {
+        let mut keys = self.extract_all(req)?.unwrap_or_default();
+        match (keys.pop(), keys.is_empty()) {
+            (Some(key), true) => Ok(Some(key)),
+            (None, _) => Err(KeyError::NoKeys),
+            (Some(_), false) => Err(KeyError::TooManyKeys {
+                count: keys.len() + 1,
+                max: 1,
+            }),
+        }
+    }
+
+    fn extract_all(&self, req: &Request<B>) -> Result<Option<Vec<String>>, KeyError> {
+        let first = self.names.first().map_or("", |name| &**name);
+        let params = raw_path_params(req, first)?;
+        let mut keys = Vec::with_capacity(self.names.len());
+        for name in self.names.iter() {
+            match params.iter().find(|(param, _)| *param == &**name) {
+                Some((_, value)) => keys.extend(self.prefix.apply(value)?),
+                None => {
+                    return Err(KeyError::Missing {
+                        source: format!("path parameter {name:?}"),
+                    });
+                }
+            }
+        }
+        Ok(Some(keys))
     }
 }
 

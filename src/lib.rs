@@ -90,9 +90,9 @@ mod telemetry;
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
 pub use crate::error::{BackendError, BuildError, KeyError, LockError};
-#[cfg(feature = "axum")]
-pub use crate::extract::PathParam;
 pub use crate::extract::{Header, QueryParam};
+#[cfg(feature = "axum")]
+pub use crate::extract::{PathParam, PathParams};
 pub use crate::future::ResponseFuture;
 pub use crate::held::{HeldLocks, MissingHeldLock};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};

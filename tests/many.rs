@@ -13,7 +13,7 @@ use axum::routing::post;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use support::{RedisServer, http_client, lock_key, post as post_to, serve};
-use tower_lock::{HeldLock, KeyError, LockError, LockLayer, MAX_KEYS, MemoryBackend};
+use tower_lock::{HeldLock, KeyError, LockError, LockLayer, MAX_KEYS, MemoryBackend, PathParams};
 
 const ACCOUNTS: usize = 5;
 const OPENING: i64 = 100;
@@ -56,17 +56,10 @@ async fn transfer(
     }
 }
 
-/// Both accounts of a transfer, in the order the request names them (not sorted: the
-/// layer must sort them).
-fn both_accounts(req: &Request) -> Vec<String> {
-    let mut parts = req.uri().path().split('/').skip(2);
-    let (from, to) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    vec![format!("account:{from}"), format!("account:{to}")]
-}
-
 async fn bank(server: &RedisServer, wait: bool) -> Router {
     let backend = server.backend().await;
-    let layer = LockLayer::new(backend, both_accounts as fn(&Request) -> Vec<String>);
+    // Both accounts, in the order the request names them (not sorted: the layer sorts).
+    let layer = LockLayer::new(backend, PathParams::new(["from", "to"]).prefix("account"));
     let layer = if wait {
         layer.wait(Duration::from_secs(30))
     } else {
@@ -310,6 +303,14 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
     assert!(empty.problem(400).contains("no lock key"), "{empty:?}");
     let twice = post_to(&client, addr, "/x/x").await;
     assert!(twice.problem(400).contains("twice"), "{twice:?}");
+    // `PathParams` decodes the segments as axum does: `%61` is `a`.
+    let decoded = LockLayer::new(MemoryBackend::new(), PathParams::new(["a", "b"]));
+    let decoded = Router::new()
+        .route("/{a}/{b}", post(|| async {}))
+        .route_layer(decoded);
+    let decoded = serve(decoded).await;
+    let same = post_to(&client, decoded, "/%61/a").await;
+    assert!(same.problem(400).contains("twice"), "{same:?}");
     assert_eq!(post_to(&client, addr, "/x/y").await.status, 200);
     assert_eq!(locks(&server).await, Vec::<String>::new(), "all released");
 }
