@@ -157,6 +157,22 @@ async fn a_multi_key_lock_spans_the_shards_of_its_keys(cluster: &Cluster) {
     }
 }
 
+/// `key` held by one backend and waited for (up to 20 s) by another, in a task.
+async fn held_and_waited_for(
+    cluster: &Cluster,
+    key: &str,
+) -> (
+    tower_lock::LockGuard,
+    tokio::task::JoinHandle<Result<tower_lock::LockGuard, tower_lock::LockError>>,
+) {
+    let holder = cluster.backend().await;
+    let waiter = cluster.backend().await;
+    let held = holder.lock(key).try_once().await.expect("free");
+    let key = key.to_owned();
+    let waiting = tokio::spawn(async move { waiter.lock(key).wait(Duration::from_secs(20)).await });
+    (held, waiting)
+}
+
 /// A waiter subscribes with SSUBSCRIBE on its key's shard only, sends no script while it
 /// waits, and the release is published with SPUBLISH on that shard alone (never PUBLISH,
 /// which a cluster broadcasts to every node).
@@ -165,13 +181,7 @@ async fn waiters_do_not_poll_and_a_release_reaches_only_its_shard(cluster: &Clus
     let owner = primaries[1];
     let key = key_on(cluster, owner, "wait:");
     let channel = format!("tower-lock:{{{key}}}:released");
-    let holder = cluster.backend().await;
-    let waiter = cluster.backend().await;
-    let held = holder.lock(key.clone()).try_once().await.expect("free");
-    let waiting = tokio::spawn({
-        let key = key.clone();
-        async move { waiter.lock(key).wait(Duration::from_secs(20)).await }
-    });
+    let (held, waiting) = held_and_waited_for(cluster, &key).await;
     support::eventually("the waiter subscribed on its shard", || async {
         cluster.shard_subscribers(owner, &channel) == 1
     })
@@ -232,13 +242,7 @@ async fn a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(cluster: 
     let (from, to) = (primaries[2], primaries[1]);
     let key = key_on(cluster, from, "reshard:");
     let channel = format!("tower-lock:{{{key}}}:released");
-    let holder = cluster.backend().await;
-    let waiter = cluster.backend().await;
-    let held = holder.lock(key.clone()).try_once().await.expect("free");
-    let waiting = tokio::spawn({
-        let key = key.clone();
-        async move { waiter.lock(key).wait(Duration::from_secs(20)).await }
-    });
+    let (held, waiting) = held_and_waited_for(cluster, &key).await;
     support::eventually("the waiter subscribed on the old shard", || async {
         cluster.shard_subscribers(from, &channel) == 1
     })

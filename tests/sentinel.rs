@@ -75,7 +75,7 @@ async fn an_unknown_master_name_fails_the_build(set: &SentinelSet) {
         matches!(&error, BuildError::Sentinel { master_name, .. } if master_name == "no-such-master"),
         "{error:?}"
     );
-    let message = chain(&error);
+    let message = support::chain(&error);
     assert!(message.contains("`no-such-master`"), "{message}");
     println!("unknown master name: {message}");
 }
@@ -92,7 +92,7 @@ async fn data_nodes_require_a_password(set: &mut SentinelSet) {
         matches!(refused, BuildError::Sentinel { .. }),
         "{refused:?}"
     );
-    println!("master without its password: {}", chain(&refused));
+    println!("master without its password: {}", support::chain(&refused));
     let backend = sentinel_builder(set)
         .master_password(MASTER_PASSWORD)
         .build()
@@ -430,7 +430,7 @@ async fn build_fails_when_no_sentinel_answers() {
     .expect("build gives up by itself")
     .expect_err("no sentinel answers");
     assert!(matches!(error, BuildError::Sentinel { .. }), "{error:?}");
-    let message = chain(&error);
+    let message = support::chain(&error);
     assert!(message.to_lowercase().contains("refused"), "{message}");
     println!("no sentinel: {message}");
 }
@@ -548,17 +548,6 @@ async fn a_release_refused_as_readonly_lands_once_a_primary_is_back() {
     let _ = release.await;
     // Well before the 30 s lease would free it.
     server.wait_until_released("b").await;
-}
-
-/// The error chain as anyhow's `{:#}` prints it.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut levels = vec![error.to_string()];
-    let mut source = error.source();
-    while let Some(e) = source {
-        levels.push(e.to_string());
-        source = e.source();
-    }
-    levels.join(": ")
 }
 
 const STOCK: i64 = 600;
