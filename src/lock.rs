@@ -59,6 +59,16 @@ pub(crate) enum Mode {
     Wait(Duration),
 }
 
+impl Mode {
+    /// A wait of at most [`MAX_DURATION`], so that its deadline cannot overflow.
+    pub(crate) fn clamped(self) -> Self {
+        match self {
+            Mode::Wait(wait) => Mode::Wait(wait.min(MAX_DURATION)),
+            Mode::TryOnce => Mode::TryOnce,
+        }
+    }
+}
+
 /// A lock acquisition being configured; finish it with [`try_once`](Self::try_once) or
 /// [`wait`](Self::wait). Created by [`LockBackend::lock`](crate::LockBackend::lock).
 ///
@@ -190,11 +200,22 @@ impl LockRequest {
     }
 
     pub(crate) fn mode(mut self, mode: Mode) -> Self {
-        self.mode = match mode {
-            Mode::Wait(wait) => Mode::Wait(wait.min(MAX_DURATION)),
-            Mode::TryOnce => Mode::TryOnce,
-        };
+        self.mode = mode.clamped();
         self
+    }
+
+    /// The same settings for `key`, under `owner` (one key of a multi-key acquisition).
+    pub(crate) fn for_key(&self, key: String, owner: LockOwner) -> Self {
+        LockRequest {
+            store: self.store.clone(),
+            key,
+            owner: Some(owner),
+            lease: self.lease,
+            watchdog: self.watchdog,
+            mode: self.mode,
+            max_local_waiters: self.max_local_waiters,
+            route: self.route.clone(),
+        }
     }
 
     pub(crate) fn into_future(self) -> BoxFuture<'static, Result<LockGuard, LockError>> {

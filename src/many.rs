@@ -11,8 +11,7 @@ use crate::backend::Store;
 use crate::error::{KeyError, LockError};
 use crate::key::validate;
 use crate::lock::{
-    BoxFuture, DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner,
-    LockRequest, MAX_DURATION, Mode, ReleaseHold,
+    BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
 use crate::telemetry::Route;
 
@@ -60,67 +59,56 @@ pub const MAX_KEYS: usize = 16;
 /// ```
 #[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
 pub struct ManyLockRequest {
-    store: Arc<dyn Store>,
     keys: Vec<String>,
-    owner: Option<LockOwner>,
-    lease: Duration,
-    watchdog: bool,
-    max_local_waiters: usize,
-    route: Route,
+    /// The settings every key is taken with (its key unused).
+    each: LockRequest,
 }
 
 impl ManyLockRequest {
     pub(crate) fn new(store: Arc<dyn Store>, keys: Vec<String>) -> Self {
         ManyLockRequest {
-            store,
             keys,
-            owner: None,
-            lease: DEFAULT_LEASE,
-            watchdog: true,
-            max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
-            route: Route::default(),
+            each: LockRequest::new(store, String::new()),
         }
     }
 
-    /// Sets the lease of every key (see [`LockRequest::lease`]).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.clamp(Duration::from_millis(3), MAX_DURATION);
+    fn each(mut self, set: impl FnOnce(LockRequest) -> LockRequest) -> Self {
+        self.each = set(self.each);
         self
+    }
+
+    /// Sets the lease of every key (see [`LockRequest::lease`]).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.each(|each| each.lease(lease))
     }
 
     /// Turns renewal off for every key (see [`LockRequest::without_watchdog`]).
-    pub fn without_watchdog(mut self) -> Self {
-        self.watchdog = false;
-        self
+    pub fn without_watchdog(self) -> Self {
+        self.each(LockRequest::without_watchdog)
     }
 
     /// Bounds the tasks queued for each key (see [`LockRequest::max_local_waiters`]).
-    pub fn max_local_waiters(mut self, max: usize) -> Self {
-        self.max_local_waiters = max;
-        self
+    pub fn max_local_waiters(self, max: usize) -> Self {
+        self.each(|each| each.max_local_waiters(max))
     }
 
     /// Acquires as the owner of `held`, re-entering the keys it already holds.
-    pub fn reentrant(mut self, held: &HeldLock) -> Self {
-        self.owner = Some(held.owner().clone());
-        self
+    pub fn reentrant(self, held: &HeldLock) -> Self {
+        self.each(|each| each.reentrant(held))
     }
 
     /// The `route` label of the acquisitions' metrics (see
     /// [`LockRequest::metrics_label`]).
-    pub fn metrics_label(mut self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
-        self.route = Route::new(label.into());
-        self
+    pub fn metrics_label(self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        self.each(|each| each.metrics_label(label))
     }
 
-    pub(crate) fn owner(mut self, owner: LockOwner) -> Self {
-        self.owner = Some(owner);
-        self
+    pub(crate) fn owner(self, owner: LockOwner) -> Self {
+        self.each(|each| each.owner(owner))
     }
 
-    pub(crate) fn route(mut self, route: Route) -> Self {
-        self.route = route;
-        self
+    pub(crate) fn route(self, route: Route) -> Self {
+        self.each(|each| each.route(route))
     }
 
     /// Tries each key once; `Err(LockError::Contended)` naming the first key another owner
@@ -150,16 +138,13 @@ impl ManyLockRequest {
         self,
         mode: Mode,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        let mode = match mode {
-            Mode::Wait(wait) => Mode::Wait(wait.min(MAX_DURATION)),
-            Mode::TryOnce => Mode::TryOnce,
-        };
-        Box::pin(self.acquire(mode))
+        Box::pin(self.acquire(mode.clamped()))
     }
 
     async fn acquire(self, mode: Mode) -> Result<LockGuard, LockError> {
-        let keys = canonical(self.keys, self.store.max_key_len()).map_err(LockError::InvalidKey)?;
-        let owner = self.owner.unwrap_or_else(|| self.store.new_owner());
+        let ManyLockRequest { keys, each } = self;
+        let keys = canonical(keys, each.store.max_key_len()).map_err(LockError::InvalidKey)?;
+        let owner = each.owner.clone().unwrap_or_else(|| each.store.new_owner());
         let started = Instant::now();
         let deadline = match mode {
             Mode::Wait(wait) => Some(started.checked_add(wait).unwrap_or(started + MAX_DURATION)),
@@ -171,15 +156,8 @@ impl ManyLockRequest {
                 Some(deadline) => Mode::Wait(deadline.saturating_duration_since(Instant::now())),
                 None => Mode::TryOnce,
             };
-            let mut request = LockRequest::new(self.store.clone(), key)
-                .owner(owner.clone())
-                .lease(self.lease)
-                .max_local_waiters(self.max_local_waiters)
-                .route(self.route.clone());
-            if !self.watchdog {
-                request = request.without_watchdog();
-            }
-            match request.mode(mode).into_future().await {
+            let request = each.for_key(key, owner.clone()).mode(mode);
+            match request.into_future().await {
                 Ok(guard) => taken.push(guard),
                 Err(error) => {
                     // None of them, and the keys taken are free again when this returns.
@@ -205,9 +183,9 @@ impl fmt::Debug for ManyLockRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ManyLockRequest")
             .field("keys", &self.keys)
-            .field("owner", &self.owner)
-            .field("lease", &self.lease)
-            .field("watchdog", &self.watchdog)
+            .field("owner", &self.each.owner)
+            .field("lease", &self.each.lease)
+            .field("watchdog", &self.each.watchdog)
             .finish_non_exhaustive()
     }
 }
