@@ -206,16 +206,10 @@ impl Cluster {
 
     /// Sum of `calls=` of `commands` in `INFO commandstats` of the node on `port`.
     pub fn command_calls(&self, port: u16, commands: &[&str]) -> u64 {
-        info(port, "INFO commandstats")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|line| {
-                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-                commands.contains(&name).then_some(stats)
-            })
-            .filter_map(|stats| stats.split(',').find_map(|kv| kv.strip_prefix("calls=")))
-            .filter_map(|n| n.parse::<u64>().ok())
-            .sum()
+        super::calls_in(
+            &info(port, "INFO commandstats").unwrap_or_default(),
+            commands,
+        )
     }
 
     /// `PUBSUB SHARDNUMSUB channel` on the node on `port`.

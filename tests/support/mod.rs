@@ -121,14 +121,7 @@ impl RedisServer {
             .query_async(&mut self.conn().await)
             .await
             .expect("INFO commandstats");
-        info.lines()
-            .filter_map(|line| {
-                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-                commands.contains(&name).then_some(stats)
-            })
-            .filter_map(|stats| stats.split(',').find_map(|kv| kv.strip_prefix("calls=")))
-            .filter_map(|n| n.parse::<u64>().ok())
-            .sum()
+        calls_in(&info, commands)
     }
 
     /// The re-entry count of `owner` in the lock hash `lock`; `None` if it does not hold it.
@@ -496,6 +489,19 @@ pub async fn queued(backend: &RedisBackend, n: usize) {
         backend.stats().local_waiters == n
     })
     .await;
+}
+
+/// Sum of `calls=` over `commands` in the text of `INFO commandstats`.
+pub fn calls_in(commandstats: &str, commands: &[&str]) -> u64 {
+    commandstats
+        .lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            commands.contains(&name).then_some(stats)
+        })
+        .filter_map(|stats| stats.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
 }
 
 /// The error chain as anyhow's `{:#}` prints it: every level's Display joined by ": ".
