@@ -39,6 +39,8 @@ struct HeldInner {
     key: String,
     owner: LockOwner,
     token: u64,
+    /// A shared hold of a read/write lock (`token` is then the last writer's).
+    shared: bool,
     lost: CancellationToken,
     /// The other keys of a multi-key lock with their tokens, after `key` in canonical
     /// order; empty for a single key.
@@ -79,6 +81,7 @@ impl HeldLock {
                 key,
                 owner,
                 token,
+                shared: false,
                 lost,
                 others,
                 parts,
@@ -104,6 +107,23 @@ impl HeldLock {
     /// The fencing token of `key`, if this lock holds it.
     pub fn fencing_token_of(&self, key: &str) -> Option<u64> {
         self.keys().find(|(k, _)| *k == key).map(|(_, token)| token)
+    }
+
+    /// A shared (read) hold of the key's read/write lock
+    /// ([`LockRequest::shared`](crate::LockRequest::shared)); its
+    /// [`fencing_token`](Self::fencing_token) is then the token of the key's last exclusive
+    /// acquisition, which other shared holders see too.
+    pub fn is_shared(&self) -> bool {
+        self.inner.shared
+    }
+
+    /// Marks a fresh handle as a shared hold.
+    #[allow(dead_code)] // used by the backends' shared holds, landing next
+    pub(crate) fn into_shared(mut self, shared: bool) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.shared = shared;
+        }
+        self
     }
 
     /// The owner this lock is held under.

@@ -22,12 +22,15 @@
 //! | error | status | `Retry-After` |
 //! |---|---|---|
 //! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | holder's remaining lease, when known |
+//! | [`PermitsTaken`](LockError::PermitsTaken) (fail-fast route, every permit taken) | 429 | earliest permit's remaining lease, else 1 s |
 //! | [`TimedOut`](LockError::TimedOut) (held for the whole wait) | 503 | holder's remaining lease, else 1 s |
 //! | [`QueueFull`](LockError::QueueFull) (too many local waiters) | 503 | 1 s |
 //! | [`Backend`](LockError::Backend) (the store unreachable or failing) | 503 | 1 s |
 //! | [`Lost`](LockError::Lost) (lease lost while the handler ran) | 503 | 1 s |
 //! | [`NotALock`](LockError::NotALock) (the lock's name in the store holds foreign data) | 503 | none |
 //! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
+//! | [`UpgradeRefused`](LockError::UpgradeRefused) (a shared hold asked for exclusively by its owner) | 500 | none |
+//! | [`ZeroPermits`](LockError::ZeroPermits) (a semaphore of zero permits) | 500 | none |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and at least 1.
 //!
@@ -49,12 +52,17 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 const TYPE_BASE: &str = "https://docs.rs/tower-lock/latest/tower_lock/enum.LockError.html#variant.";
 
 impl LockError {
-    /// The status the layer answers this error with by default: 409, 503 or 400 (see the
+    /// The status the layer answers this error with by default: 409, 429, 503, 400 or 500 (see the
     /// [table](self)). For an [`on_rejection`](crate::LockLayer::on_rejection) that keeps
     /// the statuses but writes its own body.
     pub fn status(&self) -> StatusCode {
         match self {
             LockError::Contended { .. } => StatusCode::CONFLICT,
+            LockError::PermitsTaken { .. } => StatusCode::TOO_MANY_REQUESTS,
+            // The server's own configuration is at fault, not the request.
+            LockError::UpgradeRefused { .. } | LockError::ZeroPermits { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             LockError::InvalidKey(_) => StatusCode::BAD_REQUEST,
             LockError::TimedOut { .. }
             | LockError::QueueFull { .. }
@@ -100,6 +108,21 @@ pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
                 "Another request held this resource for the whole wait of {} ms. Retry later.",
                 waited.as_millis()
             ),
+        ),
+        LockError::PermitsTaken { permits, .. } => (
+            "PermitsTaken",
+            "Too many concurrent requests for this resource",
+            format!("All {permits} permits for this resource are in use. Retry after one is freed."),
+        ),
+        LockError::UpgradeRefused { .. } => (
+            "UpgradeRefused",
+            "Lock cannot be upgraded",
+            "This request holds the resource's lock shared and the server asked for it exclusively, which would deadlock, so the request was not run. Retrying will not help.".to_owned(),
+        ),
+        LockError::ZeroPermits { .. } => (
+            "ZeroPermits",
+            "Semaphore without permits",
+            "The server asked for a semaphore of zero permits for this resource, which can never be taken. Retrying will not help.".to_owned(),
         ),
         LockError::QueueFull { .. } => (
             "QueueFull",

@@ -41,6 +41,30 @@ pub enum LockError {
         /// The user-facing key whose local queue is full.
         key: String,
     },
+    /// Every permit of the key's semaphore was taken and the caller did not wait
+    /// ([`LockRequest::permits`](crate::LockRequest::permits) with `try_once`, or a
+    /// fail-fast layer with [`permits`](crate::LockLayer::permits)): 429 from the layer.
+    PermitsTaken {
+        /// The user-facing key whose permits are taken.
+        key: String,
+        /// How many permits the acquisition asked of.
+        permits: u32,
+        /// How long the earliest permit's lease still runs, when the store reported one.
+        retry_after: Option<Duration>,
+    },
+    /// The owner holds the key shared and asked for it exclusively. A shared hold cannot
+    /// be upgraded (two readers upgrading would wait for each other forever): release it
+    /// first, or take the exclusive hold from the start (a writer may take shared holds of
+    /// its own key). Retrying does not help.
+    UpgradeRefused {
+        /// The user-facing key held shared.
+        key: String,
+    },
+    /// The acquisition asked for a semaphore of zero permits, which nobody can ever take.
+    ZeroPermits {
+        /// The user-facing key of the semaphore.
+        key: String,
+    },
     /// The key was rejected before anything was sent to the store. Displays as the
     /// [`KeyError`] itself.
     InvalidKey(KeyError),
@@ -68,6 +92,10 @@ impl LockError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             LockError::Contended { retry_after, .. } => *retry_after,
+            // A 429 always says when to come back, as a 503 does.
+            LockError::PermitsTaken { retry_after, .. } => {
+                Some(retry_after.unwrap_or(Duration::from_secs(1)))
+            }
             // A 503 always says when to come back: the holder's lease, else a second.
             LockError::TimedOut { retry_after, .. } => {
                 Some(retry_after.unwrap_or(Duration::from_secs(1)))
@@ -75,7 +103,10 @@ impl LockError {
             LockError::QueueFull { .. } | LockError::Backend(_) | LockError::Lost { .. } => {
                 Some(Duration::from_secs(1))
             }
-            LockError::InvalidKey(_) | LockError::NotALock { .. } => None,
+            LockError::InvalidKey(_)
+            | LockError::NotALock { .. }
+            | LockError::UpgradeRefused { .. }
+            | LockError::ZeroPermits { .. } => None,
         }
     }
 
@@ -92,7 +123,13 @@ impl LockError {
     /// True when a retry of the same operation could succeed without anything changing
     /// on the caller's side (contention, timeouts, shedding, an unreachable backend).
     pub fn is_transient(&self) -> bool {
-        !matches!(self, LockError::InvalidKey(_) | LockError::NotALock { .. })
+        !matches!(
+            self,
+            LockError::InvalidKey(_)
+                | LockError::NotALock { .. }
+                | LockError::UpgradeRefused { .. }
+                | LockError::ZeroPermits { .. }
+        )
     }
 }
 
@@ -105,6 +142,16 @@ impl fmt::Display for LockError {
             }
             LockError::QueueFull { key } => {
                 write!(f, "too many local waiters for lock `{key}`")
+            }
+            LockError::PermitsTaken { key, permits, .. } => {
+                write!(f, "all {permits} permits of `{key}` are taken")
+            }
+            LockError::UpgradeRefused { key } => write!(
+                f,
+                "lock `{key}` is held shared by this owner, which cannot upgrade it to exclusive"
+            ),
+            LockError::ZeroPermits { key } => {
+                write!(f, "a semaphore of zero permits was asked of `{key}`")
             }
             // Both wrappers are transparent: the inner error is this level, not its source.
             LockError::InvalidKey(e) => e.fmt(f),
@@ -240,139 +287,9 @@ impl fmt::Display for KeyError {
 
 impl StdError for KeyError {}
 
-/// Why a backend could not be built: its configuration is invalid, or the store could not be
-/// reached or prepared. Returned by [`RedisBackend::connect`](crate::RedisBackend::connect)
-/// and [`RedisBackendBuilder::build`](crate::RedisBackendBuilder::build).
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum BuildError {
-    /// A setting that would make every call fail (a zero timeout, a zero key length).
-    Setting {
-        /// The builder method that was given the value.
-        name: &'static str,
-        /// What the setting must be instead.
-        reason: &'static str,
-    },
-    /// The namespace is empty or contains `{`, `}` or a control character.
-    Namespace {
-        /// The rejected namespace.
-        namespace: String,
-    },
-    /// The URL does not parse as a Redis URL; the parser's reason is the
-    /// [`source`](StdError::source).
-    Url {
-        /// Why the URL was rejected.
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// No connection could be opened or the server refused it (connection refused, unknown
-    /// host, a database index out of range, ...); the cause is the
-    /// [`source`](StdError::source).
-    Connect {
-        /// Why the connection failed.
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// No sentinel named a usable master: none could be reached, none knows the master
-    /// name, or the master they name is down or unreachable; the cause is the
-    /// [`source`](StdError::source).
-    Sentinel {
-        /// The master name given to [`RedisBackend::sentinel`](crate::RedisBackend::sentinel).
-        master_name: String,
-        /// Why the lookup failed (the last sentinel's or the named master's error).
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// The server was reached but refused to load the lock scripts.
-    Scripts {
-        /// Why loading failed.
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// The server refused the credentials: a wrong password, an unknown or disabled ACL
-    /// user (Redis answers all three with `WRONGPASS`), or no password where one is needed.
-    Auth {
-        /// The ACL user the URL names (`default` when it names none).
-        user: String,
-        /// The server's refusal.
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// TLS could not be set up (a `rediss://` URL without the crate's `tls` feature,
-    /// unusable certificates) or the handshake failed (the server's certificate did not
-    /// verify, the server wanted a client certificate).
-    Tls {
-        /// What went wrong, in words.
-        reason: &'static str,
-        /// The TLS library's error, when there is one.
-        source: Option<Box<dyn StdError + Send + Sync>>,
-    },
-    /// The ACL user may not run something the backend needs (a lock script, `PUBLISH` or
-    /// `SUBSCRIBE` on the namespace's channels, ...): every lock operation would fail later.
-    Rights {
-        /// The ACL user the URL names (`default` when it names none).
-        user: String,
-        /// What the user may not do, for example ``SUBSCRIBE to channel `shop:{..}` ``.
-        right: String,
-        /// The server's refusal.
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// The server's `maxmemory-policy` may evict keys, held locks among them (every lock
-    /// key has a TTL, so `volatile-*` policies evict them too). Only `noeviction` keeps
-    /// locks; [`allow_eviction`](crate::RedisBackendBuilder::allow_eviction) accepts
-    /// another policy knowingly.
-    Eviction {
-        /// The server's policy, for example `allkeys-lru`.
-        policy: String,
-    },
-}
+mod build;
 
-impl fmt::Display for BuildError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BuildError::Namespace { namespace } => write!(
-                f,
-                "invalid namespace {namespace:?}: it must be non-empty, without braces or \
-                 control characters"
-            ),
-            BuildError::Setting { name, reason } => write!(f, "invalid `{name}`: {reason}"),
-            BuildError::Url { .. } => f.write_str("invalid Redis URL"),
-            BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
-            BuildError::Sentinel { master_name, .. } => {
-                write!(f, "the sentinels name no usable master `{master_name}`")
-            }
-            BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
-            BuildError::Auth { user, .. } => {
-                write!(
-                    f,
-                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing \
-                     password, or no such enabled user)"
-                )
-            }
-            BuildError::Tls { reason, .. } => f.write_str(reason),
-            BuildError::Rights { user, right, .. } => {
-                write!(f, "the ACL user `{user}` may not {right}")
-            }
-            BuildError::Eviction { policy } => write!(
-                f,
-                "the Redis server's maxmemory-policy is `{policy}`, which may evict held \
-                 locks; only `noeviction` keeps them (or opt in with `allow_eviction`)"
-            ),
-        }
-    }
-}
-
-impl StdError for BuildError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self {
-            BuildError::Namespace { .. }
-            | BuildError::Setting { .. }
-            | BuildError::Eviction { .. } => None,
-            BuildError::Url { source }
-            | BuildError::Connect { source }
-            | BuildError::Scripts { source }
-            | BuildError::Sentinel { source, .. }
-            | BuildError::Auth { source, .. }
-            | BuildError::Rights { source, .. } => Some(&**source),
-            BuildError::Tls { source, .. } => source.as_deref().map(|e| e as _),
-        }
-    }
-}
+pub use self::build::BuildError;
 
 #[cfg(test)]
 mod tests {
