@@ -4,6 +4,11 @@
 //! (never 6379), measures every figure in the same run, and prints markdown tables. The
 //! issue's targets are printed next to the figures; nothing is asserted (machines are
 //! noisy). Set `BENCH_SECS` to change the length of each hot-key run (default 3).
+//!
+//! Arguments after `--` pick tables by name: `cargo bench --bench contention --
+//! uncontended` prints only the uncontended table (a few seconds). The names are
+//! `uncontended`, `hot_key`, `multi_key`, `http`, `scale` and `metrics`; a table runs when
+//! its name contains one of the arguments, and every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -105,14 +110,46 @@ async fn run() -> String {
          {INSTANCES} instances for the hot key, {secs} s per lock and section in {ROUNDS} rounds.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    out += &uncontended(&server).await;
-    out += &hot_key(&server, Duration::from_secs_f64(secs)).await;
-    out += &multi_key::multi_key(&server, Duration::from_secs_f64(secs)).await;
-    out += &http(&server).await;
-    out += &scale(&server).await;
+    let wanted = Tables::from_args();
+    if wanted.has("uncontended") {
+        out += &uncontended(&server).await;
+    }
+    if wanted.has("hot_key") {
+        out += &hot_key(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("multi_key") {
+        out += &multi_key::multi_key(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("http") {
+        out += &http(&server).await;
+    }
+    if wanted.has("scale") {
+        out += &scale(&server).await;
+    }
     // Last: it installs the process's metrics recorder, which every later figure would pay.
-    out += &metrics_cost().await;
+    if wanted.has("metrics") {
+        out += &metrics_cost().await;
+    }
     out
+}
+
+/// The tables named on the command line (`cargo bench --bench contention -- NAME..`).
+struct Tables(Vec<String>);
+
+impl Tables {
+    /// Cargo passes `--bench` to every bench target; other flags are ignored too.
+    fn from_args() -> Self {
+        Tables(
+            std::env::args()
+                .skip(1)
+                .filter(|arg| !arg.starts_with('-'))
+                .collect(),
+        )
+    }
+
+    fn has(&self, table: &str) -> bool {
+        self.0.is_empty() || self.0.iter().any(|name| table.contains(name.as_str()))
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -31,28 +31,26 @@ if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
 if kind == 'hash' then
+  -- One read for every case below.
+  local held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1])
   -- A run of this attempt took its hold already: answer as that run did, taking nothing.
   -- (The attempt's field goes with the owner's: a release that frees the lock deletes the
   -- hash, a handoff rebuilds it.)
-  if redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
-    local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
-    if held[1] then
-      return {1, tonumber(held[2]), tonumber(held[1])}
-    end
+  if held[1] and held[2] then
+    return {1, tonumber(held[3]), tonumber(held[2])}
   end
-  if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
+  if held[2] then
     local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
     redis.call('hset', KEYS[1], ARGV[5], 1)
     -- A re-entry may extend the lease but never shorten the outer hold's.
     extend_lease(KEYS[1], ARGV[2])
-    return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
+    return {1, tonumber(held[3]), count}
   end
   -- Held by others: exclusively, or shared (shared_acquire.lua).
-  local shared = redis.call('hmget', KEYS[1], 'mode', 'r:' .. ARGV[1])
-  if shared[2] then
+  if held[5] then
     return {4}
   end
-  if shared[1] ~= 'read' then
+  if held[4] ~= 'read' then
     return {0, redis.call('pttl', KEYS[1])}
   end
   local now = now_ms()

@@ -207,18 +207,11 @@ impl ServerChecks<'_> {
         renew.arg(owner).arg(PROBE_TTL_MS);
         let mut release = self.scripts.release.key(lock);
         release
-            .key(&probe.fence)
             .arg(owner)
             .arg(format!("{owner}#1"))
             .arg(PROBE_TTL_MS)
             .arg(&probe.channel)
-            .arg("")
-            .arg(0)
-            .arg(PROBE_TTL_MS)
-            .arg(0)
-            .arg(0)
-            .arg(u8::from(self.scripts.sharded))
-            .arg("");
+            .arg(u8::from(self.scripts.sharded));
         let steps = [
             ("acquire", &acquire, ACQUIRE_CALLS),
             ("renew", &renew, RENEW_CALLS),
@@ -305,8 +298,7 @@ impl ServerChecks<'_> {
 }
 
 /// The commands each script calls, named when a user may not run one of them.
-const ACQUIRE_CALLS: &str =
-    "TYPE, HEXISTS, HMGET, PTTL, HINCRBY, PEXPIRE, HGET, TIME, GET, SET, HSET";
+const ACQUIRE_CALLS: &str = "TYPE, HMGET, PTTL, HINCRBY, PEXPIRE, TIME, GET, SET, HSET";
 const RENEW_CALLS: &str = "HEXISTS, PTTL, PEXPIRE";
 const RELEASE_CALLS: &str =
-    "HEXISTS, HGET, HMGET, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, PUBSUB, TIME, GET, SET";
+    "HMGET, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, PUBSUB, TIME, GET, SET";

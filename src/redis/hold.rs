@@ -409,20 +409,27 @@ impl ReleaseCall<'_> {
                 .arg(token);
             return invocation;
         }
+        // The arguments a plain release does not need are left off from the end (see
+        // release.lua): each one Redis hands to a script costs it.
         let mut invocation = scripts.release.key(&*self.key.lock);
         invocation
-            .key(&self.key.fence)
             .arg(self.owner.as_str())
             .arg(self.release_id)
             .arg(millis(self.lease))
             .arg(&self.key.channel)
-            .arg(self.successor.map_or("", |s| s.owner.as_str()))
-            .arg(self.successor.map_or(0, |s| millis(s.lease)))
-            .arg(millis(fence_ttl))
-            .arg(u8::from(self.streak_spent))
-            .arg(u8::from(self.may_have_run))
-            .arg(u8::from(scripts.sharded))
-            .arg(token);
+            .arg(u8::from(scripts.sharded));
+        if self.successor.is_none() && !self.may_have_run && token.is_empty() {
+            return invocation;
+        }
+        invocation.arg(token).arg(u8::from(self.may_have_run));
+        if let Some(successor) = self.successor {
+            invocation
+                .key(&self.key.fence)
+                .arg(successor.owner.as_str())
+                .arg(millis(successor.lease))
+                .arg(millis(fence_ttl))
+                .arg(u8::from(self.streak_spent));
+        }
         invocation
     }
 }

@@ -64,7 +64,7 @@ end
 local function lease_holder(key, holder, now, ms, ends)
   local wanted = now + tonumber(ms)
   if not ends or ends < wanted then
-    redis.call('hset', key, 'exp:' .. holder, string.format('%.0f', wanted))
+    redis.call('hset', key, 'exp:' .. holder, string.format('%d', wanted))
   end
   extend_lease(key, ms)
 end

@@ -2,46 +2,57 @@
 -- process; idempotent per hold.
 --
 -- KEYS[1]  the lock hash
--- KEYS[2]  the fencing counter (written only by a handoff)
+-- KEYS[2]  the fencing counter (written only by a handoff; passed only with a successor)
 -- ARGV[1]  owner id
 -- ARGV[2]  this hold's release id ("owner#hold"), written as a field of the hash when a
 --          re-entry is undone, so that a retry of the same release (after a lost reply)
 --          does not decrement twice
 -- ARGV[3]  lease in milliseconds, re-applied while outer holds remain
 -- ARGV[4]  the channel that waiters subscribe to
--- ARGV[5]  the successor's owner id, or "" to release for real
--- ARGV[6]  the successor's lease in milliseconds
--- ARGV[7]  how long the fencing counter outlives its last use, in milliseconds
--- ARGV[8]  "1" when the process's run of handoffs is used up: then the lock is released
---          for real if anyone (another instance) is subscribed to ARGV[4]
--- ARGV[9]  "1" when an earlier call of this same release may have run (its reply was
---          lost): only then can a handoff it made exist, so only then is one looked for.
---          Always "1" on a Redis Cluster, whose client sends a call again by itself when
---          its connection drops before the reply
--- ARGV[10] "1" on a Redis Cluster: publish on sharded pub/sub (SPUBLISH, Redis 7), so the
+-- ARGV[5]  "1" on a Redis Cluster: publish on sharded pub/sub (SPUBLISH, Redis 7), so the
 --          release reaches only the shard that owns ARGV[4] (KEYS[1]'s hash tag); "0" on a
 --          single server, where PUBLISH keeps working on Redis before 7
--- ARGV[11] the fencing token of the hold being released, or "" not to check it: a release
---          sent again after a failover (replay.rs) must act only on that very hold, never
---          on a later one of the same owner (which has a newer token; a re-entry keeps it)
 --
--- Returns {3, token} when the lock now belongs to ARGV[5] under a new fencing token (also
+-- The rest may be left off from the end, each then taking the value in brackets: Redis
+-- turns every argument into a Lua string, which cost as much as a command for every
+-- three, and a plain release needs none of them.
+-- ARGV[6]  the fencing token of the hold being released, or "" not to check it (""): a
+--          release sent again after a failover (replay.rs) must act only on that very hold,
+--          never on a later one of the same owner (which has a newer token; a re-entry
+--          keeps it)
+-- ARGV[7]  "1" when an earlier call of this same release may have run (its reply was
+--          lost): only then can a handoff it made exist, so only then is one looked for.
+--          Always "1" on a Redis Cluster, whose client sends a call again by itself when
+--          its connection drops before the reply ("0")
+-- ARGV[8]  the successor's owner id, or "" to release for real ("")
+-- ARGV[9]  the successor's lease in milliseconds
+-- ARGV[10] how long the fencing counter outlives its last use, in milliseconds
+-- ARGV[11] "1" when the process's run of handoffs is used up: then the lock is released
+--          for real if anyone (another instance) is subscribed to ARGV[4] ("0")
+--
+-- Returns {3, token} when the lock now belongs to ARGV[8] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
--- or a retried final release), or holds it under another token than ARGV[11].
--- The release id is looked for on every call: a retry sent on another connection may run
--- before the original, which must then not decrement a second time.
-if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+-- or a retried final release), or holds it under another token than ARGV[6].
+local only, retried, successor = ARGV[6] or '', ARGV[7] == '1', ARGV[8] or ''
+-- One read for every case. The release id is looked for on every call: a retry sent on
+-- another connection may run before the original, which must then not decrement a second
+-- time. The token and the successor are read only when needed (each field read costs).
+local held
+if only == '' and successor == '' then
+  held = redis.call('hmget', KEYS[1], ARGV[2], ARGV[1], 'readers')
+else
+  held = redis.call('hmget', KEYS[1], ARGV[2], ARGV[1], 'readers', 'token', successor)
+end
+if held[1] then
   return {1}
 end
-if ARGV[9] == '1' and ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
-  return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
+if retried and successor ~= '' and held[5] then
+  return {3, tonumber(held[4])}
 end
-local held = redis.call('hmget', KEYS[1], ARGV[1], 'token', 'readers')
-local count = tonumber(held[1])
-local only = ARGV[11] or ''
-if not count or (only ~= '' and tonumber(held[2]) ~= tonumber(only)) then
+local count = tonumber(held[2])
+if not count or (only ~= '' and tonumber(held[4]) ~= tonumber(only)) then
   return {0}
 end
 if count > 1 then
@@ -50,7 +61,7 @@ if count > 1 then
   extend_lease(KEYS[1], ARGV[3])
   return {1}
 end
-local sharded = ARGV[10] == '1'
+local sharded = ARGV[5] == '1'
 -- The owner took shared holds of its key while holding it (a downgrade, see
 -- shared_acquire.lua): they outlive this one, so the lock goes to shared mode, and new
 -- shared holds and waiting writers are told.
@@ -63,21 +74,21 @@ end
 local function subscribers(channel)
   return redis.call('pubsub', sharded and 'shardnumsub' or 'numsub', channel)[2]
 end
-if ARGV[5] ~= '' and (ARGV[8] ~= '1' or subscribers(ARGV[4]) == 0) then
+if successor ~= '' and (ARGV[11] ~= '1' or subscribers(ARGV[4]) == 0) then
   redis.call('del', KEYS[1])
   -- The current hold's token is the newest issued for this key (only a holder gets a new
   -- one), so the next number exceeds every earlier token without reading the clock.
-  local last = tonumber(held[2])
+  local last = tonumber(held[4])
   local token
   if last then
-    token = string.format('%.0f', last + 1)
-    redis.call('set', KEYS[2], token, 'px', ARGV[7])
+    token = string.format('%d', last + 1)
+    redis.call('set', KEYS[2], token, 'px', ARGV[10])
   else
-    token = next_token(KEYS[2], ARGV[7])
+    token = next_token(KEYS[2], ARGV[10])
   end
   -- The hash is rebuilt rather than edited, so the old owner's release ids go with it.
-  redis.call('hset', KEYS[1], ARGV[5], 1, 'token', token)
-  redis.call('pexpire', KEYS[1], ARGV[6])
+  redis.call('hset', KEYS[1], successor, 1, 'token', token)
+  redis.call('pexpire', KEYS[1], ARGV[9])
   return {3, tonumber(token)}
 end
 -- Published before the delete: a script that fails keeps what it did so far, so a PUBLISH
