@@ -118,7 +118,6 @@ impl HeldLock {
     }
 
     /// Marks a fresh handle as a shared hold.
-    #[allow(dead_code)] // used by the backends' shared holds, landing next
     pub(crate) fn into_shared(mut self, shared: bool) -> Self {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.shared = shared;
