@@ -30,7 +30,9 @@
 //! Where to look:
 //!
 //! - [`LockLayer`]: the middleware and its settings (wait or fail fast, lease, what to do
-//!   when a lock is lost, holding until the body is sent, rejections).
+//!   when a lock is lost, holding until the body is sent, rejections), and its
+//!   [`policy`]: exclusive by default, read/write (`.read_write()`, `.shared_if(f)`) or a
+//!   semaphore (`.permits(n)`).
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] and [`MemoryBackend`]: where locks live ([`LockBackend`]).
@@ -67,8 +69,8 @@
 #![deny(missing_docs, unsafe_code)]
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
-// Every public item has one path: the crate root, except `response`'s, which only that
-// module exports.
+// Every public item has one path: the crate root, except `response`'s and `policy`'s,
+// which only those modules export.
 mod backend;
 mod body;
 mod error;
@@ -80,6 +82,7 @@ mod layer;
 mod lock;
 mod many;
 mod memory;
+pub mod policy;
 mod queue;
 mod redis;
 pub mod response;
