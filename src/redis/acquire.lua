@@ -13,10 +13,19 @@
 --          drops before the reply, and the second run of one attempt must not count a
 --          second hold
 --
+-- KEYS[3]  the waiting writers of the key's read/write lock (see shared_acquire.lua)
+-- ARGV[6]  how long this acquisition still waits, in milliseconds, or 0 when it does not
+--          wait: a waiting writer kept out by shared holders registers in KEYS[3] for that
+--          long, so that new shared holds queue behind it
+-- ARGV[7]  "1" when an earlier attempt of this acquisition registered as a waiting writer
+--
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
 -- when another owner holds it (pttl -1: no expiry set), or {2, wait} when the restart
--- guard refuses a new acquisition for `wait` more milliseconds.
+-- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
+-- when held shared and this acquisition registered as a waiting writer, or {4} when the
+-- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
+-- would wait for each other forever).
 local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
@@ -31,32 +40,44 @@ if kind == 'hash' then
       return {1, tonumber(held[2]), tonumber(held[1])}
     end
   end
-  if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+  if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
+    local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
+    redis.call('hset', KEYS[1], ARGV[5], 1)
+    -- A re-entry may extend the lease but never shorten the outer hold's.
+    extend_lease(KEYS[1], ARGV[2])
+    return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
+  end
+  -- Held by others: exclusively, or shared (shared_acquire.lua).
+  local shared = redis.call('hmget', KEYS[1], 'mode', 'r:' .. ARGV[1])
+  if shared[2] then
+    return {4}
+  end
+  if shared[1] ~= 'read' then
     return {0, redis.call('pttl', KEYS[1])}
   end
-  local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
-  redis.call('hset', KEYS[1], ARGV[5], 1)
-  -- A re-entry may extend the lease but never shorten the outer hold's.
-  extend_lease(KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('hget', KEYS[1], 'token')), count}
+  local now = now_ms()
+  if prune_holders(KEYS[1], 'r:', now) > 0 then
+    if ARGV[6] == '0' then
+      return {0, redis.call('pttl', KEYS[1])}
+    end
+    redis.call('zadd', KEYS[3], now + tonumber(ARGV[6]), ARGV[1])
+    extend_lease(KEYS[3], ARGV[6])
+    return {0, redis.call('pttl', KEYS[1]), 1}
+  end
+  -- Every shared holder's lease ran out (they crashed): the lock is free.
+  redis.call('del', KEYS[1])
 end
 
--- The restart guard (Redlock's delayed restart): a server that started less than one
--- longest lease ago may have lost locks whose holders still run, so it grants no new
--- acquisition until then. Its start (INFO's uptime, whole seconds rounded down, so the
--- wait errs long by under a second) is the marker: unlike a key it cannot survive from a
--- stale snapshot that lacks newer locks. Holds that survived are re-entered above.
-if ARGV[4] ~= '0' then
-  local info = redis.call('info', 'server')
-  local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-  local wait = tonumber(ARGV[4]) - uptime * 1000
-  if wait > 0 then
-    return {2, wait}
-  end
+local wait = restart_wait(ARGV[4])
+if wait then
+  return {2, wait}
 end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).
 local token = next_token(KEYS[2], ARGV[3])
 redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 redis.call('pexpire', KEYS[1], ARGV[2])
+if ARGV[7] == '1' then
+  redis.call('zrem', KEYS[3], ARGV[1])
+end
 return {1, tonumber(token), 1}

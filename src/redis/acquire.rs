@@ -2,6 +2,7 @@
 //! wait for a release message or the holder's lease -> loop.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::{Instant, sleep_until, timeout};
@@ -11,7 +12,7 @@ use super::keys::LockKey;
 use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
 use crate::backend::{Observe, Store};
 use crate::error::LockError;
-use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 use crate::queue::{Claim, Slot, Turn};
 use crate::telemetry::Namespace;
 
@@ -51,11 +52,13 @@ impl Store for Inner {
 
 impl Inner {
     async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
-        let key = Arc::new(LockKey::new(
-            &self.namespace,
-            request.key,
-            self.max_key_len,
-        )?);
+        let key = Arc::new(match request.kind {
+            Kind::Permit(0) => return Err(LockError::ZeroPermits { key: request.key }),
+            Kind::Permit(_) => LockKey::semaphore(&self.namespace, request.key, self.max_key_len)?,
+            Kind::Exclusive | Kind::Shared => {
+                LockKey::new(&self.namespace, request.key, self.max_key_len)?
+            }
+        });
         let owner = match request.owner {
             Some(owner) => owner,
             None => self.new_owner(),
@@ -77,7 +80,15 @@ impl Inner {
             },
             started,
             deadline,
+            kind: request.kind,
+            queued_writer: AtomicBool::new(false),
+            inner: self.clone(),
         };
+        // Shared holds and permits admit several holders at once: their tasks do not line up
+        // behind one contender per key, each takes its hold in Redis.
+        if c.kind != Kind::Exclusive {
+            return Box::pin(self.contend(&c, None)).await;
+        }
         let wait = deadline.map(|deadline| (deadline, request.max_local_waiters));
         let slot = match self.queues.turn(&c.key.lock, &c.claim, wait).await {
             Turn::Contend(slot) => slot,
@@ -129,16 +140,30 @@ impl Inner {
                     sent_at,
                     reentry,
                 } => {
-                    let guard = self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot);
+                    let guard = self.guard(
+                        c.key.clone(),
+                        c.claim.clone(),
+                        c.kind,
+                        (token, sent_at),
+                        slot,
+                    );
                     return Ok(guard.reentry(reentry));
                 }
                 Attempt::Held(p) => pttl = p,
             }
         }
         let Some(deadline) = c.deadline else {
-            return Err(LockError::Contended {
-                key: c.key.user.clone(),
-                retry_after: pttl,
+            let key = c.key.user.clone();
+            return Err(match c.kind {
+                Kind::Permit(permits) => LockError::PermitsTaken {
+                    key,
+                    permits,
+                    retry_after: pttl,
+                },
+                Kind::Exclusive | Kind::Shared => LockError::Contended {
+                    key,
+                    retry_after: pttl,
+                },
             });
         };
         // Subscribe, then try again before sleeping: a release published between the
@@ -159,7 +184,13 @@ impl Inner {
                     reentry,
                 } => {
                     drop(waiter);
-                    let guard = self.guard(c.key.clone(), c.claim.clone(), token, sent_at, slot);
+                    let guard = self.guard(
+                        c.key.clone(),
+                        c.claim.clone(),
+                        c.kind,
+                        (token, sent_at),
+                        slot,
+                    );
                     return Ok(guard.reentry(reentry));
                 }
                 Attempt::Held(p) => pttl = p,
@@ -189,15 +220,29 @@ impl Inner {
         match reply {
             Ok(reply) => match reply.as_slice() {
                 [1, token, count] => u64::try_from(*token)
-                    .map(|token| Attempt::Acquired {
-                        token,
-                        sent_at,
-                        reentry: *count > 1,
+                    .map(|token| {
+                        // The script took the writer out of the waiting ones.
+                        c.queued_writer.store(false, Ordering::Relaxed);
+                        Attempt::Acquired {
+                            token,
+                            sent_at,
+                            reentry: *count > 1,
+                        }
                     })
                     .map_err(|_| unexpected()),
                 [0, pttl] => Ok(Attempt::Held(
                     u64::try_from(*pttl).ok().map(Duration::from_millis),
                 )),
+                // Kept out by shared holders, and now queued ahead of new ones.
+                [0, pttl, 1] => {
+                    c.queued_writer.store(true, Ordering::Relaxed);
+                    Ok(Attempt::Held(
+                        u64::try_from(*pttl).ok().map(Duration::from_millis),
+                    ))
+                }
+                [4] => Err(LockError::UpgradeRefused {
+                    key: c.key.user.clone(),
+                }),
                 // The restart guard: treated as held by a holder from before the restart
                 // (waiters wait it out, a try gets `Contended` with the time left).
                 [2, wait] => {
@@ -221,6 +266,44 @@ pub(super) struct Contender {
     pub(super) claim: Claim,
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
+    pub(super) kind: Kind,
+    /// An exclusive acquisition kept out by shared holders registered as a waiting writer
+    /// (acquire.lua): until it gets the lock, new shared holds queue behind it.
+    pub(super) queued_writer: AtomicBool,
+    inner: Arc<Inner>,
+}
+
+impl Drop for Contender {
+    /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
+    /// in again at once, rather than when its registration runs out with its wait, and
+    /// wakes those already waiting for it.
+    fn drop(&mut self) {
+        if !self.queued_writer.load(Ordering::Relaxed) {
+            return;
+        }
+        let inner = self.inner.clone();
+        let (writers, channel) = (self.key.writers(), self.key.channel.clone());
+        let owner = self.claim.owner.clone();
+        self.inner.runtime.spawn(async move {
+            let mut leave = redis::cmd("ZREM");
+            leave.arg(&writers).arg(owner.as_str());
+            let publish = if inner.scripts.sharded {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            };
+            let mut wake = redis::cmd(publish);
+            wake.arg(&channel).arg("released");
+            for cmd in [leave, wake] {
+                let sent = timeout(inner.command_timeout, inner.pool.query::<i64>(&cmd)).await;
+                if !matches!(sent, Ok(Ok(_))) {
+                    // Its registration runs out with the wait it was made for.
+                    tracing::debug!(key = %writers, "could not withdraw a waiting writer");
+                    return;
+                }
+            }
+        });
+    }
 }
 
 impl Contender {

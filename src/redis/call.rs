@@ -12,7 +12,7 @@ use super::hold::RedisHold;
 use super::keys::LockKey;
 use super::pool::{CommandError, Conn};
 use super::watchdog::millis;
-use crate::lock::{BoxFuture, LockOwner};
+use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// What an acquire script call came back with, and the connection it went out on (none
 /// when no connection could be had, so nothing was sent).
@@ -35,8 +35,10 @@ pub(super) struct AcquireCall {
 struct Unclaimed {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
+    /// The hash field the hold is kept under (see [`holder`](super::hold::holder)).
     owner: LockOwner,
     lease: Duration,
+    kind: Kind,
 }
 
 impl AcquireCall {
@@ -44,9 +46,16 @@ impl AcquireCall {
         let unclaimed = Unclaimed {
             inner: inner.clone(),
             key: c.key.clone(),
-            owner: c.claim.owner.clone(),
+            owner: super::hold::holder(c.kind, &c.claim.owner),
             lease: c.claim.lease,
+            kind: c.kind,
         };
+        // What the scripts need to know of the contender besides its claim.
+        let real_owner = c.claim.owner.clone();
+        let writer_wait = c.deadline.map_or(0, |deadline| {
+            millis(deadline.saturating_duration_since(tokio::time::Instant::now())).max(1)
+        });
+        let queued_writer = c.queued_writer.load(std::sync::atomic::Ordering::Relaxed);
         let call = {
             let unclaimed = unclaimed.clone();
             async move {
@@ -55,6 +64,7 @@ impl AcquireCall {
                     key,
                     owner,
                     lease,
+                    kind,
                 } = &unclaimed;
                 let mut conn = match inner.pool.connection().await {
                     Ok(conn) => conn,
@@ -64,14 +74,48 @@ impl AcquireCall {
                 // cluster client sends again after a lost reply carries the same id, and
                 // takes no second hold (see acquire.lua).
                 let attempt = format!("{}@{}", owner.as_str(), inner.owners.serial());
-                let mut invocation = inner.scripts.acquire.key(&*key.lock);
-                invocation
-                    .key(&key.fence)
-                    .arg(owner.as_str())
-                    .arg(millis(*lease))
-                    .arg(millis(inner.fence_ttl))
-                    .arg(inner.restart_guard.map_or(0, millis))
-                    .arg(attempt);
+                let guard = inner.restart_guard.map_or(0, millis);
+                let scripts = &inner.scripts;
+                let invocation = match *kind {
+                    Kind::Exclusive => {
+                        let mut invocation = scripts.acquire.key(&*key.lock);
+                        invocation
+                            .key(&key.fence)
+                            .key(key.writers())
+                            .arg(owner.as_str())
+                            .arg(millis(*lease))
+                            .arg(millis(inner.fence_ttl))
+                            .arg(guard)
+                            .arg(attempt)
+                            .arg(writer_wait)
+                            .arg(u8::from(queued_writer));
+                        invocation
+                    }
+                    Kind::Shared => {
+                        let mut invocation = scripts.shared_acquire.key(&*key.lock);
+                        invocation
+                            .key(&key.fence)
+                            .key(key.writers())
+                            .arg(owner.as_str())
+                            .arg(millis(*lease))
+                            .arg(guard)
+                            .arg(attempt)
+                            .arg(real_owner.as_str());
+                        invocation
+                    }
+                    Kind::Permit(permits) => {
+                        let mut invocation = scripts.permit_acquire.key(&*key.lock);
+                        invocation
+                            .key(&key.fence)
+                            .arg(owner.as_str())
+                            .arg(millis(*lease))
+                            .arg(millis(inner.fence_ttl))
+                            .arg(guard)
+                            .arg(attempt)
+                            .arg(permits);
+                        invocation
+                    }
+                };
                 let reply = conn.invoke::<Vec<i64>>(&invocation).await;
                 match (&reply, inner.sync_replicas) {
                     (Ok(taken), Some(sync)) if is_hold(taken) => {
@@ -147,7 +191,7 @@ impl Unclaimed {
         RedisHold::new(
             self.inner.clone(),
             self.key.clone(),
-            self.owner.clone(),
+            (self.owner.clone(), self.kind),
             self.lease,
             None,
             token,

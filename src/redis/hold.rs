@@ -14,8 +14,18 @@ use super::scripts::Scripts;
 use super::watchdog::{OnLost, millis};
 use super::{Inner, UnexpectedReply};
 use crate::error::LockError;
-use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, ReleaseHold};
+use crate::lock::{BoxFuture, HeldLock, Kind, LockGuard, LockOwner, ReleaseHold};
 use crate::queue::{Claim, Slot};
+
+/// The hash field a hold of `kind` by `owner` is kept under, and registered with the
+/// watchdog as: the owner id itself, or `r:` and the id for a shared hold, which lives in
+/// the same hash as the owner's exclusive hold (see shared_acquire.lua).
+pub(super) fn holder(kind: Kind, owner: &LockOwner) -> LockOwner {
+    match kind {
+        Kind::Shared => LockOwner::new(format!("r:{}", owner.as_str())),
+        Kind::Exclusive | Kind::Permit(_) => owner.clone(),
+    }
+}
 
 impl Inner {
     /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
@@ -24,15 +34,15 @@ impl Inner {
         self: &Arc<Self>,
         key: Arc<LockKey>,
         claim: Claim,
-        token: u64,
-        sent_at: Instant,
+        kind: Kind,
+        (token, sent_at): (u64, Instant),
         slot: Option<Slot>,
     ) -> LockGuard {
         let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
         let hold = RedisHold::new(
             self.clone(),
             key,
-            claim.owner,
+            (holder(kind, &claim.owner), kind),
             claim.lease,
             slot,
             Some(token),
@@ -46,12 +56,8 @@ impl Inner {
             on_lost,
         );
         let renew = claim.renew;
-        let held = HeldLock::new(
-            hold.key.user.clone(),
-            hold.owner.clone(),
-            token,
-            lost.clone(),
-        );
+        let held = HeldLock::new(hold.key.user.clone(), claim.owner, token, lost.clone())
+            .into_shared(kind == Kind::Shared);
         LockGuard::new(
             held,
             Box::new(WatchedHold {
@@ -68,7 +74,9 @@ impl Inner {
 pub(super) struct RedisHold {
     inner: Arc<Inner>,
     key: Arc<LockKey>,
+    /// The hash field the hold is kept under (see [`holder`]).
     owner: LockOwner,
+    kind: Kind,
     /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
     release_id: String,
     lease: Duration,
@@ -87,7 +95,7 @@ impl RedisHold {
     pub(super) fn new(
         inner: Arc<Inner>,
         key: Arc<LockKey>,
-        owner: LockOwner,
+        (owner, kind): (LockOwner, Kind),
         lease: Duration,
         slot: Option<Slot>,
         token: Option<u64>,
@@ -98,6 +106,7 @@ impl RedisHold {
             inner,
             key,
             owner,
+            kind,
             lease,
             slot,
             may_have_run: false,
@@ -120,6 +129,7 @@ impl RedisHold {
         ReleaseCall {
             key: &self.key,
             owner: &self.owner,
+            kind: self.kind,
             release_id: &self.release_id,
             lease: self.lease,
             successor,
@@ -241,7 +251,9 @@ impl RedisHold {
     /// along with the lock, is passed on when the hold is dropped.
     fn released(&mut self, reply: &[i64], sent: (Instant, u64)) -> Result<(), LockError> {
         let (sent_at, generation) = sent;
-        if let ([2] | [3, _], Some(replays), Some(token)) = (reply, &self.inner.replays, self.token)
+        // Replays after a failover cover exclusive holds (see replay.rs).
+        if let ([2] | [3, _], Some(replays), Some(token), Kind::Exclusive) =
+            (reply, &self.inner.replays, self.token, self.kind)
         {
             replays.record(&self.key, token, self.lease, generation);
         }
@@ -253,8 +265,8 @@ impl RedisHold {
                     let guard = self.inner.guard(
                         self.key.clone(),
                         successor.claim.clone(),
-                        token,
-                        sent_at,
+                        Kind::Exclusive,
+                        (token, sent_at),
                         Some(slot),
                     );
                     successor.hand_over(guard);
@@ -360,7 +372,11 @@ impl Drop for PendingRelease {
 /// One call of the release script (see release.lua for what each argument does).
 pub(super) struct ReleaseCall<'a> {
     pub(super) key: &'a LockKey,
+    /// The hash field the hold is kept under (see [`holder`]).
     pub(super) owner: &'a LockOwner,
+    /// Which script releases it: release.lua, or for a shared hold or a permit
+    /// shared_release.lua or permit_release.lua (these take no successor).
+    pub(super) kind: Kind,
     pub(super) release_id: &'a str,
     pub(super) lease: Duration,
     pub(super) successor: Option<&'a Claim>,
@@ -376,6 +392,23 @@ impl ReleaseCall<'_> {
         scripts: &'s Scripts,
         fence_ttl: Duration,
     ) -> ScriptInvocation<'s> {
+        let token = self.token.map(|t| t.to_string()).unwrap_or_default();
+        let single = match self.kind {
+            Kind::Exclusive => None,
+            Kind::Shared => Some(&scripts.shared_release),
+            Kind::Permit(_) => Some(&scripts.permit_release),
+        };
+        if let Some(script) = single {
+            let mut invocation = script.key(&*self.key.lock);
+            invocation
+                .arg(self.owner.as_str())
+                .arg(self.release_id)
+                .arg(millis(self.lease))
+                .arg(&self.key.channel)
+                .arg(u8::from(scripts.sharded))
+                .arg(token);
+            return invocation;
+        }
         let mut invocation = scripts.release.key(&*self.key.lock);
         invocation
             .key(&self.key.fence)
@@ -389,7 +422,7 @@ impl ReleaseCall<'_> {
             .arg(u8::from(self.streak_spent))
             .arg(u8::from(self.may_have_run))
             .arg(u8::from(scripts.sharded))
-            .arg(self.token.map(|t| t.to_string()).unwrap_or_default());
+            .arg(token);
         invocation
     }
 }

@@ -1,4 +1,5 @@
-//! The Redis names of one user key: the lock hash, its fencing counter and its channel.
+//! The Redis names of one user key: the lock hash, its fencing counter and its channel
+//! (and the same for the key's semaphore, a primitive of its own).
 
 use std::sync::Arc;
 
@@ -26,13 +27,39 @@ pub(crate) struct LockKey {
 impl LockKey {
     pub(crate) fn new(namespace: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
         validate(&user, max_len)?;
-        let tagged = format!("{namespace}:{{{}}}", escape(&user));
-        Ok(LockKey {
+        Ok(Self::named(
+            format!("{namespace}:{{{}}}", escape(&user)),
+            user,
+        ))
+    }
+
+    /// The names of `user`'s semaphore (see permit_acquire.lua): a hash, counter and
+    /// channel of their own, in the same hash slot as the lock's.
+    pub(crate) fn semaphore(
+        namespace: &str,
+        user: String,
+        max_len: usize,
+    ) -> Result<Self, KeyError> {
+        validate(&user, max_len)?;
+        Ok(Self::named(
+            format!("{namespace}:{{{}}}:permits", escape(&user)),
+            user,
+        ))
+    }
+
+    /// The sorted set of writers waiting for the lock's shared holders to leave (see
+    /// shared_acquire.lua).
+    pub(crate) fn writers(&self) -> String {
+        format!("{}:writers", self.lock)
+    }
+
+    fn named(tagged: String, user: String) -> Self {
+        LockKey {
             fence: format!("{tagged}:fence"),
             channel: format!("{tagged}:released"),
             lock: tagged.into(),
             user,
-        })
+        }
     }
 }
 

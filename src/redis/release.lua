@@ -38,7 +38,7 @@ end
 if ARGV[9] == '1' and ARGV[5] ~= '' and redis.call('hexists', KEYS[1], ARGV[5]) == 1 then
   return {3, tonumber(redis.call('hget', KEYS[1], 'token'))}
 end
-local held = redis.call('hmget', KEYS[1], ARGV[1], 'token')
+local held = redis.call('hmget', KEYS[1], ARGV[1], 'token', 'readers')
 local count = tonumber(held[1])
 local only = ARGV[11] or ''
 if not count or (only ~= '' and tonumber(held[2]) ~= tonumber(only)) then
@@ -51,6 +51,15 @@ if count > 1 then
   return {1}
 end
 local sharded = ARGV[10] == '1'
+-- The owner took shared holds of its key while holding it (a downgrade, see
+-- shared_acquire.lua): they outlive this one, so the lock goes to shared mode, and new
+-- shared holds and waiting writers are told.
+if tonumber(held[3] or '0') > 0 then
+  redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
+  forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
+  redis.call('hset', KEYS[1], 'mode', 'read')
+  return {2}
+end
 local function subscribers(channel)
   return redis.call('pubsub', sharded and 'shardnumsub' or 'numsub', channel)[2]
 end

@@ -14,16 +14,31 @@
 -- Returns one entry per key: 1 when the owner still holds it (its lease now at least
 -- ARGV[2i]), 0 when it does not (expired, deleted, or replaced by a value of another
 -- type), so that one bad key cannot fail the renewal of the others.
+--
+-- A holder with a lease of its own (shared holds, semaphore permits; see holders.lua) is
+-- held only while that lease runs, and a renewal moves it too.
 local renewed = {}
+local now
 for i, key in ipairs(KEYS) do
-  local held = redis.pcall('hexists', key, ARGV[2 * i - 1])
-  if held == 1 then
-    if ARGV[2 * i] ~= '0' then
-      extend_lease(key, ARGV[2 * i])
+  local owner = ARGV[2 * i - 1]
+  local held = redis.pcall('hmget', key, owner, 'exp:' .. owner)
+  renewed[i] = 0
+  if type(held) == 'table' and held[1] then
+    local ends = tonumber(held[2])
+    if ends then
+      now = now or now_ms()
     end
-    renewed[i] = 1
-  else
-    renewed[i] = 0
+    if not ends or ends > now then
+      if ARGV[2 * i] == '0' then
+        renewed[i] = 1
+      elseif ends then
+        lease_holder(key, owner, now, ARGV[2 * i], ends)
+        renewed[i] = 1
+      else
+        extend_lease(key, ARGV[2 * i])
+        renewed[i] = 1
+      end
+    end
   end
 end
 return renewed

@@ -246,10 +246,11 @@ impl Replayer {
         let Some(token) = hash.get("token").and_then(|t| t.parse::<u64>().ok()) else {
             return Ok(());
         };
-        // A release id field holds a '#' (see hold.rs); an owner field does not.
+        // A release id field holds a '#' (see hold.rs) and an attempt id an '@' (call.rs);
+        // an owner field neither.
         let stale = hash
             .keys()
-            .find(|field| field.starts_with(&self.owner_prefix) && !field.contains('#'));
+            .find(|field| field.starts_with(&self.owner_prefix) && !field.contains(['#', '@']));
         let Some(owner) = stale.map(|o| LockOwner::new(o.clone())) else {
             return Ok(());
         };
@@ -260,6 +261,7 @@ impl Replayer {
         let invocation = ReleaseCall {
             key,
             owner: &owner,
+            kind: crate::lock::Kind::Exclusive,
             release_id: &release_id,
             lease,
             successor: None,

@@ -3,7 +3,8 @@
 //! `redis::Script` sends EVALSHA and, on NOSCRIPT (a restarted or flushed server), loads
 //! the script and retries once, so a script is shipped over the wire only when needed.
 //! Lua has no includes: the helpers the scripts share (`lease.lua`: extend a lease, never
-//! shorten it; `token.lua`: the next fencing token) are prepended at compile time.
+//! shorten it; `token.lua`: the next fencing token; `guard.lua`: the restart guard;
+//! `holders.lua`: holders with a lease of their own) are prepended at compile time.
 
 use redis::Script;
 
@@ -13,35 +14,54 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) renew: Script,
     pub(crate) fence: Script,
+    /// Shared holds of a read/write lock (the exclusive side is `acquire` and `release`).
+    pub(crate) shared_acquire: Script,
+    pub(crate) shared_release: Script,
+    /// Semaphore permits.
+    pub(crate) permit_acquire: Script,
+    pub(crate) permit_release: Script,
     /// Whether releases publish on sharded pub/sub (`SPUBLISH`, a Redis Cluster) rather
     /// than `PUBLISH`, which a cluster broadcasts to every node (Redisson #3349) and which
     /// Redis before 7 needs.
     pub(crate) sharded: bool,
 }
 
+/// A script with the shared helpers before it.
+macro_rules! script {
+    ($($file:literal),+) => {
+        Script::new(concat!(
+            include_str!("lease.lua"),
+            include_str!("holders.lua"),
+            $(include_str!($file)),+
+        ))
+    };
+}
+
 impl Scripts {
     pub(crate) fn new(sharded: bool) -> Self {
         Scripts {
-            acquire: Script::new(concat!(
-                include_str!("lease.lua"),
-                include_str!("token.lua"),
-                include_str!("acquire.lua")
-            )),
-            release: Script::new(concat!(
-                include_str!("lease.lua"),
-                include_str!("token.lua"),
-                include_str!("release.lua")
-            )),
-            renew: Script::new(concat!(
-                include_str!("lease.lua"),
-                include_str!("renew.lua")
-            )),
+            acquire: script!("token.lua", "guard.lua", "acquire.lua"),
+            release: script!("token.lua", "release.lua"),
+            renew: script!("renew.lua"),
             fence: Script::new(include_str!("fence.lua")),
+            shared_acquire: script!("guard.lua", "shared_acquire.lua"),
+            shared_release: script!("shared_release.lua"),
+            permit_acquire: script!("token.lua", "guard.lua", "permit_acquire.lua"),
+            permit_release: script!("permit_release.lua"),
             sharded,
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 4] {
-        [&self.acquire, &self.release, &self.renew, &self.fence]
+    pub(crate) fn all(&self) -> [&Script; 8] {
+        [
+            &self.acquire,
+            &self.release,
+            &self.renew,
+            &self.fence,
+            &self.shared_acquire,
+            &self.shared_release,
+            &self.permit_acquire,
+            &self.permit_release,
+        ]
     }
 }

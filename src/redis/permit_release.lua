@@ -1,0 +1,38 @@
+-- Give back one hold of a semaphore permit; idempotent per hold.
+--
+-- KEYS[1]  the semaphore hash (see permit_acquire.lua)
+-- ARGV[1]  owner id
+-- ARGV[2]  this hold's release id ("owner#hold"), written when a re-entry is undone so
+--          that a retry of the same release does not decrement twice
+-- ARGV[3]  lease in milliseconds, re-applied while outer holds of the owner remain
+-- ARGV[4]  the channel that waiters for a permit subscribe to
+-- ARGV[5]  "1" on a Redis Cluster: publish with SPUBLISH (see release.lua)
+-- ARGV[6]  the fencing token of the permit being released, or "" not to check it
+--
+-- Returns {2} when the permit was freed and the release published, {1} when an outer hold
+-- of the same owner remains (or this hold was already undone), {0} when the owner holds
+-- no permit (its lease ran out, or a retried final release), or holds one under another
+-- token than ARGV[6].
+if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+  return {1}
+end
+local now = now_ms()
+local mine = redis.call('hmget', KEYS[1], ARGV[1], 'exp:' .. ARGV[1], 'tok:' .. ARGV[1])
+local count, ends = tonumber(mine[1]), tonumber(mine[2])
+if not count or not ends or ends <= now or (ARGV[6] ~= '' and tonumber(mine[3]) ~= tonumber(ARGV[6])) then
+  return {0}
+end
+if count > 1 then
+  redis.call('hincrby', KEYS[1], ARGV[1], -1)
+  redis.call('hset', KEYS[1], ARGV[2], 1)
+  lease_holder(KEYS[1], ARGV[1], now, ARGV[3], ends)
+  return {1}
+end
+-- Published first, as release.lua does: a PUBLISH the ACL user may no longer send fails
+-- the release with the permit still held, as the error says.
+redis.call(ARGV[5] == '1' and 'spublish' or 'publish', ARGV[4], 'released')
+forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
+if redis.call('hlen', KEYS[1]) == 0 then
+  redis.call('del', KEYS[1])
+end
+return {2}
