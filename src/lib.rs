@@ -6,7 +6,8 @@
 //! lock, keeps it renewed while the handler runs, and releases it on every exit path
 //! (return, panic, cancellation). Contention becomes HTTP: 409 when the route does not
 //! wait, 503 with `Retry-After` when waiting ran out or the store is unreachable, 400 for
-//! a bad key.
+//! a bad key. Read/write locks (many readers or one writer) and semaphores (at most `n`
+//! holders, 429 when all permits are taken) come with the same guarantees.
 //!
 //! ```
 //! use axum::{Router, extract::Request, routing::post};
