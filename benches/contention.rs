@@ -11,6 +11,9 @@ mod support;
 #[path = "parts/multi_key.rs"]
 mod multi_key;
 
+#[path = "parts/family.rs"]
+mod family;
+
 #[path = "parts/sweep.rs"]
 mod sweep;
 
@@ -108,6 +111,7 @@ async fn run() -> String {
     out += &uncontended(&server).await;
     out += &hot_key(&server, Duration::from_secs_f64(secs)).await;
     out += &multi_key::multi_key(&server, Duration::from_secs_f64(secs)).await;
+    out += &family::family(&server, Duration::from_secs_f64(secs)).await;
     out += &http(&server).await;
     out += &scale(&server).await;
     // Last: it installs the process's metrics recorder, which every later figure would pay.
