@@ -241,8 +241,10 @@ fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
         .iter()
         .map(|g| (g.key().to_owned(), g.fencing_token()));
     let (key, token) = keys.next().unwrap_or_default();
+    // Every key is taken the same way, so one shared key means all are.
+    let shared = taken.iter().all(|g| g.held().is_shared());
     let held = HeldLock::new_many(key, token, keys.collect(), owner, (first, parts));
-    LockGuard::new(held, Box::new(Holds { guards: taken }))
+    LockGuard::new(held.into_shared(shared), Box::new(Holds { guards: taken }))
 }
 
 /// The holds of a multi-key lock, released together.

@@ -32,6 +32,7 @@ for_each_store!(
     a_writer_downgrades_and_its_shared_hold_outlives_the_exclusive_one,
     shared_holders_see_the_last_writers_token_and_the_next_writer_a_higher_one,
     shared_holds_are_reentrant_per_owner,
+    a_multi_key_request_takes_every_key_the_same_way,
 );
 
 type DocLayer<P = Exclusive> = LockLayer<fn(&Request) -> Option<&'static str>, P>;
@@ -408,4 +409,53 @@ async fn shared_holds_are_reentrant_per_owner<B: LockBackend>(b: [B; 3]) {
         .expect("no panic")
         .expect("the writer is served");
     writer.release().await.expect("released");
+}
+
+async fn a_multi_key_request_takes_every_key_the_same_way<B: LockBackend>(b: [B; 3]) {
+    let gate = Gate::default();
+    let both = |_: &Request| vec!["left", "right"];
+    let pass = {
+        let gate = gate.clone();
+        move |lock: tower_lock::HeldLock| {
+            let gate = gate.clone();
+            async move {
+                assert_eq!(lock.keys().count(), 2);
+                assert!(lock.is_shared(), "{lock:?}");
+                gate.pass().await
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/pair", get(pass))
+        .route_layer(LockLayer::new(b[0].clone(), both).read_write().wait(HANG));
+    let gets: Vec<_> = (0..2)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { call(&app, Method::GET, "/pair").await })
+        })
+        .collect();
+    // Both GETs hold both keys shared at once; a writer of either key is kept out.
+    gate.wait_inside(2).await;
+    for key in ["left", "right"] {
+        let refused = b[1].lock(key).try_once().await;
+        assert!(
+            matches!(refused, Err(LockError::Contended { .. })),
+            "{refused:?}"
+        );
+    }
+    let shared = b[1].lock_many(["right", "left"]).shared().try_once().await;
+    let shared = shared.expect("readers share both keys");
+    assert!(shared.held().is_shared());
+    gate.open();
+    for get in gets {
+        let reply = get.await.expect("no panic");
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+    shared.release().await.expect("released");
+    let writer = b[2].lock_many(["left", "right"]).try_once().await;
+    writer
+        .expect("all released")
+        .release()
+        .await
+        .expect("released");
 }

@@ -3,17 +3,19 @@
 //!
 //! Exclusive acquisitions queue for the key's slot as on Redis (one contender per key);
 //! the task with the slot takes the lock, or waits here while shared holds remain. Shared
-//! acquisitions do not take the slot (any number hold at once): they wait here. Fairness
-//! goes by arrival: a shared acquisition waits for every exclusive one that arrived before
-//! it (queued for the slot or waiting here), so a stream of readers cannot starve a
-//! writer, and a writer waits for the readers that arrived before it.
+//! acquisitions do not take the slot (any number hold at once): they wait here, in arrival
+//! order, for every exclusive acquisition that arrived before them (queued for the slot or
+//! waiting here), so a stream of readers cannot starve a writer. The contender waits only
+//! for the shared holds, never for waiting readers: those wait for a writer, and two
+//! writers may reach the slot queue in the opposite order of their arrival, so a writer
+//! that waited for them could wait for itself.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::hold::{HoldId, Of, Tenure};
-use super::wait::{Deferred, List, RwWant, Step, Ticket, Waiter};
+use super::wait::{Deferred, List, Step, Ticket, Waiter};
 use super::{Inner, State, Wait};
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner};
@@ -27,8 +29,12 @@ pub(super) struct RwKey {
     /// Arrivals of the exclusive acquisitions under way (queued for the slot, or waiting
     /// here): shared acquisitions that arrive after one wait for it.
     pending: BTreeSet<u64>,
-    /// Waiters by arrival: shared ones, and the exclusive one holding the slot.
-    pub(super) waiting: BTreeMap<u64, Waiter<RwWant>>,
+    /// Shared waiters by arrival.
+    pub(super) waiting: BTreeMap<u64, Waiter<()>>,
+    /// The exclusive acquisition with the key's slot, waiting for the shared holds to end
+    /// (the slot goes to its hold when granted), by arrival; more than one only when its
+    /// owner acquires the key again meanwhile (re-entries, without a slot).
+    pub(super) contenders: BTreeMap<u64, Waiter<Option<Slot>>>,
 }
 
 /// The exclusive holder.
@@ -70,12 +76,12 @@ impl RwKey {
                 && self.waiting.range(..arrival).next().is_none())
     }
 
-    /// Whether an exclusive acquisition by `owner` that arrived at `arrival` may hold the
-    /// key: a re-entry, or nobody holds it and nobody who arrived earlier waits.
-    fn admits_writer(&self, owner: &LockOwner, arrival: u64) -> bool {
+    /// Whether an exclusive acquisition by `owner` may hold the key: a re-entry, or nobody
+    /// holds it.
+    fn admits_writer(&self, owner: &LockOwner) -> bool {
         match &self.writer {
             Some(writer) => writer.owner == *owner,
-            None => self.readers.is_empty() && self.waiting.range(..arrival).next().is_none(),
+            None => self.readers.is_empty(),
         }
     }
 
@@ -170,7 +176,7 @@ impl Inner {
                 deferred.slots.extend(slot);
                 return Err(upgrade_refused(key));
             }
-            if entry.admits_writer(&claim.owner, arrival) {
+            if entry.admits_writer(&claim.owner) {
                 let guard = state.grant_writer(self, key, claim, slot, deferred);
                 return Ok(Step::Held(guard));
             }
@@ -182,12 +188,11 @@ impl Inner {
                     retry_after,
                 });
             };
-            // Not bounded here: the queue bounds the tasks waiting for the slot, and this
-            // is the one task with it.
-            let want = RwWant::Exclusive(slot);
-            let (waiter, ticket) =
-                Ticket::enter(self, (List::ReadWrite, key), arrival, claim, want);
-            entry.waiting.insert(arrival, waiter);
+            // Not bounded: the queue bounds the tasks waiting for the slot, and this is
+            // the one task with it (or a re-entry of its owner, which then waits for it).
+            let list = (List::Contender, key);
+            let (waiter, ticket) = Ticket::enter(self, list, arrival, claim, slot);
+            entry.contenders.insert(arrival, waiter);
             Ok(Step::Wait(ticket, deadline))
         })?;
         self.settle(step, key, wait).await
@@ -216,9 +221,7 @@ impl Inner {
                     key: key.to_string(),
                 });
             }
-            let want = RwWant::Shared;
-            let (waiter, ticket) =
-                Ticket::enter(self, (List::ReadWrite, &key), arrival, &claim, want);
+            let (waiter, ticket) = Ticket::enter(self, (List::Readers, &key), arrival, &claim, ());
             entry.waiting.insert(arrival, waiter);
             Ok(Step::Wait(ticket, deadline))
         })?;
@@ -313,8 +316,9 @@ impl State {
         self.dispatch_rw(inner, &id.key, deferred);
     }
 
-    /// Grants the waiters of `key` that may hold it now, in arrival order up to the first
-    /// that may not; forgets the key when nobody holds, wants or waits for it.
+    /// Grants the waiters of `key` that may hold it now: the contenders, then the shared
+    /// waiters in arrival order up to the first that may not (the ones after it may not
+    /// either); forgets the key when nobody holds, wants or waits for it.
     pub(super) fn dispatch_rw(
         &mut self,
         inner: &Arc<Inner>,
@@ -322,28 +326,38 @@ impl State {
         deferred: &mut Deferred,
     ) {
         while let Some(entry) = self.keys.get_mut(key) {
+            let Some((_, first)) = entry.contenders.first_key_value() else {
+                break;
+            };
+            if !entry.admits_writer(&first.claim.owner) {
+                break;
+            }
+            let Some((_, contender)) = entry.contenders.pop_first() else {
+                break;
+            };
+            let (claim, slot, grant) = contender.into_parts();
+            let guard = self.grant_writer(inner, key, &claim, slot, deferred);
+            grant.send(guard, deferred);
+        }
+        while let Some(entry) = self.keys.get_mut(key) {
             let Some((&arrival, first)) = entry.waiting.first_key_value() else {
                 break;
             };
-            let admitted = match first.want {
-                RwWant::Shared => entry.admits_reader(&first.claim.owner, arrival),
-                RwWant::Exclusive(_) => entry.admits_writer(&first.claim.owner, arrival),
-            };
-            if !admitted {
+            if !entry.admits_reader(&first.claim.owner, arrival) {
                 break;
             }
             let Some((_, waiter)) = entry.waiting.pop_first() else {
                 break;
             };
-            let (claim, want, grant) = waiter.into_parts();
-            let guard = match want {
-                RwWant::Shared => self.grant_reader(inner, key, &claim),
-                RwWant::Exclusive(slot) => self.grant_writer(inner, key, &claim, slot, deferred),
-            };
+            let (claim, (), grant) = waiter.into_parts();
+            let guard = self.grant_reader(inner, key, &claim);
             grant.send(guard, deferred);
         }
         let unused = self.keys.get(key).is_some_and(|entry| {
-            !entry.is_held() && entry.pending.is_empty() && entry.waiting.is_empty()
+            !entry.is_held()
+                && entry.pending.is_empty()
+                && entry.waiting.is_empty()
+                && entry.contenders.is_empty()
         });
         if unused {
             self.keys.remove(key);

@@ -25,17 +25,8 @@ pub(super) struct Deferred {
     pub(super) guards: Vec<LockGuard>,
 }
 
-/// What a waiter of a key's read/write lock waits for.
-pub(super) enum RwWant {
-    /// A shared hold.
-    Shared,
-    /// The exclusive hold, for the task holding the key's queue slot (kept here while it
-    /// waits, so that the hold gets it when granted).
-    Exclusive(Option<Slot>),
-}
-
-/// An entry in a key's list of waiters: `want` is an [`RwWant`], or the number of permits
-/// of a semaphore waiter.
+/// A waiter: `want` is nothing for a shared waiter, the key's queue slot for the exclusive
+/// contender, the number of permits for a semaphore waiter.
 pub(super) struct Waiter<W> {
     pub(super) claim: Claim,
     pub(super) want: W,
@@ -48,12 +39,10 @@ impl<W> Waiter<W> {
     }
 }
 
-impl Waiter<RwWant> {
-    /// Leaves the list for good, passing on a slot it carried.
-    fn leave(self, deferred: &mut Deferred) {
-        if let RwWant::Exclusive(Some(slot)) = self.want {
-            deferred.slots.push(slot);
-        }
+impl Waiter<Option<Slot>> {
+    /// Leaves for good, passing on the slot it carried.
+    pub(super) fn leave(self, deferred: &mut Deferred) {
+        deferred.slots.extend(self.want);
     }
 }
 
@@ -77,10 +66,14 @@ pub(super) enum Step {
     Wait(Ticket, Instant),
 }
 
-/// Which list of its key a waiter is in.
+/// Where in its key a waiter waits.
 #[derive(Clone, Copy)]
 pub(super) enum List {
-    ReadWrite,
+    /// The shared waiters of the read/write lock.
+    Readers,
+    /// The read/write lock's exclusive contenders.
+    Contender,
+    /// The semaphore's waiters.
     Semaphore,
 }
 
@@ -156,15 +149,19 @@ impl State {
     ) -> bool {
         // The waiters behind it may have been kept out by it alone: they are looked at.
         match list {
-            List::ReadWrite => {
-                let waiter = self
-                    .keys
-                    .get_mut(key)
-                    .and_then(|k| k.waiting.remove(&arrival));
-                let Some(waiter) = waiter else {
+            List::Readers => {
+                let entry = self.keys.get_mut(key);
+                if entry.and_then(|k| k.waiting.remove(&arrival)).is_none() {
+                    return false;
+                }
+                self.dispatch_rw(inner, key, deferred);
+            }
+            List::Contender => {
+                let entry = self.keys.get_mut(key);
+                let Some(contender) = entry.and_then(|k| k.contenders.remove(&arrival)) else {
                     return false;
                 };
-                waiter.leave(deferred);
+                contender.leave(deferred);
                 self.dispatch_rw(inner, key, deferred);
             }
             List::Semaphore => {
