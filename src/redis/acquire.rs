@@ -18,14 +18,17 @@ use crate::telemetry::Namespace;
 
 /// What one run of the acquire script found.
 enum Attempt {
-    Acquired {
-        token: u64,
-        sent_at: Instant,
-        /// The owner held the lock already: this hold re-entered it.
-        reentry: bool,
-    },
+    Acquired(Taken),
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
+}
+
+/// A hold the acquire script took.
+struct Taken {
+    token: u64,
+    sent_at: Instant,
+    /// The owner held the lock already: this hold re-entered it.
+    reentry: bool,
 }
 
 impl Store for Inner {
@@ -135,20 +138,7 @@ impl Inner {
         // other instances, woken by that release, get their turn.
         if !slot.as_ref().is_some_and(Slot::yielded) {
             match self.attempt(c).await? {
-                Attempt::Acquired {
-                    token,
-                    sent_at,
-                    reentry,
-                } => {
-                    let guard = self.guard(
-                        c.key.clone(),
-                        c.claim.clone(),
-                        c.kind,
-                        (token, sent_at),
-                        slot,
-                    );
-                    return Ok(guard.reentry(reentry));
-                }
+                Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot)),
                 Attempt::Held(p) => pttl = p,
             }
         }
@@ -178,20 +168,9 @@ impl Inner {
                 _ = sleep_until(nap) => {}
             }
             match self.attempt(c).await? {
-                Attempt::Acquired {
-                    token,
-                    sent_at,
-                    reentry,
-                } => {
+                Attempt::Acquired(taken) => {
                     drop(waiter);
-                    let guard = self.guard(
-                        c.key.clone(),
-                        c.claim.clone(),
-                        c.kind,
-                        (token, sent_at),
-                        slot,
-                    );
-                    return Ok(guard.reentry(reentry));
+                    return Ok(self.taken(c, taken, slot));
                 }
                 Attempt::Held(p) => pttl = p,
             }
@@ -199,6 +178,23 @@ impl Inner {
                 return Err(c.timed_out(pttl));
             }
         }
+    }
+
+    /// The guard of a hold `c` took.
+    fn taken(self: &Arc<Self>, c: &Contender, taken: Taken, slot: Option<Slot>) -> LockGuard {
+        let Taken {
+            token,
+            sent_at,
+            reentry,
+        } = taken;
+        self.guard(
+            c.key.clone(),
+            c.claim.clone(),
+            c.kind,
+            (token, sent_at),
+            slot,
+        )
+        .reentry(reentry)
     }
 
     /// Runs the acquire script once.
@@ -223,11 +219,11 @@ impl Inner {
                     .map(|token| {
                         // The script took the writer out of the waiting ones.
                         c.queued_writer.store(false, Ordering::Relaxed);
-                        Attempt::Acquired {
+                        Attempt::Acquired(Taken {
                             token,
                             sent_at,
                             reentry: *count > 1,
-                        }
+                        })
                     })
                     .map_err(|_| unexpected()),
                 [0, pttl] => Ok(Attempt::Held(
