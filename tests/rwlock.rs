@@ -33,6 +33,8 @@ for_each_store!(
     shared_holders_see_the_last_writers_token_and_the_next_writer_a_higher_one,
     shared_holds_are_reentrant_per_owner,
     a_multi_key_request_takes_every_key_the_same_way,
+    a_crashed_reader_keeps_a_waiting_writer_out_only_until_its_own_lease_ends,
+    a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade,
 );
 
 type DocLayer<P = Exclusive> = LockLayer<fn(&Request) -> Option<&'static str>, P>;
@@ -455,6 +457,70 @@ async fn a_multi_key_request_takes_every_key_the_same_way<B: LockBackend>(b: [B;
     let writer = b[2].lock_many(["left", "right"]).try_once().await;
     writer
         .expect("all released")
+        .release()
+        .await
+        .expect("released");
+}
+
+/// A shared hold that stopped being renewed (its process crashed; here: no watchdog)
+/// keeps a waiting writer out only until its own lease ends, although another reader kept
+/// the key alive with a 30 s lease and then left without it.
+async fn a_crashed_reader_keeps_a_waiting_writer_out_only_until_its_own_lease_ends<
+    B: LockBackend,
+>(
+    b: [B; 3],
+) {
+    let crashed = b[0]
+        .lock("doc")
+        .shared()
+        .lease(Duration::from_millis(500))
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("free");
+    let live = b[1].lock("doc").shared().try_once().await.expect("shared");
+    // The writer would wait out the key's 30 s; the test gives it HANG.
+    let writer = tokio::spawn(b[2].lock("doc").wait(Duration::from_secs(60)));
+    eventually("the writer waits", || readers_turned_away(&b[1], "doc")).await;
+    live.release().await.expect("released");
+    let writer = tokio::time::timeout(HANG, writer)
+        .await
+        .expect("served once the crashed reader's lease ended, long before the key's 30 s")
+        .expect("no panic")
+        .expect("served");
+    assert!(crashed.is_lost(), "the crashed reader's hold ran out");
+    writer.release().await.expect("released");
+}
+
+/// An owner whose shared hold ran out (and was not released) may ask for the key
+/// exclusively: it is a writer like any other, kept out by the other reader, not refused
+/// as an upgrade.
+async fn a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade<B: LockBackend>(b: [B; 3]) {
+    let expired = b[0]
+        .lock("doc")
+        .shared()
+        .lease(Duration::from_millis(300))
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("free");
+    let other = b[1].lock("doc").shared().try_once().await.expect("shared");
+    eventually("the short shared hold runs out", || {
+        let lost = expired.is_lost();
+        async move { lost }
+    })
+    .await;
+    // `lost()` fires a little before the lease ends in the store (see `HeldLock::is_lost`).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let exclusive = b[0].lock("doc").reentrant(expired.held()).try_once().await;
+    assert!(
+        matches!(exclusive, Err(LockError::Contended { .. })),
+        "{exclusive:?}"
+    );
+    other.release().await.expect("released");
+    let exclusive = b[0].lock("doc").reentrant(expired.held()).try_once().await;
+    exclusive
+        .expect("free once the other reader left")
         .release()
         .await
         .expect("released");
