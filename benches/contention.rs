@@ -7,7 +7,7 @@
 //!
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
-//! `uncontended`, `hot_key`, `multi_key`, `http`, `scale` and `metrics`; a table runs when
+//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale` and `metrics`; a table runs when
 //! its name contains one of the arguments, and every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -15,6 +15,9 @@ mod support;
 
 #[path = "parts/multi_key.rs"]
 mod multi_key;
+
+#[path = "parts/family.rs"]
+mod family;
 
 #[path = "parts/sweep.rs"]
 mod sweep;
@@ -119,6 +122,9 @@ async fn run() -> String {
     }
     if wanted.has("multi_key") {
         out += &multi_key::multi_key(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("family") {
+        out += &family::family(&server, Duration::from_secs_f64(secs)).await;
     }
     if wanted.has("http") {
         out += &http(&server).await;

@@ -21,7 +21,7 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The response body of [`LockService`](crate::LockService): the inner service's body `B`
 /// as it is, or held under the request's lock until its end
 /// ([`LockLayer::hold_until_body_end`](crate::LockLayer::hold_until_body_end)), or the
-/// body of a rejection (409, 503, 400).
+/// body of a rejection (409, 429, 503, 400, 500).
 #[pin_project]
 pub struct ResponseBody<B> {
     #[pin]

@@ -181,6 +181,7 @@ impl fmt::Debug for HeldLock {
         }
         f.field("owner", &self.inner.owner)
             .field("fencing_token", &self.inner.token)
+            .field("shared", &self.inner.shared)
             .field("lost", &self.is_lost())
             .finish()
     }

@@ -12,6 +12,7 @@ use crate::backend::{LockBackend, Store};
 use crate::body::BoxError;
 use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
+use crate::policy::{Exclusive, Permits, ReadWrite, SharedIf};
 use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
 use crate::service::LockService;
 use crate::telemetry::{self, Route};
@@ -77,7 +78,14 @@ impl Config {
 ///
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
-/// (problem+json with 409, 503 or 400 by default), so no `HandleErrorLayer` is needed.
+/// (problem+json with 409, 429, 503, 400 or 500 by default, see
+/// [`response`](crate::response)), so no `HandleErrorLayer` is needed.
+///
+/// Requests take the lock exclusively by default. [`read_write`](Self::read_write) and
+/// [`shared_if`](Self::shared_if) let some take shared holds of it instead (readers that
+/// do not exclude each other), and [`permits`](Self::permits) turns it into a semaphore
+/// (at most `n` requests per key at once). Each sets the layer's hold policy, its second
+/// type parameter `P` (see [`policy`](crate::policy)).
 ///
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
 /// route, see [`PathParam`](crate::PathParam), [`Header`](crate::Header) and
@@ -102,10 +110,11 @@ impl Config {
 /// it when every route under it needs the lock.
 #[derive(Clone)]
 #[must_use = "a layer does nothing until it is applied to a service or a router"]
-pub struct LockLayer<K> {
+pub struct LockLayer<K, P = Exclusive> {
     store: Arc<dyn Store>,
     key: K,
     config: Arc<Config>,
+    policy: P,
 }
 
 impl<K> LockLayer<K> {
@@ -115,6 +124,7 @@ impl<K> LockLayer<K> {
         LockLayer {
             store: backend.store(),
             key,
+            policy: Exclusive,
             config: Arc::new(Config {
                 mode: Mode::Wait(DEFAULT_WAIT),
                 lease: DEFAULT_LEASE,
@@ -127,6 +137,78 @@ impl<K> LockLayer<K> {
         }
     }
 
+    /// A read/write lock per key: `GET`, `HEAD` and `OPTIONS` requests take shared holds,
+    /// which any number of requests have at once, and other methods the exclusive one,
+    /// which waits until no shared hold is left and keeps new ones out (see
+    /// [`LockRequest::shared`](crate::LockRequest::shared)). A writer that waits is not
+    /// starved by readers that arrive after it.
+    ///
+    /// A nested layer that takes the key exclusively under a shared hold of this one
+    /// (the same request) is refused with 500
+    /// ([`LockError::UpgradeRefused`](crate::LockError::UpgradeRefused)): take the
+    /// exclusive hold in the outer layer.
+    pub fn read_write(self) -> LockLayer<K, ReadWrite> {
+        self.policy(ReadWrite)
+    }
+
+    /// Shared holds for the requests `shared` returns true for, the exclusive hold for
+    /// the others (as [`read_write`](Self::read_write) does by method).
+    ///
+    /// ```
+    /// use axum::extract::Request;
+    /// use tower_lock::{LockLayer, MemoryBackend};
+    ///
+    /// // Reports are read in bulk under shared holds; everything else excludes them.
+    /// let layer = LockLayer::new(MemoryBackend::new(), |_: &Request| Some("ledger"))
+    ///     .shared_if(|req: &Request| req.uri().path().starts_with("/reports"));
+    /// # drop(layer);
+    /// ```
+    pub fn shared_if<F>(self, shared: F) -> LockLayer<K, SharedIf<F>> {
+        self.policy(SharedIf(shared))
+    }
+
+    /// A semaphore per key: every request takes one of `n` permits, so at most `n`
+    /// requests of the key run at once, across instances (see
+    /// [`LockRequest::permits`](crate::LockRequest::permits)). When all are taken a
+    /// fail-fast route answers 429 Too Many Requests with `Retry-After`, and a waiting
+    /// route waits for a permit to be freed, then answers 503 if its wait ran out.
+    ///
+    /// ```
+    /// use axum::extract::Request;
+    /// use tower_lock::{LockLayer, MemoryBackend};
+    ///
+    /// // At most 3 exports per tenant at once; the 4th gets a 429.
+    /// let layer = LockLayer::new(MemoryBackend::new(), |req: &Request| {
+    ///     req.headers().get("x-tenant")?.to_str().ok().map(|t| format!("exports:{t}"))
+    /// })
+    /// .permits(3)
+    /// .fail_fast();
+    /// # drop(layer);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `n` is 0: a semaphore nobody can ever take is a configuration bug, refused when
+    /// the layer is built rather than answered 500 on every request.
+    pub fn permits(self, n: u32) -> LockLayer<K, Permits> {
+        assert!(
+            n > 0,
+            "LockLayer::permits(0): a semaphore of zero permits would refuse every request"
+        );
+        self.policy(Permits(n))
+    }
+
+    fn policy<P>(self, policy: P) -> LockLayer<K, P> {
+        LockLayer {
+            store: self.store,
+            key: self.key,
+            config: self.config,
+            policy,
+        }
+    }
+}
+
+impl<K, P> LockLayer<K, P> {
     /// Waits up to `timeout` for a held lock, woken by its release; then answers 503 with
     /// `Retry-After`.
     pub fn wait(mut self, timeout: Duration) -> Self {
@@ -232,9 +314,10 @@ impl<K> LockLayer<K> {
     }
 }
 
-impl<K> fmt::Debug for LockLayer<K> {
+impl<K, P: fmt::Debug> fmt::Debug for LockLayer<K, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockLayer")
+            .field("policy", &self.policy)
             .field("mode", &self.config.mode)
             .field("lease", &self.config.lease)
             .field("on_lost", &self.config.on_lost)
@@ -244,14 +327,14 @@ impl<K> fmt::Debug for LockLayer<K> {
     }
 }
 
-impl<S, K: Clone> Layer<S> for LockLayer<K> {
-    type Service = LockService<S, K>;
+impl<S, K: Clone, P: Clone> Layer<S> for LockLayer<K, P> {
+    type Service = LockService<S, K, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
         LockService::new(
             inner,
             self.store.clone(),
-            self.key.clone(),
+            (self.key.clone(), self.policy.clone()),
             self.config.clone(),
         )
     }

@@ -6,7 +6,8 @@
 //! lock, keeps it renewed while the handler runs, and releases it on every exit path
 //! (return, panic, cancellation). Contention becomes HTTP: 409 when the route does not
 //! wait, 503 with `Retry-After` when waiting ran out or the store is unreachable, 400 for
-//! a bad key.
+//! a bad key. Read/write locks (many readers or one writer) and semaphores (at most `n`
+//! holders, 429 when all permits are taken) come with the same guarantees.
 //!
 //! ```
 //! use axum::{Router, extract::Request, routing::post};
@@ -30,7 +31,9 @@
 //! Where to look:
 //!
 //! - [`LockLayer`]: the middleware and its settings (wait or fail fast, lease, what to do
-//!   when a lock is lost, holding until the body is sent, rejections).
+//!   when a lock is lost, holding until the body is sent, rejections), and its
+//!   [`policy`]: exclusive by default, read/write (`.read_write()`, `.shared_if(f)`) or a
+//!   semaphore (`.permits(n)`).
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] and [`MemoryBackend`]: where locks live ([`LockBackend`]).
@@ -67,8 +70,8 @@
 #![deny(missing_docs, unsafe_code)]
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
-// Every public item has one path: the crate root, except `response`'s, which only that
-// module exports.
+// Every public item has one path: the crate root, except `response`'s and `policy`'s,
+// which only those modules export.
 mod backend;
 mod body;
 mod error;
@@ -80,6 +83,7 @@ mod layer;
 mod lock;
 mod many;
 mod memory;
+pub mod policy;
 mod queue;
 mod redis;
 pub mod response;

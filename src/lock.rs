@@ -69,9 +69,10 @@ impl Mode {
     }
 }
 
-/// The kind of hold an acquisition asks for.
+/// The kind of hold an acquisition asks for. `pub` but not exported, so that the sealed
+/// [`HoldPolicy`](crate::policy::HoldPolicy) can name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub enum Kind {
     /// The lock itself: one owner at a time (the default).
     Exclusive,
     /// A shared (read) hold of the key's read/write lock: any number at once, none while
@@ -201,7 +202,6 @@ impl LockRequest {
         self
     }
 
-    #[allow(dead_code)] // used by the layer's hold policies, landing next
     pub(crate) fn kind(mut self, kind: Kind) -> Self {
         self.kind = kind;
         self

@@ -11,7 +11,7 @@ use crate::backend::Store;
 use crate::error::{KeyError, LockError};
 use crate::key::validate;
 use crate::lock::{
-    BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
+    BoxFuture, HeldLock, Kind, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
 use crate::telemetry::Route;
 
@@ -92,6 +92,12 @@ impl ManyLockRequest {
         self.each(|each| each.max_local_waiters(max))
     }
 
+    /// Takes a shared hold of every key's read/write lock instead of the exclusive one
+    /// (see [`LockRequest::shared`]).
+    pub fn shared(self) -> Self {
+        self.each(LockRequest::shared)
+    }
+
     /// Acquires as the owner of `held`, re-entering the keys it already holds.
     pub fn reentrant(self, held: &HeldLock) -> Self {
         self.each(|each| each.reentrant(held))
@@ -105,6 +111,11 @@ impl ManyLockRequest {
 
     pub(crate) fn owner(self, owner: LockOwner) -> Self {
         self.each(|each| each.owner(owner))
+    }
+
+    /// The kind of hold every key is taken with (the layer's policy decides it).
+    pub(crate) fn kind(self, kind: Kind) -> Self {
+        self.each(|each| each.kind(kind))
     }
 
     pub(crate) fn route(self, route: Route) -> Self {
@@ -186,6 +197,7 @@ impl fmt::Debug for ManyLockRequest {
             .field("owner", &self.each.owner)
             .field("lease", &self.each.lease)
             .field("watchdog", &self.each.watchdog)
+            .field("kind", &self.each.kind)
             .finish_non_exhaustive()
     }
 }
@@ -229,8 +241,10 @@ fn combine(owner: LockOwner, mut taken: Vec<LockGuard>) -> LockGuard {
         .iter()
         .map(|g| (g.key().to_owned(), g.fencing_token()));
     let (key, token) = keys.next().unwrap_or_default();
+    // Every key is taken the same way, so one shared key means all are.
+    let shared = taken.iter().all(|g| g.held().is_shared());
     let held = HeldLock::new_many(key, token, keys.collect(), owner, (first, parts));
-    LockGuard::new(held, Box::new(Holds { guards: taken }))
+    LockGuard::new(held.into_shared(shared), Box::new(Holds { guards: taken }))
 }
 
 /// The holds of a multi-key lock, released together.

@@ -16,6 +16,7 @@ use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::lock::{HeldLock, LockRequest};
 use crate::many::{ManyLockRequest, canonical};
+use crate::policy::{Exclusive, HoldPolicy};
 use crate::telemetry::{Labels, Outcome, Route};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
@@ -36,19 +37,27 @@ use crate::telemetry::{Labels, Outcome, Route};
 /// and [`max_local_waiters`](crate::LockLayer::max_local_waiters), not by the inner
 /// service.
 #[derive(Clone)]
-pub struct LockService<S, K> {
+pub struct LockService<S, K, P = Exclusive> {
     inner: S,
     store: Arc<dyn Store>,
     key: K,
+    /// Which kind of hold each request takes (see [`policy`](crate::policy)).
+    policy: P,
     config: Arc<Config>,
 }
 
-impl<S, K> LockService<S, K> {
-    pub(crate) fn new(inner: S, store: Arc<dyn Store>, key: K, config: Arc<Config>) -> Self {
+impl<S, K, P> LockService<S, K, P> {
+    pub(crate) fn new(
+        inner: S,
+        store: Arc<dyn Store>,
+        (key, policy): (K, P),
+        config: Arc<Config>,
+    ) -> Self {
         LockService {
             inner,
             store,
             key,
+            policy,
             config,
         }
     }
@@ -69,7 +78,7 @@ impl<S, K> LockService<S, K> {
     }
 }
 
-impl<S: fmt::Debug, K> fmt::Debug for LockService<S, K> {
+impl<S: fmt::Debug, K, P> fmt::Debug for LockService<S, K, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockService")
             .field("inner", &self.inner)
@@ -77,10 +86,11 @@ impl<S: fmt::Debug, K> fmt::Debug for LockService<S, K> {
     }
 }
 
-impl<S, K, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, K>
+impl<S, K, P, ReqBody, ResBody> Service<Request<ReqBody>> for LockService<S, K, P>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     K: KeyExtractor<ReqBody>,
+    P: HoldPolicy<ReqBody>,
     ResBody: http_body::Body,
 {
     type Response = Response<ResponseBody<ResBody>>;
@@ -125,8 +135,11 @@ where
             None => self.store.new_owner(),
         };
         let route = route_of(&self.config, &request);
+        // Every key of a multi-key request is held the same way.
+        let kind = self.policy.kind(&request);
         let acquire = match (keys.pop(), keys.is_empty()) {
             (Some(key), true) => LockRequest::new(self.store.clone(), key)
+                .kind(kind)
                 .owner(owner)
                 .lease(self.config.lease)
                 .max_local_waiters(self.config.max_local_waiters)
@@ -136,6 +149,7 @@ where
             (last, _) => {
                 keys.extend(last);
                 ManyLockRequest::new(self.store.clone(), keys)
+                    .kind(kind)
                     .owner(owner)
                     .lease(self.config.lease)
                     .max_local_waiters(self.config.max_local_waiters)
@@ -147,7 +161,7 @@ where
     }
 }
 
-impl<S: Clone, K> LockService<S, K> {
+impl<S: Clone, K, P> LockService<S, K, P> {
     /// A request served unlocked, by a clone of the inner service that its response
     /// future drives to readiness, as a locked one's is.
     fn pass_through<ReqBody>(&self, request: Request<ReqBody>) -> ResponseFuture<S, ReqBody>

@@ -17,13 +17,13 @@
 -- ARGV[6]  how long this acquisition still waits, in milliseconds, or 0 when it does not
 --          wait: a waiting writer kept out by shared holders registers in KEYS[3] for that
 --          long, so that new shared holds queue behind it
--- ARGV[7]  "1" when an earlier attempt of this acquisition registered as a waiting writer
 --
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
 -- when another owner holds it (pttl -1: no expiry set), or {2, wait} when the restart
 -- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
--- when held shared and this acquisition registered as a waiting writer, or {4} when the
+-- when held shared and this acquisition registered as a waiting writer (pttl: until the
+-- first shared holder's own lease ends), or {4} when the
 -- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
 -- would wait for each other forever).
 local kind = redis.call('type', KEYS[1])['ok']
@@ -32,7 +32,8 @@ if kind ~= 'none' and kind ~= 'hash' then
 end
 if kind == 'hash' then
   -- One read for every case below.
-  local held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1])
+  local held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1],
+    'exp:r:' .. ARGV[1])
   -- A run of this attempt took its hold already: answer as that run did, taking nothing.
   -- (The attempt's field goes with the owner's: a release that frees the lock deletes the
   -- hash, a handoff rebuilds it.)
@@ -47,20 +48,27 @@ if kind == 'hash' then
     return {1, tonumber(held[3]), count}
   end
   -- Held by others: exclusively, or shared (shared_acquire.lua).
-  if held[5] then
+  local now = held[5] and now_ms()
+  -- (A shared hold of this owner whose own lease ran out is pruned below, not refused.)
+  if held[5] and tonumber(held[6] or '0') > now then
     return {4}
   end
   if held[4] ~= 'read' then
     return {0, redis.call('pttl', KEYS[1])}
   end
-  local now = now_ms()
-  if prune_holders(KEYS[1], 'r:', now) > 0 then
+  now = now or now_ms()
+  local live, earliest = prune_holders(KEYS[1], 'r:', now)
+  if live > 0 then
     if ARGV[6] == '0' then
       return {0, redis.call('pttl', KEYS[1])}
     end
+    -- Registered until its wait ends; past registrations (writers that crashed) go.
+    redis.call('zremrangebyscore', KEYS[3], '-inf', now)
     redis.call('zadd', KEYS[3], now + tonumber(ARGV[6]), ARGV[1])
     extend_lease(KEYS[3], ARGV[6])
-    return {0, redis.call('pttl', KEYS[1]), 1}
+    -- Woken when the first shared lease ends, if no release comes before: a crashed
+    -- reader keeps the writer out no longer than its own lease.
+    return {0, earliest - now, 1}
   end
   -- Every shared holder's lease ran out (they crashed): the lock is free.
   redis.call('del', KEYS[1])
@@ -75,7 +83,9 @@ end
 local token = next_token(KEYS[2], ARGV[3])
 redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 redis.call('pexpire', KEYS[1], ARGV[2])
-if ARGV[7] == '1' then
+-- A waiting acquisition may have registered as a waiting writer in an earlier attempt
+-- (or an earlier run of this one, sent again by a cluster client): it waits no more.
+if ARGV[6] ~= '0' then
   redis.call('zrem', KEYS[3], ARGV[1])
 end
 return {1, tonumber(token), 1}

@@ -2,7 +2,7 @@
 //! wait for a release message or the holder's lease -> loop.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::time::{Instant, sleep_until, timeout};
@@ -18,14 +18,17 @@ use crate::telemetry::Namespace;
 
 /// What one run of the acquire script found.
 enum Attempt {
-    Acquired {
-        token: u64,
-        sent_at: Instant,
-        /// The owner held the lock already: this hold re-entered it.
-        reentry: bool,
-    },
+    Acquired(Taken),
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
+}
+
+/// A hold the acquire script took.
+struct Taken {
+    token: u64,
+    sent_at: Instant,
+    /// The owner held the lock already: this hold re-entered it.
+    reentry: bool,
 }
 
 impl Store for Inner {
@@ -81,7 +84,7 @@ impl Inner {
             started,
             deadline,
             kind: request.kind,
-            queued_writer: AtomicBool::new(false),
+            queued_writer: AtomicU8::new(NOT_QUEUED),
             inner: self.clone(),
         };
         // Shared holds and permits admit several holders at once: their tasks do not line up
@@ -135,20 +138,7 @@ impl Inner {
         // other instances, woken by that release, get their turn.
         if !slot.as_ref().is_some_and(Slot::yielded) {
             match self.attempt(c).await? {
-                Attempt::Acquired {
-                    token,
-                    sent_at,
-                    reentry,
-                } => {
-                    let guard = self.guard(
-                        c.key.clone(),
-                        c.claim.clone(),
-                        c.kind,
-                        (token, sent_at),
-                        slot,
-                    );
-                    return Ok(guard.reentry(reentry));
-                }
+                Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot)),
                 Attempt::Held(p) => pttl = p,
             }
         }
@@ -178,20 +168,9 @@ impl Inner {
                 _ = sleep_until(nap) => {}
             }
             match self.attempt(c).await? {
-                Attempt::Acquired {
-                    token,
-                    sent_at,
-                    reentry,
-                } => {
+                Attempt::Acquired(taken) => {
                     drop(waiter);
-                    let guard = self.guard(
-                        c.key.clone(),
-                        c.claim.clone(),
-                        c.kind,
-                        (token, sent_at),
-                        slot,
-                    );
-                    return Ok(guard.reentry(reentry));
+                    return Ok(self.taken(c, taken, slot));
                 }
                 Attempt::Held(p) => pttl = p,
             }
@@ -199,6 +178,23 @@ impl Inner {
                 return Err(c.timed_out(pttl));
             }
         }
+    }
+
+    /// The guard of a hold `c` took.
+    fn taken(self: &Arc<Self>, c: &Contender, taken: Taken, slot: Option<Slot>) -> LockGuard {
+        let Taken {
+            token,
+            sent_at,
+            reentry,
+        } = taken;
+        self.guard(
+            c.key.clone(),
+            c.claim.clone(),
+            c.kind,
+            (token, sent_at),
+            slot,
+        )
+        .reentry(reentry)
     }
 
     /// Runs the acquire script once.
@@ -222,12 +218,12 @@ impl Inner {
                 [1, token, count] => u64::try_from(*token)
                     .map(|token| {
                         // The script took the writer out of the waiting ones.
-                        c.queued_writer.store(false, Ordering::Relaxed);
-                        Attempt::Acquired {
+                        c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
+                        Attempt::Acquired(Taken {
                             token,
                             sent_at,
                             reentry: *count > 1,
-                        }
+                        })
                     })
                     .map_err(|_| unexpected()),
                 [0, pttl] => Ok(Attempt::Held(
@@ -235,7 +231,7 @@ impl Inner {
                 )),
                 // Kept out by shared holders, and now queued ahead of new ones.
                 [0, pttl, 1] => {
-                    c.queued_writer.store(true, Ordering::Relaxed);
+                    c.queued_writer.store(QUEUED, Ordering::Relaxed);
                     Ok(Attempt::Held(
                         u64::try_from(*pttl).ok().map(Duration::from_millis),
                     ))
@@ -267,18 +263,29 @@ pub(super) struct Contender {
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
     pub(super) kind: Kind,
-    /// An exclusive acquisition kept out by shared holders registered as a waiting writer
-    /// (acquire.lua): until it gets the lock, new shared holds queue behind it.
-    pub(super) queued_writer: AtomicBool,
+    /// Whether this exclusive acquisition is registered as a waiting writer (acquire.lua
+    /// registers one that shared holders keep out; until it gets the lock, new shared
+    /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
+    pub(super) queued_writer: AtomicU8,
     inner: Arc<Inner>,
 }
+
+pub(super) const NOT_QUEUED: u8 = 0;
+/// A waiting attempt was sent whose reply was not read (or said nothing of it): it, or a
+/// run of it that a cluster client sent again, may have registered.
+pub(super) const MAYBE_QUEUED: u8 = 1;
+/// An attempt's reply said it registered.
+pub(super) const QUEUED: u8 = 2;
 
 impl Drop for Contender {
     /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
     /// in again at once, rather than when its registration runs out with its wait, and
-    /// wakes those already waiting for it.
+    /// wakes those known to wait for it (when it may only have registered, its withdrawal
+    /// wakes nobody: a release message to every waiter of the key for each writer that
+    /// gave up would multiply the load of an overloaded key).
     fn drop(&mut self) {
-        if !self.queued_writer.load(Ordering::Relaxed) {
+        let queued = self.queued_writer.load(Ordering::Relaxed);
+        if queued == NOT_QUEUED {
             return;
         }
         let inner = self.inner.clone();
@@ -294,7 +301,8 @@ impl Drop for Contender {
             };
             let mut wake = redis::cmd(publish);
             wake.arg(&channel).arg("released");
-            for cmd in [leave, wake] {
+            let wake = (queued == QUEUED).then_some(wake);
+            for cmd in std::iter::once(leave).chain(wake) {
                 let sent = timeout(inner.command_timeout, inner.pool.query::<i64>(&cmd)).await;
                 if !matches!(sent, Ok(Ok(_))) {
                     // Its registration runs out with the wait it was made for.

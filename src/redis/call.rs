@@ -55,7 +55,15 @@ impl AcquireCall {
         let writer_wait = c.deadline.map_or(0, |deadline| {
             millis(deadline.saturating_duration_since(tokio::time::Instant::now())).max(1)
         });
-        let queued_writer = c.queued_writer.load(std::sync::atomic::Ordering::Relaxed);
+        if c.kind == Kind::Exclusive && writer_wait > 0 {
+            // Until a reply says otherwise, this attempt may register as a waiting writer.
+            let _ = c.queued_writer.compare_exchange(
+                super::acquire::NOT_QUEUED,
+                super::acquire::MAYBE_QUEUED,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
         let call = {
             let unclaimed = unclaimed.clone();
             async move {
@@ -87,8 +95,7 @@ impl AcquireCall {
                             .arg(millis(inner.fence_ttl))
                             .arg(guard)
                             .arg(attempt)
-                            .arg(writer_wait)
-                            .arg(u8::from(queued_writer));
+                            .arg(writer_wait);
                         invocation
                     }
                     Kind::Shared => {

@@ -197,12 +197,15 @@ impl ServerChecks<'_> {
         let mut acquire = self.scripts.acquire.key(lock);
         acquire
             .key(&probe.fence)
+            .key(probe.writers())
             .arg(owner)
             .arg(PROBE_TTL_MS)
             .arg(PROBE_TTL_MS)
             // The restart guard is off for the probe: it checks rights, not the server's age.
             .arg(0)
-            .arg(format!("{owner}@1"));
+            .arg(format!("{owner}@1"))
+            // As a waiting acquisition, which also touches the waiting writers' set.
+            .arg(PROBE_TTL_MS);
         let mut renew = self.scripts.renew.key(lock);
         renew.arg(owner).arg(PROBE_TTL_MS);
         let mut release = self.scripts.release.key(lock);
@@ -298,7 +301,8 @@ impl ServerChecks<'_> {
 }
 
 /// The commands each script calls, named when a user may not run one of them.
-const ACQUIRE_CALLS: &str = "TYPE, HMGET, PTTL, HINCRBY, PEXPIRE, TIME, GET, SET, HSET";
-const RENEW_CALLS: &str = "HEXISTS, PTTL, PEXPIRE";
-const RELEASE_CALLS: &str =
-    "HMGET, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, PUBSUB, TIME, GET, SET";
+const ACQUIRE_CALLS: &str = "TYPE, HMGET, PTTL, HINCRBY, PEXPIRE, HGETALL, HDEL, TIME, GET, SET, \
+     HSET, DEL, ZADD, ZREM, ZREMRANGEBYSCORE, INFO";
+const RENEW_CALLS: &str = "HMGET, TIME, HSET, PTTL, PEXPIRE";
+const RELEASE_CALLS: &str = "HMGET, HGETALL, HDEL, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, \
+     PUBSUB, TIME, GET, SET";

@@ -68,3 +68,29 @@ local function lease_holder(key, holder, now, ms, ends)
   end
   extend_lease(key, ms)
 end
+
+-- The common start of giving back one hold of `holder` (shared_release.lua,
+-- permit_release.lua), idempotent per hold through `release_id`. Returns the script's
+-- reply when it ends here: {1} when this hold was already undone or an outer hold of the
+-- holder remains (its lease re-applied, `lease` ms), {0} when the holder holds nothing
+-- (its own lease ran out, or a retried final release) or holds it under another token
+-- than `token` (read from `token_field`; '' not to check). Otherwise this is the holder's
+-- last hold, for the caller to give up: returns nil, the time, and the value of `field`.
+local function undo_hold(key, holder, release_id, lease, token, token_field, field)
+  if redis.call('hexists', key, release_id) == 1 then
+    return {1}
+  end
+  local now = now_ms()
+  local held = redis.call('hmget', key, holder, 'exp:' .. holder, token_field, field)
+  local count, ends = tonumber(held[1]), tonumber(held[2])
+  if not count or not ends or ends <= now or (token ~= '' and tonumber(held[3]) ~= tonumber(token)) then
+    return {0}
+  end
+  if count > 1 then
+    redis.call('hincrby', key, holder, -1)
+    redis.call('hset', key, release_id, 1)
+    lease_holder(key, holder, now, lease, ends)
+    return {1}
+  end
+  return nil, now, held[4]
+end

@@ -13,20 +13,9 @@
 -- of the same owner remains (or this hold was already undone), {0} when the owner holds
 -- no permit (its lease ran out, or a retried final release), or holds one under another
 -- token than ARGV[6].
-if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-  return {1}
-end
-local now = now_ms()
-local mine = redis.call('hmget', KEYS[1], ARGV[1], 'exp:' .. ARGV[1], 'tok:' .. ARGV[1])
-local count, ends = tonumber(mine[1]), tonumber(mine[2])
-if not count or not ends or ends <= now or (ARGV[6] ~= '' and tonumber(mine[3]) ~= tonumber(ARGV[6])) then
-  return {0}
-end
-if count > 1 then
-  redis.call('hincrby', KEYS[1], ARGV[1], -1)
-  redis.call('hset', KEYS[1], ARGV[2], 1)
-  lease_holder(KEYS[1], ARGV[1], now, ARGV[3], ends)
-  return {1}
+local reply = undo_hold(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6], 'tok:' .. ARGV[1], 'tok:' .. ARGV[1])
+if reply then
+  return reply
 end
 -- Published first, as release.lua does: a PUBLISH the ACL user may no longer send fails
 -- the release with the permit still held, as the error says.

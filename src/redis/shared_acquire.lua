@@ -57,6 +57,11 @@ if kind == 'hash' then
     if writer[1] then
       return {0, tonumber(writer[2]) - now}
     end
+    -- A hash that survived a restart may lack a writer's newer hold: new holders wait.
+    local wait = restart_wait(ARGV[3])
+    if wait then
+      return {2, wait}
+    end
   end
   redis.call('hset', KEYS[1], ARGV[1], 1, ARGV[4], 1)
   redis.call('hincrby', KEYS[1], 'readers', 1)

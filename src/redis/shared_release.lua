@@ -13,24 +13,13 @@
 -- remains (or this hold was already undone), {0} when the owner holds the key shared no
 -- more (its lease ran out, it was deleted, or a retried final release), or holds it under
 -- another token than ARGV[6].
-if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-  return {1}
-end
-local now = now_ms()
-local held = redis.call('hmget', KEYS[1], ARGV[1], 'exp:' .. ARGV[1], 'token', 'mode')
-local count, ends = tonumber(held[1]), tonumber(held[2])
-if not count or not ends or ends <= now or (ARGV[6] ~= '' and tonumber(held[3]) ~= tonumber(ARGV[6])) then
-  return {0}
-end
-if count > 1 then
-  redis.call('hincrby', KEYS[1], ARGV[1], -1)
-  redis.call('hset', KEYS[1], ARGV[2], 1)
-  lease_holder(KEYS[1], ARGV[1], now, ARGV[3], ends)
-  return {1}
+local reply, now, mode = undo_hold(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6], 'token', 'mode')
+if reply then
+  return reply
 end
 forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
 local readers = redis.call('hincrby', KEYS[1], 'readers', -1)
-if held[4] ~= 'read' then
+if mode ~= 'read' then
   -- A downgraded writer's shared hold: its exclusive hold still keeps everyone out.
   return {2}
 end

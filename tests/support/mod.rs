@@ -532,3 +532,58 @@ pub async fn timed_build(
     eprintln!("{what}: build() took {:?}: {outcome}", started.elapsed());
     built
 }
+
+/// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
+/// gets three backends of one throwaway redis-server (three processes, as far as the locks
+/// can tell: each has its own owners, queue and connections), `in_memory::NAME` three
+/// clones of one `MemoryBackend`. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
+#[macro_export]
+macro_rules! for_each_store {
+    ($($name:ident),* $(,)?) => {
+        mod on_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let server = $crate::support::RedisServer::start();
+                    let b = [
+                        server.backend().await,
+                        server.backend().await,
+                        server.backend().await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+        mod in_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let b = tower_lock::MemoryBackend::new();
+                    super::$name([b.clone(), b.clone(), b]).await;
+                }
+            )*
+        }
+    };
+}
+
+/// Sends an empty `method` request to `path` through `app` (no socket) and reads the whole
+/// reply; a reply that takes over 10 s fails the test.
+pub async fn call(app: &Router, method: http::Method, path: &str) -> Reply {
+    use tower::ServiceExt;
+    let request = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(request))
+        .await
+        .expect("a reply within 10 s")
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.expect("body");
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
