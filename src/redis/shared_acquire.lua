@@ -26,6 +26,21 @@ if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
 local now = now_ms()
+
+-- The reply that keeps a new shared holder out, or nil: new readers queue behind a
+-- waiting writer, and wait out the restart guard.
+local function kept_out(at)
+  local writer = redis.call('zrangebyscore', KEYS[3], '(' .. at, '+inf', 'withscores', 'limit', 0, 1)
+  if writer[1] then
+    return {0, tonumber(writer[2]) - at}
+  end
+  local wait = restart_wait(ARGV[3])
+  if wait then
+    return {2, wait}
+  end
+  return nil
+end
+
 if kind == 'hash' then
   local held = redis.call('hmget', KEYS[1], ARGV[1], ARGV[4], 'token', 'mode', ARGV[5], 'exp:' .. ARGV[1])
   local token = tonumber(held[3]) or 0
@@ -52,15 +67,10 @@ if kind == 'hash' then
     end
     -- The writer itself: a downgrade, let in whoever waits.
   else
-    -- New readers queue behind a waiting writer.
-    local writer = redis.call('zrangebyscore', KEYS[3], '(' .. now, '+inf', 'withscores', 'limit', 0, 1)
-    if writer[1] then
-      return {0, tonumber(writer[2]) - now}
-    end
-    -- A hash that survived a restart may lack a writer's newer hold: new holders wait.
-    local wait = restart_wait(ARGV[3])
-    if wait then
-      return {2, wait}
+    -- (A hash that survived a restart may lack a writer's newer hold: the guard applies.)
+    local refused = kept_out(now)
+    if refused then
+      return refused
     end
   end
   redis.call('hset', KEYS[1], ARGV[1], 1, ARGV[4], 1)
@@ -69,13 +79,9 @@ if kind == 'hash' then
   return {1, token, 1}
 end
 
-local writer = redis.call('zrangebyscore', KEYS[3], '(' .. now, '+inf', 'withscores', 'limit', 0, 1)
-if writer[1] then
-  return {0, tonumber(writer[2]) - now}
-end
-local wait = restart_wait(ARGV[3])
-if wait then
-  return {2, wait}
+local refused = kept_out(now)
+if refused then
+  return refused
 end
 -- The last exclusive acquisition's token is the counter's value (only a writer moves it).
 local token = redis.call('get', KEYS[2]) or '0'
