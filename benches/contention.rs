@@ -794,6 +794,18 @@ async fn connections(server: &RedisServer) -> (usize, Vec<usize>) {
     (clients.lines().count() - 1, subscribed)
 }
 
+/// Waits for every task of a timed run, each returning its acquisitions' waits: their
+/// rate per second and wait p99.
+async fn rate_and_p99(tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>) -> (f64, Duration) {
+    let started = Instant::now();
+    let mut waits = Vec::new();
+    for task in tasks {
+        waits.extend(task.await.unwrap());
+    }
+    let rate = waits.len() as f64 / started.elapsed().as_secs_f64();
+    (rate, Percentiles::of(waits).p99)
+}
+
 struct Percentiles {
     p50: Duration,
     p99: Duration,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tower_lock::{LockRequest, RedisBackend};
 
 use crate::support::RedisServer;
-use crate::{INSTANCES, Percentiles, TASKS, WAIT, ms, us};
+use crate::{INSTANCES, Percentiles, TASKS, WAIT, ms, rate_and_p99, us};
 
 /// The permits of the contended semaphore: fewer than the tasks, so that they queue.
 const PERMITS: u32 = 4;
@@ -110,15 +110,6 @@ async fn contended(server: &RedisServer, secs: Duration, hold: Hold) -> (f64, Du
             })
         })
         .collect();
-    let started = Instant::now();
-    let mut waits = Vec::new();
-    for task in tasks {
-        waits.extend(task.await.unwrap());
-    }
-    let rate = waits.len() as f64 / started.elapsed().as_secs_f64();
-    (
-        rate,
-        Percentiles::of(waits).p99,
-        most.load(Ordering::SeqCst),
-    )
+    let (rate, p99) = rate_and_p99(tasks).await;
+    (rate, p99, most.load(Ordering::SeqCst))
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tower_lock::RedisBackend;
 
 use crate::support::RedisServer;
-use crate::{INSTANCES, Percentiles, TASKS, WAIT, ms, us};
+use crate::{INSTANCES, Percentiles, TASKS, WAIT, ms, rate_and_p99, us};
 
 pub async fn multi_key(server: &RedisServer, secs: Duration) -> String {
     const N: usize = 2000;
@@ -90,15 +90,6 @@ async fn contended(server: &RedisServer, secs: Duration, keys: usize) -> (f64, D
             })
         })
         .collect();
-    let started = Instant::now();
-    let mut waits = Vec::new();
-    for task in tasks {
-        waits.extend(task.await.unwrap());
-    }
-    let rate = waits.len() as f64 / started.elapsed().as_secs_f64();
-    (
-        rate,
-        Percentiles::of(waits).p99,
-        overlaps.load(Ordering::Relaxed),
-    )
+    let (rate, p99) = rate_and_p99(tasks).await;
+    (rate, p99, overlaps.load(Ordering::Relaxed))
 }
