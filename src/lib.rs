@@ -108,8 +108,8 @@ pub use crate::lock::{
 pub use crate::many::{MAX_KEYS, ManyLockRequest};
 pub use crate::memory::MemoryBackend;
 pub use crate::redis::{
-    BackendStats, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS, FencedStore, FencedValue,
-    FencedWrite, RedisBackend, RedisBackendBuilder,
+    BackendStats, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
+    FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
 };
 pub use crate::service::LockService;
 #[cfg(feature = "metrics")]

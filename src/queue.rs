@@ -65,6 +65,13 @@ struct KeyQueue {
     /// The owner the slot is with: its re-entries bypass the queue instead of deadlocking
     /// behind themselves.
     holder: LockOwner,
+    /// The owner the store knows the hold under, when the holder got the lock in memory
+    /// from an earlier task of the process (a local handoff): its re-entries are made
+    /// under that owner.
+    store_owner: Option<LockOwner>,
+    /// Re-entries of the key by its holders that are still held: while any is, the hold in
+    /// the store is not the holder's alone and cannot pass on in memory.
+    nested: usize,
     waiting: VecDeque<Successor>,
     /// Identifies the current slot; a revoked or stale slot carries an older one and no
     /// longer acts on the queue. Drawn from one counter, so it is never reused.
@@ -97,9 +104,11 @@ pub(crate) struct Queues {
 
 /// What [`Queues::turn`] gives a task.
 pub(crate) enum Turn {
-    /// Take the lock in the store, holding the key's slot (`None`: a re-entry by the
-    /// slot's owner, which needs no slot).
-    Contend(Option<Slot>),
+    /// Take the lock in the store, holding the key's slot.
+    Contend(Slot),
+    /// The slot's owner takes the key again (a nested acquisition by the same request):
+    /// re-enter in the store, under the owner the [`Reentry`] names.
+    Reenter(Reentry),
     /// The previous holder in this process handed the lock over.
     HandedOver(LockGuard),
     /// Another task of this process has the key, and the caller does not wait.
@@ -116,7 +125,7 @@ enum Place {
     Head(Slot),
     /// The claimant already holds the slot (a nested acquisition by the same request):
     /// re-enter without queueing.
-    Reentrant,
+    Reentrant(Reentry),
     /// Another task holds the slot and the caller does not wait.
     Busy,
     /// The queue is at its bound: shed the request.
@@ -129,6 +138,8 @@ impl KeyQueue {
     fn new(holder: LockOwner, epoch: u64) -> Self {
         KeyQueue {
             holder,
+            store_owner: None,
+            nested: 0,
             waiting: VecDeque::new(),
             epoch,
         }
@@ -143,10 +154,10 @@ impl Queues {
         let Some(queue) = keys.get_mut(key) else {
             let epoch = self.shared.next_id();
             keys.insert(key.clone(), KeyQueue::new(claim.owner.clone(), epoch));
-            return Place::Head(Slot::new(self.shared.clone(), key.clone(), epoch, 0));
+            return Place::Head(Slot::new(self.shared.clone(), key.clone(), epoch));
         };
         if queue.holder == claim.owner {
-            return Place::Reentrant;
+            return Place::Reentrant(Reentry::new(&self.shared, key, queue));
         }
         let Some(limit) = limit else {
             return Place::Busy;
@@ -180,8 +191,8 @@ impl Queues {
         loop {
             let limit = wait.map(|(_, limit)| limit);
             let (mut ticket, deadline) = match (self.enter(key, claim, limit), wait) {
-                (Place::Head(slot), _) => return Turn::Contend(Some(slot)),
-                (Place::Reentrant, _) => return Turn::Contend(None),
+                (Place::Head(slot), _) => return Turn::Contend(slot),
+                (Place::Reentrant(reentry), _) => return Turn::Reenter(reentry),
                 (Place::Full, _) => return Turn::Full,
                 (Place::Busy, _) | (Place::Queued(_), None) => return Turn::Busy,
                 (Place::Queued(ticket), Some((deadline, _))) => (ticket, deadline),
@@ -196,11 +207,19 @@ impl Queues {
             };
             match grant {
                 Some(Grant::Handoff(guard)) => return Turn::HandedOver(guard),
-                Some(Grant::Slot(slot)) => return Turn::Contend(Some(*slot)),
+                Some(Grant::Slot(slot)) => return Turn::Contend(*slot),
                 // The grant was dropped unsent (the runtime is shutting down): queue again.
                 None => continue,
             }
         }
+    }
+
+    /// A re-entry of `key` by `owner`, if `owner` holds its slot: for holds that do not
+    /// queue (shared holds and permits), which the key's exclusive holder may also take.
+    pub(crate) fn reentry(&self, key: &Arc<str>, owner: &LockOwner) -> Option<Reentry> {
+        let mut keys = self.shared.keys();
+        let queue = keys.get_mut(key).filter(|q| q.holder == *owner)?;
+        Some(Reentry::new(&self.shared, key, queue))
     }
 
     /// Keys with a contender, holder or waiter in this process.
@@ -211,6 +230,44 @@ impl Queues {
     /// Tasks queued behind a contender or holder of the same key.
     pub(crate) fn waiting(&self) -> usize {
         self.shared.keys().values().map(|q| q.waiting.len()).sum()
+    }
+}
+
+/// A re-entry of a key by the task that holds its slot, counted while it is held: a hold
+/// with re-entries outstanding is not handed over in memory. Dropped with the re-entry's
+/// hold.
+pub(crate) struct Reentry {
+    shared: Arc<Shared>,
+    key: Arc<str>,
+    epoch: u64,
+    /// Who the store knows the hold under (`None`: the claimant itself).
+    store_owner: Option<LockOwner>,
+}
+
+impl Reentry {
+    fn new(shared: &Arc<Shared>, key: &Arc<str>, queue: &mut KeyQueue) -> Self {
+        queue.nested += 1;
+        Reentry {
+            shared: shared.clone(),
+            key: key.clone(),
+            epoch: queue.epoch,
+            store_owner: queue.store_owner.clone(),
+        }
+    }
+
+    /// The owner to re-enter under in the store, when it is not the claimant (the holder
+    /// got the lock in memory from an earlier task of this process).
+    pub(crate) fn store_owner(&self) -> Option<&LockOwner> {
+        self.store_owner.as_ref()
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        let mut keys = self.shared.keys();
+        if let Some(queue) = keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch) {
+            queue.nested = queue.nested.saturating_sub(1);
+        }
     }
 }
 
@@ -257,8 +314,6 @@ pub(crate) struct Slot {
     shared: Arc<Shared>,
     key: Arc<str>,
     epoch: u64,
-    /// Consecutive handoffs within this process that led to this slot.
-    streak: u32,
     /// Whether the next task should let other instances go first: set when the lock was
     /// released for real to end a handoff streak.
     yielded: bool,
@@ -270,21 +325,22 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    fn new(shared: Arc<Shared>, key: Arc<str>, epoch: u64, streak: u32) -> Self {
+    fn new(shared: Arc<Shared>, key: Arc<str>, epoch: u64) -> Self {
         Slot {
             shared,
             key,
             epoch,
-            streak,
             yielded: false,
             successor: None,
             passes_on: true,
         }
     }
 
-    /// Consecutive local handoffs that led to this slot.
-    pub(crate) fn streak(&self) -> u32 {
-        self.streak
+    /// Whether other tasks of this process wait for the key.
+    pub(crate) fn has_waiters(&self) -> bool {
+        let keys = self.shared.keys();
+        keys.get(&self.key)
+            .is_some_and(|q| q.epoch == self.epoch && !q.waiting.is_empty())
     }
 
     /// True when this slot came from a release that ended a handoff streak: its task
@@ -302,6 +358,7 @@ impl Slot {
             let queue = keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch)?;
             let next = queue.waiting.pop_front()?;
             queue.holder = next.claim.owner.clone();
+            queue.store_owner = None;
             self.successor = Some(next);
         }
         self.successor.as_ref().map(|s| &s.claim)
@@ -311,13 +368,35 @@ impl Slot {
     pub(crate) fn hand_over(mut self) -> Option<(Successor, Slot)> {
         let successor = self.successor.take()?;
         self.passes_on = false;
-        let slot = Slot::new(
-            self.shared.clone(),
-            self.key.clone(),
-            self.epoch,
-            self.streak.saturating_add(1),
-        );
+        let slot = Slot::new(self.shared.clone(), self.key.clone(), self.epoch);
         Some((successor, slot))
+    }
+
+    /// Hands the hold to the reserved successor without telling the store, which goes on
+    /// knowing it under `store_owner`: returns the successor with the slot its hold will
+    /// carry. Refused (the slot comes back) when there is no successor, the slot was
+    /// revoked (its lock found lost), or re-entries of the hold are still held, so the
+    /// hold in the store is not this task's alone.
+    pub(crate) fn hand_over_in_memory(
+        mut self,
+        store_owner: &LockOwner,
+    ) -> Result<(Successor, Slot), Slot> {
+        let Some(successor) = self.successor.take() else {
+            return Err(self);
+        };
+        let mut keys = self.shared.keys();
+        match keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch) {
+            Some(queue) if queue.nested == 0 => queue.store_owner = Some(store_owner.clone()),
+            _ => {
+                drop(keys);
+                self.successor = Some(successor);
+                return Err(self);
+            }
+        }
+        drop(keys);
+        self.passes_on = false;
+        let slot = Slot::new(self.shared.clone(), self.key.clone(), self.epoch);
+        Ok((successor, slot))
     }
 
     /// Marks a real release as the end of a handoff streak (see
@@ -335,6 +414,9 @@ impl Slot {
             let mut keys = shared.keys();
             if let Some(queue) = keys.get_mut(&key).filter(|q| q.epoch == epoch) {
                 queue.epoch = shared.next_id();
+                // Re-entries of the lost hold count no more; the next holder takes the key
+                // in the store under its own owner.
+                queue.nested = 0;
                 pass_on(&shared, &mut keys, &key, None, false);
             }
         }
@@ -389,7 +471,8 @@ fn pass_on(
             return;
         };
         queue.holder = next.claim.owner.clone();
-        let mut slot = Box::new(Slot::new(shared.clone(), key.clone(), queue.epoch, 0));
+        queue.store_owner = None;
+        let mut slot = Box::new(Slot::new(shared.clone(), key.clone(), queue.epoch));
         slot.yielded = yielded;
         match next.grant.send(Grant::Slot(slot)) {
             Ok(()) => return,

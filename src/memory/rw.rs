@@ -142,7 +142,10 @@ impl Inner {
         })?;
         let queued = wait.deadline.map(|deadline| (deadline, wait.max_waiters));
         let result = match self.queues.turn(&key, &claim, queued).await {
-            Turn::Contend(slot) => self.take(&key, &claim, slot, arrival, wait).await,
+            Turn::Contend(slot) => self.take(&key, &claim, Some(slot), arrival, wait).await,
+            // Nothing here hands a hold over without the state knowing it: the re-entry
+            // needs no counting.
+            Turn::Reenter(_) => self.take(&key, &claim, None, arrival, wait).await,
             Turn::HandedOver(guard) => Ok(guard),
             Turn::Busy => Err(LockError::Contended {
                 key: key.to_string(),

@@ -17,6 +17,8 @@
 -- ARGV[6]  how long this acquisition still waits, in milliseconds, or 0 when it does not
 --          wait: a waiting writer kept out by shared holders registers in KEYS[3] for that
 --          long, so that new shared holds queue behind it
+-- ARGV[7]  how many fencing tokens to reserve above a new acquisition's own, for later
+--          holders of the same process that get the lock in memory (may be left off: 0)
 --
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
@@ -81,6 +83,9 @@ end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).
 local token = next_token(KEYS[2], ARGV[3])
+if ARGV[7] then
+  redis.call('incrby', KEYS[2], ARGV[7])
+end
 redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 redis.call('pexpire', KEYS[1], ARGV[2])
 -- A waiting acquisition may have registered as a waiting writer in an earlier attempt

@@ -8,12 +8,13 @@ use std::time::Duration;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
+use super::handoff::Granted;
 use super::keys::LockKey;
 use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
 use crate::backend::{Observe, Store};
 use crate::error::LockError;
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
-use crate::queue::{Claim, Slot, Turn};
+use crate::queue::{Claim, Reentry, Slot, Turn};
 use crate::telemetry::Namespace;
 
 /// What one run of the acquire script found.
@@ -26,6 +27,8 @@ enum Attempt {
 /// A hold the acquire script took.
 struct Taken {
     token: u64,
+    /// Tokens reserved above `token` for a run of this process's holders.
+    reserved: u64,
     sent_at: Instant,
     /// The owner held the lock already: this hold re-entered it.
     reentry: bool,
@@ -71,8 +74,15 @@ impl Inner {
             Mode::TryOnce => None,
             Mode::Wait(wait) => Some(started + wait),
         };
-        let c = Contender {
+        // A holder of the key in this process taking it again, shared or as a permit: its
+        // hold goes with the one it has (re-entries take no slot).
+        let reentry = match request.kind {
+            Kind::Exclusive => None,
+            Kind::Shared | Kind::Permit(_) => self.queues.reentry(&key.lock, &owner),
+        };
+        let mut c = Contender {
             key,
+            store_owner: None,
             claim: Claim {
                 owner,
                 // The restart guard outwaits only leases up to its maximum.
@@ -90,11 +100,16 @@ impl Inner {
         // Shared holds and permits admit several holders at once: their tasks do not line up
         // behind one contender per key, each takes its hold in Redis.
         if c.kind != Kind::Exclusive {
-            return Box::pin(self.contend(&c, None)).await;
+            c.store_owner = reentry.as_ref().and_then(Reentry::store_owner).cloned();
+            return Box::pin(self.contend(&c, None, reentry)).await;
         }
         let wait = deadline.map(|deadline| (deadline, request.max_local_waiters));
-        let slot = match self.queues.turn(&c.key.lock, &c.claim, wait).await {
-            Turn::Contend(slot) => slot,
+        let (slot, reentry) = match self.queues.turn(&c.key.lock, &c.claim, wait).await {
+            Turn::Contend(slot) => (Some(slot), None),
+            Turn::Reenter(reentry) => {
+                c.store_owner = reentry.store_owner().cloned();
+                (None, Some(reentry))
+            }
             Turn::HandedOver(guard) => return Ok(guard),
             Turn::Busy => return Err(Box::pin(self.busy(&c)).await),
             Turn::Full => {
@@ -106,7 +121,7 @@ impl Inner {
         };
         // Boxed, so that the many tasks waiting in a queue do not each carry the space of
         // the Redis round trips that only the one contender makes.
-        Box::pin(self.contend(&c, slot)).await
+        Box::pin(self.contend(&c, slot, reentry)).await
     }
 
     /// The answer to a try while another task of this backend has the key: no attempt,
@@ -131,14 +146,21 @@ impl Inner {
         self: &Arc<Self>,
         c: &Contender,
         slot: Option<Slot>,
+        reentry: Option<Reentry>,
     ) -> Result<LockGuard, LockError> {
+        // Tokens are reserved for a run of holders in memory when other tasks of this
+        // process wait for the key.
+        let reserve = || match &slot {
+            Some(slot) if slot.has_waiters() => self.reserve(),
+            _ => 0,
+        };
         let mut pttl = None;
         // A slot passed on by a release that ended a handoff streak skips the first try:
         // the task waits for its subscription to be confirmed, a round trip in which the
         // other instances, woken by that release, get their turn.
         if !slot.as_ref().is_some_and(Slot::yielded) {
-            match self.attempt(c).await? {
-                Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot)),
+            match self.attempt(c, reserve()).await? {
+                Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
                 Attempt::Held(p) => pttl = p,
             }
         }
@@ -167,10 +189,10 @@ impl Inner {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            match self.attempt(c).await? {
+            match self.attempt(c, reserve()).await? {
                 Attempt::Acquired(taken) => {
                     drop(waiter);
-                    return Ok(self.taken(c, taken, slot));
+                    return Ok(self.taken(c, taken, slot, reentry));
                 }
                 Attempt::Held(p) => pttl = p,
             }
@@ -181,24 +203,26 @@ impl Inner {
     }
 
     /// The guard of a hold `c` took.
-    fn taken(self: &Arc<Self>, c: &Contender, taken: Taken, slot: Option<Slot>) -> LockGuard {
-        let Taken {
-            token,
-            sent_at,
-            reentry,
-        } = taken;
-        self.guard(
-            c.key.clone(),
-            c.claim.clone(),
-            c.kind,
-            (token, sent_at),
-            slot,
-        )
-        .reentry(reentry)
+    fn taken(
+        self: &Arc<Self>,
+        c: &Contender,
+        taken: Taken,
+        slot: Option<Slot>,
+        reentry: Option<Reentry>,
+    ) -> LockGuard {
+        let granted = Granted {
+            token: taken.token,
+            reserved: taken.reserved,
+            sent_at: taken.sent_at,
+            continues: None,
+        };
+        let claim = (c.claim.clone(), c.kind);
+        self.guard(c.key.clone(), claim, granted, slot, reentry)
+            .reentry(taken.reentry)
     }
 
     /// Runs the acquire script once.
-    async fn attempt(self: &Arc<Self>, c: &Contender) -> Result<Attempt, LockError> {
+    async fn attempt(self: &Arc<Self>, c: &Contender, reserve: u64) -> Result<Attempt, LockError> {
         let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
@@ -208,7 +232,7 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let reply = match timeout(budget, AcquireCall::start(self, c)).await {
+        let reply = match timeout(budget, AcquireCall::start(self, c, reserve)).await {
             Ok(reply) => reply,
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
@@ -221,6 +245,12 @@ impl Inner {
                         c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
                         Attempt::Acquired(Taken {
                             token,
+                            // A re-entry keeps the token and reserves nothing.
+                            reserved: if *count > 1 {
+                                token
+                            } else {
+                                token.saturating_add(reserve)
+                            },
                             sent_at,
                             reentry: *count > 1,
                         })
@@ -259,6 +289,9 @@ impl Inner {
 /// One acquisition in progress.
 pub(super) struct Contender {
     pub(super) key: Arc<LockKey>,
+    /// The owner Redis knows the key's hold under, when this is a re-entry by a holder that
+    /// got the lock in memory from an earlier task of this process; else the claim's.
+    pub(super) store_owner: Option<LockOwner>,
     pub(super) claim: Claim,
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
@@ -290,7 +323,7 @@ impl Drop for Contender {
         }
         let inner = self.inner.clone();
         let (writers, channel) = (self.key.writers(), self.key.channel.clone());
-        let owner = self.claim.owner.clone();
+        let owner = self.store_owner().clone();
         self.inner.runtime.spawn(async move {
             let mut leave = redis::cmd("ZREM");
             leave.arg(&writers).arg(owner.as_str());
@@ -315,6 +348,11 @@ impl Drop for Contender {
 }
 
 impl Contender {
+    /// The owner the scripts act for (see [`store_owner`](Self::store_owner)).
+    pub(super) fn store_owner(&self) -> &LockOwner {
+        self.store_owner.as_ref().unwrap_or(&self.claim.owner)
+    }
+
     fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
         LockError::TimedOut {
             key: self.key.user.clone(),

@@ -42,16 +42,17 @@ struct Unclaimed {
 }
 
 impl AcquireCall {
-    pub(super) fn start(inner: &Arc<Inner>, c: &Contender) -> Self {
+    /// `reserve`: fencing tokens to reserve above a new hold's own (see acquire.lua).
+    pub(super) fn start(inner: &Arc<Inner>, c: &Contender, reserve: u64) -> Self {
         let unclaimed = Unclaimed {
             inner: inner.clone(),
             key: c.key.clone(),
-            owner: super::hold::holder(c.kind, &c.claim.owner),
+            owner: super::hold::holder(c.kind, c.store_owner()),
             lease: c.claim.lease,
             kind: c.kind,
         };
         // What the scripts need to know of the contender besides its claim.
-        let real_owner = c.claim.owner.clone();
+        let real_owner = c.store_owner().clone();
         let writer_wait = c.deadline.map_or(0, |deadline| {
             millis(deadline.saturating_duration_since(tokio::time::Instant::now())).max(1)
         });
@@ -96,6 +97,9 @@ impl AcquireCall {
                             .arg(guard)
                             .arg(attempt)
                             .arg(writer_wait);
+                        if reserve > 0 {
+                            invocation.arg(reserve);
+                        }
                         invocation
                     }
                     Kind::Shared => {

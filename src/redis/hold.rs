@@ -8,6 +8,7 @@ use redis::ScriptInvocation;
 use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
+use super::handoff::{Granted, Run};
 use super::keys::LockKey;
 use super::pool::{CommandError, Conn};
 use super::scripts::Scripts;
@@ -15,7 +16,7 @@ use super::watchdog::{OnLost, millis};
 use super::{Inner, UnexpectedReply};
 use crate::error::LockError;
 use crate::lock::{BoxFuture, HeldLock, Kind, LockGuard, LockOwner, ReleaseHold};
-use crate::queue::{Claim, Slot};
+use crate::queue::{Claim, Reentry, Slot};
 
 /// The hash field a hold of `kind` by `owner` is kept under, and registered with the
 /// watchdog as: the owner id itself, or `r:` and the id for a shared hold, which lives in
@@ -28,36 +29,47 @@ pub(super) fn holder(kind: Kind, owner: &LockOwner) -> LockOwner {
 }
 
 impl Inner {
-    /// Builds the guard of a hold that Redis confirmed (the acquisition or handoff was sent
-    /// at `sent_at`) and starts watching its lease.
+    /// Builds the guard of a hold that Redis confirmed and starts watching its lease.
+    /// `reentry` is set for a re-entry of the key by its holder in this process.
     pub(super) fn guard(
         self: &Arc<Self>,
         key: Arc<LockKey>,
-        claim: Claim,
-        kind: Kind,
-        (token, sent_at): (u64, Instant),
+        (claim, kind): (Claim, Kind),
+        granted: Granted,
         slot: Option<Slot>,
+        reentry: Option<Reentry>,
     ) -> LockGuard {
         let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
-        let hold = RedisHold::new(
+        let store_owner = reentry
+            .as_ref()
+            .and_then(Reentry::store_owner)
+            .unwrap_or(&claim.owner);
+        let mut hold = RedisHold::new(
             self.clone(),
             key,
-            (holder(kind, &claim.owner), kind),
+            (holder(kind, store_owner), kind),
             claim.lease,
             slot,
-            Some(token),
+            Some(granted.token),
         );
+        hold.run = Run::new(granted);
+        hold.reentry = reentry;
         let (lost, generation) = self.watchdog.register(
             hold.key.lock.clone(),
             hold.owner.clone(),
             claim.lease,
             claim.renew,
-            sent_at,
+            granted.sent_at,
             on_lost,
         );
         let renew = claim.renew;
-        let held = HeldLock::new(hold.key.user.clone(), claim.owner, token, lost.clone())
-            .into_shared(kind == Kind::Shared);
+        let held = HeldLock::new(
+            hold.key.user.clone(),
+            claim.owner,
+            granted.token,
+            lost.clone(),
+        )
+        .into_shared(kind == Kind::Shared);
         LockGuard::new(
             held,
             Box::new(WatchedHold {
@@ -72,23 +84,28 @@ impl Inner {
 
 /// One hold of one lock, and everything needed to give it back.
 pub(super) struct RedisHold {
-    inner: Arc<Inner>,
-    key: Arc<LockKey>,
+    pub(super) inner: Arc<Inner>,
+    pub(super) key: Arc<LockKey>,
     /// The hash field the hold is kept under (see [`holder`]).
-    owner: LockOwner,
-    kind: Kind,
+    pub(super) owner: LockOwner,
+    pub(super) kind: Kind,
     /// Distinguishes this hold from the owner's other holds of the key (see release.lua).
     release_id: String,
-    lease: Duration,
+    pub(super) lease: Duration,
     /// The key's slot in this backend's queue, when this hold took it (re-entries and
     /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
-    slot: Option<Slot>,
+    pub(super) slot: Option<Slot>,
     /// Whether a release script of this hold may have run without its reply reaching us.
     may_have_run: bool,
     /// The hold's fencing token, when known: a final release is remembered with it, so that
     /// after a failover the backend can tell this hold, kept by mistake on the new master,
-    /// from a newer one (see `replay.rs`).
-    token: Option<u64>,
+    /// from a newer one (see `replay.rs`). Handoffs in memory keep it: it is the token
+    /// Redis knows the hold by.
+    pub(super) token: Option<u64>,
+    /// The run of holders of this process under this hold.
+    pub(super) run: Run,
+    /// Set for a re-entry of the key by its holder in this process: counted until dropped.
+    pub(super) reentry: Option<Reentry>,
 }
 
 impl RedisHold {
@@ -110,7 +127,14 @@ impl RedisHold {
             lease,
             slot,
             may_have_run: false,
+            run: Run::new(Granted {
+                token: token.unwrap_or(0),
+                reserved: 0,
+                sent_at: Instant::now(),
+                continues: None,
+            }),
             token,
+            reentry: None,
         }
     }
 
@@ -136,6 +160,8 @@ impl RedisHold {
             streak_spent,
             may_have_run: self.may_have_run(),
             token: None,
+            issued: (Some(self.run.last) != self.token).then_some(self.run.last),
+            reserve: self.inner.reserve(),
         }
         .invocation(&self.inner.scripts, self.inner.fence_ttl)
     }
@@ -187,10 +213,7 @@ impl RedisHold {
     pub(super) async fn release_retrying(&mut self, retry_for: Duration) -> Result<(), LockError> {
         let inner = self.inner.clone();
         let successor = self.reserve_successor();
-        let streak_spent = self
-            .slot
-            .as_ref()
-            .is_some_and(|slot| slot.streak().saturating_add(1) >= inner.max_local_handoffs);
+        let streak_spent = self.run_spent();
         let give_up = Instant::now() + retry_for;
         let mut backoff = Duration::from_millis(20);
         let mut changes = inner.pool.topology().changes();
@@ -204,7 +227,9 @@ impl RedisHold {
             )
             .await;
             let error = match reply {
-                Ok(Ok(reply)) => return self.released(&reply, (sent_at, generation)),
+                Ok(Ok(reply)) => {
+                    return self.released(&reply, (sent_at, generation), streak_spent);
+                }
                 // The key was overwritten with another type: the lock is gone.
                 Ok(Err(e)) if e.is_wrong_type() => {
                     return Err(LockError::Lost {
@@ -240,16 +265,29 @@ impl RedisHold {
     }
 
     /// Picks the queued task this release hands the lock to, if any (idempotent).
-    fn reserve_successor(&mut self) -> Option<Claim> {
+    pub(super) fn reserve_successor(&mut self) -> Option<Claim> {
         if self.inner.max_local_handoffs == 0 {
             return None;
         }
         self.slot.as_mut()?.reserve_successor().cloned()
     }
 
+    /// Whether the run of this process's holders under this hold has had its quantum: as
+    /// many handoffs as allowed, or as long. Its release then lets other instances in if
+    /// they wait.
+    pub(super) fn run_spent(&self) -> bool {
+        self.run.handoffs >= self.inner.max_local_handoffs
+            || self.run.started.elapsed() >= self.inner.max_local_handoff_time
+    }
+
     /// Acts on the release script's reply (see release.lua). The slot, unless it went
     /// along with the lock, is passed on when the hold is dropped.
-    fn released(&mut self, reply: &[i64], sent: (Instant, u64)) -> Result<(), LockError> {
+    fn released(
+        &mut self,
+        reply: &[i64],
+        sent: (Instant, u64),
+        run_spent: bool,
+    ) -> Result<(), LockError> {
         let (sent_at, generation) = sent;
         // Replays after a failover cover exclusive holds (see replay.rs).
         if let ([2] | [3, _], Some(replays), Some(token), Kind::Exclusive) =
@@ -262,12 +300,21 @@ impl RedisHold {
                 let token = u64::try_from(*token)
                     .map_err(|_| LockError::backend("release", UnexpectedReply("release")))?;
                 if let Some((successor, slot)) = self.slot.take().and_then(Slot::hand_over) {
+                    // A handoff through Redis that did not end the run goes on with it, so
+                    // that the run's quantum bounds every kind of handoff.
+                    let granted = Granted {
+                        token,
+                        reserved: token.saturating_add(self.inner.reserve()),
+                        sent_at,
+                        continues: (!run_spent)
+                            .then(|| (self.run.started, self.run.handoffs.saturating_add(1))),
+                    };
                     let guard = self.inner.guard(
                         self.key.clone(),
-                        successor.claim.clone(),
-                        Kind::Exclusive,
-                        (token, sent_at),
+                        (successor.claim.clone(), Kind::Exclusive),
+                        granted,
                         Some(slot),
+                        None,
                     );
                     successor.hand_over(guard);
                 }
@@ -321,7 +368,10 @@ impl WatchedHold {
 
 impl ReleaseHold for WatchedHold {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let hold = match self.stop() {
+        let Err(this) = self.hand_over_in_memory() else {
+            return Box::pin(std::future::ready(Ok(())));
+        };
+        let hold = match this.stop() {
             Ok(hold) => hold,
             Err(lost) => return Box::pin(std::future::ready(Err(lost))),
         };
@@ -334,7 +384,10 @@ impl ReleaseHold for WatchedHold {
     }
 
     fn release_in_background(self: Box<Self>) {
-        if let Ok(hold) = self.stop() {
+        let Err(this) = self.hand_over_in_memory() else {
+            return;
+        };
+        if let Ok(hold) = this.stop() {
             hold.finish_in_background();
         }
     }
@@ -384,6 +437,11 @@ pub(super) struct ReleaseCall<'a> {
     pub(super) may_have_run: bool,
     /// Only acts on the hold of this fencing token (a replay after a failover).
     pub(super) token: Option<u64>,
+    /// The last fencing token issued in memory under this hold, when later holders of this
+    /// process got it that way: the lock's next token must exceed it.
+    pub(super) issued: Option<u64>,
+    /// Tokens to reserve above the successor's own, for the run it starts.
+    pub(super) reserve: u64,
 }
 
 impl ReleaseCall<'_> {
@@ -418,18 +476,31 @@ impl ReleaseCall<'_> {
             .arg(millis(self.lease))
             .arg(&self.key.channel)
             .arg(u8::from(scripts.sharded));
-        if self.successor.is_none() && !self.may_have_run && token.is_empty() {
+        if self.successor.is_none()
+            && !self.may_have_run
+            && token.is_empty()
+            && self.issued.is_none()
+        {
             return invocation;
         }
         invocation.arg(token).arg(u8::from(self.may_have_run));
-        if let Some(successor) = self.successor {
-            invocation
-                .key(&self.key.fence)
-                .arg(successor.owner.as_str())
-                .arg(millis(successor.lease))
-                .arg(millis(fence_ttl))
-                .arg(u8::from(self.streak_spent));
+        if self.successor.is_none() && self.issued.is_none() {
+            return invocation;
         }
+        // The fencing counter is written: by a handoff, and by a release after handoffs in
+        // memory (the counter goes back to the last token issued).
+        invocation.key(&self.key.fence);
+        match self.successor {
+            Some(successor) => invocation
+                .arg(successor.owner.as_str())
+                .arg(millis(successor.lease)),
+            None => invocation.arg("").arg(0),
+        };
+        invocation
+            .arg(millis(fence_ttl))
+            .arg(u8::from(self.streak_spent))
+            .arg(self.issued.map(|t| t.to_string()).unwrap_or_default())
+            .arg(self.reserve);
         invocation
     }
 }

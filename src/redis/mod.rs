@@ -10,6 +10,7 @@ mod cluster;
 mod cluster_checks;
 mod command_error;
 mod fence;
+mod handoff;
 mod hold;
 mod keys;
 mod pool;
@@ -54,8 +55,13 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 /// final attempt is not failed by its own budget on a busy machine.
 const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
 
-/// Default bound on consecutive handoffs within one process while other instances wait.
-pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 4;
+/// Default bound on consecutive handoffs within one process under one hold in Redis (see
+/// [`RedisBackendBuilder::max_local_handoffs`]).
+pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 32;
+
+/// Default bound on the time one process's tasks take turns under one hold in Redis (see
+/// [`RedisBackendBuilder::max_local_handoff_time`]).
+pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
 
 /// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
 /// Cheap to clone; clones share connections.
@@ -116,6 +122,7 @@ struct Inner {
     replays: Option<Replays>,
     queues: Queues,
     max_local_handoffs: u32,
+    max_local_handoff_time: Duration,
     namespace: String,
     /// The `namespace` label of this backend's metrics.
     metrics: Namespace,

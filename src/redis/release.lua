@@ -2,7 +2,8 @@
 -- process; idempotent per hold.
 --
 -- KEYS[1]  the lock hash
--- KEYS[2]  the fencing counter (written only by a handoff; passed only with a successor)
+-- KEYS[2]  the fencing counter (written by a handoff, and by a final release after holders
+--          of the process took turns in memory; passed only then)
 -- ARGV[1]  owner id
 -- ARGV[2]  this hold's release id ("owner#hold"), written as a field of the hash when a
 --          re-entry is undone, so that a retry of the same release (after a lost reply)
@@ -29,6 +30,12 @@
 -- ARGV[10] how long the fencing counter outlives its last use, in milliseconds
 -- ARGV[11] "1" when the process's run of handoffs is used up: then the lock is released
 --          for real if anyone (another instance) is subscribed to ARGV[4] ("0")
+-- ARGV[12] the last fencing token the process issued in memory under this hold, to later
+--          holders of its own (tokens up to the counter's value were reserved for that),
+--          or "": a handoff's token comes next, and a final release sets the counter
+--          back to it, so that tokens reserved but not issued are not skipped, and a
+--          counter deleted meanwhile is restored ("")
+-- ARGV[13] how many tokens to reserve above a handoff's own for the successor's run ("0")
 --
 -- Returns {3, token} when the lock now belongs to ARGV[8] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
@@ -55,6 +62,7 @@ local count = tonumber(held[2])
 if not count or (only ~= '' and tonumber(held[4]) ~= tonumber(only)) then
   return {0}
 end
+local issued = ARGV[12] or ''
 if count > 1 then
   redis.call('hincrby', KEYS[1], ARGV[1], -1)
   redis.call('hset', KEYS[1], ARGV[2], 1)
@@ -62,6 +70,13 @@ if count > 1 then
   return {1}
 end
 local sharded = ARGV[5] == '1'
+-- Freed (or turned to shared mode) after holders took turns in memory: the counter goes
+-- back to the last token issued.
+local function settle_counter()
+  if issued ~= '' then
+    redis.call('set', KEYS[2], issued, 'px', ARGV[10])
+  end
+end
 -- The owner took shared holds of its key while holding it (a downgrade, see
 -- shared_acquire.lua): they outlive this one, so the lock goes to shared mode, and new
 -- shared holds and waiting writers are told.
@@ -69,6 +84,11 @@ if tonumber(held[3] or '0') > 0 then
   redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
   forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
   redis.call('hset', KEYS[1], 'mode', 'read')
+  if issued ~= '' then
+    -- Shared holders see the last writer's token.
+    redis.call('hset', KEYS[1], 'token', issued)
+  end
+  settle_counter()
   return {2}
 end
 local function subscribers(channel)
@@ -76,15 +96,20 @@ local function subscribers(channel)
 end
 if successor ~= '' and (ARGV[11] ~= '1' or subscribers(ARGV[4]) == 0) then
   redis.call('del', KEYS[1])
-  -- The current hold's token is the newest issued for this key (only a holder gets a new
-  -- one), so the next number exceeds every earlier token without reading the clock.
-  local last = tonumber(held[4])
+  -- The current hold's token, or the last one issued under it in memory, is the newest
+  -- issued for this key (only a holder gets a new one), so the next number exceeds every
+  -- earlier token without reading the clock.
+  local last = tonumber(issued ~= '' and issued or held[4])
   local token
   if last then
     token = string.format('%d', last + 1)
-    redis.call('set', KEYS[2], token, 'px', ARGV[10])
+    redis.call('set', KEYS[2], string.format('%d', last + 1 + tonumber(ARGV[13] or '0')),
+      'px', ARGV[10])
   else
     token = next_token(KEYS[2], ARGV[10])
+    if (ARGV[13] or '0') ~= '0' then
+      redis.call('incrby', KEYS[2], ARGV[13])
+    end
   end
   -- The hash is rebuilt rather than edited, so the old owner's release ids go with it.
   redis.call('hset', KEYS[1], successor, 1, 'token', token)
@@ -95,6 +120,7 @@ end
 -- the ACL user may no longer send (its channel rights revoked) fails the release with the
 -- lock still held, as the error then says, instead of freeing it and reporting a failure.
 -- Subscribers see the message only after the script, when the lock is gone.
+settle_counter()
 redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
 return {2}

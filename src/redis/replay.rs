@@ -268,6 +268,8 @@ impl Replayer {
             streak_spent: false,
             may_have_run: false,
             token: Some(token),
+            issued: None,
+            reserve: 0,
         }
         .invocation(&config.scripts, config.fence_ttl);
         let reply: Vec<i64> = timeout(config.command_timeout, config.pool.invoke(&invocation))

@@ -147,6 +147,7 @@ impl RedisBackendBuilder {
                 replays,
                 queues: Queues::default(),
                 max_local_handoffs: self.max_local_handoffs,
+                max_local_handoff_time: self.max_local_handoff_time,
                 namespace: self.namespace,
                 metrics,
                 max_key_len: self.max_key_len,

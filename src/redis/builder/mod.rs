@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::replicas::SyncReplicas;
 use super::tls::TlsSettings;
-use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFFS};
+use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS};
 // Named by the docs' links only.
 #[cfg(doc)]
 use super::RedisBackend;
@@ -28,6 +28,7 @@ pub struct RedisBackendBuilder {
     ping_interval: Duration,
     max_backoff: Duration,
     max_local_handoffs: u32,
+    max_local_handoff_time: Duration,
     tls: TlsSettings,
     allow_eviction: bool,
     restart_guard: bool,
@@ -78,6 +79,7 @@ impl RedisBackendBuilder {
             ping_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
             tls: TlsSettings::default(),
             allow_eviction: false,
             restart_guard: false,
@@ -164,12 +166,32 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How many times in a row a release may hand the lock straight to the next task of
-    /// this backend while tasks of other instances wait for it (default 4). Then it is
-    /// released for real and the other instances go first, so they are not starved. With
-    /// no other instance waiting, handoffs go on without a bound; 0 turns handoff off.
+    /// How many times in a row the lock may pass between tasks of this backend under one
+    /// hold in Redis (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff off.
+    ///
+    /// When a task releases a key that another task of the same backend waits for, the
+    /// lock passes to it in memory, without a Redis call: Redis keeps the hold under the
+    /// first task's owner while the tasks take turns, each with its own owner (for
+    /// re-entry) and a fencing token of its own, taken from a block reserved in Redis when
+    /// the hold was taken. This happens only while the hold is confirmed: its last
+    /// acquisition or renewal was acknowledged less than half a lease ago (less a margin
+    /// for clock drift). After `max` handoffs, or
+    /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
+    /// release goes to Redis: if another instance waits for the key (is subscribed to its
+    /// channel), the lock is released for real and the other instances go first;
+    /// otherwise one script hands it to the next task under a new hold and a new block of
+    /// tokens, and the turns go on.
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
         self.max_local_handoffs = max;
+        self
+    }
+
+    /// How long the tasks of this backend may take turns with the lock under one hold in
+    /// Redis before a release goes to Redis, letting waiting instances in (default
+    /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]; see
+    /// [`max_local_handoffs`](Self::max_local_handoffs)).
+    pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
+        self.max_local_handoff_time = time;
         self
     }
 

@@ -254,6 +254,19 @@ impl Watchdog {
         }
     }
 
+    /// When the last acquisition or renewal of the hold of `generation` that Redis
+    /// confirmed was sent; `None` once the hold is lost or no longer watched.
+    pub(crate) fn confirmed(
+        &self,
+        lock_key: &Arc<str>,
+        owner: &LockOwner,
+        generation: u64,
+    ) -> Option<Instant> {
+        let state = self.shared.state();
+        let entry = state.holds.get(&(lock_key.clone(), owner.clone()))?;
+        (entry.generation == generation && !entry.lost.is_cancelled()).then_some(entry.confirmed)
+    }
+
     /// Whether `owner` has a hold on `lock_key` that has not been released.
     pub(crate) fn is_held(&self, lock_key: &Arc<str>, owner: &LockOwner) -> bool {
         self.shared
@@ -382,6 +395,15 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
         };
     }
     (due, hooks)
+}
+
+/// How long after its last confirmed acquisition or renewal was sent a hold may still pass
+/// between tasks in memory (see `handoff.rs`): half its lease, less the margin by which the
+/// watchdog gives a hold up early (room for clock drift). A renewal every lease/3 keeps a
+/// healthy hold inside it.
+pub(crate) fn handoff_window(lease: Duration) -> Duration {
+    let margin = (lease / STOP_MARGIN).max(MIN_STOP_MARGIN);
+    (lease / 2).saturating_sub(margin)
 }
 
 /// `d` as the milliseconds of a `PEXPIRE` or `SET .. PX`: at least 1 (Redis refuses 0)
