@@ -66,9 +66,9 @@ struct KeyQueue {
     /// behind themselves.
     holder: LockOwner,
     /// The owner the store knows the hold under, when the holder got the lock in memory
-    /// from an earlier task of the process (a local handoff): its re-entries are made
-    /// under that owner.
-    store_owner: Option<LockOwner>,
+    /// from an earlier task of the process (a local handoff), with the holder's fencing
+    /// token: its re-entries are made under that owner and keep that token.
+    store_owner: Option<(LockOwner, u64)>,
     /// Re-entries of the key by its holders that are still held: while any is, the hold in
     /// the store is not the holder's alone and cannot pass on in memory.
     nested: usize,
@@ -240,8 +240,9 @@ pub(crate) struct Reentry {
     shared: Arc<Shared>,
     key: Arc<str>,
     epoch: u64,
-    /// Who the store knows the hold under (`None`: the claimant itself).
-    store_owner: Option<LockOwner>,
+    /// Who the store knows the hold under, and the holder's token (`None`: the claimant
+    /// itself, with the token the store gives).
+    store_owner: Option<(LockOwner, u64)>,
 }
 
 impl Reentry {
@@ -258,7 +259,12 @@ impl Reentry {
     /// The owner to re-enter under in the store, when it is not the claimant (the holder
     /// got the lock in memory from an earlier task of this process).
     pub(crate) fn store_owner(&self) -> Option<&LockOwner> {
-        self.store_owner.as_ref()
+        self.store_owner.as_ref().map(|(owner, _)| owner)
+    }
+
+    /// The fencing token of a holder that got the lock in memory.
+    pub(crate) fn token(&self) -> Option<u64> {
+        self.store_owner.as_ref().map(|(_, token)| *token)
     }
 }
 
@@ -372,21 +378,24 @@ impl Slot {
         Some((successor, slot))
     }
 
-    /// Hands the hold to the reserved successor without telling the store, which goes on
-    /// knowing it under `store_owner`: returns the successor with the slot its hold will
+    /// Hands the hold to the reserved successor, with fencing token `token`, without
+    /// telling the store, which goes on knowing it under `store_owner`: returns the successor with the slot its hold will
     /// carry. Refused (the slot comes back) when there is no successor, the slot was
     /// revoked (its lock found lost), or re-entries of the hold are still held, so the
     /// hold in the store is not this task's alone.
     pub(crate) fn hand_over_in_memory(
         mut self,
         store_owner: &LockOwner,
+        token: u64,
     ) -> Result<(Successor, Slot), Slot> {
         let Some(successor) = self.successor.take() else {
             return Err(self);
         };
         let mut keys = self.shared.keys();
         match keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch) {
-            Some(queue) if queue.nested == 0 => queue.store_owner = Some(store_owner.clone()),
+            Some(queue) if queue.nested == 0 => {
+                queue.store_owner = Some((store_owner.clone(), token));
+            }
             _ => {
                 drop(keys);
                 self.successor = Some(successor);

@@ -19,8 +19,13 @@
 --          long, so that new shared holds queue behind it
 -- ARGV[7]  how many fencing tokens to reserve above a new acquisition's own, for later
 --          holders of the same process that get the lock in memory (may be left off: 0)
+-- ARGV[8]  "1" when this process just released the key for real to let other instances
+--          go first: it does not take the key while anyone else is subscribed to the
+--          key's channel ARGV[9] (on sharded pub/sub when ARGV[10] is "1"), and gets
+--          {5} (may be left off: "0")
 --
--- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
+-- Returns {5} when a yielding acquisition leaves the free key to others (ARGV[8]),
+-- {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
 -- when another owner holds it (pttl -1: no expiry set), or {2, wait} when the restart
 -- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
@@ -76,6 +81,14 @@ if kind == 'hash' then
   redis.call('del', KEYS[1])
 end
 
+if ARGV[8] == '1' then
+  local others = redis.call('pubsub', ARGV[10] == '1' and 'shardnumsub' or 'numsub', ARGV[9])[2]
+  -- This process's own subscription counts one.
+  if others > 1 then
+    return {5}
+  end
+end
+
 local wait = restart_wait(ARGV[4])
 if wait then
   return {2, wait}
@@ -83,7 +96,7 @@ end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).
 local token = next_token(KEYS[2], ARGV[3])
-if ARGV[7] then
+if ARGV[7] and ARGV[7] ~= '0' then
   redis.call('incrby', KEYS[2], ARGV[7])
 end
 redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)

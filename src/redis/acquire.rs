@@ -22,6 +22,8 @@ enum Attempt {
     Acquired(Taken),
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
+    /// Free, and left to the other instances that wait for it (a yielding attempt).
+    LeftToOthers,
 }
 
 /// A hold the acquire script took.
@@ -155,13 +157,13 @@ impl Inner {
             _ => 0,
         };
         let mut pttl = None;
-        // A slot passed on by a release that ended a handoff streak skips the first try:
-        // the task waits for its subscription to be confirmed, a round trip in which the
-        // other instances, woken by that release, get their turn.
+        // A slot passed on by a release that ended this process's run skips the first try
+        // (see below): the other instances, woken by that release, go first.
         if !slot.as_ref().is_some_and(Slot::yielded) {
-            match self.attempt(c, reserve()).await? {
+            match self.attempt(c, (reserve(), false)).await? {
                 Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
                 Attempt::Held(p) => pttl = p,
+                Attempt::LeftToOthers => {}
             }
         }
         let Some(deadline) = c.deadline else {
@@ -183,18 +185,34 @@ impl Inner {
         // The waiter starts with a permit when its channel is already subscribed, and gets
         // one when the subscription is confirmed, so the next attempt follows either way.
         let waiter = self.subscriber.register(&c.key.channel);
+        // The release that ended this process's run woke the other instances: until one of
+        // them takes the key, or for at most a run's time (they may have given up), this
+        // task does not take the key while anyone else is subscribed to its channel.
+        let mut yield_until = slot
+            .as_ref()
+            .is_some_and(Slot::yielded)
+            .then(|| (Instant::now() + self.max_local_handoff_time).min(deadline));
         loop {
-            let nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+            let mut nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+            if let Some(until) = yield_until.filter(|until| Instant::now() < *until) {
+                nap = nap.min(until);
+            }
             tokio::select! {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            match self.attempt(c, reserve()).await? {
+            let yielding = yield_until.is_some_and(|until| Instant::now() < until);
+            match self.attempt(c, (reserve(), yielding)).await? {
                 Attempt::Acquired(taken) => {
                     drop(waiter);
                     return Ok(self.taken(c, taken, slot, reentry));
                 }
-                Attempt::Held(p) => pttl = p,
+                // Another instance took the key: this task's yield is done.
+                Attempt::Held(p) => {
+                    pttl = p;
+                    yield_until = None;
+                }
+                Attempt::LeftToOthers => pttl = None,
             }
             if Instant::now() >= deadline {
                 return Err(c.timed_out(pttl));
@@ -210,8 +228,12 @@ impl Inner {
         slot: Option<Slot>,
         reentry: Option<Reentry>,
     ) -> LockGuard {
+        // A re-entry by a holder that got the lock in memory keeps that holder's token.
         let granted = Granted {
-            token: taken.token,
+            token: reentry
+                .as_ref()
+                .and_then(Reentry::token)
+                .unwrap_or(taken.token),
             reserved: taken.reserved,
             sent_at: taken.sent_at,
             continues: None,
@@ -222,7 +244,13 @@ impl Inner {
     }
 
     /// Runs the acquire script once.
-    async fn attempt(self: &Arc<Self>, c: &Contender, reserve: u64) -> Result<Attempt, LockError> {
+    /// `reserve`: tokens to reserve for a run in memory; `yielding`: the key is left to
+    /// other instances that wait for it (see acquire.lua).
+    async fn attempt(
+        self: &Arc<Self>,
+        c: &Contender,
+        (reserve, yielding): (u64, bool),
+    ) -> Result<Attempt, LockError> {
         let budget = match c.deadline {
             Some(deadline) => self.command_timeout.min(
                 deadline
@@ -232,7 +260,7 @@ impl Inner {
             None => self.command_timeout,
         };
         let sent_at = Instant::now();
-        let reply = match timeout(budget, AcquireCall::start(self, c, reserve)).await {
+        let reply = match timeout(budget, AcquireCall::start(self, c, (reserve, yielding))).await {
             Ok(reply) => reply,
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
@@ -266,6 +294,7 @@ impl Inner {
                         u64::try_from(*pttl).ok().map(Duration::from_millis),
                     ))
                 }
+                [5] => Ok(Attempt::LeftToOthers),
                 [4] => Err(LockError::UpgradeRefused {
                     key: c.key.user.clone(),
                 }),

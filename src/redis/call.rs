@@ -42,8 +42,13 @@ struct Unclaimed {
 }
 
 impl AcquireCall {
-    /// `reserve`: fencing tokens to reserve above a new hold's own (see acquire.lua).
-    pub(super) fn start(inner: &Arc<Inner>, c: &Contender, reserve: u64) -> Self {
+    /// `reserve`: fencing tokens to reserve above a new hold's own; `yielding`: leave a
+    /// free key to other instances subscribed to it (see acquire.lua).
+    pub(super) fn start(
+        inner: &Arc<Inner>,
+        c: &Contender,
+        (reserve, yielding): (u64, bool),
+    ) -> Self {
         let unclaimed = Unclaimed {
             inner: inner.clone(),
             key: c.key.clone(),
@@ -97,8 +102,14 @@ impl AcquireCall {
                             .arg(guard)
                             .arg(attempt)
                             .arg(writer_wait);
-                        if reserve > 0 {
+                        if reserve > 0 || yielding {
                             invocation.arg(reserve);
+                        }
+                        if yielding {
+                            invocation
+                                .arg(1)
+                                .arg(&key.channel)
+                                .arg(u8::from(scripts.sharded));
                         }
                         invocation
                     }

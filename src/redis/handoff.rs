@@ -99,7 +99,8 @@ impl WatchedHold {
         let Some(slot) = hold.slot.take().filter(|_| fits) else {
             return Err(self);
         };
-        let (successor, slot) = match slot.hand_over_in_memory(&hold.owner) {
+        let token = hold.run.last + 1;
+        let (successor, slot) = match slot.hand_over_in_memory(&hold.owner, token) {
             Ok(handed) => handed,
             Err(slot) => {
                 hold.slot = Some(slot);
@@ -108,11 +109,11 @@ impl WatchedHold {
         };
         hold.slot = Some(slot);
         hold.run.handoffs += 1;
-        hold.run.last += 1;
+        hold.run.last = token;
         let held = HeldLock::new(
             hold.key.user.clone(),
             successor.claim.owner.clone(),
-            hold.run.last,
+            token,
             self.lost.clone(),
         );
         successor.hand_over(LockGuard::new(held, self));
