@@ -105,9 +105,10 @@ pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
 /// [`sync_replicas`](RedisBackendBuilder::sync_replicas).
 ///
 /// Tasks of one backend that wait for the same key queue in-process: only the first talks
-/// to Redis, and a release hands the lock straight to the next task in line, in one
-/// script, for up to [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times
-/// in a row while other instances wait.
+/// to Redis, and a release hands the lock straight to the next task in line, in memory
+/// under the same hold in Redis while it is confirmed, for up to
+/// [`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs) times in a row (each
+/// holder with its own owner and fencing token).
 #[derive(Clone)]
 pub struct RedisBackend {
     inner: Arc<Inner>,
