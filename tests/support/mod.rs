@@ -306,12 +306,17 @@ impl Drop for RedisServer {
 /// A backend on `url` with short timeouts, so fault tests end fast (also used by child
 /// processes, which only know the server's url).
 pub async fn backend(url: &str) -> RedisBackend {
-    RedisBackend::builder(url)
-        .command_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
+    builder(url)
         .build()
         .await
         .expect("backend connects to the test server")
+}
+
+/// The builder of [`backend`], for tests that set more before building.
+pub fn builder(url: &str) -> tower_lock::RedisBackendBuilder {
+    RedisBackend::builder(url)
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
 }
 
 fn free_port() -> u16 {
