@@ -17,6 +17,7 @@ mod pool;
 mod pubsub;
 mod recheck;
 mod registry;
+mod release_call;
 mod replay;
 mod replicas;
 mod runtime;

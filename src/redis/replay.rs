@@ -37,9 +37,9 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::hold::ReleaseCall;
 use super::keys::LockKey;
 use super::pool::{CommandError, Pool};
+use super::release_call::ReleaseCall;
 use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
 use super::watchdog::Watchdog;

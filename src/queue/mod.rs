@@ -29,6 +29,12 @@ use tokio::time::{Instant, sleep_until};
 
 use crate::lock::{LockGuard, LockOwner};
 
+mod reentry;
+mod ticket;
+
+pub(crate) use reentry::Reentry;
+use ticket::Ticket;
+
 /// Who is acquiring: what a releasing holder needs to hand the lock to them.
 #[derive(Clone)]
 pub(crate) struct Claim {
@@ -230,87 +236,6 @@ impl Queues {
     /// Tasks queued behind a contender or holder of the same key.
     pub(crate) fn waiting(&self) -> usize {
         self.shared.keys().values().map(|q| q.waiting.len()).sum()
-    }
-}
-
-/// A re-entry of a key by the task that holds its slot, counted while it is held: a hold
-/// with re-entries outstanding is not handed over in memory. Dropped with the re-entry's
-/// hold.
-pub(crate) struct Reentry {
-    shared: Arc<Shared>,
-    key: Arc<str>,
-    epoch: u64,
-    /// Who the store knows the hold under, and the holder's token (`None`: the claimant
-    /// itself, with the token the store gives).
-    store_owner: Option<(LockOwner, u64)>,
-}
-
-impl Reentry {
-    fn new(shared: &Arc<Shared>, key: &Arc<str>, queue: &mut KeyQueue) -> Self {
-        queue.nested += 1;
-        Reentry {
-            shared: shared.clone(),
-            key: key.clone(),
-            epoch: queue.epoch,
-            store_owner: queue.store_owner.clone(),
-        }
-    }
-
-    /// The owner to re-enter under in the store, when it is not the claimant (the holder
-    /// got the lock in memory from an earlier task of this process).
-    pub(crate) fn store_owner(&self) -> Option<&LockOwner> {
-        self.store_owner.as_ref().map(|(owner, _)| owner)
-    }
-
-    /// The fencing token of a holder that got the lock in memory.
-    pub(crate) fn token(&self) -> Option<u64> {
-        self.store_owner.as_ref().map(|(_, token)| *token)
-    }
-}
-
-impl Drop for Reentry {
-    fn drop(&mut self) {
-        let mut keys = self.shared.keys();
-        if let Some(queue) = keys.get_mut(&self.key).filter(|q| q.epoch == self.epoch) {
-            queue.nested = queue.nested.saturating_sub(1);
-        }
-    }
-}
-
-/// A place in a key's queue. Dropping it leaves the queue; a grant that arrived meanwhile
-/// is passed on, not lost.
-pub(crate) struct Ticket {
-    shared: Arc<Shared>,
-    key: Arc<str>,
-    id: u64,
-    granted: oneshot::Receiver<Grant>,
-}
-
-impl Ticket {
-    /// Resolves when the task's turn comes. `None` if its grant was dropped unsent (the
-    /// runtime is shutting down); the caller may queue again.
-    async fn granted(&mut self) -> Option<Grant> {
-        (&mut self.granted).await.ok()
-    }
-
-    /// A grant that has already arrived, if any.
-    fn try_granted(&mut self) -> Option<Grant> {
-        self.granted.try_recv().ok()
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        self.granted.close();
-        match self.granted.try_recv() {
-            // Dropping a grant passes it on: a slot to the next task, a guard by releasing.
-            Ok(grant) => drop(grant),
-            Err(_) => {
-                if let Some(queue) = self.shared.keys().get_mut(&self.key) {
-                    queue.waiting.retain(|s| s.id != self.id);
-                }
-            }
-        }
     }
 }
 

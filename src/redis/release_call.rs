@@ -1,0 +1,94 @@
+//! One call of a release script, as its keys and arguments.
+
+use std::time::Duration;
+
+use redis::ScriptInvocation;
+
+use super::keys::LockKey;
+use super::scripts::Scripts;
+use super::watchdog::millis;
+use crate::lock::{Kind, LockOwner};
+use crate::queue::Claim;
+
+/// One call of the release script (see release.lua for what each argument does).
+pub(super) struct ReleaseCall<'a> {
+    pub(super) key: &'a LockKey,
+    /// The hash field the hold is kept under (see [`holder`]).
+    pub(super) owner: &'a LockOwner,
+    /// Which script releases it: release.lua, or for a shared hold or a permit
+    /// shared_release.lua or permit_release.lua (these take no successor).
+    pub(super) kind: Kind,
+    pub(super) release_id: &'a str,
+    pub(super) lease: Duration,
+    pub(super) successor: Option<&'a Claim>,
+    pub(super) streak_spent: bool,
+    pub(super) may_have_run: bool,
+    /// Only acts on the hold of this fencing token (a replay after a failover).
+    pub(super) token: Option<u64>,
+    /// The last fencing token issued in memory under this hold, when later holders of this
+    /// process got it that way: the lock's next token must exceed it.
+    pub(super) issued: Option<u64>,
+    /// Tokens to reserve above the successor's own, for the run it starts.
+    pub(super) reserve: u64,
+}
+
+impl ReleaseCall<'_> {
+    pub(super) fn invocation<'s>(
+        self,
+        scripts: &'s Scripts,
+        fence_ttl: Duration,
+    ) -> ScriptInvocation<'s> {
+        let token = self.token.map(|t| t.to_string()).unwrap_or_default();
+        let single = match self.kind {
+            Kind::Exclusive => None,
+            Kind::Shared => Some(&scripts.shared_release),
+            Kind::Permit(_) => Some(&scripts.permit_release),
+        };
+        if let Some(script) = single {
+            let mut invocation = script.key(&*self.key.lock);
+            invocation
+                .arg(self.owner.as_str())
+                .arg(self.release_id)
+                .arg(millis(self.lease))
+                .arg(&self.key.channel)
+                .arg(u8::from(scripts.sharded))
+                .arg(token);
+            return invocation;
+        }
+        // The arguments a plain release does not need are left off from the end (see
+        // release.lua): each one Redis hands to a script costs it.
+        let mut invocation = scripts.release.key(&*self.key.lock);
+        invocation
+            .arg(self.owner.as_str())
+            .arg(self.release_id)
+            .arg(millis(self.lease))
+            .arg(&self.key.channel)
+            .arg(u8::from(scripts.sharded));
+        if self.successor.is_none()
+            && !self.may_have_run
+            && token.is_empty()
+            && self.issued.is_none()
+        {
+            return invocation;
+        }
+        invocation.arg(token).arg(u8::from(self.may_have_run));
+        if self.successor.is_none() && self.issued.is_none() {
+            return invocation;
+        }
+        // The fencing counter is written: by a handoff, and by a release after handoffs in
+        // memory (the counter goes back to the last token issued).
+        invocation.key(&self.key.fence);
+        match self.successor {
+            Some(successor) => invocation
+                .arg(successor.owner.as_str())
+                .arg(millis(successor.lease)),
+            None => invocation.arg("").arg(0),
+        };
+        invocation
+            .arg(millis(fence_ttl))
+            .arg(u8::from(self.streak_spent))
+            .arg(self.issued.map(|t| t.to_string()).unwrap_or_default())
+            .arg(self.reserve);
+        invocation
+    }
+}
