@@ -74,29 +74,33 @@ impl WatchedHold {
     /// if the run may go on (see the module's doc); else gives it back.
     pub(super) fn hand_over_in_memory(mut self: Box<Self>) -> Result<(), Box<Self>> {
         let hold = &mut self.hold;
-        let inner = hold.inner.clone();
         let run = hold.run;
+        // (A re-entry has no slot: it never passes on by itself.)
         if hold.kind != Kind::Exclusive
             || hold.slot.is_none()
-            || hold.reentry.is_some()
             || run.last >= run.reserved
             || hold.run_spent()
             || self.lost.is_cancelled()
         {
             return Err(self);
         }
-        let confirmed = inner
+        let confirmed = hold
+            .inner
             .watchdog
             .confirmed(&hold.key.lock, &hold.owner, self.generation);
         if confirmed.is_none_or(|at| Instant::now() >= at + handoff_window(hold.lease)) {
             return Err(self);
         }
         // The successor must hold as this hold was taken (lease and renewal), which the
-        // watchdog's entry stands for; another one gets the lock through Redis.
+        // watchdog's entry stands for; another one gets the lock through Redis (the slot
+        // stays with this hold, and the successor reserved for that release).
         let fits = hold
             .reserve_successor()
             .is_some_and(|claim| claim.lease == hold.lease && claim.renew == self.renew);
-        let Some(slot) = hold.slot.take().filter(|_| fits) else {
+        if !fits {
+            return Err(self);
+        }
+        let Some(slot) = hold.slot.take() else {
             return Err(self);
         };
         let token = hold.run.last + 1;
