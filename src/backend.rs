@@ -1,14 +1,7 @@
 //! The seam between the layer and where locks live.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use tokio::time::Instant;
-use tracing::Instrument;
-
-use crate::error::LockError;
-use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::LockRequest;
 use crate::many::ManyLockRequest;
-use crate::telemetry::{Labels, Namespace, Outcome};
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
 /// [`MemoryBackend`](crate::MemoryBackend) inside one process.
@@ -39,7 +32,7 @@ pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
     }
 }
 
-pub(crate) use self::sealed::{Sealed, Store};
+pub(crate) use self::sealed::{Backend, Sealed};
 
 mod sealed {
     use std::sync::Arc;
@@ -50,11 +43,11 @@ mod sealed {
     /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).
     pub trait Sealed {
         /// The backend's store, shared by every clone of it.
-        fn store(&self) -> Arc<dyn Store>;
+        fn store(&self) -> Arc<dyn Backend>;
     }
 
     /// What the layer and the lock builder need of a backend.
-    pub trait Store: Send + Sync + 'static {
+    pub trait Backend: Send + Sync + 'static {
         /// Runs an acquisition: validates the key, queues behind this process's other
         /// tasks for it, takes the lock (waiting if asked) and returns its guard.
         fn acquire(
@@ -66,124 +59,30 @@ mod sealed {
         fn new_owner(&self) -> LockOwner;
 
         /// The `namespace` label of the backend's metrics.
-        fn metrics(&self) -> &crate::telemetry::Namespace;
+        fn metrics(&self) -> &crate::core::telemetry::Namespace;
 
         /// The longest key the backend accepts, in bytes.
         fn max_key_len(&self) -> usize;
     }
 }
 
-/// What every backend records of an acquisition: the `lock.acquire` span (how long it
-/// waited, its outcome and token) and the metrics.
-pub(crate) struct Observe {
-    span: tracing::Span,
-    labels: Labels,
-    waits: bool,
-}
-
-impl Observe {
-    pub(crate) fn new(request: &LockRequest, max_key_len: usize, namespace: &Namespace) -> Self {
-        // A rejected key may be huge or hold control characters: never log it raw.
-        let shown = if request.key.len() <= max_key_len {
-            request.key.as_str()
-        } else {
-            "<oversized key>"
-        };
-        let span = tracing::info_span!(
-            "lock.acquire",
-            key = ?shown,
-            mode = match request.mode { Mode::TryOnce => "try_once", Mode::Wait(_) => "wait" },
-            waited_ms = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            token = tracing::field::Empty,
-        );
-        Observe {
-            span,
-            labels: Labels::new(namespace, &request.route),
-            waits: matches!(request.mode, Mode::Wait(_)),
-        }
-    }
-
-    /// Runs the acquisition `acquire` makes, recording it.
-    ///
-    /// Takes a closure rather than the future: a future passed in would be stored twice in
-    /// this one's state (once as captured, once as awaited), and every task queued for a
-    /// key carries this state.
-    pub(crate) fn run<F, Fut>(
-        self,
-        acquire: F,
-    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
-    {
-        let Observe {
-            span,
-            labels,
-            waits,
-        } = self;
-        async move {
-            let started = Instant::now();
-            let mut result = {
-                let _waiting = waits.then(|| labels.waiting());
-                acquire().await
-            };
-            let waited = started.elapsed();
-            let span = tracing::Span::current();
-            span.record(
-                "waited_ms",
-                u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
-            );
-            let outcome = match &mut result {
-                Ok(guard) => {
-                    span.record("token", guard.fencing_token());
-                    guard.count_hold(labels.hold());
-                    if guard.is_reentry() {
-                        Outcome::Reentered
-                    } else {
-                        Outcome::Acquired
-                    }
-                }
-                Err(e) => Outcome::of(e),
-            };
-            span.record("outcome", outcome.as_str());
-            // A refused key waited for nothing.
-            let waited = (outcome != Outcome::InvalidKey).then_some(waited);
-            labels.acquisition(outcome, waited);
-            tracing::debug!("lock acquisition finished");
-            result
-        }
-        .instrument(span)
-    }
-}
-
-/// Owner ids of one backend: `instance-uuid:sequence`, a fresh one per request.
-pub(crate) struct OwnerIds {
-    instance: String,
-    sequence: AtomicU64,
-}
-
-impl OwnerIds {
-    pub(crate) fn new() -> Self {
-        OwnerIds {
-            instance: uuid::Uuid::new_v4().simple().to_string(),
-            sequence: AtomicU64::new(0),
-        }
-    }
-
-    /// A new owner, never handed out before by any backend.
-    pub(crate) fn next(&self) -> LockOwner {
-        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
-        LockOwner::new(format!("{}:{seq}", self.instance))
-    }
-
-    /// A number never returned before by this backend, to tell holds of one owner apart.
-    pub(crate) fn serial(&self) -> u64 {
-        self.sequence.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// The instance part of every owner id.
-    pub(crate) fn instance(&self) -> &str {
-        &self.instance
-    }
+/// A snapshot of a backend's connections and bookkeeping, returned by
+/// [`RedisBackend::stats`](crate::RedisBackend::stats) and the other stores' `stats`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BackendStats {
+    /// Whether the listening connection (the Redis subscriber, PostgreSQL's `LISTEN`
+    /// connection) is up.
+    pub subscriber_connected: bool,
+    /// How many times the listening connection has been established (1 + reconnects).
+    pub subscriber_connections_made: u64,
+    /// Release channels with at least one local waiter.
+    pub channels_with_waiters: usize,
+    /// Held locks the watchdog is renewing or watching.
+    pub watched_locks: usize,
+    /// Keys with a task of this backend contending for, holding or queued on them. Entries
+    /// are removed when the last task leaves, so this returns to 0 when the backend is idle.
+    pub local_queues: usize,
+    /// Tasks queued in-process behind another task of this backend for the same key.
+    pub local_waiters: usize,
 }

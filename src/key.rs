@@ -4,7 +4,7 @@ use std::borrow::Cow;
 
 use http::Request;
 
-use crate::error::KeyError;
+use crate::error::{BuildError, KeyError};
 
 /// Extracts the lock key from a request.
 ///
@@ -255,9 +255,49 @@ pub(crate) fn validate(key: &str, max_len: usize) -> Result<(), KeyError> {
     Ok(())
 }
 
+/// Refuses a namespace that is empty or holds `{`, `}` or a control character (see
+/// [`namespaced`]).
+pub(crate) fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
+    if namespace.is_empty()
+        || namespace.contains(['{', '}'])
+        || namespace.contains(char::is_control)
+    {
+        return Err(BuildError::Namespace {
+            namespace: namespace.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// The store name of `key` in `namespace`: `namespace:{key}`, with the braces and `%` of
+/// the key percent-escaped, so that the mapping from (namespace, key) to name is one-to-one
+/// (a namespace has no braces), no key can reach outside its namespace, and the braces are
+/// a Redis Cluster hash tag covering the key alone.
+pub(crate) fn namespaced(namespace: &str, key: &str) -> String {
+    let mut out = String::with_capacity(namespace.len() + key.len() + 3);
+    out.push_str(namespace);
+    out.push_str(":{");
+    for c in key.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            c => out.push(c),
+        }
+    }
+    out.push('}');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn braces_cannot_move_the_hash_tag_and_escaping_is_one_to_one() {
+        assert_eq!(namespaced("ns", "a}b{c"), "ns:{a%7Db%7Bc}");
+        assert_ne!(namespaced("ns", "%7B"), namespaced("ns", "{"));
+    }
 
     #[test]
     fn empty_long_and_control_keys_are_rejected() {

@@ -8,14 +8,14 @@ use bytes::Bytes;
 use http::Response;
 use tower_layer::Layer;
 
-use crate::backend::{LockBackend, Store};
+use crate::backend::{Backend, LockBackend};
 use crate::body::BoxError;
+use crate::core::telemetry::{self, Route};
 use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
 use crate::policy::{Exclusive, Permits, ReadWrite, SharedIf};
 use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
 use crate::service::LockService;
-use crate::telemetry::{self, Route};
 
 /// How long a request waits for a held lock by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
@@ -111,7 +111,7 @@ impl Config {
 #[derive(Clone)]
 #[must_use = "a layer does nothing until it is applied to a service or a router"]
 pub struct LockLayer<K, P = Exclusive> {
-    store: Arc<dyn Store>,
+    store: Arc<dyn Backend>,
     key: K,
     config: Arc<Config>,
     policy: P,

@@ -74,6 +74,7 @@
 // which only those modules export.
 mod backend;
 mod body;
+mod core;
 mod error;
 mod extract;
 mod future;
@@ -84,15 +85,20 @@ mod lock;
 mod many;
 mod memory;
 pub mod policy;
-mod queue;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod redis;
 pub mod response;
 mod service;
-mod spawner;
-mod telemetry;
 
-pub use crate::backend::LockBackend;
+pub use crate::backend::{BackendStats, LockBackend};
 pub use crate::body::ResponseBody;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use crate::core::telemetry::describe_metrics;
+pub use crate::core::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
+};
 pub use crate::error::{BackendError, BuildError, KeyError, LockError};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
@@ -107,14 +113,11 @@ pub use crate::lock::{
 };
 pub use crate::many::{MAX_KEYS, ManyLockRequest};
 pub use crate::memory::MemoryBackend;
-pub use crate::redis::{
-    BackendStats, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
-    FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
-};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
+pub use crate::redis::{FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder};
 pub use crate::service::LockService;
-#[cfg(feature = "metrics")]
-#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
-pub use crate::telemetry::describe_metrics;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

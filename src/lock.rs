@@ -9,9 +9,9 @@ use std::time::Duration;
 
 pub use crate::held::HeldLock;
 
-use crate::backend::Store;
+use crate::backend::Backend;
+use crate::core::telemetry::{self, Route};
 use crate::error::LockError;
-use crate::telemetry::{self, Route};
 
 /// A boxed, sendable future, as returned by the backend trait.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -108,7 +108,7 @@ pub enum Kind {
 /// ```
 #[must_use = "a lock request does nothing until `try_once` or `wait` is awaited"]
 pub struct LockRequest {
-    pub(crate) store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn Backend>,
     pub(crate) key: String,
     pub(crate) owner: Option<LockOwner>,
     pub(crate) lease: Duration,
@@ -121,7 +121,7 @@ pub struct LockRequest {
 }
 
 impl LockRequest {
-    pub(crate) fn new(store: Arc<dyn Store>, key: String) -> Self {
+    pub(crate) fn new(store: Arc<dyn Backend>, key: String) -> Self {
         LockRequest {
             store,
             key,

@@ -7,13 +7,13 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
-use crate::backend::Store;
+use crate::backend::Backend;
+use crate::core::telemetry::Route;
 use crate::error::{KeyError, LockError};
 use crate::key::validate;
 use crate::lock::{
     BoxFuture, HeldLock, Kind, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
-use crate::telemetry::Route;
 
 /// The most keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each key is one
 /// acquisition (one round trip when free), taken one after another.
@@ -65,7 +65,7 @@ pub struct ManyLockRequest {
 }
 
 impl ManyLockRequest {
-    pub(crate) fn new(store: Arc<dyn Store>, keys: Vec<String>) -> Self {
+    pub(crate) fn new(store: Arc<dyn Backend>, keys: Vec<String>) -> Self {
         ManyLockRequest {
             keys,
             each: LockRequest::new(store, String::new()),

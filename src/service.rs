@@ -7,8 +7,9 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::backend::Store;
+use crate::backend::Backend;
 use crate::body::ResponseBody;
+use crate::core::telemetry::{Labels, Outcome, Route};
 use crate::error::LockError;
 use crate::future::ResponseFuture;
 use crate::held::push_outer;
@@ -17,7 +18,6 @@ use crate::layer::Config;
 use crate::lock::{HeldLock, LockRequest};
 use crate::many::{ManyLockRequest, canonical};
 use crate::policy::{Exclusive, HoldPolicy};
-use crate::telemetry::{Labels, Outcome, Route};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
@@ -39,7 +39,7 @@ use crate::telemetry::{Labels, Outcome, Route};
 #[derive(Clone)]
 pub struct LockService<S, K, P = Exclusive> {
     inner: S,
-    store: Arc<dyn Store>,
+    store: Arc<dyn Backend>,
     key: K,
     /// Which kind of hold each request takes (see [`policy`](crate::policy)).
     policy: P,
@@ -49,7 +49,7 @@ pub struct LockService<S, K, P = Exclusive> {
 impl<S, K, P> LockService<S, K, P> {
     pub(crate) fn new(
         inner: S,
-        store: Arc<dyn Store>,
+        store: Arc<dyn Backend>,
         (key, policy): (K, P),
         config: Arc<Config>,
     ) -> Self {

@@ -83,6 +83,23 @@ pub enum BuildError {
         /// The server's policy, for example `allkeys-lru`.
         policy: String,
     },
+    /// The database lacks the lock table and its functions (`found: None`), or has another
+    /// version of them: run the SQL file the message names, or build with `migrate()`
+    /// (PostgreSQL).
+    Schema {
+        /// The lock table's name.
+        table: String,
+        /// The version the database has, if any.
+        found: Option<i32>,
+        /// The version this crate needs.
+        expected: i32,
+    },
+    /// The server takes no writes, so every acquisition would fail: a replica, or a
+    /// read-only session (PostgreSQL).
+    ReadOnly {
+        /// Which, in words.
+        reason: &'static str,
+    },
 }
 
 impl fmt::Display for BuildError {
@@ -111,6 +128,27 @@ impl fmt::Display for BuildError {
             BuildError::Rights { user, right, .. } => {
                 write!(f, "the ACL user `{user}` may not {right}")
             }
+            BuildError::Schema {
+                table, found: None, ..
+            } => write!(
+                f,
+                "the database has no lock table `{table}` (or not its functions): run the \
+                 SQL of `PostgresBackend::schema_sql(\"{table}\")` (the crate's \
+                 src/postgres/schema.sql for the default table), or build with `migrate()`"
+            ),
+            BuildError::Schema {
+                table,
+                found: Some(found),
+                expected,
+            } => write!(
+                f,
+                "the lock table `{table}` is at schema version {found}, this crate needs \
+                 {expected}: run the SQL of `PostgresBackend::schema_sql(\"{table}\")`, or \
+                 build with `migrate()`"
+            ),
+            BuildError::ReadOnly { reason } => {
+                write!(f, "the server takes no writes: {reason}")
+            }
             BuildError::Eviction { policy } => write!(
                 f,
                 "the Redis server's maxmemory-policy is `{policy}`, which may evict held \
@@ -125,7 +163,9 @@ impl StdError for BuildError {
         match self {
             BuildError::Namespace { .. }
             | BuildError::Setting { .. }
-            | BuildError::Eviction { .. } => None,
+            | BuildError::Eviction { .. }
+            | BuildError::Schema { .. }
+            | BuildError::ReadOnly { .. } => None,
             BuildError::Url { source }
             | BuildError::Connect { source }
             | BuildError::Scripts { source }

@@ -10,9 +10,9 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use super::{Inner, State};
+use crate::core::queue::Claim;
 use crate::error::LockError;
 use crate::lock::{BoxFuture, HeldLock, LockGuard, LockOwner, ReleaseHold};
-use crate::queue::Claim;
 
 /// How long the token of a key's last exclusive acquisition is kept for its shared holds
 /// after that acquisition ended, as Redis keeps its fencing counter by default.

@@ -43,13 +43,14 @@ use self::hold::Fences;
 use self::rw::RwKey;
 use self::semaphore::Semaphore;
 use self::wait::Deferred;
-use crate::backend::{LockBackend, Observe, OwnerIds, Sealed, Store};
+use crate::backend::{Backend, LockBackend, Sealed};
+use crate::core::observe::{Observe, OwnerIds};
+use crate::core::queue::{Claim, Queues};
+use crate::core::runtime::Spawner;
+use crate::core::telemetry::Namespace;
 use crate::error::LockError;
 use crate::key::validate;
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
-use crate::queue::{Claim, Queues};
-use crate::spawner::Spawner;
-use crate::telemetry::Namespace;
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.
 const MAX_KEY_LEN: usize = 1024;
@@ -116,7 +117,7 @@ impl Wait {
 impl MemoryBackend {
     /// An empty store.
     pub fn new() -> Self {
-        crate::telemetry::describe_metrics();
+        crate::core::telemetry::describe_metrics();
         MemoryBackend {
             inner: Arc::new(Inner {
                 owners: OwnerIds::new(),
@@ -171,14 +172,14 @@ impl fmt::Debug for MemoryBackend {
 }
 
 impl Sealed for MemoryBackend {
-    fn store(&self) -> Arc<dyn Store> {
+    fn store(&self) -> Arc<dyn Backend> {
         self.inner.clone()
     }
 }
 
 impl LockBackend for MemoryBackend {}
 
-impl Store for Inner {
+impl Backend for Inner {
     fn acquire(
         self: Arc<Self>,
         request: LockRequest,

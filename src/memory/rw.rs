@@ -17,9 +17,9 @@ use std::time::Duration;
 use super::hold::{HoldId, Of, Tenure};
 use super::wait::{Deferred, List, Step, Ticket, Waiter};
 use super::{Inner, State, Wait};
+use crate::core::queue::{Claim, Slot, Turn};
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner};
-use crate::queue::{Claim, Slot, Turn};
 
 /// One key's read/write lock: who holds it, who is on the way, who waits.
 #[derive(Default)]

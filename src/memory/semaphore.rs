@@ -13,9 +13,9 @@ use std::time::Duration;
 use super::hold::{HoldId, Of, Tenure};
 use super::wait::{Deferred, List, Step, Ticket, Waiter};
 use super::{Inner, State, Wait};
+use crate::core::queue::Claim;
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner};
-use crate::queue::Claim;
 
 /// One key's semaphore.
 #[derive(Default)]

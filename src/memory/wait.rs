@@ -13,8 +13,8 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep_until};
 
 use super::{Inner, State};
+use crate::core::queue::{Claim, Slot};
 use crate::lock::LockGuard;
-use crate::queue::{Claim, Slot};
 
 /// Whatever must be dropped only once the state's lock is released: slots (passing one on
 /// takes the queue's lock, whose holder may release into the state) and guards whose

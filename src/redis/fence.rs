@@ -74,7 +74,7 @@ impl FencedStore {
         token: u64,
         value: &str,
     ) -> Result<FencedWrite, LockError> {
-        let inner = &self.backend.inner;
+        let inner = &self.backend.inner.store;
         let redis_key = self.redis_key(key)?;
         let mut invocation = inner.scripts.fence.key(&redis_key);
         invocation.arg(token).arg(value);
@@ -96,7 +96,7 @@ impl FencedStore {
 
     /// The value last written for `key`, with its token; `None` if it was never written.
     pub async fn read(&self, key: &str) -> Result<Option<FencedValue>, LockError> {
-        let inner = &self.backend.inner;
+        let inner = &self.backend.inner.store;
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(self.redis_key(key)?).arg("token").arg("value");
         let reply = timeout(inner.command_timeout, inner.pool.query::<Vec<Value>>(&cmd))
@@ -118,7 +118,7 @@ impl FencedStore {
     }
 
     fn redis_key(&self, key: &str) -> Result<String, LockError> {
-        let inner = &self.backend.inner;
+        let inner = &self.backend.inner.store;
         let key = LockKey::new(&inner.namespace, key.to_owned(), inner.max_key_len)?;
         Ok(format!("{}:fenced", key.lock))
     }

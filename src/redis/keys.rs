@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::error::KeyError;
-use crate::key::validate;
+use crate::key::{namespaced, validate};
 
 /// The Redis names that belong to one user key.
 ///
@@ -27,10 +27,7 @@ pub(crate) struct LockKey {
 impl LockKey {
     pub(crate) fn new(namespace: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
         validate(&user, max_len)?;
-        Ok(Self::named(
-            format!("{namespace}:{{{}}}", escape(&user)),
-            user,
-        ))
+        Ok(Self::named(namespaced(namespace, &user), user))
     }
 
     /// The names of `user`'s semaphore (see permit_acquire.lua): a hash, counter and
@@ -42,7 +39,7 @@ impl LockKey {
     ) -> Result<Self, KeyError> {
         validate(&user, max_len)?;
         Ok(Self::named(
-            format!("{namespace}:{{{}}}:permits", escape(&user)),
+            format!("{}:permits", namespaced(namespace, &user)),
             user,
         ))
     }
@@ -60,39 +57,5 @@ impl LockKey {
             lock: tagged.into(),
             user,
         }
-    }
-}
-
-/// Percent-escapes the characters that would change the hash tag (`{`, `}`) and the escape
-/// character itself, so that the mapping from user key to Redis key stays one-to-one.
-fn escape(key: &str) -> String {
-    let mut out = String::with_capacity(key.len());
-    for c in key.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '{' => out.push_str("%7B"),
-            '}' => out.push_str("%7D"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn braces_cannot_move_the_hash_tag() {
-        let k = LockKey::new("ns", "a}b{c".into(), 64).unwrap();
-        assert_eq!(&*k.lock, "ns:{a%7Db%7Bc}");
-        assert_eq!(k.channel, "ns:{a%7Db%7Bc}:released");
-    }
-
-    #[test]
-    fn escaping_is_one_to_one() {
-        let a = LockKey::new("ns", "%7B".into(), 64).unwrap();
-        let b = LockKey::new("ns", "{".into(), 64).unwrap();
-        assert_ne!(a.lock, b.lock);
     }
 }

@@ -2,67 +2,27 @@
 //!
 //! The type and its design are documented on [`RedisBackend`].
 
-mod acquire;
 mod builder;
-mod call;
-mod checks;
-mod cluster;
-mod cluster_checks;
-mod command_error;
+mod connection;
 mod fence;
-mod handoff;
-mod hold;
 mod keys;
-mod pool;
 mod pubsub;
-mod recheck;
-mod registry;
-mod release_call;
 mod replay;
 mod replicas;
-mod runtime;
+mod run_id;
 mod scripts;
-mod sentinel;
-mod shard_pubsub;
-mod tls;
-mod topology;
-mod watchdog;
+mod store;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
-
-use tokio_util::sync::CancellationToken;
 
 pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
-use self::pool::Pool;
-use self::pubsub::Subscriber;
-use self::replay::Replays;
-use self::replicas::SyncReplicas;
-use self::runtime::Spawner;
-use self::scripts::Scripts;
-use self::watchdog::Watchdog;
-use crate::backend::{LockBackend, OwnerIds, Sealed, Store};
+use self::store::RedisStore;
+use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::core::Core;
 use crate::error::BuildError;
 use crate::lock::LockRequest;
-use crate::queue::Queues;
-use crate::telemetry::Namespace;
-
-/// Default upper bound on a key's length in bytes.
-pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
-
-/// A command never gets less time than this, even right at a wait's deadline, so that a
-/// final attempt is not failed by its own budget on a busy machine.
-const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
-
-/// Default bound on consecutive handoffs within one process under one hold in Redis (see
-/// [`RedisBackendBuilder::max_local_handoffs`]).
-pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 32;
-
-/// Default bound on the time one process's tasks take turns under one hold in Redis (see
-/// [`RedisBackendBuilder::max_local_handoff_time`]).
-pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
 
 /// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
 /// Cheap to clone; clones share connections.
@@ -112,38 +72,7 @@ pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
 /// holder with its own owner and fencing token).
 #[derive(Clone)]
 pub struct RedisBackend {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    pool: Pool,
-    scripts: Arc<Scripts>,
-    subscriber: Subscriber,
-    watchdog: Watchdog,
-    /// Recent releases, sent again after a Sentinel failover; `None` on other topologies.
-    replays: Option<Replays>,
-    queues: Queues,
-    max_local_handoffs: u32,
-    max_local_handoff_time: Duration,
-    namespace: String,
-    /// The `namespace` label of this backend's metrics.
-    metrics: Namespace,
-    max_key_len: usize,
-    command_timeout: Duration,
-    fence_ttl: Duration,
-    /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
-    restart_guard: Option<Duration>,
-    /// Replicas that must acknowledge an acquisition; `None`: none.
-    sync_replicas: Option<SyncReplicas>,
-    owners: OwnerIds,
-    runtime: Spawner,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
+    inner: Arc<Core<RedisStore>>,
 }
 
 impl RedisBackend {
@@ -266,49 +195,22 @@ impl RedisBackend {
 
     /// A snapshot of the backend's connections and bookkeeping.
     pub fn stats(&self) -> BackendStats {
-        let subscriber = &self.inner.subscriber;
-        BackendStats {
-            subscriber_connected: subscriber.is_connected(),
-            subscriber_connections_made: subscriber.connections_made(),
-            channels_with_waiters: subscriber.channels_with_waiters(),
-            watched_locks: self.inner.watchdog.watched(),
-            local_queues: self.inner.queues.keys(),
-            local_waiters: self.inner.queues.waiting(),
-        }
+        self.inner.stats(self.inner.store.subscriber.wakeups())
     }
 
     /// The namespace that prefixes every Redis key of this backend.
     pub fn namespace(&self) -> &str {
-        &self.inner.namespace
+        &self.inner.store.namespace
     }
 }
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
-            .field("namespace", &self.inner.namespace)
+            .field("namespace", &self.inner.store.namespace)
             .field("instance", &self.inner.owners.instance())
             .finish_non_exhaustive()
     }
-}
-
-/// A snapshot returned by [`RedisBackend::stats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct BackendStats {
-    /// Whether the subscriber connection is up.
-    pub subscriber_connected: bool,
-    /// How many times the subscriber connection has been established (1 + reconnects).
-    pub subscriber_connections_made: u64,
-    /// Release channels with at least one local waiter.
-    pub channels_with_waiters: usize,
-    /// Held locks the watchdog is renewing or watching.
-    pub watched_locks: usize,
-    /// Keys with a task of this backend contending for, holding or queued on them. Entries
-    /// are removed when the last task leaves, so this returns to 0 when the backend is idle.
-    pub local_queues: usize,
-    /// Tasks queued in-process behind another task of this backend for the same key.
-    pub local_waiters: usize,
 }
 
 /// A script answered with something it never returns (a bug, or a key changed from
@@ -325,7 +227,7 @@ impl fmt::Display for UnexpectedReply {
 impl std::error::Error for UnexpectedReply {}
 
 impl Sealed for RedisBackend {
-    fn store(&self) -> Arc<dyn Store> {
+    fn store(&self) -> Arc<dyn Backend> {
         self.inner.clone()
     }
 }

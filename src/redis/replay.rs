@@ -37,12 +37,12 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
+use super::connection::pool::{CommandError, Pool};
 use super::keys::LockKey;
-use super::pool::{CommandError, Pool};
-use super::release_call::ReleaseCall;
-use super::runtime::{Daemon, Spawner};
 use super::scripts::Scripts;
-use super::watchdog::Watchdog;
+use super::scripts::release_call::ReleaseCall;
+use crate::core::runtime::{Daemon, Spawner};
+use crate::core::watchdog::Watchdog;
 use crate::lock::LockOwner;
 
 /// How long a release is remembered: longer than the sentinels take from the promotion to

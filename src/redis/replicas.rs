@@ -5,8 +5,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::pool::{CommandError, Conn};
-use super::watchdog::millis;
+use super::connection::pool::{CommandError, Conn};
+use super::scripts::millis;
 
 /// How many replicas must acknowledge an acquisition, and how long they get.
 #[derive(Debug, Clone, Copy)]

@@ -4,25 +4,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
-
+use super::checks::{ServerChecks, connect_failure};
 use super::{RedisBackendBuilder, Target};
-use crate::backend::OwnerIds;
+use crate::core::telemetry::{self, Namespace};
+use crate::core::wakeups::Wakeups;
+use crate::core::{Core, Parts, Settings};
 use crate::error::BuildError;
-use crate::queue::Queues;
-use crate::redis::checks::{ServerChecks, connect_failure};
-use crate::redis::cluster::ClusterNodes;
-use crate::redis::pool::{Pool, RedisCause};
+use crate::key::validate_namespace;
+use crate::redis::RedisBackend;
+use crate::redis::connection::cluster::ClusterNodes;
+use crate::redis::connection::pool::{Pool, RedisCause};
+use crate::redis::connection::sentinel::{MasterAuth, SentinelGroup};
+use crate::redis::connection::topology::Topology;
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
-use crate::redis::recheck::Recheck;
 use crate::redis::replay::{ReplayConfig, Replays};
-use crate::redis::runtime::Spawner;
+use crate::redis::run_id::ServerIdentity;
 use crate::redis::scripts::Scripts;
-use crate::redis::sentinel::{MasterAuth, SentinelGroup};
-use crate::redis::topology::Topology;
-use crate::redis::watchdog::Watchdog;
-use crate::redis::{Inner, RedisBackend};
-use crate::telemetry::{self, Namespace};
+use crate::redis::store::RedisStore;
 
 impl RedisBackendBuilder {
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
@@ -49,16 +47,24 @@ impl RedisBackendBuilder {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
         let (topology, user) = self.topology().await?;
-        let runtime = Spawner::current();
-        let shutdown = CancellationToken::new();
+        let metrics = Namespace::new(&self.namespace);
+        let parts = Parts::new(
+            Settings {
+                command_timeout: self.command_timeout,
+                max_local_handoffs: self.max_local_handoffs,
+                max_local_handoff_time: self.max_local_handoff_time,
+                max_key_len: self.max_key_len,
+            },
+            metrics.clone(),
+        );
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
-        let recheck = Recheck::default();
+        let server = ServerIdentity::new(parts.recheck.clone());
         let pool = Pool::new(
             topology.clone(),
             self.pool_size,
             self.connect_timeout,
             self.command_timeout,
-            recheck.clone(),
+            server.clone(),
         );
         // The pool bounds the connect by the connect timeout and the reply by the command
         // timeout, so no outer timeout is needed (one would cut a slow connect short).
@@ -101,64 +107,46 @@ impl RedisBackendBuilder {
                 Err(e) => return Err(connect_failure(e, &user)),
             }
         }
-        let metrics = Namespace::new(&self.namespace);
         telemetry::describe_metrics();
         let subscriber = Subscriber::spawn(
-            topology,
+            (topology, Wakeups::new(metrics)),
             SubscriberConfig {
                 connect_timeout: self.connect_timeout,
                 command_timeout: self.command_timeout,
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
-                metrics: metrics.clone(),
             },
             pool.failure_epoch(),
-            recheck.clone(),
-            shutdown.clone(),
-            &runtime,
+            server,
+            parts.shutdown.clone(),
+            &parts.runtime,
         );
-        let watchdog = Watchdog::spawn(
-            pool.clone(),
-            scripts.clone(),
-            self.command_timeout,
-            (recheck, metrics.clone()),
-            shutdown.clone(),
-            &runtime,
-        );
-        let owners = OwnerIds::new();
         // Only a topology that announces takeovers can redo what one lost.
         let replays = matches!(pool.topology(), Topology::Sentinel(_)).then(|| {
             let config = ReplayConfig {
                 pool: pool.clone(),
                 scripts: scripts.clone(),
-                watchdog: watchdog.clone(),
-                instance: owners.instance().to_owned(),
+                watchdog: parts.watchdog.clone(),
+                instance: parts.owners.instance().to_owned(),
                 fence_ttl: self.fence_ttl,
                 command_timeout: self.command_timeout,
             };
-            Replays::spawn(config, shutdown.clone(), &runtime)
+            Replays::spawn(config, parts.shutdown.clone(), &parts.runtime)
         });
+        let store = RedisStore {
+            pool,
+            scripts,
+            subscriber,
+            replays,
+            namespace: self.namespace,
+            max_key_len: self.max_key_len,
+            command_timeout: self.command_timeout,
+            fence_ttl: self.fence_ttl,
+            restart_guard: self.restart_guard.then_some(self.max_lease),
+            sync_replicas: self.sync_replicas,
+        };
         Ok(RedisBackend {
-            inner: Arc::new(Inner {
-                pool,
-                scripts,
-                subscriber,
-                watchdog,
-                replays,
-                queues: Queues::default(),
-                max_local_handoffs: self.max_local_handoffs,
-                max_local_handoff_time: self.max_local_handoff_time,
-                namespace: self.namespace,
-                metrics,
-                max_key_len: self.max_key_len,
-                command_timeout: self.command_timeout,
-                fence_ttl: self.fence_ttl,
-                restart_guard: self.restart_guard.then_some(self.max_lease),
-                sync_replicas: self.sync_replicas,
-                owners,
-                runtime,
-                shutdown,
-            }),
+            inner: Core::new(store, parts),
         })
     }
 }
@@ -258,18 +246,6 @@ impl RedisBackendBuilder {
         }
         Ok(())
     }
-}
-
-fn validate_namespace(namespace: &str) -> Result<(), BuildError> {
-    if namespace.is_empty()
-        || namespace.contains(['{', '}'])
-        || namespace.contains(char::is_control)
-    {
-        return Err(BuildError::Namespace {
-            namespace: namespace.to_owned(),
-        });
-    }
-    Ok(())
 }
 
 /// Refuses a single-server backend pointed at a node of a Redis Cluster, which would

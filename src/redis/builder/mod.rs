@@ -1,12 +1,16 @@
 //! [`RedisBackendBuilder`]: the settings. `build.rs` validates them and connects.
 
 mod build;
+mod checks;
+mod cluster_checks;
 
 use std::time::Duration;
 
+use super::connection::tls::TlsSettings;
 use super::replicas::SyncReplicas;
-use super::tls::TlsSettings;
-use super::{DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS};
+use crate::core::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
+};
 // Named by the docs' links only.
 #[cfg(doc)]
 use super::RedisBackend;

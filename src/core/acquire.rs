@@ -1,4 +1,4 @@
-//! Taking a lock in Redis: the local queue first, then try -> subscribe -> try again ->
+//! Taking a lock in a store: the local queue first, then try -> subscribe -> try again ->
 //! wait for a release message or the holder's lease -> loop.
 
 use std::sync::Arc;
@@ -9,16 +9,17 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
 use super::handoff::Granted;
-use super::keys::LockKey;
-use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
-use crate::backend::{Observe, Store};
+use super::observe::Observe;
+use super::queue::{Claim, Reentry, Slot, Turn};
+use super::store::{Attempt, Attempted, Failure, StoreKey};
+use super::telemetry::Namespace;
+use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
+use crate::backend::Backend;
 use crate::error::LockError;
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
-use crate::queue::{Claim, Reentry, Slot, Turn};
-use crate::telemetry::Namespace;
 
-/// What one run of the acquire script found.
-enum Attempt {
+/// What one attempt found, as the acquisition acts on it.
+enum Outcome {
     Acquired(Taken),
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
@@ -26,7 +27,7 @@ enum Attempt {
     LeftToOthers,
 }
 
-/// A hold the acquire script took.
+/// A hold an attempt took.
 struct Taken {
     token: u64,
     /// Tokens reserved above `token` for a run of this process's holders.
@@ -36,12 +37,12 @@ struct Taken {
     reentry: bool,
 }
 
-impl Store for Inner {
+impl<S: Store> Backend for Core<S> {
     fn acquire(
         self: Arc<Self>,
         request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        let observe = Observe::new(&request, self.max_key_len, &self.metrics);
+        let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
         Box::pin(observe.run(move || self.acquire_traced(request)))
     }
 
@@ -54,19 +55,16 @@ impl Store for Inner {
     }
 
     fn max_key_len(&self) -> usize {
-        self.max_key_len
+        self.settings.max_key_len
     }
 }
 
-impl Inner {
+impl<S: Store> Core<S> {
     async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
-        let key = Arc::new(match request.kind {
-            Kind::Permit(0) => return Err(LockError::ZeroPermits { key: request.key }),
-            Kind::Permit(_) => LockKey::semaphore(&self.namespace, request.key, self.max_key_len)?,
-            Kind::Exclusive | Kind::Shared => {
-                LockKey::new(&self.namespace, request.key, self.max_key_len)?
-            }
-        });
+        if request.kind == Kind::Permit(0) {
+            return Err(LockError::ZeroPermits { key: request.key });
+        }
+        let key = Arc::new(self.store.key(request.key, request.kind)?);
         let owner = match request.owner {
             Some(owner) => owner,
             None => self.new_owner(),
@@ -80,33 +78,30 @@ impl Inner {
         // hold goes with the one it has (re-entries take no slot).
         let reentry = match request.kind {
             Kind::Exclusive => None,
-            Kind::Shared | Kind::Permit(_) => self.queues.reentry(&key.lock, &owner),
+            Kind::Shared | Kind::Permit(_) => self.queues.reentry(key.lock(), &owner),
         };
         let mut c = Contender {
             key,
             store_owner: None,
             claim: Claim {
                 owner,
-                // The restart guard outwaits only leases up to its maximum.
-                lease: self
-                    .restart_guard
-                    .map_or(request.lease, |max| request.lease.min(max)),
+                lease: self.store.lease(request.lease),
                 renew: request.watchdog,
             },
             started,
             deadline,
             kind: request.kind,
             queued_writer: AtomicU8::new(NOT_QUEUED),
-            inner: self.clone(),
+            core: self.clone(),
         };
         // Shared holds and permits admit several holders at once: their tasks do not line up
-        // behind one contender per key, each takes its hold in Redis.
+        // behind one contender per key, each takes its hold in the store.
         if c.kind != Kind::Exclusive {
             c.store_owner = reentry.as_ref().and_then(Reentry::store_owner).cloned();
             return Box::pin(self.contend(&c, None, reentry)).await;
         }
         let wait = deadline.map(|deadline| (deadline, request.max_local_waiters));
-        let (slot, reentry) = match self.queues.turn(&c.key.lock, &c.claim, wait).await {
+        let (slot, reentry) = match self.queues.turn(c.key.lock(), &c.claim, wait).await {
             Turn::Contend(slot) => (Some(slot), None),
             Turn::Reenter(reentry) => {
                 c.store_owner = reentry.store_owner().cloned();
@@ -116,37 +111,36 @@ impl Inner {
             Turn::Busy => return Err(Box::pin(self.busy(&c)).await),
             Turn::Full => {
                 return Err(LockError::QueueFull {
-                    key: c.key.user.clone(),
+                    key: c.key.user().to_owned(),
                 });
             }
             Turn::TimedOut => return Err(c.timed_out(None)),
         };
         // Boxed, so that the many tasks waiting in a queue do not each carry the space of
-        // the Redis round trips that only the one contender makes.
+        // the store's round trips that only the one contender makes.
         Box::pin(self.contend(&c, slot, reentry)).await
     }
 
     /// The answer to a try while another task of this backend has the key: no attempt,
     /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
-    async fn busy(&self, c: &Contender) -> LockError {
-        let mut pttl = redis::cmd("PTTL");
-        pttl.arg(&*c.key.lock);
-        let retry_after = match timeout(self.command_timeout, self.pool.query::<i64>(&pttl)).await {
-            Ok(Ok(ms)) => u64::try_from(ms).ok().map(Duration::from_millis),
-            _ => None,
-        };
+    async fn busy(&self, c: &Contender<S>) -> LockError {
+        let remaining = self.store.remaining(&c.key);
+        let retry_after = timeout(self.settings.command_timeout, remaining)
+            .await
+            .ok()
+            .flatten();
         LockError::Contended {
-            key: c.key.user.clone(),
+            key: c.key.user().to_owned(),
             retry_after,
         }
     }
 
-    /// Takes the lock in Redis: try -> subscribe -> try again -> wait for a release or for
+    /// Takes the lock in the store: try -> subscribe -> try again -> wait for a release or for
     /// the holder's lease -> loop. Holding `slot`, this is the only task of the backend
     /// doing so for the key; the slot goes into the guard.
     async fn contend(
         self: &Arc<Self>,
-        c: &Contender,
+        c: &Contender<S>,
         slot: Option<Slot>,
         reentry: Option<Reentry>,
     ) -> Result<LockGuard, LockError> {
@@ -161,13 +155,13 @@ impl Inner {
         // (see below): the other instances, woken by that release, go first.
         if !slot.as_ref().is_some_and(Slot::yielded) {
             match self.attempt(c, (reserve(), false)).await? {
-                Attempt::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
-                Attempt::Held(p) => pttl = p,
-                Attempt::LeftToOthers => {}
+                Outcome::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
+                Outcome::Held(p) => pttl = p,
+                Outcome::LeftToOthers => {}
             }
         }
         let Some(deadline) = c.deadline else {
-            let key = c.key.user.clone();
+            let key = c.key.user().to_owned();
             return Err(match c.kind {
                 Kind::Permit(permits) => LockError::PermitsTaken {
                     key,
@@ -184,14 +178,14 @@ impl Inner {
         // failed attempt and the subscription would otherwise be missed (Redisson #5761).
         // The waiter starts with a permit when its channel is already subscribed, and gets
         // one when the subscription is confirmed, so the next attempt follows either way.
-        let waiter = self.subscriber.register(&c.key.channel);
+        let waiter = self.store.subscribe(&c.key);
         // The release that ended this process's run woke the other instances: until one of
         // them takes the key, or for at most a run's time (they may have given up), this
         // task does not take the key while anyone else is subscribed to its channel.
         let mut yield_until = slot
             .as_ref()
             .is_some_and(Slot::yielded)
-            .then(|| (Instant::now() + self.max_local_handoff_time).min(deadline));
+            .then(|| (Instant::now() + self.settings.max_local_handoff_time).min(deadline));
         loop {
             let mut nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
             if let Some(until) = yield_until.filter(|until| Instant::now() < *until) {
@@ -203,16 +197,16 @@ impl Inner {
             }
             let yielding = yield_until.is_some_and(|until| Instant::now() < until);
             match self.attempt(c, (reserve(), yielding)).await? {
-                Attempt::Acquired(taken) => {
+                Outcome::Acquired(taken) => {
                     drop(waiter);
                     return Ok(self.taken(c, taken, slot, reentry));
                 }
                 // Another instance took the key: this task's yield is done.
-                Attempt::Held(p) => {
+                Outcome::Held(p) => {
                     pttl = p;
                     yield_until = None;
                 }
-                Attempt::LeftToOthers => pttl = None,
+                Outcome::LeftToOthers => pttl = None,
             }
             if Instant::now() >= deadline {
                 return Err(c.timed_out(pttl));
@@ -223,7 +217,7 @@ impl Inner {
     /// The guard of a hold `c` took.
     fn taken(
         self: &Arc<Self>,
-        c: &Contender,
+        c: &Contender<S>,
         taken: Taken,
         slot: Option<Slot>,
         reentry: Option<Reentry>,
@@ -243,72 +237,69 @@ impl Inner {
             .reentry(taken.reentry)
     }
 
-    /// Runs the acquire script once.
+    /// Makes one attempt.
     /// `reserve`: tokens to reserve for a run in memory; `yielding`: the key is left to
-    /// other instances that wait for it (see acquire.lua).
+    /// other instances that wait for it (see [`Attempt::yielding`]).
     async fn attempt(
         self: &Arc<Self>,
-        c: &Contender,
+        c: &Contender<S>,
         (reserve, yielding): (u64, bool),
-    ) -> Result<Attempt, LockError> {
+    ) -> Result<Outcome, LockError> {
+        let command_timeout = self.settings.command_timeout;
         let budget = match c.deadline {
-            Some(deadline) => self.command_timeout.min(
+            Some(deadline) => command_timeout.min(
                 deadline
                     .saturating_duration_since(Instant::now())
                     .max(MIN_COMMAND_BUDGET),
             ),
-            None => self.command_timeout,
+            None => command_timeout,
+        };
+        let attempt = Attempt {
+            holder: holder(c.kind, c.store_owner()),
+            owner: c.store_owner().clone(),
+            kind: c.kind,
+            lease: c.claim.lease,
+            waits: c
+                .deadline
+                .map(|deadline| deadline.saturating_duration_since(Instant::now())),
+            reserve,
+            yielding,
+            serial: self.owners.serial(),
         };
         let sent_at = Instant::now();
-        let reply = match timeout(budget, AcquireCall::start(self, c, (reserve, yielding))).await {
+        let reply = match timeout(budget, AcquireCall::start(self, c, attempt)).await {
             Ok(reply) => reply,
             Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
         };
-        let unexpected = || LockError::backend("acquire", UnexpectedReply("acquire"));
         match reply {
-            Ok(reply) => match reply.as_slice() {
-                [1, token, count] => u64::try_from(*token)
-                    .map(|token| {
-                        // The script took the writer out of the waiting ones.
-                        c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-                        Attempt::Acquired(Taken {
-                            token,
-                            // A re-entry keeps the token and reserves nothing.
-                            reserved: if *count > 1 {
-                                token
-                            } else {
-                                token.saturating_add(reserve)
-                            },
-                            sent_at,
-                            reentry: *count > 1,
-                        })
-                    })
-                    .map_err(|_| unexpected()),
-                [0, pttl] => Ok(Attempt::Held(
-                    u64::try_from(*pttl).ok().map(Duration::from_millis),
-                )),
+            Ok(Attempted::Acquired { token, count }) => {
+                // The store took the writer out of the waiting ones.
+                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
+                Ok(Outcome::Acquired(Taken {
+                    token,
+                    // A re-entry keeps the token and reserves nothing.
+                    reserved: if count > 1 {
+                        token
+                    } else {
+                        token.saturating_add(reserve)
+                    },
+                    sent_at,
+                    reentry: count > 1,
+                }))
+            }
+            Ok(Attempted::Held { left, queued }) => {
                 // Kept out by shared holders, and now queued ahead of new ones.
-                [0, pttl, 1] => {
+                if queued {
                     c.queued_writer.store(QUEUED, Ordering::Relaxed);
-                    Ok(Attempt::Held(
-                        u64::try_from(*pttl).ok().map(Duration::from_millis),
-                    ))
                 }
-                [5] => Ok(Attempt::LeftToOthers),
-                [4] => Err(LockError::UpgradeRefused {
-                    key: c.key.user.clone(),
-                }),
-                // The restart guard: treated as held by a holder from before the restart
-                // (waiters wait it out, a try gets `Contended` with the time left).
-                [2, wait] => {
-                    tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions");
-                    let wait = u64::try_from(*wait).map_err(|_| unexpected())?;
-                    Ok(Attempt::Held(Some(Duration::from_millis(wait))))
-                }
-                _ => Err(unexpected()),
-            },
-            Err(e) if e.is_wrong_type() => Err(LockError::NotALock {
-                key: c.key.user.clone(),
+                Ok(Outcome::Held(left))
+            }
+            Ok(Attempted::LeftToOthers) => Ok(Outcome::LeftToOthers),
+            Ok(Attempted::UpgradeRefused) => Err(LockError::UpgradeRefused {
+                key: c.key.user().to_owned(),
+            }),
+            Err(e) if e.is_foreign() => Err(LockError::NotALock {
+                key: c.key.user().to_owned(),
             }),
             Err(e) => Err(LockError::backend("acquire", e)),
         }
@@ -316,20 +307,20 @@ impl Inner {
 }
 
 /// One acquisition in progress.
-pub(super) struct Contender {
-    pub(super) key: Arc<LockKey>,
-    /// The owner Redis knows the key's hold under, when this is a re-entry by a holder that
+pub(super) struct Contender<S: Store> {
+    pub(super) key: Arc<S::Key>,
+    /// The owner the store knows the key's hold under, when this is a re-entry by a holder that
     /// got the lock in memory from an earlier task of this process; else the claim's.
     pub(super) store_owner: Option<LockOwner>,
     pub(super) claim: Claim,
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
     pub(super) kind: Kind,
-    /// Whether this exclusive acquisition is registered as a waiting writer (acquire.lua
+    /// Whether this exclusive acquisition is registered as a waiting writer (a store
     /// registers one that shared holders keep out; until it gets the lock, new shared
     /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
     pub(super) queued_writer: AtomicU8,
-    inner: Arc<Inner>,
+    core: Arc<Core<S>>,
 }
 
 pub(super) const NOT_QUEUED: u8 = 0;
@@ -339,7 +330,7 @@ pub(super) const MAYBE_QUEUED: u8 = 1;
 /// An attempt's reply said it registered.
 pub(super) const QUEUED: u8 = 2;
 
-impl Drop for Contender {
+impl<S: Store> Drop for Contender<S> {
     /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
     /// in again at once, rather than when its registration runs out with its wait, and
     /// wakes those known to wait for it (when it may only have registered, its withdrawal
@@ -350,41 +341,24 @@ impl Drop for Contender {
         if queued == NOT_QUEUED {
             return;
         }
-        let inner = self.inner.clone();
-        let (writers, channel) = (self.key.writers(), self.key.channel.clone());
         let owner = self.store_owner().clone();
-        self.inner.runtime.spawn(async move {
-            let mut leave = redis::cmd("ZREM");
-            leave.arg(&writers).arg(owner.as_str());
-            let publish = if inner.scripts.sharded {
-                "SPUBLISH"
-            } else {
-                "PUBLISH"
-            };
-            let mut wake = redis::cmd(publish);
-            wake.arg(&channel).arg("released");
-            let wake = (queued == QUEUED).then_some(wake);
-            for cmd in std::iter::once(leave).chain(wake) {
-                let sent = timeout(inner.command_timeout, inner.pool.query::<i64>(&cmd)).await;
-                if !matches!(sent, Ok(Ok(_))) {
-                    // Its registration runs out with the wait it was made for.
-                    tracing::debug!(key = %writers, "could not withdraw a waiting writer");
-                    return;
-                }
-            }
-        });
+        let withdraw = self
+            .core
+            .store
+            .withdraw_writer(&self.key, owner, queued == QUEUED);
+        self.core.runtime.spawn(withdraw);
     }
 }
 
-impl Contender {
-    /// The owner the scripts act for (see [`store_owner`](Self::store_owner)).
+impl<S: Store> Contender<S> {
+    /// The owner the store's calls act for (see [`store_owner`](Self::store_owner)).
     pub(super) fn store_owner(&self) -> &LockOwner {
         self.store_owner.as_ref().unwrap_or(&self.claim.owner)
     }
 
     fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
         LockError::TimedOut {
-            key: self.key.user.clone(),
+            key: self.key.user().to_owned(),
             waited: self.started.elapsed(),
             retry_after,
         }

@@ -1,17 +1,18 @@
-//! Lease renewal for held locks: one task per backend, batched script calls (`batch.rs`;
-//! one per hash slot on a cluster), each handled as it ends while the task goes on.
+//! Lease renewal for held locks: one task per backend, batched store calls (`batch.rs`;
+//! split as the store asks, e.g. one per hash slot on a Redis Cluster), each handled as it
+//! ends while the task goes on.
 //!
 //! Every held lock is renewed every lease/3. A failed call is retried soon after and the
-//! lock is kept; it is declared lost only when Redis answers that the owner no longer
+//! lock is kept; it is declared lost only when the store answers that the holder no longer
 //! holds it, or when the lease has certainly run out since the last confirmed renewal
-//! (Redis unreachable for a whole lease). Releasing deregisters the hold before the release
-//! script is sent, so renewal can never outlive an unlock.
+//! (the store unreachable for a whole lease). Releasing deregisters the hold before the release
+//! call is sent, so renewal can never outlive an unlock.
 //!
-//! When Redis may have lost data (see `recheck.rs`), every held lock is renewed at once,
+//! When the store may have lost data (see `recheck.rs`), every held lock is renewed at once,
 //! and every hold without renewal checked, so a lock that is gone is found lost then.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -21,17 +22,16 @@ use tokio_util::sync::CancellationToken;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 
-use super::cluster;
-use super::pool::Pool;
+use super::Store;
 use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
-use super::scripts::Scripts;
-use crate::lock::{LockOwner, MAX_DURATION};
-use crate::telemetry::Namespace;
+use super::telemetry::Namespace;
+use crate::lock::LockOwner;
 
 mod batch;
 
-use batch::{Due, renew_batch};
+pub(crate) use batch::Due;
+use batch::renew_batch;
 
 /// Leases due within this window of the earliest are renewed in the same call.
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
@@ -40,12 +40,13 @@ const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// this is about twice that, for the handler to stop in time on a busy machine).
 const STOP_MARGIN: u32 = 50;
 const MIN_STOP_MARGIN: Duration = Duration::from_millis(4);
-/// Upper bound on the keys renewed by one script call.
+/// Upper bound on the holds renewed by one store call.
 const MAX_BATCH: usize = 512;
 /// Renewal calls in flight at once (of different hash slots, on a cluster).
 const CALLS_IN_FLIGHT: usize = 32;
 
-type HoldKey = (Arc<str>, LockOwner);
+/// A watched hold: the lock's name in the store and the holder's identity.
+pub(crate) type HoldKey = (Arc<str>, LockOwner);
 
 /// Run once when a watched lock is found lost (not when it is released).
 pub(crate) type OnLost = Box<dyn FnOnce() + Send>;
@@ -61,11 +62,11 @@ struct WatchedLock {
     /// Holds that asked for renewal; with none left the lease is only watched.
     renewing: usize,
     next: Instant,
-    /// A hold without renewal to be checked at `next` (Redis may have lost it).
+    /// A hold without renewal to be checked at `next` (the store may have lost it).
     recheck: bool,
     /// A renewal call for this hold is queued or in flight: none is added until it ends.
     in_flight: bool,
-    /// When the last acquisition or renewal that Redis confirmed was sent: the lease runs
+    /// When the last acquisition or renewal that the store confirmed was sent: the lease runs
     /// until at least this instant plus `lease`.
     confirmed: Instant,
     lost: CancellationToken,
@@ -75,7 +76,7 @@ struct WatchedLock {
 impl WatchedLock {
     /// When the watchdog must look at this hold next: when it is due, or when its lease
     /// certainly ends if that is sooner. A retry after a failed renewal is due up to
-    /// lease/10 later (partitioned from Redis, every renewal fails at once): waking only
+    /// lease/10 later (partitioned from the store, every renewal fails at once): waking only
     /// then stopped the handler up to that long after the lease ran out on the server,
     /// while another instance already held the lock (`tests/jepsen.rs`).
     fn wake(&self) -> Instant {
@@ -111,7 +112,7 @@ fn run_hooks(hooks: Vec<OnLost>) {
 struct State {
     holds: HashMap<HoldKey, WatchedLock>,
     generations: u64,
-    /// How many times every hold was made due because Redis may have lost data.
+    /// How many times every hold was made due because the store may have lost data.
     rechecks: u64,
     /// When the task looks at the holds next (`None`: when told). A new hold due later
     /// needs no wakeup, which spares a hot key one task switch per acquisition.
@@ -135,37 +136,39 @@ impl Shared {
 #[derive(Clone)]
 pub(crate) struct Watchdog {
     shared: Arc<Shared>,
-    task: Arc<Daemon>,
+    task: Arc<OnceLock<Daemon>>,
 }
 
 impl Watchdog {
-    pub(crate) fn spawn(
-        pool: Pool,
-        scripts: Arc<Scripts>,
+    /// A watchdog that watches nothing yet; [`start`](Self::start) runs its task.
+    pub(crate) fn new(metrics: Namespace) -> Self {
+        Watchdog {
+            shared: Arc::new(Shared {
+                state: Mutex::default(),
+                changed: Notify::new(),
+                metrics,
+            }),
+            task: Arc::default(),
+        }
+    }
+
+    /// Starts the task that renews through `store`, until `shutdown`.
+    pub(crate) fn start<S: Store>(
+        &self,
+        store: Arc<S>,
         command_timeout: Duration,
-        (recheck, metrics): (Recheck, Namespace),
+        recheck: Recheck,
         shutdown: CancellationToken,
         spawner: &Spawner,
-    ) -> Self {
-        let shared = Arc::new(Shared {
-            state: Mutex::default(),
-            changed: Notify::new(),
-            metrics,
-        });
-        let renewing = shared.clone();
+    ) {
+        let renewing = self.shared.clone();
         let start = move |shutdown| {
-            let (pool, scripts, recheck) = (pool.clone(), scripts.clone(), recheck.clone());
-            renew_until_shutdown(
-                renewing.clone(),
-                pool,
-                scripts,
-                recheck,
-                command_timeout,
-                shutdown,
-            )
+            let (store, recheck) = (store.clone(), recheck.clone());
+            renew_until_shutdown(renewing.clone(), store, recheck, command_timeout, shutdown)
         };
-        let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
-        Watchdog { shared, task }
+        let _ = self
+            .task
+            .get_or_init(|| Daemon::spawn(start, spawner, shutdown));
     }
 
     /// Starts watching a hold whose acquisition was sent at `sent_at`, and returns the token
@@ -184,7 +187,9 @@ impl Watchdog {
         on_lost: Option<OnLost>,
     ) -> (CancellationToken, u64) {
         // A hold taken from another runtime than the one the watchdog ran on.
-        self.task.ensure_running();
+        if let Some(task) = self.task.get() {
+            task.ensure_running();
+        }
         let mut state = self.shared.state();
         state.generations += 1;
         let generation = state.generations;
@@ -205,7 +210,7 @@ impl Watchdog {
             });
         entry.refs += 1;
         entry.on_lost.extend(on_lost);
-        // The scripts never shorten a lock's TTL, so the longest lease asked for rules.
+        // A store never shortens a lease, so the longest lease asked for rules.
         if lease > entry.lease {
             entry.lease = lease;
         }
@@ -254,7 +259,7 @@ impl Watchdog {
         }
     }
 
-    /// When the last acquisition or renewal of the hold of `generation` that Redis
+    /// When the last acquisition or renewal of the hold of `generation` that the store
     /// confirmed was sent; `None` once the hold is lost or no longer watched.
     pub(crate) fn confirmed(
         &self,
@@ -281,10 +286,9 @@ impl Watchdog {
     }
 }
 
-async fn renew_until_shutdown(
+async fn renew_until_shutdown<S: Store>(
     shared: Arc<Shared>,
-    pool: Pool,
-    scripts: Arc<Scripts>,
+    store: Arc<S>,
     recheck: Recheck,
     command_timeout: Duration,
     shutdown: CancellationToken,
@@ -299,13 +303,7 @@ async fn renew_until_shutdown(
             let Some(batch) = queued.pop_front() else {
                 break;
             };
-            calls.push(renew_batch(
-                &shared,
-                &pool,
-                &scripts,
-                command_timeout,
-                batch,
-            ));
+            calls.push(renew_batch(&shared, &*store, command_timeout, batch));
         }
         let next = {
             let mut state = shared.state();
@@ -327,14 +325,8 @@ async fn renew_until_shutdown(
         let now = Instant::now();
         let (due, hooks) = collect_due(&shared, now);
         run_hooks(hooks);
-        // A script's keys must share a hash slot on a cluster (CROSSSLOT otherwise): one
-        // call per slot there.
-        let batches = if scripts.sharded {
-            cluster::by_slot(due, |d| &d.key.0)
-        } else {
-            vec![due]
-        };
-        for mut batch in batches {
+        // The store may need several calls (a Redis Cluster: one per hash slot).
+        for mut batch in store.renewal_calls(due) {
             while batch.len() > MAX_BATCH {
                 let rest = batch.split_off(MAX_BATCH);
                 queued.push_back(batch);
@@ -404,12 +396,4 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
 pub(crate) fn handoff_window(lease: Duration) -> Duration {
     let margin = (lease / STOP_MARGIN).max(MIN_STOP_MARGIN);
     (lease / 2).saturating_sub(margin)
-}
-
-/// `d` as the milliseconds of a `PEXPIRE` or `SET .. PX`: at least 1 (Redis refuses 0)
-/// and at most [`MAX_DURATION`], since Redis refuses a deadline past its 64-bit clock
-/// ("value is not an integer or out of range", once on every acquisition).
-pub(crate) fn millis(d: Duration) -> u64 {
-    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
-    u64::try_from(ms).unwrap_or(u64::MAX)
 }

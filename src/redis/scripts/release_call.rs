@@ -4,36 +4,35 @@ use std::time::Duration;
 
 use redis::ScriptInvocation;
 
-use super::keys::LockKey;
-use super::scripts::Scripts;
-use super::watchdog::millis;
+use super::{Scripts, millis};
+use crate::core::queue::Claim;
 use crate::lock::{Kind, LockOwner};
-use crate::queue::Claim;
+use crate::redis::keys::LockKey;
 
 /// One call of the release script (see release.lua for what each argument does).
-pub(super) struct ReleaseCall<'a> {
-    pub(super) key: &'a LockKey,
+pub(crate) struct ReleaseCall<'a> {
+    pub(crate) key: &'a LockKey,
     /// The hash field the hold is kept under (see [`holder`]).
-    pub(super) owner: &'a LockOwner,
+    pub(crate) owner: &'a LockOwner,
     /// Which script releases it: release.lua, or for a shared hold or a permit
     /// shared_release.lua or permit_release.lua (these take no successor).
-    pub(super) kind: Kind,
-    pub(super) release_id: &'a str,
-    pub(super) lease: Duration,
-    pub(super) successor: Option<&'a Claim>,
-    pub(super) streak_spent: bool,
-    pub(super) may_have_run: bool,
+    pub(crate) kind: Kind,
+    pub(crate) release_id: &'a str,
+    pub(crate) lease: Duration,
+    pub(crate) successor: Option<&'a Claim>,
+    pub(crate) streak_spent: bool,
+    pub(crate) may_have_run: bool,
     /// Only acts on the hold of this fencing token (a replay after a failover).
-    pub(super) token: Option<u64>,
+    pub(crate) token: Option<u64>,
     /// The last fencing token issued in memory under this hold, when later holders of this
     /// process got it that way: the lock's next token must exceed it.
-    pub(super) issued: Option<u64>,
+    pub(crate) issued: Option<u64>,
     /// Tokens to reserve above the successor's own, for the run it starts.
-    pub(super) reserve: u64,
+    pub(crate) reserve: u64,
 }
 
 impl ReleaseCall<'_> {
-    pub(super) fn invocation<'s>(
+    pub(crate) fn invocation<'s>(
         self,
         scripts: &'s Scripts,
         fence_ttl: Duration,

@@ -5,8 +5,8 @@
 //! task holding the key's [`Slot`] talks to the store: it tries, waits if it must, and
 //! then holds the lock. When its hold is released the slot passes to the next task in
 //! line, either bare (the task then contends in the store) or together with the lock
-//! itself when the store handed it over in the same step (the Redis backend's release
-//! script can). So a hot key costs one contender per process instead of one per task,
+//! itself when the store handed it over in the same step (a store's release may). So a
+//! hot key costs one contender per process instead of one per task,
 //! and no herd of local waiters races for it after every release.
 //!
 //! A key has an entry in the registry exactly while its slot is taken: the last task to

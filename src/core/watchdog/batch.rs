@@ -1,45 +1,36 @@
-//! One renewal call: a batch of held locks of one hash slot, renewed (or checked) by one
-//! run of renew.lua, and what its reply means for each of them.
+//! One renewal call: a batch of held locks renewed (or checked) by one store call, and
+//! what its reply means for each of them.
 
 use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
-use super::{HoldKey, OnLost, Pool, Scripts, Shared, millis, run_hooks};
+use super::{HoldKey, OnLost, Shared, Store, run_hooks};
 
 /// A hold due for renewal (or a check), as collected for one call.
 #[derive(Clone)]
-pub(super) struct Due {
-    pub(super) key: HoldKey,
+pub(crate) struct Due {
+    /// The lock's name in the store and the holder's identity.
+    pub(crate) key: HoldKey,
     pub(super) generation: u64,
-    pub(super) lease: Duration,
+    pub(crate) lease: Duration,
     /// False: only check that the lock is still held (a hold without renewal).
-    pub(super) renew: bool,
+    pub(crate) renew: bool,
     /// The state's recheck count when the hold was collected: a recheck raised while the
-    /// call was in flight (Redis may have lost data since) asks for another call.
+    /// call was in flight (the store may have lost data since) asks for another call.
     pub(super) rechecks: u64,
 }
 
 /// Sends one renewal call and applies its reply. The holds of `batch` are marked in
 /// flight (see `collect_due`) until this returns, which it does within `command_timeout`.
-pub(super) async fn renew_batch(
+pub(super) async fn renew_batch<S: Store>(
     shared: &Shared,
-    pool: &Pool,
-    scripts: &Scripts,
+    store: &S,
     command_timeout: Duration,
     batch: Vec<Due>,
 ) {
-    let mut invocation = scripts.renew.prepare_invoke();
-    for due in &batch {
-        // A lease of 0 only checks (see renew.lua).
-        let lease = if due.renew { millis(due.lease) } else { 0 };
-        invocation
-            .key(&*due.key.0)
-            .arg(due.key.1.as_str())
-            .arg(lease);
-    }
     let sent_at = Instant::now();
-    let result = timeout(command_timeout, pool.invoke::<Vec<i64>>(&invocation)).await;
+    let result = timeout(command_timeout, store.renew(&batch)).await;
     let failed = !matches!(&result, Ok(Ok(renewed)) if renewed.len() == batch.len());
     let mut state = shared.state();
     let rechecks = state.rechecks;
@@ -57,13 +48,13 @@ pub(super) async fn renew_batch(
                 entry.in_flight = false;
                 // Rechecked since the call was sent: `next` stays due now, `recheck` set.
                 let settled = due.rechecks == rechecks;
-                if still_held == 1 && due.renew {
+                if still_held && due.renew {
                     entry.confirmed = sent_at;
                     if settled {
                         entry.recheck = false;
                         entry.next = sent_at + entry.lease / 3;
                     }
-                } else if still_held == 1 {
+                } else if still_held {
                     // Checked, not extended: the lease still ends where it did.
                     if settled {
                         entry.recheck = false;

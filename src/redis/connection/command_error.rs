@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use redis::RedisError;
 
-use super::replicas::Unreplicated;
+use crate::redis::UnexpectedReply;
+use crate::redis::replicas::Unreplicated;
 
 /// Why a command did not complete.
 #[derive(Debug)]
@@ -15,10 +16,10 @@ pub(crate) enum CommandError {
     Connect(ConnectError),
     /// Redis answered with an error, or the transport failed after sending.
     Redis(RedisError),
-    /// The runtime is shutting down and the command's task was dropped.
-    Shutdown,
     /// An acquisition too few replicas acknowledged in time (and that was given back).
     Unreplicated(Unreplicated),
+    /// A script answered with something it never returns.
+    Unexpected(UnexpectedReply),
 }
 
 /// Why no connection could be had.
@@ -60,8 +61,7 @@ impl CommandError {
         match self {
             CommandError::Connect(_) => false,
             CommandError::Redis(e) => is_transport(e),
-            CommandError::Shutdown => true,
-            CommandError::Unreplicated(_) => false,
+            CommandError::Unreplicated(_) | CommandError::Unexpected(_) => false,
         }
     }
 }
@@ -76,9 +76,9 @@ impl fmt::Display for CommandError {
                 "timed out waiting for a Redis connection"
             }
             CommandError::Redis(_) => "Redis command failed",
-            CommandError::Shutdown => "the runtime is shutting down",
             // Transparent: it says all there is, and has no cause of its own.
             CommandError::Unreplicated(e) => return e.fmt(f),
+            CommandError::Unexpected(e) => return e.fmt(f),
         };
         f.write_str(what)
     }
@@ -91,8 +91,8 @@ impl std::error::Error for CommandError {
             | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(cause(e)),
             CommandError::Redis(e) => Some(cause(e)),
             CommandError::Connect(ConnectError::TimedOut(None))
-            | CommandError::Shutdown
-            | CommandError::Unreplicated(_) => None,
+            | CommandError::Unreplicated(_)
+            | CommandError::Unexpected(_) => None,
         }
     }
 }
@@ -105,8 +105,8 @@ impl CommandError {
             | CommandError::Connect(ConnectError::TimedOut(Some(e))) => Some(e),
             CommandError::Redis(e) => Some(e),
             CommandError::Connect(ConnectError::TimedOut(None))
-            | CommandError::Shutdown
-            | CommandError::Unreplicated(_) => None,
+            | CommandError::Unreplicated(_)
+            | CommandError::Unexpected(_) => None,
         }
     }
 

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pool::FailureEpoch;
 use super::sentinel::SentinelGroup;
+use crate::core::store::Takeovers;
 
 use super::cluster::{self, ClusterNodes};
 
@@ -77,6 +78,14 @@ impl Topology {
         match self {
             Topology::Server(_) | Topology::Cluster(_) => TopologyChanges(None),
             Topology::Sentinel(group) => TopologyChanges(Some(group.promotions())),
+        }
+    }
+
+    /// The takeovers [`changes`](Self::changes) announces, as the core follows them.
+    pub(crate) fn takeovers(&self) -> Takeovers {
+        match self {
+            Topology::Server(_) | Topology::Cluster(_) => Takeovers::none(),
+            Topology::Sentinel(group) => Takeovers::from(group.promotions()),
         }
     }
 

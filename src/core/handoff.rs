@@ -1,51 +1,52 @@
-//! Handoffs in memory: a run of this process's holders taking turns under one hold in
-//! Redis, with no Redis call between them.
+//! Handoffs in memory: a run of this process's holders taking turns under one hold in the
+//! store, with no store call between them.
 //!
 //! When a holder releases a key that another task of the backend waits for, and the hold
 //! is confirmed (its last acquisition or renewal was acknowledged less than half a lease
-//! ago, less a margin for clock drift), the hold passes to that task as it is: Redis goes
-//! on knowing it under the first holder's owner, the watchdog goes on renewing it, and
-//! the new holder gets its own owner (re-entries are per request: see `Reentry`) and the
-//! next fencing token of the block that Redis reserved when it granted the hold (the
-//! fencing counter was set above it, so a later holder elsewhere gets a higher token).
-//! All holders of the run share the hold's `lost` signal: when the watchdog finds it lost,
-//! the current holder sees it and the queue moves on to Redis.
+//! ago, less a margin for clock drift), the hold passes to that task as it is: the store
+//! goes on knowing it under the first holder's identity, the watchdog goes on renewing it,
+//! and the new holder gets its own owner (re-entries are per request: see `Reentry`) and
+//! the next fencing token of the block that the store reserved when it granted the hold
+//! (its counter was set above it, so a later holder elsewhere gets a higher token). All
+//! holders of the run share the hold's `lost` signal: when the watchdog finds it lost, the
+//! current holder sees it and the queue moves on to the store.
 //!
 //! A run ends after `max_local_handoffs` handoffs or `max_local_handoff_time`, when its
 //! block of tokens is used up, or when the hold is not confirmed: the release then goes to
-//! Redis, which frees the key if other instances wait for it, else hands it to the next
-//! task under a new hold (release.lua).
+//! the store, which frees the key if other instances wait for it, else hands it to the
+//! next task under a new hold.
 
 use tokio::time::Instant;
 
-use super::Inner;
-use super::hold::WatchedHold;
+use super::Store;
+use super::release::WatchedHold;
+use super::store::StoreKey;
 use super::watchdog::handoff_window;
 use crate::lock::{HeldLock, Kind, LockGuard};
 
-/// What Redis confirmed of a hold it granted.
+/// What the store confirmed of a hold it granted.
 #[derive(Clone, Copy)]
-pub(super) struct Granted {
+pub(crate) struct Granted {
     pub(super) token: u64,
     /// The highest fencing token reserved for the hold (the counter was set there): tokens
-    /// up to it may be issued to later holders in this process without asking Redis.
+    /// up to it may be issued to later holders in this process without asking the store.
     pub(super) reserved: u64,
     /// When the acquisition or handoff that granted it was sent.
     pub(super) sent_at: Instant,
     /// The run of this process's holders it goes on with (its start and handoffs so far),
-    /// when a handoff through Redis granted it before the run's quantum was spent.
+    /// when a handoff through the store granted it before the run's quantum was spent.
     pub(super) continues: Option<(Instant, u32)>,
 }
 
-/// The holders of this process taking turns under one hold in Redis: the first took it
+/// The holders of this process taking turns under one hold in the store: the first took it
 /// there, the others got it in memory (see [`WatchedHold::hand_over_in_memory`]).
 #[derive(Clone, Copy)]
 pub(super) struct Run {
-    /// When the hold in Redis was granted (its call sent): the run's time counts from here.
+    /// When the hold in the store was granted (its call sent): the run's time counts from here.
     pub(super) started: Instant,
     /// Handoffs in memory so far.
     pub(super) handoffs: u32,
-    /// The last fencing token issued, and the highest one Redis reserved for the run.
+    /// The last fencing token issued, and the highest one the store reserved for the run.
     pub(super) last: u64,
     pub(super) reserved: u64,
 }
@@ -62,14 +63,7 @@ impl Run {
     }
 }
 
-impl Inner {
-    /// Tokens reserved above a hold's own for a run of holders in memory.
-    pub(super) fn reserve(&self) -> u64 {
-        u64::from(self.max_local_handoffs)
-    }
-}
-
-impl WatchedHold {
+impl<S: Store> WatchedHold<S> {
     /// Passes the hold to the next task of this backend queued for the key, in memory,
     /// if the run may go on (see the module's doc); else gives it back.
     pub(super) fn hand_over_in_memory(mut self: Box<Self>) -> Result<(), Box<Self>> {
@@ -84,15 +78,15 @@ impl WatchedHold {
         {
             return Err(self);
         }
-        let confirmed = hold
-            .inner
-            .watchdog
-            .confirmed(&hold.key.lock, &hold.owner, self.generation);
+        let confirmed =
+            hold.core
+                .watchdog
+                .confirmed(hold.key.lock(), &hold.holder, self.generation);
         if confirmed.is_none_or(|at| Instant::now() >= at + handoff_window(hold.lease)) {
             return Err(self);
         }
         // The successor must hold as this hold was taken (lease and renewal), which the
-        // watchdog's entry stands for; another one gets the lock through Redis (the slot
+        // watchdog's entry stands for; another one gets the lock through the store (the slot
         // stays with this hold, and the successor reserved for that release).
         let fits = hold
             .reserve_successor()
@@ -104,7 +98,7 @@ impl WatchedHold {
             return Err(self);
         };
         let token = hold.run.last + 1;
-        let (successor, slot) = match slot.hand_over_in_memory(&hold.owner, token) {
+        let (successor, slot) = match slot.hand_over_in_memory(&hold.holder, token) {
             Ok(handed) => handed,
             Err(slot) => {
                 hold.slot = Some(slot);
@@ -115,7 +109,7 @@ impl WatchedHold {
         hold.run.handoffs += 1;
         hold.run.last = token;
         let held = HeldLock::new(
-            hold.key.user.clone(),
+            hold.key.user().to_owned(),
             successor.claim.owner.clone(),
             token,
             self.lost.clone(),

@@ -28,10 +28,10 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::timeout;
 
 use super::checks::{ServerChecks, connect_failure};
-use super::cluster::ClusterNodes;
-use super::keys::LockKey;
-use super::pool::CommandError;
 use crate::error::BuildError;
+use crate::redis::connection::cluster::ClusterNodes;
+use crate::redis::connection::pool::CommandError;
+use crate::redis::keys::LockKey;
 
 /// How many candidate probe keys are tried for a primary that owns few slots: a primary
 /// with a single slot is hit once in 16384 keys on average.

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use tokio::time::timeout;
 
-use super::keys::LockKey;
-use super::pool::{CommandError, Pool};
-use super::scripts::Scripts;
-use super::tls::handshake_failure;
-use super::topology::Topology;
 use crate::error::BuildError;
+use crate::redis::connection::pool::{CommandError, Pool};
+use crate::redis::connection::tls::handshake_failure;
+use crate::redis::connection::topology::Topology;
+use crate::redis::keys::LockKey;
+use crate::redis::scripts::Scripts;
 
 /// How long the probe lock and its fencing counter live if deleting them fails.
 const PROBE_TTL_MS: u64 = 10_000;

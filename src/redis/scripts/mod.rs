@@ -6,7 +6,13 @@
 //! shorten it; `token.lua`: the next fencing token; `guard.lua`: the restart guard;
 //! `holders.lua`: holders with a lease of their own) are prepended at compile time.
 
+pub(crate) mod release_call;
+
+use std::time::Duration;
+
 use redis::Script;
+
+use crate::lock::MAX_DURATION;
 
 /// The scripts of the lock protocol and the fenced store; see the header of each `.lua` file.
 pub(crate) struct Scripts {
@@ -64,4 +70,12 @@ impl Scripts {
             &self.permit_release,
         ]
     }
+}
+
+/// `d` as the milliseconds of a `PEXPIRE` or `SET .. PX`: at least 1 (Redis refuses 0)
+/// and at most [`MAX_DURATION`], since Redis refuses a deadline past its 64-bit clock
+/// ("value is not an integer or out of range", once on every acquisition).
+pub(crate) fn millis(d: Duration) -> u64 {
+    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
+    u64::try_from(ms).unwrap_or(u64::MAX)
 }

@@ -6,7 +6,7 @@
 //! the channel's slot): only shards that own a channel with waiters carry subscriptions,
 //! and a release is not broadcast to every node (Redisson #3349).
 //!
-//! The registry and the waiters are those of `pubsub.rs`; only serving differs. Sharded
+//! The registry and the waiters are the core's (`core/wakeups.rs`); only serving differs. Sharded
 //! subscriptions move: a failover or a reshard ends them on the old node (the connection
 //! drops, or the server sends `sunsubscribe`). Messages may have been missed then, so every
 //! waiter tries again, and the channels are subscribed anew on their current owners; a
@@ -26,23 +26,24 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::cluster::{self, ClusterNodes};
-use super::pool::FailureEpoch;
-use super::pubsub::{Disconnected, Shared, SubscriberConfig};
-use super::recheck::Recheck;
+use super::SubscriberConfig;
+use crate::core::wakeups::{Disconnected, Wakeups};
+use crate::redis::connection::cluster::{self, ClusterNodes};
+use crate::redis::connection::pool::FailureEpoch;
+use crate::redis::run_id::ServerIdentity;
 
 const INITIAL_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Connects, serves, and reconnects with capped exponential backoff until shut down.
 pub(super) async fn serve_until_shutdown(
-    shared: Arc<Shared>,
+    wakeups: Wakeups,
     nodes: Arc<ClusterNodes>,
     config: SubscriberConfig,
-    (failure_epoch, recheck): (FailureEpoch, Recheck),
+    (failure_epoch, server): (FailureEpoch, ServerIdentity),
     shutdown: CancellationToken,
 ) {
     // However the task ends, even dropped with its runtime, every waiter tries again.
-    let _disconnected = Disconnected(&shared);
+    let _disconnected = Disconnected(&wakeups);
     let mut backoff = INITIAL_BACKOFF;
     let mut refusal_logged = false;
     while !shutdown.is_cancelled() {
@@ -54,15 +55,14 @@ pub(super) async fn serve_until_shutdown(
         match connected {
             Ok(Ok(conn)) => {
                 backoff = INITIAL_BACKOFF;
-                shared.connection_made();
-                shared.registry().connected = true;
+                wakeups.connected();
                 tracing::debug!("lock subscriber connected to the cluster");
                 // A node may have restarted or failed over while the subscriber was away.
-                recheck.raise("the subscriber connection was (re)opened");
-                let signs = (&failure_epoch, &recheck);
+                server.recheck("the subscriber connection was (re)opened");
+                let signs = (&failure_epoch, &server);
                 let session = (&shutdown, &mut refusal_logged);
-                let ended = serve(&shared, conn, received, &config, signs, session).await;
-                shared.disconnected();
+                let ended = serve(&wakeups, conn, received, &config, signs, session).await;
+                wakeups.disconnected();
                 match ended {
                     Ok(()) => return,
                     Err(reason) => {
@@ -97,11 +97,11 @@ struct Deferred {
 /// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
 /// `refusal_logged` says whether the refusal of the current run of NOPERMs was logged.
 async fn serve(
-    shared: &Shared,
+    wakeups: &Wakeups,
     mut conn: ClusterConnection,
     mut pushes: UnboundedReceiver<PushInfo>,
     config: &SubscriberConfig,
-    (failure_epoch, recheck): (&FailureEpoch, &Recheck),
+    (failure_epoch, server): (&FailureEpoch, &ServerIdentity),
     (shutdown, refusal_logged): (&CancellationToken, &mut bool),
 ) -> Result<(), String> {
     let mut ping = tokio::time::interval(config.ping_interval);
@@ -117,7 +117,7 @@ async fn serve(
             deferred.channels.clear();
             deferred.until = None;
         }
-        let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
+        let failed = reconcile(wakeups, &conn, config.command_timeout, &deferred.channels).await;
         match &failed.refusal {
             Some(error) if !*refusal_logged => {
                 *refusal_logged = true;
@@ -144,9 +144,9 @@ async fn serve(
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            _ = shared.dirty.notified() => {}
+            _ = wakeups.changed() => {}
             push = pushes.recv() => {
-                on_push(shared, push.ok_or("connection closed")?, failure_epoch, recheck);
+                on_push(wakeups, push.ok_or("connection closed")?, failure_epoch, server);
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping
@@ -168,7 +168,12 @@ async fn serve(
 /// Acts on what the cluster pushed: a release wakes its channel's waiters; a lost node or a
 /// subscription the server ended (its slot moved) makes every waiter try again and every
 /// channel be subscribed anew on the shard that owns it now.
-fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, recheck: &Recheck) {
+fn on_push(
+    wakeups: &Wakeups,
+    push: PushInfo,
+    failure_epoch: &FailureEpoch,
+    server: &ServerIdentity,
+) {
     let channel = || match push.data.first() {
         Some(Value::BulkString(name)) => std::str::from_utf8(name).ok(),
         _ => None,
@@ -176,25 +181,25 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
     match push.kind {
         PushKind::SMessage | PushKind::Message => {
             if let Some(channel) = channel() {
-                shared.registry().wake_channel(channel);
+                wakeups.registry().wake_channel(channel);
             }
         }
         // redis-rs subscribed a channel again after a reconnect or a slot map change: a
         // release may have gone out while it was not.
         PushKind::SSubscribe => {
             if let Some(channel) = channel() {
-                shared.registry().wake_channel(channel);
+                wakeups.registry().wake_channel(channel);
             }
         }
         PushKind::SUnsubscribe => {
             let Some(channel) = channel() else { return };
-            let mut registry = shared.registry();
+            let mut registry = wakeups.registry();
             // Not one this backend gave up (it has waiters): the server ended it.
             if registry.channels.contains_key(channel) && registry.active.remove(channel) {
                 tracing::debug!(%channel, "shard ended a lock channel subscription");
                 registry.wake_channel(channel);
                 drop(registry);
-                shared.dirty.notify_one();
+                wakeups.mark_changed();
             }
         }
         PushKind::Disconnection => {
@@ -202,12 +207,12 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
             // The node may have failed over and lost data: connections and held locks on
             // it are checked again.
             failure_epoch.raise();
-            recheck.raise("a cluster node connection was lost");
-            let mut registry = shared.registry();
+            server.recheck("a cluster node connection was lost");
+            let mut registry = wakeups.registry();
             registry.active.clear();
             registry.wake_all();
             drop(registry);
-            shared.dirty.notify_one();
+            wakeups.mark_changed();
         }
         _ => {}
     }
@@ -228,12 +233,12 @@ struct Failed {
 /// per hash slot (a sharded command's channels must share one), the slots in flight
 /// together, leaving out `deferred` channels.
 async fn reconcile(
-    shared: &Shared,
+    wakeups: &Wakeups,
     conn: &ClusterConnection,
     command_timeout: Duration,
     deferred: &HashSet<String>,
 ) -> Failed {
-    let (mut subscribe, unsubscribe) = shared.registry().changes();
+    let (mut subscribe, unsubscribe) = wakeups.registry().changes();
     subscribe.retain(|c| !deferred.contains(c));
     let unsubscribing = cluster::by_slot(unsubscribe, |c| c)
         .into_iter()
@@ -264,7 +269,7 @@ async fn reconcile(
         match outcome {
             Ok(()) => {
                 failed.confirmed = true;
-                shared.registry().confirmed(channels);
+                wakeups.registry().confirmed(channels);
             }
             Err((error, refused)) => {
                 if refused {
@@ -276,6 +281,6 @@ async fn reconcile(
             }
         }
     }
-    shared.report_subscriptions();
+    wakeups.report_subscriptions();
     failed
 }

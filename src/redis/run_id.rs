@@ -1,4 +1,5 @@
-//! Signs that Redis may have lost data, and the re-check of every held lock they start.
+//! Signs that Redis may have lost data: the server's `run_id`, and the other signs that
+//! raise the core's re-check of every held lock (`core/recheck.rs`).
 //!
 //! A Redis restarted without persistence (or one that failed over to a replica the lock
 //! had not reached) forgets locks while their holders still run, and a waiter on another
@@ -13,41 +14,44 @@
 use std::sync::{Arc, Mutex};
 
 use redis::RedisError;
-use tokio::sync::Notify;
 
-use super::pool::is_transport;
-use super::topology::AnyConn;
+use super::connection::pool::is_transport;
+use super::connection::topology::AnyConn;
+use crate::core::recheck::Recheck;
 
-/// Raised on every sign that the server may have lost data; the watchdog listens.
-#[derive(Clone, Default)]
-pub(crate) struct Recheck(Arc<Shared>);
-
-#[derive(Default)]
-struct Shared {
-    /// Keeps one permit, so a sign seen while the watchdog is busy is not lost.
-    raised: Notify,
+/// What the backend knows of the Redis server process it talks to; raises the core's
+/// re-check of held locks when that may have changed.
+#[derive(Clone)]
+pub(crate) struct ServerIdentity {
+    recheck: Recheck,
     /// The `run_id` of the server the last command connection was opened to.
-    run_id: Mutex<Option<String>>,
+    run_id: Arc<Mutex<Option<String>>>,
 }
 
-impl Recheck {
-    /// Asks the watchdog to re-check every held lock now.
-    pub(crate) fn raise(&self, reason: &'static str) {
-        tracing::debug!(reason, "re-checking every held lock");
-        self.0.raised.notify_one();
+impl ServerIdentity {
+    pub(crate) fn new(recheck: Recheck) -> Self {
+        ServerIdentity {
+            recheck,
+            run_id: Arc::default(),
+        }
+    }
+
+    /// Asks for every held lock to be re-checked now.
+    pub(crate) fn recheck(&self, reason: &'static str) {
+        self.recheck.raise(reason);
     }
 
     /// Remembers the `run_id` a new connection reported; a different one than before means
     /// another server process (restarted, or a replica promoted) answers now.
     pub(crate) fn saw_run_id(&self, run_id: &str) {
-        let mut last = self.0.run_id.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = self.run_id.lock().unwrap_or_else(|e| e.into_inner());
         let changed = last.as_deref().is_some_and(|last| last != run_id);
         if last.as_deref() != Some(run_id) {
             *last = Some(run_id.to_owned());
         }
         drop(last);
         if changed {
-            self.raise("the server's run_id changed (restarted or failed over)");
+            self.recheck("the server's run_id changed (restarted or failed over)");
         }
     }
 
@@ -68,11 +72,6 @@ impl Recheck {
             Err(_) => Ok(()),
         }
     }
-
-    /// Resolves when a sign was seen since the last call returned.
-    pub(crate) async fn raised(&self) {
-        self.0.raised.notified().await;
-    }
 }
 
 /// The `run_id` line of an `INFO server` reply.
@@ -91,10 +90,11 @@ mod tests {
     #[test]
     fn only_a_changed_run_id_raises() {
         let recheck = Recheck::default();
-        recheck.saw_run_id("first");
-        recheck.saw_run_id("first");
+        let server = ServerIdentity::new(recheck.clone());
+        server.saw_run_id("first");
+        server.saw_run_id("first");
         assert!(recheck.raised().now_or_never().is_none(), "same server");
-        recheck.saw_run_id("second");
+        server.saw_run_id("second");
         assert!(recheck.raised().now_or_never().is_some(), "another server");
         assert_eq!(
             run_id("redis_mode:standalone\r\nrun_id:abc \r\n"),

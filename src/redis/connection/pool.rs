@@ -28,9 +28,9 @@ use tokio::sync::watch;
 pub(crate) use super::command_error::{
     CommandError, ConnectError, RedisCause, is_read_only, is_transport,
 };
-use super::recheck::Recheck;
-use super::runtime::RuntimeAlive;
 use super::topology::{AnyConn, Topology};
+use crate::core::runtime::RuntimeAlive;
+use crate::redis::run_id::ServerIdentity;
 
 /// A pooled connection and whether a transport failure has been seen on it.
 #[derive(Clone)]
@@ -70,7 +70,7 @@ pub(crate) struct Manager {
     /// The failure epoch when the last connection was opened: a connection opened at a
     /// higher one replaces a connection that failed, and Redis may have lost data meanwhile.
     opened_at: AtomicU64,
-    recheck: Recheck,
+    server: ServerIdentity,
 }
 
 impl Manager {
@@ -79,15 +79,15 @@ impl Manager {
     async fn check_server(&self, conn: &mut AnyConn) -> Result<(), RedisError> {
         let level = self.failure_epoch.level();
         if level > self.opened_at.swap(level, Ordering::Relaxed) {
-            self.recheck
-                .raise("a command connection was opened after a connection failed");
+            self.server
+                .recheck("a command connection was opened after a connection failed");
         }
         // A cluster answers `INFO` from one of its primaries, another on each call: its
         // run_id says nothing (a lost node is reported by the sharded subscriber instead).
         if conn.heals_itself() {
             return Ok(());
         }
-        self.recheck.read_run_id(conn).await
+        self.server.read_run_id(conn).await
     }
 }
 
@@ -150,7 +150,7 @@ impl Pool {
         size: u32,
         connect_timeout: Duration,
         response_timeout: Duration,
-        recheck: Recheck,
+        server: ServerIdentity,
     ) -> Self {
         let failure_epoch = FailureEpoch::default();
         let failures = ConnectFailures(Arc::new(watch::Sender::new(None)));
@@ -172,7 +172,7 @@ impl Pool {
                 config,
                 failure_epoch: failure_epoch.clone(),
                 opened_at: AtomicU64::new(0),
-                recheck,
+                server,
             });
         Pool {
             pool,

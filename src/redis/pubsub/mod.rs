@@ -8,23 +8,21 @@
 //! reconnect all hand out permits, and a permit that arrives before the waiter parks is
 //! kept rather than lost.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
-use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use super::pool::FailureEpoch;
-use super::recheck::Recheck;
-use super::registry::Registry;
-use super::runtime::{Daemon, Spawner};
-use super::shard_pubsub;
-use super::topology::{Topology, TopologyChanges};
-use crate::telemetry::Namespace;
+use super::connection::pool::FailureEpoch;
+use super::connection::topology::{Topology, TopologyChanges};
+use super::run_id::ServerIdentity;
+use crate::core::runtime::{Daemon, Spawner};
+use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+
+mod shard;
 
 /// Timing of the subscriber connection.
 #[derive(Debug, Clone)]
@@ -33,92 +31,29 @@ pub(crate) struct SubscriberConfig {
     pub(crate) command_timeout: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) max_backoff: Duration,
-    /// The backend's namespace label for the subscriber's metrics.
-    pub(crate) metrics: Namespace,
-}
-
-pub(super) struct Shared {
-    registry: Mutex<Registry>,
-    /// Set whenever the registry changes, so the task reconciles subscriptions.
-    pub(super) dirty: Notify,
-    next_id: AtomicU64,
-    pub(super) reconnects: AtomicU64,
-    metrics: Namespace,
-}
-
-impl Shared {
-    pub(super) fn registry(&self) -> MutexGuard<'_, Registry> {
-        // The registry holds plain data and no code runs under the lock that can panic
-        // half-way through an update, so a poisoned lock is still consistent.
-        self.registry.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(super) fn disconnected(&self) {
-        let mut registry = self.registry();
-        registry.connected = false;
-        // Messages may have been missed while the connection was going down: every
-        // waiter tries again now, and again once its channel is resubscribed.
-        registry.active.clear();
-        registry.wake_all();
-        drop(registry);
-        self.report_subscriptions();
-    }
-
-    /// Counts a connection made; every one after the first is a reconnect.
-    pub(super) fn connection_made(&self) {
-        if self.reconnects.fetch_add(1, Ordering::Relaxed) > 0 {
-            self.metrics.subscriber_reconnected();
-        }
-    }
-
-    /// Counts the change in confirmed subscriptions since the last report (a change, not
-    /// a value: several backends of one process add up in one gauge).
-    pub(super) fn report_subscriptions(&self) {
-        let mut registry = self.registry();
-        let (before, now) = (registry.reported, registry.active.len());
-        registry.reported = now;
-        drop(registry);
-        self.metrics.subscribed_channels(before, now);
-    }
-}
-
-/// Marks the subscriber disconnected when its task ends or is dropped.
-pub(super) struct Disconnected<'a>(pub(super) &'a Shared);
-
-impl Drop for Disconnected<'_> {
-    fn drop(&mut self) {
-        self.0.disconnected();
-    }
 }
 
 /// Handle to the backend's subscriber task.
 #[derive(Clone)]
 pub(crate) struct Subscriber {
-    shared: Arc<Shared>,
+    wakeups: Wakeups,
     task: Arc<Daemon>,
 }
 
 impl Subscriber {
     /// Starts the subscriber task; it stops when `shutdown` is cancelled.
     /// Losing the subscriber connection raises `failure_epoch`: the command connections to the
-    /// same server are probably gone too. Opening one raises `recheck`: the server may have
-    /// restarted empty meanwhile.
+    /// same server are probably gone too. Opening one raises the re-check of held locks: the
+    /// server may have restarted empty meanwhile.
     pub(crate) fn spawn(
-        topology: Topology,
+        (topology, wakeups): (Topology, Wakeups),
         config: SubscriberConfig,
         failure_epoch: FailureEpoch,
-        recheck: Recheck,
+        server: ServerIdentity,
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
-        let shared = Arc::new(Shared {
-            registry: Mutex::default(),
-            dirty: Notify::new(),
-            next_id: AtomicU64::new(0),
-            reconnects: AtomicU64::new(0),
-            metrics: config.metrics.clone(),
-        });
-        let serving = shared.clone();
+        let serving = wakeups.clone();
         let start = move |shutdown| {
             let (topology, config) = (topology.clone(), config.clone());
             serve_until_shutdown(
@@ -126,86 +61,24 @@ impl Subscriber {
                 topology,
                 config,
                 failure_epoch.clone(),
-                recheck.clone(),
+                server.clone(),
                 shutdown,
             )
         };
         let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
-        Subscriber { shared, task }
+        Subscriber { wakeups, task }
     }
 
-    /// Registers a waiter on `channel`. If the channel is already subscribed the waiter
-    /// starts with a permit, so its first wait returns at once and it tries again.
+    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
     pub(crate) fn register(&self, channel: &str) -> Waiter {
         // A waiter on another runtime than the one the subscriber ran on.
         self.task.ensure_running();
-        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let notify = Arc::new(Notify::new());
-        let mut registry = self.shared.registry();
-        let already_active = registry.active.contains(channel);
-        registry
-            .channels
-            .entry(channel.to_owned())
-            .or_default()
-            .insert(id, notify.clone());
-        drop(registry);
-        if already_active {
-            notify.notify_one();
-        } else {
-            self.shared.dirty.notify_one();
-        }
-        Waiter {
-            shared: self.shared.clone(),
-            channel: channel.to_owned(),
-            id,
-            notify,
-        }
+        self.wakeups.register(channel)
     }
 
-    /// Number of channels this backend currently has waiters on.
-    pub(crate) fn channels_with_waiters(&self) -> usize {
-        self.shared.registry().channels.len()
-    }
-
-    /// Whether the subscriber connection is currently up.
-    pub(crate) fn is_connected(&self) -> bool {
-        self.shared.registry().connected
-    }
-
-    /// How many times the subscriber connection has been (re)established.
-    pub(crate) fn connections_made(&self) -> u64 {
-        self.shared.reconnects.load(Ordering::Relaxed)
-    }
-}
-
-/// One task waiting for a release on one channel. Dropping it (including when the waiting
-/// future is cancelled) deregisters it, and unsubscribes the channel if it was the last.
-pub(crate) struct Waiter {
-    shared: Arc<Shared>,
-    channel: String,
-    id: u64,
-    notify: Arc<Notify>,
-}
-
-impl Waiter {
-    /// Resolves when the lock may have been freed (or the subscription came up); the caller
-    /// must then try again, as a wakeup is a hint, not a handoff.
-    pub(crate) async fn woken(&self) {
-        self.notify.notified().await;
-    }
-}
-
-impl Drop for Waiter {
-    fn drop(&mut self) {
-        let mut registry = self.shared.registry();
-        if let Some(waiters) = registry.channels.get_mut(&self.channel) {
-            waiters.remove(&self.id);
-            if waiters.is_empty() {
-                registry.channels.remove(&self.channel);
-                drop(registry);
-                self.shared.dirty.notify_one();
-            }
-        }
+    /// The waiters and the connection's state.
+    pub(crate) fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
     }
 }
 
@@ -233,17 +106,17 @@ impl From<&str> for Ended {
 /// Runs the subscriber, and the topology's announcements of a failover next to it, until
 /// shut down.
 async fn serve_until_shutdown(
-    shared: Arc<Shared>,
+    wakeups: Wakeups,
     topology: Topology,
     config: SubscriberConfig,
     failure_epoch: FailureEpoch,
-    recheck: Recheck,
+    server: ServerIdentity,
     shutdown: CancellationToken,
 ) {
     if let Topology::Cluster(nodes) = &topology {
         let nodes = nodes.clone();
-        let signs = (failure_epoch, recheck);
-        return shard_pubsub::serve_until_shutdown(shared, nodes, config, signs, shutdown).await;
+        let signs = (failure_epoch, server);
+        return shard::serve_until_shutdown(wakeups, nodes, config, signs, shutdown).await;
     }
     let announce = topology.announce_changes(
         failure_epoch.clone(),
@@ -251,9 +124,9 @@ async fn serve_until_shutdown(
         config.max_backoff,
         shutdown.clone(),
     );
-    let signs = (failure_epoch, recheck);
+    let signs = (failure_epoch, server);
     tokio::join!(
-        subscribe_until_shutdown(shared, &topology, config.clone(), signs, shutdown),
+        subscribe_until_shutdown(wakeups, &topology, config.clone(), signs, shutdown),
         announce
     );
 }
@@ -266,16 +139,16 @@ async fn serve_until_shutdown(
 /// dropped at once, as under an ACL user without channel rights, must not reconnect in a
 /// tight loop (219 connections in 5 s were seen).
 async fn subscribe_until_shutdown(
-    shared: Arc<Shared>,
+    wakeups: Wakeups,
     topology: &Topology,
     config: SubscriberConfig,
-    (failure_epoch, recheck): (FailureEpoch, Recheck),
+    (failure_epoch, server): (FailureEpoch, ServerIdentity),
     shutdown: CancellationToken,
 ) {
     let mut changes = topology.changes();
     // However the task ends, even dropped with its runtime, no connection is claimed and
     // every waiter tries again.
-    let _disconnected = Disconnected(&shared);
+    let _disconnected = Disconnected(&wakeups);
 
     let initial_backoff = Duration::from_millis(20);
     let mut backoff = initial_backoff;
@@ -289,16 +162,15 @@ async fn subscribe_until_shutdown(
         };
         match connected {
             Ok(Ok(pubsub)) => {
-                shared.connection_made();
-                shared.registry().connected = true;
+                wakeups.connected();
                 tracing::debug!("lock subscriber connected");
                 // The first sign of a restart (the old connection ended with the server)
                 // or of a fault that may have hidden one: held locks may be gone.
-                recheck.raise("the subscriber connection was (re)opened");
+                server.recheck("the subscriber connection was (re)opened");
                 let (mut sink, mut stream) = pubsub.split();
                 let mut proven = false;
                 let ended = serve(
-                    &shared,
+                    &wakeups,
                     (&mut sink, &mut stream),
                     &config,
                     &mut changes,
@@ -306,7 +178,7 @@ async fn subscribe_until_shutdown(
                     &mut proven,
                 )
                 .await;
-                shared.disconnected();
+                wakeups.disconnected();
                 if proven {
                     backoff = initial_backoff;
                 }
@@ -345,7 +217,7 @@ async fn subscribe_until_shutdown(
 /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
 /// Sets `proven` once the server confirmed a subscription or answered a ping.
 async fn serve(
-    shared: &Shared,
+    wakeups: &Wakeups,
     (sink, stream): (&mut PubSubSink, &mut PubSubStream),
     config: &SubscriberConfig,
     changes: &mut TopologyChanges,
@@ -357,14 +229,14 @@ async fn serve(
     // The first tick completes at once; the connection was just proven by the handshake.
     ping.tick().await;
     loop {
-        reconcile(shared, sink, config.command_timeout, proven).await?;
+        reconcile(wakeups, sink, config.command_timeout, proven).await?;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            _ = shared.dirty.notified() => {}
+            _ = wakeups.changed() => {}
             _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
-                shared.registry().wake_channel(message.get_channel_name());
+                wakeups.registry().wake_channel(message.get_channel_name());
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping
@@ -381,15 +253,15 @@ async fn serve(
 
 /// Brings the connection's subscriptions in line with the registry.
 async fn reconcile(
-    shared: &Shared,
+    wakeups: &Wakeups,
     sink: &mut PubSubSink,
     command_timeout: Duration,
     proven: &mut bool,
 ) -> Result<(), Ended> {
     loop {
-        let (subscribe, unsubscribe) = shared.registry().changes();
+        let (subscribe, unsubscribe) = wakeups.registry().changes();
         if subscribe.is_empty() && unsubscribe.is_empty() {
-            shared.report_subscriptions();
+            wakeups.report_subscriptions();
             return Ok(());
         }
         if !unsubscribe.is_empty() {
@@ -407,7 +279,7 @@ async fn reconcile(
                     _ => Ended::Lost(format!("subscribe failed: {e}")),
                 })?;
             *proven = true;
-            shared.registry().confirmed(subscribe);
+            wakeups.registry().confirmed(subscribe);
         }
     }
 }

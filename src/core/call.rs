@@ -1,0 +1,141 @@
+//! One attempt's store call, and what happens to its reply when nobody waits for it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use super::acquire::{Contender, MAYBE_QUEUED, NOT_QUEUED};
+use super::hold::Hold;
+use super::store::{Attempt, Attempted, Failure, Sent, StoreKey};
+use super::{Core, Store};
+use crate::lock::{BoxFuture, Kind, LockOwner};
+
+/// One attempt, awaited inline by the acquisition.
+///
+/// Its reply may find nobody to read it: the acquisition can be cancelled (client gone,
+/// an outer timeout) or run out of budget while the store runs the call, or right after
+/// the reply arrived. Dropped unfinished, the call is detached into a task that reads the
+/// reply and gives back exactly the hold it took, re-entries included, so no lock is left
+/// held without a guard for a whole lease.
+pub(super) struct AcquireCall<S: Store> {
+    call: Option<BoxFuture<'static, Sent<S>>>,
+    unclaimed: Unclaimed<S>,
+}
+
+/// What is needed to give back an acquisition nobody claimed.
+struct Unclaimed<S: Store> {
+    core: Arc<Core<S>>,
+    key: Arc<S::Key>,
+    /// The identity the hold is kept under (see [`holder`](super::holder)).
+    holder: LockOwner,
+    lease: Duration,
+    kind: Kind,
+}
+
+impl<S: Store> Clone for Unclaimed<S> {
+    fn clone(&self) -> Self {
+        Unclaimed {
+            core: self.core.clone(),
+            key: self.key.clone(),
+            holder: self.holder.clone(),
+            lease: self.lease,
+            kind: self.kind,
+        }
+    }
+}
+
+impl<S: Store> AcquireCall<S> {
+    pub(super) fn start(core: &Arc<Core<S>>, c: &Contender<S>, attempt: Attempt) -> Self {
+        if c.kind == Kind::Exclusive && attempt.waits.is_some() {
+            // Until a reply says otherwise, this attempt may register as a waiting writer.
+            let _ = c.queued_writer.compare_exchange(
+                NOT_QUEUED,
+                MAYBE_QUEUED,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+        let unclaimed = Unclaimed {
+            core: core.clone(),
+            key: c.key.clone(),
+            holder: attempt.holder.clone(),
+            lease: attempt.lease,
+            kind: attempt.kind,
+        };
+        AcquireCall {
+            call: Some(core.store.attempt(&c.key, attempt)),
+            unclaimed,
+        }
+    }
+}
+
+impl<S: Store> Future for AcquireCall<S> {
+    type Output = Result<Attempted, S::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            unreachable!("an attempt's call is polled after it completed");
+        };
+        let (reply, sent) = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        // No reply (or one that cannot be read): the call may have taken a hold. Its
+        // attempt fails, but what it may have taken is given back.
+        if let (Err(e), Some(sent)) = (&reply, sent)
+            && e.may_have_run()
+        {
+            let unclaimed = self.unclaimed.clone();
+            self.unclaimed.core.runtime.spawn(unclaimed.undo(sent));
+        }
+        Poll::Ready(reply)
+    }
+}
+
+impl<S: Store> Drop for AcquireCall<S> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let unclaimed = self.unclaimed.clone();
+            self.unclaimed
+                .core
+                .runtime
+                .spawn(async move { unclaimed.give_back(call.await).await });
+        }
+    }
+}
+
+impl<S: Store> Unclaimed<S> {
+    /// The hold the call took, under `token` if its reply said.
+    fn hold(&self, token: Option<u64>) -> Hold<S> {
+        Hold::new(
+            self.core.clone(),
+            self.key.clone(),
+            (self.holder.clone(), self.kind),
+            self.lease,
+            None,
+            token,
+        )
+    }
+
+    /// Gives back what a call nobody waited for took.
+    async fn give_back(self, (reply, sent): Sent<S>) {
+        match (reply, sent) {
+            // Acquired (or re-entered) for an attempt that is gone: release that one hold.
+            (Ok(Attempted::Acquired { token, .. }), _) => {
+                let _ = self.hold(Some(token)).release_retrying(self.lease).await;
+            }
+            (Err(e), Some(sent)) if e.may_have_run() => self.undo(sent).await,
+            _ => {}
+        }
+    }
+
+    /// Undoes a call that may have run without its reply reaching us, behind it on what it
+    /// went out on. Not when the holder holds the key already (a re-entry): a release the
+    /// call did not need would take the outer hold away.
+    async fn undo(self, sent: S::Sent) {
+        if !self.core.watchdog.is_held(self.key.lock(), &self.holder) {
+            self.hold(None).undo(sent).await;
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! One hold in the store, and how it is given back: retried, idempotent, and recognised
+//! by the store when a retry follows a lost reply.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{Instant, sleep, timeout};
+
+use super::handoff::{Granted, Run};
+use super::queue::{Claim, Reentry, Slot};
+use super::store::{Failure, Release, Released, StoreKey};
+use super::{Core, Store};
+use crate::error::LockError;
+use crate::lock::{Kind, LockOwner};
+
+/// One hold of one lock, and everything needed to give it back.
+pub(super) struct Hold<S: Store> {
+    pub(super) core: Arc<Core<S>>,
+    pub(super) key: Arc<S::Key>,
+    /// The identity the hold is kept under (see [`holder`](super::holder)).
+    pub(super) holder: LockOwner,
+    pub(super) kind: Kind,
+    /// Distinguishes this hold from the holder's other holds of the key (its re-entries),
+    /// so that the store recognises a retry of this release.
+    release_id: String,
+    pub(super) lease: Duration,
+    /// The key's slot in this backend's queue, when this hold took it (re-entries and
+    /// clean-ups do not): releasing passes it, and possibly the lock, to the next task.
+    pub(super) slot: Option<Slot>,
+    /// Whether a release call of this hold may have run without its reply reaching us.
+    pub(super) may_have_run: bool,
+    /// The hold's fencing token, when known: a final release is remembered with it, so that
+    /// after a failover the backend can tell this hold, kept by mistake on the new master,
+    /// from a newer one (see `Store::released`). Handoffs in memory keep it: it is the
+    /// token the store knows the hold by.
+    pub(super) token: Option<u64>,
+    /// The run of holders of this process under this hold.
+    pub(super) run: Run,
+    /// Set for a re-entry of the key by its holder in this process: counted until dropped.
+    pub(super) reentry: Option<Reentry>,
+}
+
+impl<S: Store> Hold<S> {
+    pub(super) fn new(
+        core: Arc<Core<S>>,
+        key: Arc<S::Key>,
+        (holder, kind): (LockOwner, Kind),
+        lease: Duration,
+        slot: Option<Slot>,
+        token: Option<u64>,
+    ) -> Self {
+        let seq = core.owners.serial();
+        Hold {
+            release_id: format!("{}#{seq}", holder.as_str()),
+            core,
+            key,
+            holder,
+            kind,
+            lease,
+            slot,
+            may_have_run: false,
+            run: Run::new(Granted {
+                token: token.unwrap_or(0),
+                reserved: 0,
+                sent_at: Instant::now(),
+                continues: None,
+            }),
+            token,
+            reentry: None,
+        }
+    }
+
+    /// Whether an earlier call of this hold's release may have freed or handed over the
+    /// lock. Always with a store that runs calls twice on its own (a cluster client that
+    /// sends a call again when the connection drops before the reply, without telling us):
+    /// a final release that finds the lock gone may be the second run of one that freed
+    /// it. (A lease that ran out just before the release is then not reported as `Lost`;
+    /// the watchdog reports the losses it finds while the lock is held.)
+    fn may_have_run(&self) -> bool {
+        self.may_have_run || self.core.store.runs_calls_twice()
+    }
+
+    /// The release of this hold, handing the lock to `successor` if given.
+    fn release<'a>(&'a self, successor: Option<&'a Claim>, run_spent: bool) -> Release<'a> {
+        Release {
+            holder: &self.holder,
+            kind: self.kind,
+            release_id: &self.release_id,
+            lease: self.lease,
+            successor,
+            run_spent,
+            may_have_run: self.may_have_run(),
+            only_token: None,
+            issued: (Some(self.run.last) != self.token).then_some(self.run.last),
+            reserve: self.core.reserve(),
+        }
+    }
+
+    /// Undoes an attempt whose outcome is unknown. The release goes behind the attempt on
+    /// what it went out on, so the store runs it after the attempt even if both are still
+    /// queued (the store paused); a plain retry on another connection could find nothing
+    /// to release, stop, and let the late acquisition stand.
+    pub(super) async fn undo(mut self, sent: S::Sent) {
+        let release = self.release(None, false);
+        let sent = self.core.store.release_after(&self.key, &release, sent);
+        // Any reply settles it; without one, the queued release still runs in order.
+        if matches!(
+            timeout(self.core.settings.command_timeout, sent).await,
+            Ok(true)
+        ) {
+            return;
+        }
+        let retry_for = self.lease;
+        let _ = self.release_retrying(retry_for).await;
+    }
+
+    /// Releases in a spawned task, retrying for up to a lease: after that the store has
+    /// freed the lock by itself.
+    pub(super) fn finish_in_background(mut self) {
+        let runtime = self.core.runtime.clone();
+        runtime.spawn(async move {
+            let lease = self.lease;
+            match self.release_retrying(lease).await {
+                Ok(()) | Err(LockError::Lost { .. }) => {}
+                Err(error) => {
+                    let key = self.key.user();
+                    tracing::warn!(
+                        %key,
+                        error = &error as &(dyn std::error::Error + 'static),
+                        "background lock release failed; the lease will free it"
+                    );
+                }
+            }
+        });
+    }
+
+    /// Releases, retrying failures that may pass for up to `retry_for`. A retry is safe:
+    /// the store recognises a hold it already released or handed over.
+    ///
+    /// When a task of this backend is queued for the key, the store hands the lock to it
+    /// instead of freeing it, unless this process's run of handoffs is used up while other
+    /// instances wait. Either way the queued task gets the slot when the hold is dropped.
+    pub(super) async fn release_retrying(&mut self, retry_for: Duration) -> Result<(), LockError> {
+        let core = self.core.clone();
+        let successor = self.reserve_successor();
+        let run_spent = self.run_spent();
+        let give_up = Instant::now() + retry_for;
+        let mut backoff = Duration::from_millis(20);
+        let mut takeovers = core.store.takeovers();
+        loop {
+            let sent_at = Instant::now();
+            let generation = takeovers.generation();
+            let release = self.release(successor.as_ref(), run_spent);
+            let reply = timeout(
+                core.settings.command_timeout,
+                core.store.release(&self.key, &release),
+            )
+            .await;
+            let error = match reply {
+                Ok(Ok(reply)) => {
+                    return self.released(reply, (sent_at, generation), run_spent);
+                }
+                // The key was overwritten with something else: the lock is gone.
+                Ok(Err(e)) if e.is_foreign() => {
+                    return Err(LockError::Lost {
+                        key: self.key.user().to_owned(),
+                    });
+                }
+                Ok(Err(e)) => {
+                    let retry = e.may_have_run() || e.is_transient();
+                    self.may_have_run |= e.may_have_run();
+                    if !retry {
+                        return Err(LockError::backend("release", e));
+                    }
+                    LockError::backend("release", e)
+                }
+                Err(elapsed) => {
+                    self.may_have_run = true;
+                    LockError::backend("release", elapsed)
+                }
+            };
+            if Instant::now() + backoff >= give_up {
+                return Err(error);
+            }
+            // A failover announced meanwhile (Sentinel) is worth a retry at once.
+            tokio::select! {
+                _ = sleep(backoff) => {}
+                _ = takeovers.next() => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Picks the queued task this release hands the lock to, if any (idempotent).
+    pub(super) fn reserve_successor(&mut self) -> Option<Claim> {
+        if self.core.settings.max_local_handoffs == 0 {
+            return None;
+        }
+        self.slot.as_mut()?.reserve_successor().cloned()
+    }
+
+    /// Whether the run of this process's holders under this hold has had its quantum: as
+    /// many handoffs as allowed, or as long. Its release then lets other instances in if
+    /// they wait.
+    pub(super) fn run_spent(&self) -> bool {
+        let settings = &self.core.settings;
+        self.run.handoffs >= settings.max_local_handoffs
+            || self.run.started.elapsed() >= settings.max_local_handoff_time
+    }
+
+    /// Acts on what the release did. The slot, unless it went along with the lock, is
+    /// passed on when the hold is dropped.
+    fn released(
+        &mut self,
+        released: Released,
+        (sent_at, generation): (Instant, u64),
+        run_spent: bool,
+    ) -> Result<(), LockError> {
+        if let (Released::Freed | Released::HandedOver(_), Some(token), Kind::Exclusive) =
+            (released, self.token, self.kind)
+        {
+            self.core
+                .store
+                .released(&self.key, token, self.lease, generation);
+        }
+        match released {
+            Released::HandedOver(token) => {
+                if let Some((successor, slot)) = self.slot.take().and_then(Slot::hand_over) {
+                    // A handoff through the store that did not end the run goes on with it,
+                    // so that the run's quantum bounds every kind of handoff.
+                    let granted = Granted {
+                        token,
+                        reserved: token.saturating_add(self.core.reserve()),
+                        sent_at,
+                        continues: (!run_spent)
+                            .then(|| (self.run.started, self.run.handoffs.saturating_add(1))),
+                    };
+                    let guard = self.core.guard(
+                        self.key.clone(),
+                        (successor.claim.clone(), Kind::Exclusive),
+                        granted,
+                        Some(slot),
+                        None,
+                    );
+                    successor.hand_over(guard);
+                }
+                Ok(())
+            }
+            Released::Freed => {
+                if let Some(slot) = self.slot.as_mut() {
+                    slot.yield_to_others();
+                }
+                Ok(())
+            }
+            Released::Remains => Ok(()),
+            // Not held: lost, unless an earlier call whose reply was lost did it.
+            Released::NotHeld if self.may_have_run() => Ok(()),
+            Released::NotHeld => Err(LockError::Lost {
+                key: self.key.user().to_owned(),
+            }),
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! What makes a hold safe, whatever the store: written once, reused by every store.
+//!
+//! A store (`src/redis/`, `src/postgres/`) implements the narrow [`Store`] trait of
+//! primitive calls (one attempt, one release, a batch renewal, wake-ups for a key's
+//! waiters, what its errors mean) and speaks only its own protocol. [`Core`] drives it:
+//!
+//! - `acquire.rs`: the acquisition: the key's local queue first (one contender per key per
+//!   process, `queue/`), then try -> subscribe -> try again -> wait for a wake-up or the
+//!   holder's lease -> loop (never sleep-and-poll).
+//! - `call.rs`: one attempt, cancel-safe: a reply nobody took is given back.
+//! - `hold.rs`, `release.rs`: the guard's hold and its release on every exit path,
+//!   retried, idempotent, finished in the background when nobody waits for it, never
+//!   outlived by renewal.
+//! - `handoff.rs`: runs of this process's holders taking turns under one hold in the store.
+//! - `watchdog/`: batched renewal every lease/3, the stop margin before a lease ends, and
+//!   `lost()`; `recheck.rs`: the re-check of every hold when the store may have lost data.
+//! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
+//! - `observe.rs`, `telemetry.rs`: spans and metrics; `runtime.rs`: where tasks run.
+
+pub(crate) mod acquire;
+mod call;
+mod handoff;
+mod hold;
+pub(crate) mod observe;
+pub(crate) mod queue;
+pub(crate) mod recheck;
+mod release;
+pub(crate) mod runtime;
+pub(crate) mod store;
+pub(crate) mod telemetry;
+pub(crate) mod wakeups;
+pub(crate) mod watchdog;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use self::observe::OwnerIds;
+use self::queue::Queues;
+use self::recheck::Recheck;
+use self::runtime::Spawner;
+pub(crate) use self::store::Store;
+use self::telemetry::Namespace;
+use self::watchdog::Watchdog;
+use crate::lock::{Kind, LockOwner};
+
+/// Default bound on consecutive handoffs within one process under one hold in the store
+/// (see `max_local_handoffs` on a backend's builder).
+pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 32;
+
+/// Default bound on the time one process's tasks take turns under one hold in the store
+/// (see `max_local_handoff_time` on a backend's builder).
+pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
+
+/// Default upper bound on a key's length in bytes.
+pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
+
+/// A command never gets less time than this, even right at a wait's deadline, so that a
+/// final attempt is not failed by its own budget on a busy machine.
+const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);
+
+/// The settings the core applies to every store.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    /// How long one store call may take.
+    pub(crate) command_timeout: Duration,
+    /// See `max_local_handoffs` on a backend's builder (0: no handoffs in memory).
+    pub(crate) max_local_handoffs: u32,
+    /// See `max_local_handoff_time` on a backend's builder.
+    pub(crate) max_local_handoff_time: Duration,
+    /// The longest key accepted, in bytes.
+    pub(crate) max_key_len: usize,
+}
+
+/// A backend: a store and the machinery that makes its holds safe. Shared by every clone
+/// of the public backend type; its tasks stop when it is dropped.
+pub(crate) struct Core<S: Store> {
+    pub(crate) store: Arc<S>,
+    pub(crate) watchdog: Watchdog,
+    pub(crate) queues: Queues,
+    pub(crate) owners: OwnerIds,
+    pub(crate) settings: Settings,
+    /// The `namespace` label of the backend's metrics.
+    pub(crate) metrics: Namespace,
+    pub(crate) runtime: Spawner,
+    shutdown: CancellationToken,
+}
+
+/// What a store's builder made before the core: parts the store's own tasks share.
+pub(crate) struct Parts {
+    pub(crate) settings: Settings,
+    pub(crate) metrics: Namespace,
+    pub(crate) owners: OwnerIds,
+    /// Raised by the store on every sign that it may have lost data.
+    pub(crate) recheck: Recheck,
+    /// The watchdog's handle, made before the store (which may ask it what is held).
+    pub(crate) watchdog: Watchdog,
+    pub(crate) runtime: Spawner,
+    /// Cancelled when the core is dropped: every task of the backend stops.
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl Parts {
+    /// Parts for a new backend on the current runtime.
+    pub(crate) fn new(settings: Settings, metrics: Namespace) -> Self {
+        Parts {
+            settings,
+            watchdog: Watchdog::new(metrics.clone()),
+            metrics,
+            owners: OwnerIds::new(),
+            recheck: Recheck::default(),
+            runtime: Spawner::current(),
+            shutdown: CancellationToken::new(),
+        }
+    }
+}
+
+impl<S: Store> Core<S> {
+    /// The core over `store`, starting the watchdog.
+    pub(crate) fn new(store: S, parts: Parts) -> Arc<Self> {
+        let store = Arc::new(store);
+        parts.watchdog.start(
+            store.clone(),
+            parts.settings.command_timeout,
+            parts.recheck,
+            parts.shutdown.clone(),
+            &parts.runtime,
+        );
+        Arc::new(Core {
+            store,
+            watchdog: parts.watchdog,
+            queues: Queues::default(),
+            owners: parts.owners,
+            settings: parts.settings,
+            metrics: parts.metrics,
+            runtime: parts.runtime,
+            shutdown: parts.shutdown,
+        })
+    }
+
+    /// A snapshot of the backend's bookkeeping and of its store's listening connection.
+    pub(crate) fn stats(&self, wakeups: &wakeups::Wakeups) -> crate::backend::BackendStats {
+        crate::backend::BackendStats {
+            subscriber_connected: wakeups.is_connected(),
+            subscriber_connections_made: wakeups.connections_made(),
+            channels_with_waiters: wakeups.channels_with_waiters(),
+            watched_locks: self.watchdog.watched(),
+            local_queues: self.queues.keys(),
+            local_waiters: self.queues.waiting(),
+        }
+    }
+
+    /// Tokens reserved above a hold's own for a run of holders in memory.
+    pub(crate) fn reserve(&self) -> u64 {
+        u64::from(self.settings.max_local_handoffs)
+    }
+}
+
+impl<S: Store> Drop for Core<S> {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The identity a store keeps a hold of `kind` by `owner` under, and the watchdog watches
+/// it as: the owner id itself, or `r:` and the id for a shared hold, which lives beside the
+/// owner's exclusive hold of the same key (a downgrade holds both).
+pub(crate) fn holder(kind: Kind, owner: &LockOwner) -> LockOwner {
+    match kind {
+        Kind::Shared => LockOwner::new(format!("r:{}", owner.as_str())),
+        Kind::Exclusive | Kind::Permit(_) => owner.clone(),
+    }
+}

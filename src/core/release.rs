@@ -1,0 +1,155 @@
+//! The guard of a hold and its release on every exit path: awaited by `release()`, else
+//! in the background (drop, panic, cancellation), never outlived by renewal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::handoff::{Granted, Run};
+use super::hold::Hold;
+use super::queue::{Claim, Reentry, Slot};
+use super::store::StoreKey;
+use super::watchdog::OnLost;
+use super::{Core, Store, holder};
+use crate::error::LockError;
+use crate::lock::{BoxFuture, HeldLock, Kind, LockGuard, ReleaseHold};
+
+impl<S: Store> Core<S> {
+    /// Builds the guard of a hold that the store confirmed and starts watching its lease.
+    /// `reentry` is set for a re-entry of the key by its holder in this process.
+    pub(crate) fn guard(
+        self: &Arc<Self>,
+        key: Arc<S::Key>,
+        (claim, kind): (Claim, Kind),
+        granted: Granted,
+        slot: Option<Slot>,
+        reentry: Option<Reentry>,
+    ) -> LockGuard {
+        let on_lost = slot.as_ref().map(|slot| Box::new(slot.revoker()) as OnLost);
+        let store_owner = reentry
+            .as_ref()
+            .and_then(Reentry::store_owner)
+            .unwrap_or(&claim.owner);
+        let mut hold = Hold::new(
+            self.clone(),
+            key,
+            (holder(kind, store_owner), kind),
+            claim.lease,
+            slot,
+            Some(granted.token),
+        );
+        hold.run = Run::new(granted);
+        hold.reentry = reentry;
+        let (lost, generation) = self.watchdog.register(
+            hold.key.lock().clone(),
+            hold.holder.clone(),
+            claim.lease,
+            claim.renew,
+            granted.sent_at,
+            on_lost,
+        );
+        let renew = claim.renew;
+        let held = HeldLock::new(
+            hold.key.user().to_owned(),
+            claim.owner,
+            granted.token,
+            lost.clone(),
+        )
+        .into_shared(kind == Kind::Shared);
+        LockGuard::new(
+            held,
+            Box::new(WatchedHold {
+                hold,
+                generation,
+                renew,
+                lost,
+            }),
+        )
+    }
+}
+
+/// A hold registered with the watchdog: releasing deregisters it first, so renewal never
+/// outlives the unlock (Redisson #7272).
+pub(super) struct WatchedHold<S: Store> {
+    pub(super) hold: Hold<S>,
+    pub(super) generation: u64,
+    /// Whether this hold asked for renewal (see `LockRequest::without_watchdog`).
+    pub(super) renew: bool,
+    /// Fired by the watchdog when the lock was found lost.
+    pub(super) lost: CancellationToken,
+}
+
+impl<S: Store> WatchedHold<S> {
+    /// Stops renewal; returns the hold if a release is still owed to the store. A hold known
+    /// lost is owed nothing: its owner may hold the key again under a new hold, which a
+    /// release of the old one would take away.
+    fn stop(self) -> Result<Hold<S>, LockError> {
+        let hold = self.hold;
+        hold.core
+            .watchdog
+            .unregister(hold.key.lock(), &hold.holder, self.generation, self.renew);
+        if self.lost.is_cancelled() {
+            return Err(LockError::Lost {
+                key: hold.key.user().to_owned(),
+            });
+        }
+        Ok(hold)
+    }
+}
+
+impl<S: Store> ReleaseHold for WatchedHold<S> {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let Err(this) = self.hand_over_in_memory() else {
+            return Box::pin(std::future::ready(Ok(())));
+        };
+        let hold = match this.stop() {
+            Ok(hold) => hold,
+            Err(lost) => return Box::pin(std::future::ready(Err(lost))),
+        };
+        // The caller awaits this one: retry briefly, then report. What is still owed then
+        // (or when the caller stops waiting) is finished in the background, so a release
+        // that could not reach the store (paused, restarting) happens once it can, instead of
+        // leaving the lock to its lease.
+        let retry_for = hold.core.settings.command_timeout.saturating_mul(2);
+        Box::pin(PendingRelease(Some(hold)).settle(retry_for))
+    }
+
+    fn release_in_background(self: Box<Self>) {
+        let Err(this) = self.hand_over_in_memory() else {
+            return;
+        };
+        if let Ok(hold) = this.stop() {
+            hold.finish_in_background();
+        }
+    }
+}
+
+/// A release still owed to the store: dropped unsettled, it is finished in the background.
+struct PendingRelease<S: Store>(Option<Hold<S>>);
+
+impl<S: Store> PendingRelease<S> {
+    async fn settle(mut self, retry_for: Duration) -> Result<(), LockError> {
+        let result = match &mut self.0 {
+            Some(hold) => hold.release_retrying(retry_for).await,
+            None => Ok(()),
+        };
+        // Only a backend failure leaves the release undone; `Lost` means nothing is owed.
+        // Dropping the hold passes its slot (if it did not go with a handoff) on.
+        if !matches!(result, Err(LockError::Backend(_))) {
+            self.0 = None;
+        }
+        result
+    }
+}
+
+impl<S: Store> Drop for PendingRelease<S> {
+    fn drop(&mut self) {
+        if let Some(mut hold) = self.0.take() {
+            // Dropped while its call was in flight, the release may have run: the retry
+            // must recognise a handoff or a release already done.
+            hold.may_have_run = true;
+            hold.finish_in_background();
+        }
+    }
+}

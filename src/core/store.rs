@@ -1,0 +1,315 @@
+//! The seam between the core and a store: the primitive operations a store implements.
+//!
+//! The core (`src/core/`) owns what makes a hold safe whatever the store: the per-key
+//! queue, the try -> subscribe -> try again -> wait loop, the cancel-safe attempt, the
+//! guard and its release on every exit path, the handoffs in memory, the watchdog and the
+//! re-check after a store may have lost data. A store speaks its own protocol and answers
+//! a handful of primitive calls. What the core relies on, call by call:
+//!
+//! - [`attempt`](Store::attempt): one atomic try. It takes a new hold (a fresh fencing
+//!   token above every token issued for the key, `reserve` more reserved above it for a
+//!   run of holders in memory), or re-enters the holder's own hold (count up, same token,
+//!   the lease extended but never shortened), or says who holds the key and for about how
+//!   long. The lease is measured on the store's clock, never the application's, and starts
+//!   no sooner than the call was sent (the core counts it from there). A run of the same
+//!   attempt twice (a client that sends a call again by itself) must not take two holds.
+//! - [`release`](Store::release): gives back one hold, idempotently per `release_id`: a
+//!   retry after a lost reply never decrements twice, and a hold already gone answers
+//!   [`Released::NotHeld`]. A final release wakes the key's waiters in the same atomic
+//!   step (a release that fails leaves the lock held). With a successor it may hand the
+//!   key straight to it under a new token instead ([`Released::HandedOver`]).
+//! - [`renew`](Store::renew): one call for a batch of holds, extending each lease (never
+//!   shortening it) if the holder still holds it, and saying for each whether it does. A
+//!   batch must not fail as a whole because one key is bad.
+//! - [`subscribe`](Store::subscribe): a [`Waiter`] woken by every release of the key
+//!   (a hint: the core tries again), by a confirmed subscription, and by every reconnect
+//!   of the store's listening connection (messages may have been missed meanwhile).
+//! - What its errors mean ([`Failure`]): a call that may have run without a reply, a
+//!   transient failure worth a retry, a key that is not a lock.
+//!
+//! Every call returns a boxed future: a store call is a network round trip, next to which
+//! one allocation does not count, and a boxed future can be detached into a task when the
+//! caller goes away (see `call.rs`).
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::queue::Claim;
+use super::wakeups::Waiter;
+use super::watchdog::Due;
+use crate::error::KeyError;
+use crate::lock::{BoxFuture, Kind, LockOwner};
+
+/// What an acquisition attempt's call came back with, and what it went out on (`None`
+/// when nothing was sent): a store may undo an attempt of unknown outcome on the same
+/// connection, so that the undo runs after it.
+pub(crate) type Sent<S> = (
+    Result<Attempted, <S as Store>::Error>,
+    Option<<S as Store>::Sent>,
+);
+
+/// A store of locks, as the core drives it (see the module docs for what each call must
+/// guarantee).
+pub(crate) trait Store: Send + Sync + Sized + 'static {
+    /// The store's names of one user key.
+    type Key: StoreKey;
+    /// Why a call failed.
+    type Error: Failure;
+    /// What an attempt went out on (a connection), to undo it behind the attempt.
+    type Sent: Send + 'static;
+
+    /// The names of `user`'s lock of `kind` (a semaphore may live apart from the lock),
+    /// refusing a key the store cannot hold.
+    fn key(&self, user: String, kind: Kind) -> Result<Self::Key, KeyError>;
+
+    /// One acquisition attempt (see the module docs).
+    fn attempt(
+        self: &Arc<Self>,
+        key: &Arc<Self::Key>,
+        attempt: Attempt,
+    ) -> BoxFuture<'static, Sent<Self>>;
+
+    /// One release of one hold (see the module docs).
+    fn release<'a>(
+        &'a self,
+        key: &'a Self::Key,
+        release: &'a Release<'a>,
+    ) -> BoxFuture<'a, Result<Released, Self::Error>>;
+
+    /// Sends `release` behind an attempt of unknown outcome, on what that attempt went out
+    /// on. Returns whether the store answered (any answer settles it); the core retries
+    /// a plain release otherwise.
+    fn release_after<'a>(
+        &'a self,
+        key: &'a Self::Key,
+        release: &'a Release<'a>,
+        sent: Self::Sent,
+    ) -> BoxFuture<'a, bool>;
+
+    /// One renewal call for `batch` (see the module docs): for each hold, whether its holder
+    /// still holds it. A due hold with `renew == false` is only checked.
+    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, Self::Error>>;
+
+    /// Splits the holds due for renewal into calls (one per shard where a call must stay
+    /// on one). One call by default.
+    fn renewal_calls(&self, due: Vec<Due>) -> Vec<Vec<Due>> {
+        vec![due]
+    }
+
+    /// Registers a waiter for releases of `key`.
+    fn subscribe(&self, key: &Self::Key) -> Waiter;
+
+    /// How long the key's current holder may still hold it, for `Retry-After` when another
+    /// task of this process has the key: `None` when unknown.
+    fn remaining(self: &Arc<Self>, key: &Arc<Self::Key>) -> BoxFuture<'static, Option<Duration>>;
+
+    /// An exclusive attempt that may have registered as a waiting writer (kept out by
+    /// shared holders) stops waiting: withdraw it, and wake the key's waiters if `wake`.
+    fn withdraw_writer(
+        self: &Arc<Self>,
+        key: &Arc<Self::Key>,
+        holder: LockOwner,
+        wake: bool,
+    ) -> BoxFuture<'static, ()>;
+
+    /// Whether the store's client may run one call twice on its own (a cluster client that
+    /// sends a call again when the connection dropped before the reply): a final release
+    /// that finds the lock gone may then be the second run of one that freed it.
+    fn runs_calls_twice(&self) -> bool {
+        false
+    }
+
+    /// The lease a hold asking for `lease` gets (a store may bound it).
+    fn lease(&self, lease: Duration) -> Duration {
+        lease
+    }
+
+    /// Announcements that another server took over (a failover), so a release waiting to
+    /// retry does so at once.
+    fn takeovers(&self) -> Takeovers {
+        Takeovers::none()
+    }
+
+    /// A final release of an exclusive hold of `token` went through (freed or handed on):
+    /// a store that may lose it in a failover remembers it to do it again.
+    fn released(&self, _key: &Arc<Self::Key>, _token: u64, _lease: Duration, _generation: u64) {}
+}
+
+/// A store's names of one user key.
+pub(crate) trait StoreKey: Send + Sync + 'static {
+    /// The key as the application gave it (errors, spans, `HeldLock::key`).
+    fn user(&self) -> &str;
+    /// The lock's name in the store: one per lock, shared by every holder of it (the
+    /// watchdog and the local queue are keyed by it).
+    fn lock(&self) -> &Arc<str>;
+}
+
+/// What a failed store call says.
+pub(crate) trait Failure: StdError + Send + Sync + 'static {
+    /// The call may have run though its reply never came (a transport failure after
+    /// sending): its effect must be assumed, or undone.
+    fn may_have_run(&self) -> bool;
+    /// A later try may succeed (no connection, a failover under way, a replica that
+    /// refused a write): worth retrying a release for.
+    fn is_transient(&self) -> bool;
+    /// The key holds something other than this crate's lock: retrying cannot help.
+    fn is_foreign(&self) -> bool;
+}
+
+/// One acquisition attempt.
+pub(crate) struct Attempt {
+    /// The identity the store keeps the hold under (see [`holder`](super::holder)).
+    pub(crate) holder: LockOwner,
+    /// The owner it is for (the one a shared hold's re-entry and upgrade checks compare).
+    pub(crate) owner: LockOwner,
+    pub(crate) kind: Kind,
+    pub(crate) lease: Duration,
+    /// How long the acquisition may still wait (`None`: it does not): an exclusive one kept
+    /// out by shared holders registers as a waiting writer for that long, so that new
+    /// shared holds queue behind it.
+    pub(crate) waits: Option<Duration>,
+    /// Fencing tokens to reserve above a new hold's own for a run of holders in memory.
+    pub(crate) reserve: u64,
+    /// Leave a free key to other instances that wait for it: this process just released
+    /// it to let them go first.
+    pub(crate) yielding: bool,
+    /// A number this backend never used before: the attempt's id, so that a store that
+    /// runs a call twice takes one hold, and the id of the release that gives back a hold
+    /// the store must undo itself (`holder@serial`, `holder#serial`).
+    pub(crate) serial: u64,
+}
+
+/// What one attempt found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempted {
+    /// The holder holds the key now, with fencing token `token`; `count > 1`: a re-entry
+    /// (the token is the outer hold's).
+    Acquired { token: u64, count: u64 },
+    /// Another holder has it, for about `left` longer (`None`: no end known). `queued`:
+    /// the attempt registered as a waiting writer.
+    Held {
+        left: Option<Duration>,
+        queued: bool,
+    },
+    /// Free, and left to the other instances that wait for it (a yielding attempt).
+    LeftToOthers,
+    /// The owner holds the key shared and asked for it exclusively.
+    UpgradeRefused,
+}
+
+impl Attempted {
+    /// Reads an attempt's reply in the integer-array form that the Redis scripts and the
+    /// SQL functions share: `{1, token, count}`, `{0, ms}`, `{0, ms, 1}` (registered as a
+    /// waiting writer), `{2, ms}` (refused for `ms` more, as if held: a restart guard),
+    /// `{4}`, `{5}`. `None` for anything else, a hold included that cannot be read as one.
+    pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
+        let left = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
+        Some(match *reply {
+            [1, token, count] if token >= 0 && count > 0 => Attempted::Acquired {
+                token: token.unsigned_abs(),
+                count: count.unsigned_abs(),
+            },
+            [0, ms] => Attempted::Held {
+                left: left(ms),
+                queued: false,
+            },
+            [0, ms, 1] => Attempted::Held {
+                left: left(ms),
+                queued: true,
+            },
+            [2, ms] if ms >= 0 => Attempted::Held {
+                left: left(ms),
+                queued: false,
+            },
+            [4] => Attempted::UpgradeRefused,
+            [5] => Attempted::LeftToOthers,
+            _ => return None,
+        })
+    }
+}
+
+/// One release of one hold.
+pub(crate) struct Release<'a> {
+    /// The identity the store keeps the hold under.
+    pub(crate) holder: &'a LockOwner,
+    pub(crate) kind: Kind,
+    /// Tells this hold's release from the holder's others (its re-entries): a retry of
+    /// the same release is recognised.
+    pub(crate) release_id: &'a str,
+    /// Re-applied while outer holds of the holder remain.
+    pub(crate) lease: Duration,
+    /// A task of this process to hand the key to, when the run may go on.
+    pub(crate) successor: Option<&'a Claim>,
+    /// The run of this process's holders is spent: free the key if another instance
+    /// waits, rather than hand it on.
+    pub(crate) run_spent: bool,
+    /// An earlier call of this release may have run.
+    pub(crate) may_have_run: bool,
+    /// Act only on the hold of this token (a release done again after a failover).
+    pub(crate) only_token: Option<u64>,
+    /// The last token issued in memory under this hold, when holders of this process got
+    /// it that way: the key's next token must exceed it.
+    pub(crate) issued: Option<u64>,
+    /// Tokens to reserve above a handoff's own for the successor's run.
+    pub(crate) reserve: u64,
+}
+
+/// What a release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// The key went to the successor under this new token.
+    HandedOver(u64),
+    /// The key was freed (or turned over to its shared holders) and its waiters woken.
+    Freed,
+    /// An outer hold of the holder remains (or this hold was already given back).
+    Remains,
+    /// The holder does not hold the key (its lease ran out, it was freed, or a retried
+    /// final release).
+    NotHeld,
+}
+
+impl Released {
+    /// Reads a release's reply in the form the Redis scripts and the SQL functions share:
+    /// `{3, token}`, `{2}`, `{1}`, `{0}`. `None` for anything else.
+    pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
+        Some(match *reply {
+            [3, token] if token >= 0 => Released::HandedOver(token.unsigned_abs()),
+            [2] => Released::Freed,
+            [1] => Released::Remains,
+            [0] => Released::NotHeld,
+            _ => return None,
+        })
+    }
+}
+
+/// See [`Store::takeovers`]: a generation count and its changes.
+pub(crate) struct Takeovers(Option<tokio::sync::watch::Receiver<u64>>);
+
+impl Takeovers {
+    /// A store that announces no takeovers.
+    pub(crate) fn none() -> Self {
+        Takeovers(None)
+    }
+
+    /// Takeovers announced through `generations`.
+    pub(crate) fn from(generations: tokio::sync::watch::Receiver<u64>) -> Self {
+        Takeovers(Some(generations))
+    }
+
+    /// How many takeovers were announced so far.
+    pub(crate) fn generation(&self) -> u64 {
+        self.0.as_ref().map_or(0, |g| *g.borrow())
+    }
+
+    /// Resolves at the next announced takeover; never, for a store that makes none.
+    /// Cancel-safe.
+    pub(crate) async fn next(&mut self) {
+        if let Some(generations) = &mut self.0
+            && generations.changed().await.is_ok()
+        {
+            return;
+        }
+        std::future::pending().await
+    }
+}

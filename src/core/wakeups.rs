@@ -1,0 +1,232 @@
+//! Wake-ups of waiting tasks: which release channels have waiters, and which of them the
+//! store's listening connection has confirmed.
+//!
+//! The registry (channel -> waiters) is the source of truth; a store's listener task
+//! (Redis pub/sub, PostgreSQL `LISTEN`) reconciles its connection's subscriptions with it.
+//! A channel is subscribed while it has waiters and given up when the last one leaves.
+//! Every waiter owns a [`Notify`], whose stored permit means "try the lock again": a
+//! release message, a confirmed subscription or a reconnect all hand out permits, and a
+//! permit that arrives before the waiter parks is kept rather than lost (Redisson #5761).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+
+use super::telemetry::Namespace;
+
+/// Channels with waiters and the listening connection's state.
+#[derive(Default)]
+pub(crate) struct Registry {
+    /// Channels with waiters, each waiter's wakeup keyed by its id.
+    pub(crate) channels: HashMap<String, HashMap<u64, Arc<Notify>>>,
+    /// Channels the current connection has confirmed. A waiter that registers on one of
+    /// these can try again at once: any later release reaches it.
+    pub(crate) active: HashSet<String>,
+    /// Whether a listening connection is up (for introspection and tests).
+    pub(crate) connected: bool,
+    /// The subscriptions last counted in the metrics.
+    reported: usize,
+}
+
+impl Registry {
+    pub(crate) fn wake_channel(&self, channel: &str) {
+        if let Some(waiters) = self.channels.get(channel) {
+            waiters.values().for_each(|n| n.notify_one());
+        }
+    }
+
+    pub(crate) fn wake_all(&self) {
+        self.channels
+            .values()
+            .flat_map(HashMap::values)
+            .for_each(|n| n.notify_one());
+    }
+
+    /// The channels to subscribe (waiters, not active) and to give up (active, no
+    /// waiters). The latter are forgotten before the command is sent, so a waiter arriving
+    /// meanwhile sees its channel as inactive and asks for it again (the unsubscribe goes
+    /// first).
+    pub(crate) fn changes(&mut self) -> (Vec<String>, Vec<String>) {
+        let unsubscribe: Vec<String> = self
+            .active
+            .iter()
+            .filter(|c| !self.channels.contains_key(*c))
+            .cloned()
+            .collect();
+        for c in &unsubscribe {
+            self.active.remove(c);
+        }
+        let subscribe = self
+            .channels
+            .keys()
+            .filter(|c| !self.active.contains(*c))
+            .cloned()
+            .collect();
+        (subscribe, unsubscribe)
+    }
+
+    /// Records confirmed subscriptions. Their waiters try again: a release may have been
+    /// published between their last attempt and the subscription.
+    pub(crate) fn confirmed(&mut self, channels: impl IntoIterator<Item = String>) {
+        for channel in channels {
+            self.wake_channel(&channel);
+            self.active.insert(channel);
+        }
+    }
+}
+
+/// The waiters of one backend, shared by its listener task. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Wakeups(Arc<Shared>);
+
+struct Shared {
+    registry: Mutex<Registry>,
+    /// Set whenever the registry changes, so the listener reconciles subscriptions.
+    dirty: Notify,
+    next_id: AtomicU64,
+    connections: AtomicU64,
+    metrics: Namespace,
+}
+
+impl Wakeups {
+    pub(crate) fn new(metrics: Namespace) -> Self {
+        Wakeups(Arc::new(Shared {
+            registry: Mutex::default(),
+            dirty: Notify::new(),
+            next_id: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
+            metrics,
+        }))
+    }
+
+    pub(crate) fn registry(&self) -> MutexGuard<'_, Registry> {
+        // The registry holds plain data and no code runs under the lock that can panic
+        // half-way through an update, so a poisoned lock is still consistent.
+        self.0.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves when the registry changed since the last call returned (the listener
+    /// reconciles then). Keeps one permit.
+    pub(crate) async fn changed(&self) {
+        self.0.dirty.notified().await;
+    }
+
+    /// Asks the listener to reconcile.
+    pub(crate) fn mark_changed(&self) {
+        self.0.dirty.notify_one();
+    }
+
+    /// Registers a waiter on `channel`. If the channel is already subscribed the waiter
+    /// starts with a permit, so its first wait returns at once and it tries again.
+    pub(crate) fn register(&self, channel: &str) -> Waiter {
+        let id = self.0.next_id.fetch_add(1, Ordering::Relaxed);
+        let notify = Arc::new(Notify::new());
+        let mut registry = self.registry();
+        let already_active = registry.active.contains(channel);
+        registry
+            .channels
+            .entry(channel.to_owned())
+            .or_default()
+            .insert(id, notify.clone());
+        drop(registry);
+        if already_active {
+            notify.notify_one();
+        } else {
+            self.mark_changed();
+        }
+        Waiter {
+            wakeups: self.clone(),
+            channel: channel.to_owned(),
+            id,
+            notify,
+        }
+    }
+
+    /// The listening connection is up.
+    pub(crate) fn connected(&self) {
+        if self.0.connections.fetch_add(1, Ordering::Relaxed) > 0 {
+            self.0.metrics.subscriber_reconnected();
+        }
+        self.registry().connected = true;
+    }
+
+    /// The listening connection went down: no subscription is confirmed any more, and
+    /// every waiter tries again now (messages may have been missed while it was going
+    /// down), and again once its channel is subscribed anew (Redisson #3891).
+    pub(crate) fn disconnected(&self) {
+        let mut registry = self.registry();
+        registry.connected = false;
+        registry.active.clear();
+        registry.wake_all();
+        drop(registry);
+        self.report_subscriptions();
+    }
+
+    /// Counts the change in confirmed subscriptions since the last report (a change, not
+    /// a value: several backends of one process add up in one gauge).
+    pub(crate) fn report_subscriptions(&self) {
+        let mut registry = self.registry();
+        let (before, now) = (registry.reported, registry.active.len());
+        registry.reported = now;
+        drop(registry);
+        self.0.metrics.subscribed_channels(before, now);
+    }
+
+    /// Number of channels with waiters.
+    pub(crate) fn channels_with_waiters(&self) -> usize {
+        self.registry().channels.len()
+    }
+
+    /// Whether the listening connection is up.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.registry().connected
+    }
+
+    /// How many times the listening connection has been established (1 + reconnects).
+    pub(crate) fn connections_made(&self) -> u64 {
+        self.0.connections.load(Ordering::Relaxed)
+    }
+}
+
+/// Marks the listener disconnected when dropped: its task ended, however (even dropped
+/// with its runtime), so no connection is claimed and every waiter tries again.
+pub(crate) struct Disconnected<'a>(pub(crate) &'a Wakeups);
+
+impl Drop for Disconnected<'_> {
+    fn drop(&mut self) {
+        self.0.disconnected();
+    }
+}
+
+/// One task waiting for a release on one channel. Dropping it (including when the waiting
+/// future is cancelled) deregisters it, and gives the channel up if it was the last.
+pub(crate) struct Waiter {
+    wakeups: Wakeups,
+    channel: String,
+    id: u64,
+    notify: Arc<Notify>,
+}
+
+impl Waiter {
+    /// Resolves when the lock may have been freed (or the subscription came up); the caller
+    /// must then try again, as a wakeup is a hint, not a handoff.
+    pub(crate) async fn woken(&self) {
+        self.notify.notified().await;
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut registry = self.wakeups.registry();
+        if let Some(waiters) = registry.channels.get_mut(&self.channel) {
+            waiters.remove(&self.id);
+            if waiters.is_empty() {
+                registry.channels.remove(&self.channel);
+                drop(registry);
+                self.wakeups.mark_changed();
+            }
+        }
+    }
+}

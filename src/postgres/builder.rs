@@ -1,0 +1,363 @@
+//! [`PostgresBackendBuilder`]: the settings, and `build`: connect, check the server and the
+//! schema (or create it), start the listener and the janitor.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+use super::listen::{ListenConfig, Listener};
+use super::store::{PgStore, Statements};
+use super::{PostgresBackend, janitor, schema};
+use crate::core::telemetry::{self, Namespace};
+use crate::core::wakeups::Wakeups;
+use crate::core::{
+    Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
+    Settings,
+};
+use crate::error::BuildError;
+use crate::key::{namespaced, validate_namespace};
+
+/// Configures a [`PostgresBackend`]; created by [`PostgresBackend::builder`] or
+/// [`PostgresBackend::from_pool`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is awaited"]
+pub struct PostgresBackendBuilder {
+    target: Target,
+    table: String,
+    migrate: bool,
+    pool_size: u32,
+    namespace: String,
+    max_key_len: usize,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    fence_ttl: Duration,
+    ping_interval: Duration,
+    max_backoff: Duration,
+    max_local_handoffs: u32,
+    max_local_handoff_time: Duration,
+}
+
+#[derive(Debug, Clone)]
+enum Target {
+    Url(String),
+    Pool(PgPool),
+}
+
+impl PostgresBackendBuilder {
+    pub(super) fn new(url: String) -> Self {
+        Self::with_target(Target::Url(url))
+    }
+
+    pub(super) fn from_pool(pool: PgPool) -> Self {
+        Self::with_target(Target::Pool(pool))
+    }
+
+    fn with_target(target: Target) -> Self {
+        PostgresBackendBuilder {
+            target,
+            table: schema::DEFAULT_TABLE.to_owned(),
+            migrate: false,
+            pool_size: 8,
+            namespace: "tower-lock".to_owned(),
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            connect_timeout: Duration::from_secs(1),
+            command_timeout: Duration::from_secs(1),
+            fence_ttl: Duration::from_secs(10 * 60),
+            ping_interval: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(2),
+            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
+            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
+        }
+    }
+
+    /// Creates the lock table and its functions at build if they are missing, and upgrades
+    /// them if they are older (idempotent, and safe when several instances build at once).
+    /// Without it, `build` refuses a database that lacks them and names the SQL file to
+    /// run (`src/postgres/schema.sql` in this crate, or
+    /// [`PostgresBackend::schema_sql`]): for deployments where the application's database
+    /// user may not create tables.
+    pub fn migrate(mut self) -> Self {
+        self.migrate = true;
+        self
+    }
+
+    /// The lock table's name (default `tower_lock`): its functions and second table are
+    /// named after it (`tower_lock_acquire`, `tower_lock_holders`, ...). A lower-case
+    /// identifier of at most 48 bytes; put it in a schema with the connection's
+    /// `search_path`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Connections of the command pool (default 8; ignored by [`from_pool`]). Each call
+    /// takes one for a single statement: a held lock never keeps one. The listening
+    /// connection is one more, of its own.
+    ///
+    /// [`from_pool`]: super::PostgresBackend::from_pool
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The prefix of every lock name in the table (default `tower-lock`): backends whose
+    /// locks must not contend with each other use different namespaces. Must not contain
+    /// `{`, `}` or control characters.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The longest key accepted, in bytes (default 1024); longer keys are refused with
+    /// 400, never truncated.
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// How long to wait for a connection, new or from the pool (default 1 s). A pool that
+    /// stays exhausted this long fails the call: 503 from the layer.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one call may take (default 1 s). The server cancels a statement that runs
+    /// past twice this long (`statement_timeout`), so none outlives its caller by much.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// How long a name's row, with its fencing counter, is kept once nobody holds or waits
+    /// for it (default 10 minutes); the janitor deletes it within a quarter of that more.
+    /// Tokens never fall below the server clock in microseconds, so after that the clock
+    /// alone keeps them increasing, provided it never steps back by more than this.
+    pub fn fence_ttl(mut self, ttl: Duration) -> Self {
+        self.fence_ttl = ttl;
+        self
+    }
+
+    /// How often the listening connection is pinged (default 1 s): a half-open connection
+    /// is noticed within this plus the command timeout, and its waiters are woken.
+    pub fn listener_ping_interval(mut self, interval: Duration) -> Self {
+        self.ping_interval = interval;
+        self
+    }
+
+    /// Bounds consecutive handoffs within this process under one hold in the table
+    /// (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff in memory off. See
+    /// [`RedisBackendBuilder::max_local_handoffs`](crate::RedisBackendBuilder::max_local_handoffs).
+    pub fn max_local_handoffs(mut self, max: u32) -> Self {
+        self.max_local_handoffs = max;
+        self
+    }
+
+    /// Bounds the time this process's tasks take turns under one hold in the table
+    /// (default [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]).
+    pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
+        self.max_local_handoff_time = time;
+        self
+    }
+
+    /// Connects, checks the server and the schema (or creates it with
+    /// [`migrate`](Self::migrate)), and starts the backend's tasks. Must be called inside
+    /// a Tokio runtime.
+    ///
+    /// Refused with the cause: an unreachable server, wrong credentials, a read-only
+    /// server (a replica, or `default_transaction_read_only`), a database without the lock
+    /// table and functions (naming the SQL file) or with another version of them, a user
+    /// not allowed to use them (a probe acquisition and release, which leave nothing
+    /// behind, must pass).
+    pub async fn build(self) -> Result<PostgresBackend, BuildError> {
+        self.validate()?;
+        let (pool, options) = self.pool().await?;
+        refuse_read_only(&pool).await?;
+        if self.migrate {
+            schema::migrate(&pool, &self.table)
+                .await
+                .map_err(|e| connect_failure(e, &options))?;
+        } else {
+            schema::check(&pool, &self.table).await?;
+        }
+        let metrics = Namespace::new(&self.namespace);
+        telemetry::describe_metrics();
+        let parts = Parts::new(
+            Settings {
+                command_timeout: self.command_timeout,
+                max_local_handoffs: self.max_local_handoffs,
+                max_local_handoff_time: self.max_local_handoff_time,
+                max_key_len: self.max_key_len,
+            },
+            metrics.clone(),
+        );
+        let listen_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(self.connect_timeout)
+            .connect_lazy_with(options.clone());
+        let listener = Listener::spawn(
+            (listen_pool, Wakeups::new(metrics)),
+            ListenConfig {
+                connect_timeout: self.connect_timeout,
+                command_timeout: self.command_timeout,
+                ping_interval: self.ping_interval,
+                max_backoff: self.max_backoff,
+            },
+            parts.recheck.clone(),
+            parts.shutdown.clone(),
+            &parts.runtime,
+        );
+        let sql = Statements::new(&self.table);
+        let janitor = janitor::spawn(
+            pool.clone(),
+            sql.sweep.clone(),
+            self.fence_ttl,
+            parts.shutdown.clone(),
+            &parts.runtime,
+        );
+        let store = PgStore {
+            pool,
+            sql,
+            listener,
+            janitor,
+            instance: parts.owners.instance().to_owned(),
+            namespace: self.namespace,
+            table: self.table,
+            max_key_len: self.max_key_len,
+        };
+        probe(&store, &options).await?;
+        Ok(PostgresBackend {
+            inner: Core::new(store, parts),
+        })
+    }
+
+    fn validate(&self) -> Result<(), BuildError> {
+        validate_namespace(&self.namespace)?;
+        schema::sql(&self.table)?;
+        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
+        if self.command_timeout.is_zero() {
+            return refuse("command_timeout", "it must be above zero");
+        }
+        if self.connect_timeout.is_zero() {
+            return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_key_len == 0 {
+            return refuse("max_key_len", "it must be at least one byte");
+        }
+        if self.fence_ttl < Duration::from_secs(1) {
+            return refuse("fence_ttl", "it must be at least one second");
+        }
+        Ok(())
+    }
+
+    /// The command pool, connected (the first connection proves the server and the
+    /// credentials), and the options the listener connects with.
+    async fn pool(&self) -> Result<(PgPool, PgConnectOptions), BuildError> {
+        let statement_timeout = self
+            .command_timeout
+            .saturating_mul(2)
+            .as_millis()
+            .to_string();
+        match &self.target {
+            Target::Url(url) => {
+                let options = PgConnectOptions::from_str(url)
+                    .map_err(|e| BuildError::Url {
+                        source: Box::new(e),
+                    })?
+                    .options([("statement_timeout", statement_timeout.as_str())]);
+                let pool = PgPoolOptions::new()
+                    .max_connections(self.pool_size)
+                    .acquire_timeout(self.connect_timeout)
+                    // A statement on a dead connection fails and is retried; a ping before
+                    // every call would double the round trips.
+                    .test_before_acquire(false)
+                    .connect_with(options.clone())
+                    .await
+                    .map_err(|e| connect_failure(e, &options))?;
+                Ok((pool, options))
+            }
+            Target::Pool(pool) => {
+                let options = (*pool.connect_options()).clone();
+                // Proves the server and the credentials now, as a URL's pool does.
+                sqlx::query("SELECT 1")
+                    .execute(pool)
+                    .await
+                    .map_err(|e| connect_failure(e, &options))?;
+                Ok((pool.clone(), options))
+            }
+        }
+    }
+}
+
+/// Refuses a server that takes no writes: every acquisition would fail.
+async fn refuse_read_only(pool: &PgPool) -> Result<(), BuildError> {
+    let (recovery, read_only) = sqlx::query_as::<_, (bool, String)>(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| BuildError::Connect {
+        source: Box::new(e),
+    })?;
+    if recovery {
+        return Err(BuildError::ReadOnly {
+            reason: "the server is a replica (in recovery): give the primary's URL",
+        });
+    }
+    if read_only == "on" {
+        return Err(BuildError::ReadOnly {
+            reason: "the session is read-only (default_transaction_read_only is on for this \
+                     user or database)",
+        });
+    }
+    Ok(())
+}
+
+/// Takes and gives back a lock on a probe name, so that a user without the rights the
+/// functions need is refused now rather than on every request; deletes its row after.
+async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildError> {
+    let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
+    let name = namespaced(&store.namespace, &probe);
+    let table = &store.table;
+    let statements = [
+        format!("SELECT {table}_acquire($1, 'probe', 1000, 0, 0, false, '')"),
+        format!(
+            "SELECT {table}_release($1, 'probe', 'probe#0', 1000, 'tl_probe', NULL, false, \
+             NULL, 0, false, NULL, 0, '')"
+        ),
+        format!("DELETE FROM {table} WHERE name = $1"),
+    ];
+    for statement in &statements {
+        sqlx::query(statement)
+            .bind(&name)
+            .execute(&store.pool)
+            .await
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
+                    BuildError::Rights {
+                        user: options.get_username().to_owned(),
+                        right: format!("use the lock table `{table}` and its functions ({db})"),
+                        source: Box::new(e),
+                    }
+                }
+                _ => connect_failure(e, options),
+            })?;
+    }
+    Ok(())
+}
+
+/// The build error for a failed connection or call: wrong credentials are named as such.
+fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
+    let refused = matches!(&e, sqlx::Error::Database(db)
+        if matches!(db.code().as_deref(), Some("28P01" | "28000")));
+    if refused {
+        return BuildError::Auth {
+            user: options.get_username().to_owned(),
+            source: Box::new(e),
+        };
+    }
+    BuildError::Connect {
+        source: Box::new(e),
+    }
+}

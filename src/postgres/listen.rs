@@ -1,0 +1,186 @@
+//! One listening connection per backend: `LISTEN` on the channel of every key with
+//! waiters in this process, multiplexed on it as the Redis subscriber does.
+//!
+//! A release does `pg_notify` inside its statement, and PostgreSQL delivers the
+//! notification when that statement commits. A listener that reconnects has missed what
+//! was sent meanwhile, so every drop of the connection wakes every waiter, and the
+//! channels are listened to anew on the next connection (whose confirmation wakes them
+//! once more). The connection is pinged every `ping_interval`: a half-open TCP
+//! connection never fails by itself.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgListener, PgPool};
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+
+use crate::core::recheck::Recheck;
+use crate::core::runtime::{Daemon, Spawner};
+use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+
+/// Timing of the listening connection.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ListenConfig {
+    pub(crate) connect_timeout: Duration,
+    pub(crate) command_timeout: Duration,
+    pub(crate) ping_interval: Duration,
+    pub(crate) max_backoff: Duration,
+}
+
+/// Handle to the backend's listener task.
+pub(crate) struct Listener {
+    wakeups: Wakeups,
+    task: Daemon,
+}
+
+impl Listener {
+    /// Starts the listener on a connection of `pool` (a pool of its own: the connection is
+    /// held for as long as the backend lives); it stops when `shutdown` is cancelled.
+    /// Every (re)connect raises `recheck`: a failover may have lost recent writes.
+    pub(crate) fn spawn(
+        (pool, wakeups): (PgPool, Wakeups),
+        config: ListenConfig,
+        recheck: Recheck,
+        shutdown: CancellationToken,
+        spawner: &Spawner,
+    ) -> Self {
+        let serving = wakeups.clone();
+        let start = move |shutdown| {
+            listen_until_shutdown(
+                serving.clone(),
+                pool.clone(),
+                config,
+                recheck.clone(),
+                shutdown,
+            )
+        };
+        let task = Daemon::spawn(start, spawner, shutdown);
+        Listener { wakeups, task }
+    }
+
+    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
+    pub(crate) fn register(&self, channel: &str) -> Waiter {
+        // A waiter on another runtime than the one the listener ran on.
+        self.task.ensure_running();
+        self.wakeups.register(channel)
+    }
+
+    /// The waiters and the connection's state.
+    pub(crate) fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+}
+
+/// Connects, serves, and reconnects with capped exponential backoff until shut down.
+async fn listen_until_shutdown(
+    wakeups: Wakeups,
+    pool: PgPool,
+    config: ListenConfig,
+    recheck: Recheck,
+    shutdown: CancellationToken,
+) {
+    // However the task ends, even dropped with its runtime, every waiter tries again.
+    let _disconnected = Disconnected(&wakeups);
+    let initial_backoff = Duration::from_millis(20);
+    let mut backoff = initial_backoff;
+    while !shutdown.is_cancelled() {
+        let connected = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            c = timeout(config.connect_timeout, PgListener::connect_with(&pool)) => c,
+        };
+        match connected {
+            Ok(Ok(mut listener)) => {
+                wakeups.connected();
+                tracing::debug!("lock listener connected");
+                recheck.raise("the listening connection was (re)opened");
+                let mut proven = false;
+                let ended = serve(&wakeups, &mut listener, config, &shutdown, &mut proven).await;
+                wakeups.disconnected();
+                if proven {
+                    backoff = initial_backoff;
+                }
+                match ended {
+                    Ok(()) => return,
+                    Err(reason) => tracing::warn!(%reason, "lock listener connection lost"),
+                }
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "lock listener cannot connect"),
+            Err(_) => tracing::warn!("lock listener connect timed out"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(config.max_backoff);
+    }
+}
+
+/// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
+/// Sets `proven` once a `LISTEN` or a ping went through.
+async fn serve(
+    wakeups: &Wakeups,
+    listener: &mut PgListener,
+    config: ListenConfig,
+    shutdown: &CancellationToken,
+    proven: &mut bool,
+) -> Result<(), String> {
+    // sqlx reconnects a listener by itself inside `try_recv`; this task replaces it instead,
+    // to wake every waiter (and count the reconnect) each time.
+    listener.eager_reconnect(false);
+    let mut ping = tokio::time::interval(config.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    loop {
+        reconcile(wakeups, listener, config.command_timeout, proven).await?;
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = wakeups.changed() => {}
+            // Cancel-safe: sqlx keeps a partly read message in the connection's buffer.
+            received = listener.try_recv() => match received {
+                Ok(Some(notification)) => {
+                    wakeups.registry().wake_channel(notification.channel());
+                }
+                Ok(None) => return Err("connection closed".to_owned()),
+                Err(e) => return Err(format!("receive failed: {e}")),
+            },
+            _ = ping.tick() => {
+                timeout(config.command_timeout, sqlx::query("SELECT 1").execute(&mut *listener))
+                    .await
+                    .map_err(|_| "ping timed out".to_owned())?
+                    .map_err(|e| format!("ping failed: {e}"))?;
+                *proven = true;
+            }
+        }
+    }
+}
+
+/// Brings the connection's `LISTEN`s in line with the registry.
+async fn reconcile(
+    wakeups: &Wakeups,
+    listener: &mut PgListener,
+    command_timeout: Duration,
+    proven: &mut bool,
+) -> Result<(), String> {
+    loop {
+        let (listen, unlisten) = wakeups.registry().changes();
+        if listen.is_empty() && unlisten.is_empty() {
+            wakeups.report_subscriptions();
+            return Ok(());
+        }
+        for channel in &unlisten {
+            timeout(command_timeout, listener.unlisten(channel))
+                .await
+                .map_err(|_| "UNLISTEN timed out".to_owned())?
+                .map_err(|e| format!("UNLISTEN failed: {e}"))?;
+        }
+        if !listen.is_empty() {
+            let channels = listen.iter().map(String::as_str);
+            timeout(command_timeout, listener.listen_all(channels))
+                .await
+                .map_err(|_| "LISTEN timed out".to_owned())?
+                .map_err(|e| format!("LISTEN failed: {e}"))?;
+            *proven = true;
+            wakeups.registry().confirmed(listen);
+        }
+    }
+}

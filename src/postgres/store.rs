@@ -1,0 +1,238 @@
+//! The PostgreSQL store: the core's primitive calls as one statement each, calling the
+//! crate's SQL functions (schema.sql), with waiters woken by the listener.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::PgPool;
+
+use super::error::PgError;
+use super::keys::PgKey;
+use super::listen::Listener;
+use crate::core::runtime::Daemon;
+use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store};
+use crate::core::wakeups::Waiter;
+use crate::core::watchdog::Due;
+use crate::error::KeyError;
+use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+
+/// Locks in one PostgreSQL database, in the table (and its functions) named `table`.
+pub(crate) struct PgStore {
+    pub(crate) pool: PgPool,
+    pub(crate) sql: Statements,
+    pub(crate) listener: Listener,
+    /// Deletes the rows of names unused for the fence retention.
+    pub(crate) janitor: Daemon,
+    pub(crate) namespace: String,
+    pub(crate) table: String,
+    pub(crate) max_key_len: usize,
+    /// This backend's instance id: a run of its holders ends by freeing the lock when
+    /// another instance waits for it.
+    pub(crate) instance: String,
+}
+
+/// The statements of the lock protocol, for the table's functions.
+pub(crate) struct Statements {
+    acquire: String,
+    release: String,
+    renew: String,
+    shared_acquire: String,
+    permit_acquire: String,
+    holder_release: String,
+    remaining: String,
+    withdraw: String,
+    pub(crate) sweep: String,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &str) -> Self {
+        Statements {
+            acquire: format!("SELECT {table}_acquire($1, $2, $3, $4, $5, $6, $7)"),
+            release: format!(
+                "SELECT {table}_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+            ),
+            renew: format!("SELECT {table}_renew($1, $2, $3)"),
+            shared_acquire: format!("SELECT {table}_shared_acquire($1, $2, $3, $4)"),
+            permit_acquire: format!("SELECT {table}_permit_acquire($1, $2, $3, $4)"),
+            holder_release: format!("SELECT {table}_holder_release($1, $2, $3, $4, $5, $6)"),
+            remaining: format!(
+                "SELECT {table}_ms(clock_timestamp(), expires) FROM {table} \
+                 WHERE name = $1 AND owner IS NOT NULL"
+            ),
+            withdraw: format!("SELECT {table}_withdraw($1, $2, $3, $4)"),
+            sweep: format!("SELECT {table}_sweep($1, $2)"),
+        }
+    }
+}
+
+/// `d` in whole milliseconds, as the functions take leases and waits: at least 1 and at
+/// most [`MAX_DURATION`].
+fn millis(d: Duration) -> i64 {
+    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+/// A token as the functions' `bigint`: tokens are microseconds of the server clock plus a
+/// count, far below `i64::MAX`.
+fn token(t: u64) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
+}
+
+impl Store for PgStore {
+    type Key = PgKey;
+    type Error = PgError;
+    // A call is one autocommitted statement: a release after one of unknown outcome needs
+    // no particular connection.
+    type Sent = ();
+
+    fn key(&self, user: String, kind: Kind) -> Result<PgKey, KeyError> {
+        let semaphore = matches!(kind, Kind::Permit(_));
+        PgKey::new(&self.namespace, user, self.max_key_len, semaphore)
+    }
+
+    fn attempt(
+        self: &Arc<Self>,
+        key: &Arc<PgKey>,
+        attempt: Attempt,
+    ) -> BoxFuture<'static, Sent<Self>> {
+        // Runs again on this caller's runtime if the one it ran on is gone.
+        self.janitor.ensure_running();
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let lease = millis(attempt.lease);
+            let holder = attempt.holder.as_str();
+            let call = match attempt.kind {
+                Kind::Exclusive => sqlx::query_scalar::<_, Vec<i64>>(&store.sql.acquire)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(lease)
+                    .bind(attempt.waits.map_or(0, millis))
+                    .bind(token(attempt.reserve))
+                    .bind(attempt.yielding)
+                    .bind(&store.instance),
+                Kind::Shared => sqlx::query_scalar::<_, Vec<i64>>(&store.sql.shared_acquire)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(attempt.owner.as_str())
+                    .bind(lease),
+                Kind::Permit(permits) => {
+                    sqlx::query_scalar::<_, Vec<i64>>(&store.sql.permit_acquire)
+                        .bind(&*key.name)
+                        .bind(holder)
+                        .bind(lease)
+                        .bind(i32::try_from(permits).unwrap_or(i32::MAX))
+                }
+            };
+            let reply = match call.fetch_one(&store.pool).await {
+                Ok(reply) => reply,
+                Err(e) => return (Err(PgError::from(e)), Some(())),
+            };
+            let attempted = Attempted::from_reply(&reply).ok_or(PgError::Unexpected("acquire"));
+            (attempted, Some(()))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a PgKey,
+        release: &'a Release<'a>,
+    ) -> BoxFuture<'a, Result<Released, PgError>> {
+        Box::pin(async move {
+            let call = match release.kind {
+                Kind::Exclusive => sqlx::query_scalar::<_, Vec<i64>>(&self.sql.release)
+                    .bind(&*key.name)
+                    .bind(release.holder.as_str())
+                    .bind(release.release_id)
+                    .bind(millis(release.lease))
+                    .bind(&key.channel)
+                    .bind(release.only_token.map(token))
+                    .bind(release.may_have_run)
+                    .bind(release.successor.map(|s| s.owner.as_str()))
+                    .bind(release.successor.map_or(0, |s| millis(s.lease)))
+                    .bind(release.run_spent)
+                    .bind(release.issued.map(token))
+                    .bind(token(release.reserve))
+                    .bind(&self.instance),
+                Kind::Shared | Kind::Permit(_) => {
+                    sqlx::query_scalar::<_, Vec<i64>>(&self.sql.holder_release)
+                        .bind(&*key.name)
+                        .bind(release.holder.as_str())
+                        .bind(release.release_id)
+                        .bind(millis(release.lease))
+                        .bind(&key.channel)
+                        .bind(release.only_token.map(token))
+                }
+            };
+            let reply = call.fetch_one(&self.pool).await?;
+            Released::from_reply(&reply).ok_or(PgError::Unexpected("release"))
+        })
+    }
+
+    fn release_after<'a>(
+        &'a self,
+        key: &'a PgKey,
+        release: &'a Release<'a>,
+        (): (),
+    ) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.release(key, release).await.is_ok() })
+    }
+
+    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, PgError>> {
+        Box::pin(async move {
+            let names: Vec<&str> = batch.iter().map(|d| &*d.key.0).collect();
+            let holders: Vec<&str> = batch.iter().map(|d| d.key.1.as_str()).collect();
+            // A lease of 0 only checks.
+            let leases: Vec<i64> = batch
+                .iter()
+                .map(|d| if d.renew { millis(d.lease) } else { 0 })
+                .collect();
+            let held = sqlx::query_scalar::<_, Vec<bool>>(&self.sql.renew)
+                .bind(names)
+                .bind(holders)
+                .bind(leases)
+                .fetch_one(&self.pool)
+                .await?;
+            if held.len() != batch.len() {
+                return Err(PgError::Unexpected("renew"));
+            }
+            Ok(held)
+        })
+    }
+
+    fn subscribe(&self, key: &PgKey) -> Waiter {
+        self.listener.register(&key.channel)
+    }
+
+    fn remaining(self: &Arc<Self>, key: &Arc<PgKey>) -> BoxFuture<'static, Option<Duration>> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
+                .bind(&*key.name)
+                .fetch_optional(&store.pool)
+                .await
+                .ok()??;
+            u64::try_from(ms).ok().map(Duration::from_millis)
+        })
+    }
+
+    fn withdraw_writer(
+        self: &Arc<Self>,
+        key: &Arc<PgKey>,
+        holder: LockOwner,
+        wake: bool,
+    ) -> BoxFuture<'static, ()> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let withdrawn = sqlx::query(&store.sql.withdraw)
+                .bind(&*key.name)
+                .bind(holder.as_str())
+                .bind(&key.channel)
+                .bind(wake)
+                .execute(&store.pool);
+            if let Err(error) = withdrawn.await {
+                // Its registration runs out with the wait it was made for.
+                tracing::debug!(key = %key.name, %error, "could not withdraw a waiting writer");
+            }
+        })
+    }
+}

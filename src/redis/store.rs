@@ -1,0 +1,364 @@
+//! The Redis store: the core's primitive calls as Lua scripts (see `scripts/`), sent
+//! through the command pool, with waiters woken by the subscriber.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::timeout;
+
+use super::UnexpectedReply;
+use super::connection::cluster;
+use super::connection::pool::{CommandError, Conn, Pool};
+use super::keys::LockKey;
+use super::pubsub::Subscriber;
+use super::replay::Replays;
+use super::replicas::SyncReplicas;
+use super::scripts::release_call::ReleaseCall;
+use super::scripts::{Scripts, millis};
+use crate::core::store::{
+    Attempt, Attempted, Failure, Release, Released, Sent, Store, StoreKey, Takeovers,
+};
+use crate::core::wakeups::Waiter;
+use crate::core::watchdog::Due;
+use crate::error::KeyError;
+use crate::lock::{BoxFuture, Kind, LockOwner};
+
+/// Locks in one Redis deployment (a server, a Sentinel group's master, a cluster).
+pub(crate) struct RedisStore {
+    pub(crate) pool: Pool,
+    pub(crate) scripts: Arc<Scripts>,
+    pub(crate) subscriber: Subscriber,
+    /// Recent releases, sent again after a Sentinel failover; `None` on other topologies.
+    pub(crate) replays: Option<Replays>,
+    pub(crate) namespace: String,
+    pub(crate) max_key_len: usize,
+    pub(crate) command_timeout: Duration,
+    pub(crate) fence_ttl: Duration,
+    /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
+    pub(crate) restart_guard: Option<Duration>,
+    /// Replicas that must acknowledge an acquisition; `None`: none.
+    pub(crate) sync_replicas: Option<SyncReplicas>,
+}
+
+impl StoreKey for LockKey {
+    fn user(&self) -> &str {
+        &self.user
+    }
+
+    fn lock(&self) -> &Arc<str> {
+        &self.lock
+    }
+}
+
+impl Failure for CommandError {
+    fn may_have_run(&self) -> bool {
+        // An acquisition too few replicas acknowledged was taken on the master; a reply
+        // that cannot be read came from a script that ran.
+        self.is_ambiguous()
+            || matches!(
+                self,
+                CommandError::Unreplicated(_) | CommandError::Unexpected(_)
+            )
+    }
+
+    fn is_transient(&self) -> bool {
+        self.is_topology_change() || self.is_read_only() || matches!(self, CommandError::Connect(_))
+    }
+
+    fn is_foreign(&self) -> bool {
+        self.is_wrong_type()
+    }
+}
+
+impl Store for RedisStore {
+    type Key = LockKey;
+    type Error = CommandError;
+    type Sent = Conn;
+
+    fn key(&self, user: String, kind: Kind) -> Result<LockKey, KeyError> {
+        match kind {
+            Kind::Permit(_) => LockKey::semaphore(&self.namespace, user, self.max_key_len),
+            Kind::Exclusive | Kind::Shared => LockKey::new(&self.namespace, user, self.max_key_len),
+        }
+    }
+
+    fn attempt(
+        self: &Arc<Self>,
+        key: &Arc<LockKey>,
+        attempt: Attempt,
+    ) -> BoxFuture<'static, Sent<Self>> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let mut conn = match store.pool.connection().await {
+                Ok(conn) => conn,
+                Err(e) => return (Err(e), None),
+            };
+            let reply = {
+                let invocation = store.acquire_invocation(&key, &attempt);
+                conn.invoke::<Vec<i64>>(&invocation).await
+            };
+            let attempted = match reply {
+                Ok(reply) => parse_attempt(&reply),
+                Err(e) => return (Err(e), Some(conn)),
+            };
+            match (&attempted, store.sync_replicas) {
+                (Ok(Attempted::Acquired { .. }), Some(sync)) => {
+                    if let Err(e) = sync.wait(&mut conn, &key.lock).await {
+                        // Not known to be on enough replicas: given back before the attempt
+                        // fails, on the same connection, so it runs first. If that cannot
+                        // be done, the core undoes it behind the attempt (the error says
+                        // the attempt may have taken a hold).
+                        return match store.undo(&key, &attempt, conn).await {
+                            Ok(()) => (Err(e), None),
+                            Err(conn) => (Err(e), Some(conn)),
+                        };
+                    }
+                    (attempted, Some(conn))
+                }
+                _ => (attempted, Some(conn)),
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        release: &'a Release<'a>,
+    ) -> BoxFuture<'a, Result<Released, CommandError>> {
+        Box::pin(async move {
+            let invocation = self
+                .release_call(key, release)
+                .invocation(&self.scripts, self.fence_ttl);
+            parse_release(&self.pool.invoke::<Vec<i64>>(&invocation).await?)
+        })
+    }
+
+    fn release_after<'a>(
+        &'a self,
+        key: &'a LockKey,
+        release: &'a Release<'a>,
+        mut conn: Conn,
+    ) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let invocation = self
+                .release_call(key, release)
+                .invocation(&self.scripts, self.fence_ttl);
+            conn.invoke::<Vec<i64>>(&invocation).await.is_ok()
+        })
+    }
+
+    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, CommandError>> {
+        Box::pin(async move {
+            let mut invocation = self.scripts.renew.prepare_invoke();
+            for due in batch {
+                // A lease of 0 only checks (see renew.lua).
+                let lease = if due.renew { millis(due.lease) } else { 0 };
+                invocation
+                    .key(&*due.key.0)
+                    .arg(due.key.1.as_str())
+                    .arg(lease);
+            }
+            let renewed = self.pool.invoke::<Vec<i64>>(&invocation).await?;
+            if renewed.len() != batch.len() || renewed.iter().any(|r| !matches!(r, 0 | 1)) {
+                return Err(CommandError::Unexpected(UnexpectedReply("renew")));
+            }
+            Ok(renewed.into_iter().map(|held| held == 1).collect())
+        })
+    }
+
+    fn renewal_calls(&self, due: Vec<Due>) -> Vec<Vec<Due>> {
+        // A script's keys must share a hash slot on a cluster (CROSSSLOT otherwise): one
+        // call per slot there.
+        if self.scripts.sharded {
+            cluster::by_slot(due, |d| &d.key.0)
+        } else {
+            vec![due]
+        }
+    }
+
+    fn subscribe(&self, key: &LockKey) -> Waiter {
+        self.subscriber.register(&key.channel)
+    }
+
+    fn remaining(self: &Arc<Self>, key: &Arc<LockKey>) -> BoxFuture<'static, Option<Duration>> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let mut pttl = redis::cmd("PTTL");
+            pttl.arg(&*key.lock);
+            let ms = store.pool.query::<i64>(&pttl).await.ok()?;
+            u64::try_from(ms).ok().map(Duration::from_millis)
+        })
+    }
+
+    fn withdraw_writer(
+        self: &Arc<Self>,
+        key: &Arc<LockKey>,
+        holder: LockOwner,
+        wake: bool,
+    ) -> BoxFuture<'static, ()> {
+        let (store, writers, channel) = (self.clone(), key.writers(), key.channel.clone());
+        Box::pin(async move {
+            let mut leave = redis::cmd("ZREM");
+            leave.arg(&writers).arg(holder.as_str());
+            let publish = if store.scripts.sharded {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            };
+            let mut woken = redis::cmd(publish);
+            woken.arg(&channel).arg("released");
+            let woken = wake.then_some(woken);
+            for cmd in std::iter::once(leave).chain(woken) {
+                let sent = timeout(store.command_timeout, store.pool.query::<i64>(&cmd)).await;
+                if !matches!(sent, Ok(Ok(_))) {
+                    // Its registration runs out with the wait it was made for.
+                    tracing::debug!(key = %writers, "could not withdraw a waiting writer");
+                    return;
+                }
+            }
+        })
+    }
+
+    fn runs_calls_twice(&self) -> bool {
+        self.scripts.sharded
+    }
+
+    fn lease(&self, lease: Duration) -> Duration {
+        // The restart guard outwaits only leases up to its maximum.
+        self.restart_guard.map_or(lease, |max| lease.min(max))
+    }
+
+    fn takeovers(&self) -> Takeovers {
+        self.pool.topology().takeovers()
+    }
+
+    fn released(&self, key: &Arc<LockKey>, token: u64, lease: Duration, generation: u64) {
+        // Replays after a failover cover exclusive holds (see replay.rs).
+        if let Some(replays) = &self.replays {
+            replays.record(key, token, lease, generation);
+        }
+    }
+}
+
+impl RedisStore {
+    /// The script call of one attempt (see acquire.lua, shared_acquire.lua and
+    /// permit_acquire.lua for what each argument does).
+    fn acquire_invocation<'s>(
+        &'s self,
+        key: &LockKey,
+        attempt: &Attempt,
+    ) -> redis::ScriptInvocation<'s> {
+        let scripts = &self.scripts;
+        let holder = attempt.holder.as_str();
+        // One id per attempt: a copy that the cluster client sends again after a lost
+        // reply carries the same id, and takes no second hold (see acquire.lua).
+        let attempt_id = format!("{holder}@{}", attempt.serial);
+        let guard = self.restart_guard.map_or(0, millis);
+        match attempt.kind {
+            Kind::Exclusive => {
+                let waits = attempt.waits.map_or(0, millis);
+                let mut invocation = scripts.acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .key(key.writers())
+                    .arg(holder)
+                    .arg(millis(attempt.lease))
+                    .arg(millis(self.fence_ttl))
+                    .arg(guard)
+                    .arg(attempt_id)
+                    .arg(waits);
+                if attempt.reserve > 0 || attempt.yielding {
+                    invocation.arg(attempt.reserve);
+                }
+                if attempt.yielding {
+                    invocation
+                        .arg(1)
+                        .arg(&key.channel)
+                        .arg(u8::from(scripts.sharded));
+                }
+                invocation
+            }
+            Kind::Shared => {
+                let mut invocation = scripts.shared_acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .key(key.writers())
+                    .arg(holder)
+                    .arg(millis(attempt.lease))
+                    .arg(guard)
+                    .arg(attempt_id)
+                    .arg(attempt.owner.as_str());
+                invocation
+            }
+            Kind::Permit(permits) => {
+                let mut invocation = scripts.permit_acquire.key(&*key.lock);
+                invocation
+                    .key(&key.fence)
+                    .arg(holder)
+                    .arg(millis(attempt.lease))
+                    .arg(millis(self.fence_ttl))
+                    .arg(guard)
+                    .arg(attempt_id)
+                    .arg(permits);
+                invocation
+            }
+        }
+    }
+
+    /// The release script's call for `release`.
+    fn release_call<'a>(&self, key: &'a LockKey, release: &'a Release<'a>) -> ReleaseCall<'a> {
+        ReleaseCall {
+            key,
+            owner: release.holder,
+            kind: release.kind,
+            release_id: release.release_id,
+            lease: release.lease,
+            successor: release.successor,
+            streak_spent: release.run_spent,
+            may_have_run: release.may_have_run,
+            token: release.only_token,
+            issued: release.issued,
+            reserve: release.reserve,
+        }
+    }
+
+    /// Gives back what `attempt` took, on the connection it ran on; the connection back
+    /// when that failed.
+    async fn undo(&self, key: &LockKey, attempt: &Attempt, mut conn: Conn) -> Result<(), Conn> {
+        let release_id = format!("{}#{}", attempt.holder.as_str(), attempt.serial);
+        let release = Release {
+            holder: &attempt.holder,
+            kind: attempt.kind,
+            release_id: &release_id,
+            lease: attempt.lease,
+            successor: None,
+            run_spent: false,
+            may_have_run: self.runs_calls_twice(),
+            only_token: None,
+            issued: None,
+            reserve: 0,
+        };
+        let invocation = self
+            .release_call(key, &release)
+            .invocation(&self.scripts, self.fence_ttl);
+        match timeout(self.command_timeout, conn.invoke::<Vec<i64>>(&invocation)).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(conn),
+        }
+    }
+}
+
+/// What an acquire script's reply says (see acquire.lua for the replies).
+fn parse_attempt(reply: &[i64]) -> Result<Attempted, CommandError> {
+    if let [2, wait] = reply {
+        tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions");
+    }
+    // A reply that cannot be read (a hold included, from a proxy or server that mangles
+    // replies) fails the attempt, and the core gives back what it may have taken.
+    Attempted::from_reply(reply).ok_or(CommandError::Unexpected(UnexpectedReply("acquire")))
+}
+
+/// What a release script's reply says (see release.lua for the replies).
+fn parse_release(reply: &[i64]) -> Result<Released, CommandError> {
+    Released::from_reply(reply).ok_or(CommandError::Unexpected(UnexpectedReply("release")))
+}
