@@ -17,7 +17,8 @@ use tower_lock::{HeldLock, LockBackend, LockError, LockLayer};
 const HANG: Duration = Duration::from_secs(10);
 
 /// Runs each named body once per backend: `redis::NAME` on a throwaway redis-server,
-/// `memory::NAME` on a fresh `MemoryBackend`.
+/// `memory::NAME` on a fresh `MemoryBackend`, `postgres::NAME` on the binary's shared
+/// PostgreSQL in a namespace of its own.
 macro_rules! for_each_backend {
     ($($name:ident),* $(,)?) => {
         mod redis {
@@ -34,6 +35,14 @@ macro_rules! for_each_backend {
                 #[tokio::test]
                 async fn $name() {
                     super::$name(tower_lock::MemoryBackend::new()).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::postgres::backend().await).await;
                 }
             )*
         }

@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod cluster_acl;
 pub mod history;
 pub mod netns;
+pub mod postgres;
 pub mod proxy;
 pub mod replica;
 pub mod sentinel;
@@ -541,7 +542,8 @@ pub async fn timed_build(
 /// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
 /// gets three backends of one throwaway redis-server (three processes, as far as the locks
 /// can tell: each has its own owners, queue and connections), `in_memory::NAME` three
-/// clones of one `MemoryBackend`. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
+/// clones of one `MemoryBackend`, `on_postgres::NAME` three backends of the binary's
+/// shared PostgreSQL in a namespace of the test's own. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
 #[macro_export]
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
@@ -565,6 +567,21 @@ macro_rules! for_each_store {
                 async fn $name() {
                     let b = tower_lock::MemoryBackend::new();
                     super::$name([b.clone(), b.clone(), b]).await;
+                }
+            )*
+        }
+        mod on_postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use $crate::support::postgres;
+                    let namespace = postgres::fresh_namespace();
+                    let b = [
+                        postgres::backend_in(&namespace).await,
+                        postgres::backend_in(&namespace).await,
+                        postgres::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
                 }
             )*
         }
