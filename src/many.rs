@@ -15,8 +15,8 @@ use crate::lock::{
 };
 use crate::telemetry::Route;
 
-/// The most keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each key is one
-/// acquisition (one round trip when free), taken one after another.
+/// The most different keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each
+/// key is one acquisition (one round trip when free), taken one after another.
 pub const MAX_KEYS: usize = 16;
 
 /// An acquisition of several keys at once, being configured; finish it with
@@ -28,7 +28,8 @@ pub const MAX_KEYS: usize = 16;
 /// `a` gets `b` next. All of them or none: if one cannot be had (held and not waited for,
 /// or the wait ran out), the keys already taken are released before the error returns.
 /// They are held under one owner, each with its own fencing token
-/// ([`HeldLock::keys`]), renewed together and released together.
+/// ([`HeldLock::keys`]), renewed together and released together. A key given twice (a
+/// transfer from an account to itself) is taken once.
 ///
 /// The order holds within one acquisition: keys already held by the same owner (an outer
 /// layer, [`reentrant`](Self::reentrant)) that sort after one of `keys` were taken out of
@@ -202,25 +203,24 @@ impl fmt::Debug for ManyLockRequest {
     }
 }
 
-/// The keys sorted, after checking that there are some, not too many, each one a key the
-/// backend takes (`max_len`), and none twice: a refusal takes nothing.
+/// The keys sorted and each taken once, after checking that there are some, not too
+/// many, and each one a key the backend takes (`max_len`): a refusal takes nothing.
+///
+/// A key given twice is one lock, held and released once: a transfer from an account to
+/// itself locks the account, rather than failing or re-entering its own hold.
 pub(crate) fn canonical(mut keys: Vec<String>, max_len: usize) -> Result<Vec<String>, KeyError> {
     if keys.is_empty() {
         return Err(KeyError::NoKeys);
-    }
-    if keys.len() > MAX_KEYS {
-        return Err(KeyError::TooManyKeys {
-            count: keys.len(),
-            max: MAX_KEYS,
-        });
     }
     for key in &keys {
         validate(key, max_len)?;
     }
     keys.sort_unstable();
-    if let Some(pair) = keys.windows(2).find(|pair| pair[0] == pair[1]) {
-        return Err(KeyError::DuplicateKey {
-            key: pair[0].clone(),
+    keys.dedup();
+    if keys.len() > MAX_KEYS {
+        return Err(KeyError::TooManyKeys {
+            count: keys.len(),
+            max: MAX_KEYS,
         });
     }
     Ok(keys)

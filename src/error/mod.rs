@@ -247,18 +247,13 @@ pub enum KeyError {
     },
     /// A multi-key lock was asked for no key at all.
     NoKeys,
-    /// A multi-key lock was asked for more keys than
+    /// A multi-key lock was asked for more different keys than
     /// [`MAX_KEYS`](crate::MAX_KEYS).
     TooManyKeys {
         /// How many keys were asked for.
         count: usize,
         /// The limit.
         max: usize,
-    },
-    /// A multi-key lock was asked for the same key twice.
-    DuplicateKey {
-        /// The key given more than once.
-        key: String,
     },
 }
 
@@ -279,8 +274,6 @@ impl fmt::Display for KeyError {
             KeyError::TooManyKeys { count, max } => {
                 write!(f, "{count} lock keys were given; the limit is {max}")
             }
-            // Not the key itself: it comes from the client, unchecked (it may be huge).
-            KeyError::DuplicateKey { .. } => f.write_str("the same lock key was given twice"),
         }
     }
 }
