@@ -99,7 +99,7 @@ impl Observe {
         );
         Observe {
             span,
-            labels: Labels::new(namespace, &request.route),
+            labels: Labels::new(namespace, &request.route, request.kind),
             waits: matches!(request.mode, Mode::Wait(_)),
         }
     }
