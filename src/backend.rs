@@ -8,6 +8,7 @@ use tracing::Instrument;
 use crate::error::LockError;
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
 use crate::many::ManyLockRequest;
+use crate::retry::RetryAfter;
 use crate::telemetry::{Labels, Namespace, Outcome};
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
@@ -79,6 +80,7 @@ pub(crate) struct Observe {
     span: tracing::Span,
     labels: Labels,
     waits: bool,
+    retry: RetryAfter,
 }
 
 impl Observe {
@@ -101,6 +103,7 @@ impl Observe {
             span,
             labels: Labels::new(namespace, &request.route, request.kind),
             waits: matches!(request.mode, Mode::Wait(_)),
+            retry: request.retry.clone(),
         }
     }
 
@@ -121,6 +124,7 @@ impl Observe {
             span,
             labels,
             waits,
+            retry,
         } = self;
         async move {
             let started = Instant::now();
@@ -138,13 +142,17 @@ impl Observe {
                 Ok(guard) => {
                     span.record("token", guard.fencing_token());
                     guard.count_hold(labels.hold());
+                    guard.time_hold(retry.clock());
                     if guard.is_reentry() {
                         Outcome::Reentered
                     } else {
                         Outcome::Acquired
                     }
                 }
-                Err(e) => Outcome::of(e),
+                Err(e) => {
+                    retry.apply(e);
+                    Outcome::of(e)
+                }
             };
             span.record("outcome", outcome.as_str());
             // A refused key waited for nothing.

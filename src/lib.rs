@@ -77,8 +77,9 @@
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
-//! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace and route, never by
-//! key; the application installs the exporter (see [the guide](guide::metrics)).
+//! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace, route and kind of
+//! hold, never by key; the application installs the exporter (see
+//! [the guide](guide::metrics)).
 //!
 //! [axum]: https://docs.rs/axum
 //! [tower]: https://docs.rs/tower
@@ -93,6 +94,7 @@ mod body;
 mod error;
 mod extract;
 mod future;
+mod guard;
 mod held;
 mod key;
 mod layer;
@@ -103,6 +105,7 @@ pub mod policy;
 mod queue;
 mod redis;
 pub mod response;
+mod retry;
 mod service;
 mod spawner;
 mod telemetry;

@@ -13,6 +13,7 @@ use crate::key::validate;
 use crate::lock::{
     BoxFuture, HeldLock, Kind, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
+use crate::retry::RetryAfter;
 use crate::telemetry::Route;
 
 /// The most different keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each
@@ -99,6 +100,12 @@ impl ManyLockRequest {
         self.each(LockRequest::shared)
     }
 
+    /// Sets the `retry_after` of a refusal for contention (see
+    /// [`LockRequest::retry_after`]).
+    pub fn retry_after(self, retry_after: Duration) -> Self {
+        self.each(|each| each.retry_after(retry_after))
+    }
+
     /// Acquires as the owner of `held`, re-entering the keys it already holds.
     pub fn reentrant(self, held: &HeldLock) -> Self {
         self.each(|each| each.reentrant(held))
@@ -121,6 +128,10 @@ impl ManyLockRequest {
 
     pub(crate) fn route(self, route: Route) -> Self {
         self.each(|each| each.route(route))
+    }
+
+    pub(crate) fn retry(self, retry: RetryAfter) -> Self {
+        self.each(|each| each.retry(retry))
     }
 
     /// Tries each key once; `Err(LockError::Contended)` naming the first key another owner
@@ -170,7 +181,12 @@ impl ManyLockRequest {
             };
             let request = each.for_key(key, owner.clone()).mode(mode);
             match request.into_future().await {
-                Ok(guard) => taken.push(guard),
+                Ok(mut guard) => {
+                    // Timed below as one hold, once every key is held: a key given back
+                    // (another was held) or a wait given up is no hold of the work.
+                    guard.time_hold(None);
+                    taken.push(guard);
+                }
                 Err(error) => {
                     // None of them, and the keys taken are free again when this returns.
                     join_all(taken.into_iter().map(LockGuard::release)).await;
@@ -187,7 +203,9 @@ impl ManyLockRequest {
                 }
             }
         }
-        Ok(combine(owner, taken))
+        let mut guard = combine(owner, taken);
+        guard.time_hold(each.retry.clock());
+        Ok(guard)
     }
 }
 

@@ -146,6 +146,7 @@ where
                 .max_local_waiters(self.config.max_local_waiters)
                 .mode(self.config.mode)
                 .route(route)
+                .retry(self.config.retry.clone())
                 .into_future(),
             (last, _) => {
                 keys.extend(last);
@@ -155,6 +156,7 @@ where
                     .lease(self.config.lease)
                     .max_local_waiters(self.config.max_local_waiters)
                     .route(route)
+                    .retry(self.config.retry.clone())
                     .into_future(self.config.mode)
             }
         };
