@@ -8,6 +8,7 @@ use tracing::Instrument;
 
 use super::telemetry::{Labels, Namespace, Outcome};
 use crate::error::LockError;
+use crate::retry::RetryAfter;
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
 
 /// What every backend records of an acquisition: the `lock.acquire` span (how long it
@@ -16,6 +17,7 @@ pub(crate) struct Observe {
     span: tracing::Span,
     labels: Labels,
     waits: bool,
+    retry: RetryAfter,
 }
 
 impl Observe {
@@ -36,8 +38,9 @@ impl Observe {
         );
         Observe {
             span,
-            labels: Labels::new(namespace, &request.route),
+            labels: Labels::new(namespace, &request.route, request.kind),
             waits: matches!(request.mode, Mode::Wait(_)),
+            retry: request.retry.clone(),
         }
     }
 
@@ -58,6 +61,7 @@ impl Observe {
             span,
             labels,
             waits,
+            retry,
         } = self;
         async move {
             let started = Instant::now();
@@ -75,13 +79,17 @@ impl Observe {
                 Ok(guard) => {
                     span.record("token", guard.fencing_token());
                     guard.count_hold(labels.hold());
+                    guard.time_hold(retry.clock());
                     if guard.is_reentry() {
                         Outcome::Reentered
                     } else {
                         Outcome::Acquired
                     }
                 }
-                Err(e) => Outcome::of(e),
+                Err(e) => {
+                    retry.apply(e);
+                    Outcome::of(e)
+                }
             };
             span.record("outcome", outcome.as_str());
             // A refused key waited for nothing.

@@ -23,7 +23,7 @@ pub enum LockError {
     Contended {
         /// The user-facing key that was contended.
         key: String,
-        /// How long the current holder's lease still runs, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// The lock stayed held for the whole wait.
@@ -32,7 +32,7 @@ pub enum LockError {
         key: String,
         /// How long the caller waited.
         waited: Duration,
-        /// The holder's remaining lease at the last attempt, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// This process already has the configured number of tasks queued for the key,
@@ -49,7 +49,7 @@ pub enum LockError {
         key: String,
         /// How many permits the acquisition asked of.
         permits: u32,
-        /// How long the earliest permit's lease still runs, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// The owner holds the key shared and asked for it exclusively. A shared hold cannot
@@ -88,7 +88,14 @@ pub enum LockError {
 impl LockError {
     /// How long a client should wait before retrying, when it can be known.
     ///
-    /// The layer uses this for the `Retry-After` header.
+    /// The layer uses this for the `Retry-After` header (see the
+    /// [table](crate::response)). For a refusal for contention ([`Contended`](Self::Contended),
+    /// [`PermitsTaken`](Self::PermitsTaken), [`TimedOut`](Self::TimedOut)) it is what the
+    /// acquisition was told: a layer's mean hold time bounded by the holder's remaining
+    /// lease, or its [`retry_after`](crate::LockLayer::retry_after) setting; from the lock
+    /// API, [`LockRequest::retry_after`](crate::LockRequest::retry_after) if set, else the
+    /// holder's remaining lease as the store reported it (for a semaphore, the earliest
+    /// permit's). A 429 or 503 without one says 1 s, as do the other 503s.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             LockError::Contended { retry_after, .. } => *retry_after,
@@ -247,18 +254,13 @@ pub enum KeyError {
     },
     /// A multi-key lock was asked for no key at all.
     NoKeys,
-    /// A multi-key lock was asked for more keys than
+    /// A multi-key lock was asked for more different keys than
     /// [`MAX_KEYS`](crate::MAX_KEYS).
     TooManyKeys {
         /// How many keys were asked for.
         count: usize,
         /// The limit.
         max: usize,
-    },
-    /// A multi-key lock was asked for the same key twice.
-    DuplicateKey {
-        /// The key given more than once.
-        key: String,
     },
 }
 
@@ -279,8 +281,6 @@ impl fmt::Display for KeyError {
             KeyError::TooManyKeys { count, max } => {
                 write!(f, "{count} lock keys were given; the limit is {max}")
             }
-            // Not the key itself: it comes from the client, unchecked (it may be huge).
-            KeyError::DuplicateKey { .. } => f.write_str("the same lock key was given twice"),
         }
     }
 }
