@@ -29,8 +29,8 @@ const ATTEMPTS: usize = 10;
 pub struct PostgresServer {
     child: Option<Child>,
     port: u16,
-    /// The write end of a reaper's stdin (see [`shared`]).
-    reaper: Option<std::process::ChildStdin>,
+    /// A reaper, and with it the write end of its stdin (see [`shared`]).
+    reaper: Option<Child>,
     // Removed after the server is stopped (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
 }
@@ -312,6 +312,6 @@ impl PostgresServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("the reaper of the shared PostgreSQL starts");
-        self.reaper = reaper.stdin;
+        self.reaper = Some(reaper);
     }
 }
