@@ -18,6 +18,12 @@ use crate::core::{
 use crate::error::BuildError;
 use crate::key::{namespaced, validate_namespace};
 
+/// The `application_name` of the command connections, unless the URL sets one.
+const APPLICATION_NAME: &str = "tower-lock";
+/// The `application_name` of the listening connection, to tell it apart in
+/// `pg_stat_activity`.
+const LISTENER_NAME: &str = "tower-lock listener";
+
 /// Configures a [`PostgresBackend`]; created by [`PostgresBackend::builder`] or
 /// [`PostgresBackend::from_pool`].
 #[derive(Debug, Clone)]
@@ -195,7 +201,7 @@ impl PostgresBackendBuilder {
         let listen_pool = PgPoolOptions::new()
             .max_connections(1)
             .acquire_timeout(self.connect_timeout)
-            .connect_lazy_with(options.clone());
+            .connect_lazy_with(options.clone().application_name(LISTENER_NAME));
         let listener = Listener::spawn(
             (listen_pool, Wakeups::new(metrics)),
             ListenConfig {
@@ -261,11 +267,15 @@ impl PostgresBackendBuilder {
             .to_string();
         match &self.target {
             Target::Url(url) => {
-                let options = PgConnectOptions::from_str(url)
+                let mut options = PgConnectOptions::from_str(url)
                     .map_err(|e| BuildError::Url {
                         source: Box::new(e),
                     })?
                     .options([("statement_timeout", statement_timeout.as_str())]);
+                // Named in pg_stat_activity, unless the URL names them.
+                if options.get_application_name().is_none() {
+                    options = options.application_name(APPLICATION_NAME);
+                }
                 let pool = PgPoolOptions::new()
                     .max_connections(self.pool_size)
                     .acquire_timeout(self.connect_timeout)

@@ -7,6 +7,9 @@
 -- replaced. The backend with another table name runs this text with `tower_lock` replaced
 -- by that name (PostgresBackend::schema_sql(table) prints it).
 --
+-- Every table, function and query name here starts with `tower_lock`, so that the text
+-- made for another table name collides with nothing of the user's.
+--
 -- Every function takes the row of its lock name FOR UPDATE first, so the operations on
 -- one name run one after another, and reads what it needs after that, when every
 -- earlier operation on the name has committed. Times are the server's clock
@@ -239,25 +242,25 @@ CREATE OR REPLACE FUNCTION tower_lock_renew(p_names text[], p_holders text[],
     p_leases bigint[])
 RETURNS boolean[]
 LANGUAGE sql AS $$
-    WITH batch AS (
+    WITH tower_lock_batch AS (
         SELECT * FROM unnest(p_names, p_holders, p_leases) WITH ORDINALITY
             AS b(name, holder, lease, i)
-    ), locks AS (
+    ), tower_lock_renewed AS (
         UPDATE tower_lock l
         SET expires = greatest(l.expires, clock_timestamp() + b.lease * interval '1 millisecond')
-        FROM batch b
+        FROM tower_lock_batch b
         WHERE l.name = b.name AND l.owner = b.holder AND l.expires > clock_timestamp()
             AND b.lease > 0
         RETURNING b.i
-    ), holders AS (
+    ), tower_lock_renewed_holders AS (
         UPDATE tower_lock_holders h
         SET expires = greatest(h.expires, clock_timestamp() + b.lease * interval '1 millisecond')
-        FROM batch b
+        FROM tower_lock_batch b
         WHERE h.name = b.name AND h.holder = b.holder AND h.kind IN ('s', 'p')
             AND h.expires > clock_timestamp() AND b.lease > 0
         RETURNING b.i
-    ), checked AS (
-        SELECT b.i FROM batch b
+    ), tower_lock_checked AS (
+        SELECT b.i FROM tower_lock_batch b
         WHERE b.lease = 0 AND (
             EXISTS (SELECT 1 FROM tower_lock l WHERE l.name = b.name AND l.owner = b.holder
                 AND l.expires > clock_timestamp())
@@ -265,9 +268,10 @@ LANGUAGE sql AS $$
                 AND h.holder = b.holder AND h.kind IN ('s', 'p')
                 AND h.expires > clock_timestamp()))
     )
-    SELECT coalesce(array_agg(b.i IN (SELECT i FROM locks UNION ALL SELECT i FROM holders
-        UNION ALL SELECT i FROM checked) ORDER BY b.i), '{}')
-    FROM batch b
+    SELECT coalesce(array_agg(b.i IN (SELECT i FROM tower_lock_renewed
+        UNION ALL SELECT i FROM tower_lock_renewed_holders
+        UNION ALL SELECT i FROM tower_lock_checked) ORDER BY b.i), '{}')
+    FROM tower_lock_batch b
 $$;
 
 -- Takes or re-enters a shared hold of `p_name`'s read/write lock for p_holder ('r:' ||
@@ -432,7 +436,7 @@ DECLARE
     t_now timestamptz := clock_timestamp();
     gone integer;
 BEGIN
-    WITH doomed AS (
+    WITH tower_lock_doomed AS (
         SELECT name FROM tower_lock l
         WHERE touched < t_now - p_keep_ms * interval '1 millisecond'
             AND (owner IS NULL OR expires <= t_now)
@@ -440,10 +444,10 @@ BEGIN
                 WHERE h.name = l.name AND h.expires > t_now)
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
-    ), holders AS (
-        DELETE FROM tower_lock_holders h USING doomed d WHERE h.name = d.name
+    ), tower_lock_doomed_holders AS (
+        DELETE FROM tower_lock_holders h USING tower_lock_doomed d WHERE h.name = d.name
     )
-    DELETE FROM tower_lock l USING doomed d WHERE l.name = d.name;
+    DELETE FROM tower_lock l USING tower_lock_doomed d WHERE l.name = d.name;
     GET DIAGNOSTICS gone = ROW_COUNT;
     RETURN gone;
 END

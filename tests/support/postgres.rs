@@ -10,7 +10,6 @@
 //! Also used by `examples/fencing_postgres`, which falls back to a throwaway server when no
 //! `DATABASE_URL` is given: errors are returned, [`PostgresServer::start`] panics with them.
 
-use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::fs::chown;
 use std::os::unix::process::CommandExt;
@@ -29,6 +28,10 @@ const ATTEMPTS: usize = 10;
 pub struct PostgresServer {
     child: Option<Child>,
     port: u16,
+    /// Where the binaries are, as whom they run, and the `-c` settings given at start.
+    bin: PathBuf,
+    user: Option<(u32, u32)>,
+    settings: Vec<String>,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
     // Removed after the server is stopped (fields drop after `Drop::drop`).
@@ -42,8 +45,17 @@ impl PostgresServer {
         Self::try_start().unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// [`start`](Self::start) with server settings (`name=value`, as `postgres -c` takes).
+    pub fn start_with(settings: &[&str]) -> Self {
+        Self::try_start_with(settings).unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// Starts one and waits until it accepts connections.
     pub fn try_start() -> Result<Self, String> {
+        Self::try_start_with(&[])
+    }
+
+    fn try_start_with(settings: &[&str]) -> Result<Self, String> {
         let bin = bindir()?;
         let user = unprivileged_user()?;
         let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
@@ -71,11 +83,14 @@ impl PostgresServer {
         let mut server = PostgresServer {
             child: None,
             port: 0,
+            bin: bin.clone(),
+            user,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             reaper: None,
             dir,
         };
         for _ in 0..ATTEMPTS {
-            if server.spawn(&bin, user)? {
+            if server.spawn(free_port()?)? {
                 return Ok(server);
             }
         }
@@ -91,9 +106,12 @@ impl PostgresServer {
 
     /// Runs `postgres` on a free port; false if it exited before it was ready (the port was
     /// taken).
-    fn spawn(&mut self, bin: &Path, user: Option<(u32, u32)>) -> Result<bool, String> {
-        let port = free_port()?;
-        let log = File::create(self.dir.path().join("postgres.log"))
+    fn spawn(&mut self, port: u16) -> Result<bool, String> {
+        let (bin, user) = (self.bin.clone(), self.user);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("postgres.log"))
             .map_err(|e| format!("postgres log: {e}"))?;
         let stderr = log.try_clone().map_err(|e| format!("postgres log: {e}"))?;
         let child = run_as(
@@ -105,7 +123,8 @@ impl PostgresServer {
                 .arg(self.dir.path())
                 .args(["-c", "listen_addresses=127.0.0.1"])
                 // Throwaway data: nothing needs to survive a crash.
-                .args(["-c", "fsync=off", "-c", "full_page_writes=off"]),
+                .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
+                .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()])),
             user,
         )
         .stdin(Stdio::null())
@@ -145,6 +164,48 @@ impl PostgresServer {
         Err("postgres did not become ready within 30 s".to_owned())
     }
 
+    /// Stops the server (a fast shutdown: clients are cut off) and starts it again on the
+    /// same port and data, waiting until it accepts connections.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.start_again();
+    }
+
+    /// Starts a server stopped with [`stop`](Self::stop) again, on the same port and data.
+    pub fn start_again(&mut self) {
+        assert!(
+            self.spawn(self.port).expect("postgres runs again"),
+            "postgres did not start again on port {}",
+            self.port
+        );
+    }
+
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default()
+    }
+
+    /// A connection of the test's own, as the superuser.
+    pub async fn conn(&self) -> sqlx::PgConnection {
+        use sqlx::Connection;
+        sqlx::PgConnection::connect(&self.url())
+            .await
+            .expect("connect to the test PostgreSQL")
+    }
+
+    /// Terminates the backends whose `application_name` is `name`; returns how many.
+    pub async fn terminate(&self, name: &str) -> i64 {
+        let mut conn = self.conn().await;
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+        )
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .expect("terminate backends")
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -157,6 +218,14 @@ impl PostgresServer {
 
 impl Drop for PostgresServer {
     fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl PostgresServer {
+    /// A fast shutdown (SIGINT: clients are cut off), then SIGKILL if it is not gone
+    /// within [`STOP_BOUND`]; returns once it is gone.
+    pub fn stop(&mut self) {
         let Some(mut child) = self.child.take() else {
             return;
         };

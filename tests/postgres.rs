@@ -1,0 +1,282 @@
+//! PostgreSQL: what `build()` refuses, the table and what it keeps, no polling, and the
+//! oversell test across three instances. The semantics every store keeps run in
+//! semantics.rs, rwlock.rs, semaphore.rs and many.rs; faults in postgres_faults.rs.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::routing::post;
+use support::postgres::{self, PostgresServer};
+use tower_lock::{BuildError, LockLayer, PostgresBackend};
+
+/// Generous bound on anything that should happen at once: catches hangs only.
+const HANG: Duration = Duration::from_secs(10);
+
+async fn exec(server: &PostgresServer, sql: &str) {
+    sqlx::raw_sql(sql)
+        .execute(&mut server.conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+async fn rows(server: &PostgresServer, table: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(&mut server.conn().await)
+        .await
+        .expect("count rows")
+}
+
+#[tokio::test]
+async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_creates_it() {
+    let server = PostgresServer::start();
+    let refused = PostgresBackend::builder(server.url()).build().await;
+    let Err(error @ BuildError::Schema { found: None, .. }) = &refused else {
+        panic!("a database without the table is refused: {refused:?}");
+    };
+    let message = error.to_string();
+    assert!(
+        message.contains("src/postgres/schema.sql") && message.contains("migrate()"),
+        "{message}"
+    );
+    // migrate() creates it, and running it again (another instance starting) changes
+    // nothing; a backend without migrate() then builds.
+    for _ in 0..2 {
+        PostgresBackend::builder(server.url())
+            .migrate()
+            .build()
+            .await
+            .expect("migrate creates the schema");
+    }
+    PostgresBackend::connect(&server.url())
+        .await
+        .expect("the schema is there");
+    // The shipped SQL is what migrate() runs, for another table name too.
+    let sql = PostgresBackend::schema_sql("locks").expect("a plain table name");
+    exec(&server, &sql).await;
+    PostgresBackend::builder(server.url())
+        .table("locks")
+        .build()
+        .await
+        .expect("the schema applied by hand");
+    assert!(PostgresBackend::schema_sql("locks; drop table x").is_err());
+}
+
+#[tokio::test]
+async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_session() {
+    let server = postgres::shared();
+    postgres::backend().await; // the schema
+    exec(
+        server,
+        "DROP ROLE IF EXISTS outsider; CREATE ROLE outsider LOGIN; \
+         DROP ROLE IF EXISTS reader; CREATE ROLE reader LOGIN; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON tower_lock, tower_lock_holders TO reader; \
+         ALTER ROLE reader SET default_transaction_read_only = on",
+    )
+    .await;
+    let url_as = |user: &str| server.url().replace("postgres@", &format!("{user}@"));
+
+    let refused = PostgresBackend::connect(&url_as("outsider")).await;
+    let Err(error @ BuildError::Rights { user, .. }) = &refused else {
+        panic!("a user without rights on the table is refused: {refused:?}");
+    };
+    assert_eq!(user, "outsider");
+    assert!(error.to_string().contains("tower_lock"), "{error}");
+
+    let refused = PostgresBackend::connect(&url_as("reader")).await;
+    assert!(
+        matches!(refused, Err(BuildError::ReadOnly { .. })),
+        "a read-only session is refused: {refused:?}"
+    );
+
+    exec(
+        server,
+        "CREATE SCHEMA old; CREATE FUNCTION old.tower_lock_schema_version() RETURNS integer \
+         LANGUAGE sql AS 'SELECT 0'",
+    )
+    .await;
+    let old = format!("{}?options=-c%20search_path%3Dold", server.url());
+    let refused = PostgresBackend::connect(&old).await;
+    assert!(
+        matches!(
+            refused,
+            Err(BuildError::Schema {
+                found: Some(0),
+                expected: 1,
+                ..
+            })
+        ),
+        "an older schema is refused: {refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them() {
+    const NAMES: usize = 10_000;
+    let server = PostgresServer::start();
+    let fence_ttl = Duration::from_secs(1);
+    let backend = PostgresBackend::builder(server.url())
+        .migrate()
+        .fence_ttl(fence_ttl)
+        .build()
+        .await
+        .expect("backend");
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                for i in (t..NAMES).step_by(8) {
+                    let guard = backend.lock(format!("name-{i}")).try_once().await;
+                    guard.expect("uncontended").release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    let mut permits = Vec::new();
+    for i in 0..10 {
+        permits.push(backend.lock(format!("sem-{i}")).permits(2).try_once().await);
+    }
+    for task in tasks {
+        task.await.expect("no panic");
+    }
+    for permit in permits {
+        permit.expect("a free permit").release().await.expect("release");
+    }
+    // What the fencing design keeps: one row per name used within the fence TTL, nothing
+    // of its holders.
+    assert_eq!(rows(&server, "tower_lock_holders").await, 0);
+    // The janitor runs every second (a quarter of the TTL, at least a second): generous.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while rows(&server, "tower_lock").await > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the janitor deletes every name unused for the fence TTL");
+    // Tokens go on increasing without the counters: the clock floors them.
+    let token = backend.lock("name-0").try_once().await.expect("free").fencing_token();
+    assert!(token > 1_000_000_000_000_000, "a clock-floored token: {token}");
+}
+
+/// One instance's shop: POST /buy sells one item of the stock kept in PostgreSQL, read and
+/// written in two statements with a pause between, as a careless handler would.
+fn shop(backend: PostgresBackend, db: sqlx::PgPool, sold: Arc<AtomicU64>) -> Router {
+    async fn buy(State((db, sold)): State<(sqlx::PgPool, Arc<AtomicU64>)>) -> &'static str {
+        let stock: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
+            .fetch_one(&db)
+            .await
+            .expect("read the stock");
+        if stock <= 0 {
+            return "sold out";
+        }
+        tokio::task::yield_now().await;
+        sqlx::query("UPDATE shop SET stock = $1 WHERE id = 1")
+            .bind(stock - 1)
+            .execute(&db)
+            .await
+            .expect("write the stock");
+        sold.fetch_add(1, Ordering::Relaxed);
+        "sold"
+    }
+    Router::new()
+        .route("/buy", post(buy))
+        .route_layer(
+            LockLayer::new(backend, |_: &Request| Some("stock")).wait(Duration::from_secs(30)),
+        )
+        .with_state((db, sold))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_sell_exactly_the_stock() {
+    const STOCK: i64 = 50;
+    const BUYERS: usize = 150;
+    let server = postgres::shared();
+    let namespace = postgres::fresh_namespace();
+    let db = sqlx::PgPool::connect(&server.url()).await.expect("pool");
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE IF NOT EXISTS shop (id int PRIMARY KEY, stock bigint); \
+         INSERT INTO shop VALUES (1, {STOCK}) ON CONFLICT (id) DO UPDATE SET stock = {STOCK}"
+    ))
+    .execute(&db)
+    .await
+    .expect("stock");
+    let sold = Arc::new(AtomicU64::new(0));
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let backend = postgres::backend_in(&namespace).await;
+        addrs.push(support::serve(shop(backend, db.clone(), sold.clone())).await);
+    }
+    let client = support::http_client();
+    let buyers: Vec<_> = (0..BUYERS)
+        .map(|i| {
+            let (client, addr) = (client.clone(), addrs[i % 3]);
+            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
+        })
+        .collect();
+    for buyer in buyers {
+        let status = tokio::time::timeout(Duration::from_secs(60), buyer)
+            .await
+            .expect("served")
+            .expect("no panic");
+        assert_eq!(status, 200);
+    }
+    let left: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
+        .fetch_one(&db)
+        .await
+        .expect("stock");
+    assert_eq!((sold.load(Ordering::Relaxed), left), (STOCK as u64, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_do_not_poll_while_the_lock_is_held() {
+    // Every statement the server runs is logged, with the connection's name.
+    let server = PostgresServer::start_with(&["log_statement=all", "log_line_prefix=%a| "]);
+    let instance = || async {
+        PostgresBackend::builder(server.url())
+            .migrate()
+            .build()
+            .await
+            .expect("backend")
+    };
+    let holder = instance().await;
+    let waiting = [instance().await, instance().await];
+    let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let waiters: Vec<_> = (0..10)
+        .map(|i| {
+            let backend = waiting[i % 2].clone();
+            tokio::spawn(async move {
+                let guard = backend.lock("k").wait(Duration::from_secs(20)).await?;
+                guard.release().await
+            })
+        })
+        .collect();
+    // Both instances listen for the key, four tasks of each queued behind its contender.
+    for backend in &waiting {
+        support::eventually("the waiters are queued and listening", || async move {
+            let stats = backend.stats();
+            stats.local_waiters == 4 && stats.channels_with_waiters == 1
+        })
+        .await;
+    }
+    let acquisitions = || server.log().matches("_acquire(").count();
+    let before = acquisitions();
+    // Far longer than any polling interval, far shorter than the lease (30 s): a waiter
+    // that wakes in this window was not woken by the lock.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(acquisitions(), before, "no acquisition attempt while the lock is held");
+    guard.release().await.expect("release");
+    for waiter in waiters {
+        tokio::time::timeout(HANG, waiter)
+            .await
+            .expect("served")
+            .expect("no panic")
+            .expect("acquired after the release, and released");
+    }
+    // Each waiter took the lock once, through the table or in memory.
+    let after = acquisitions() - before;
+    assert!(after <= 20, "{after} acquisition calls for 10 waiters");
+}
