@@ -7,7 +7,7 @@
 //!
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
-//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale` and `metrics`; a table runs when
+//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres` and `metrics`; a table runs when
 //! its name contains one of the arguments, and every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -22,6 +22,9 @@ mod family;
 #[path = "parts/sweep.rs"]
 mod sweep;
 
+#[path = "parts/postgres.rs"]
+mod postgres;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -35,7 +38,7 @@ use axum::routing::post;
 use redis::aio::MultiplexedConnection;
 use support::RedisServer;
 use tower::ServiceExt;
-use tower_lock::{LockLayer, RedisBackend};
+use tower_lock::{LockLayer, PostgresBackend, RedisBackend};
 
 /// Counts live heap bytes, to report the memory one waiter costs.
 struct CountingAlloc;
@@ -131,6 +134,9 @@ async fn run() -> String {
     }
     if wanted.has("scale") {
         out += &scale(&server).await;
+    }
+    if wanted.has("postgres") {
+        out += &postgres::postgres(&server, Duration::from_secs_f64(secs)).await;
     }
     // Last: it installs the process's metrics recorder, which every later figure would pay.
     if wanted.has("metrics") {
@@ -242,6 +248,7 @@ enum Contender {
     TowerLock(RedisBackend),
     Rslock(rslock::LockManager),
     SetNx(MultiplexedConnection),
+    Postgres(PostgresBackend),
 }
 
 /// Compare-and-delete for the SET NX peer: the usual release of a SET NX lock.
@@ -260,6 +267,12 @@ impl Contender {
                 drop(guard);
             }
             Contender::TowerLock(backend) => {
+                let guard = backend.lock(HOT_KEY).lease(LEASE).wait(WAIT).await.unwrap();
+                waits.push(t.elapsed());
+                shared.critical(section).await;
+                guard.release().await.unwrap();
+            }
+            Contender::Postgres(backend) => {
                 let guard = backend.lock(HOT_KEY).lease(LEASE).wait(WAIT).await.unwrap();
                 waits.push(t.elapsed());
                 shared.critical(section).await;
@@ -388,7 +401,7 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
 
 impl HotRun {
     fn new(name: &'static str, instances: Vec<Contender>) -> Self {
-        let on_redis = !matches!(instances[0], Contender::Mutex(_));
+        let on_redis = !matches!(instances[0], Contender::Mutex(_) | Contender::Postgres(_));
         HotRun {
             name,
             instances,

@@ -12,7 +12,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::routing::post;
 use support::postgres::{self, PostgresServer};
-use tower_lock::{BuildError, LockLayer, PostgresBackend};
+use tower_lock::{BuildError, LockLayer, PathParams, PostgresBackend};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
@@ -279,4 +279,90 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     // Each waiter took the lock once, through the table or in memory.
     let after = acquisitions() - before;
     assert!(after <= 20, "{after} acquisition calls for 10 waiters");
+}
+
+/// Moves money between two accounts kept in PostgreSQL, reading both, yielding, then
+/// writing both: without both locks, concurrent transfers lose money or overdraw.
+async fn transfer(
+    State(db): State<sqlx::PgPool>,
+    axum::extract::Path((from, to, amount)): axum::extract::Path<(i32, i32, i64)>,
+) -> http::StatusCode {
+    let balance = |id: i32| {
+        sqlx::query_scalar::<_, i64>("SELECT balance FROM accounts WHERE id = $1")
+            .bind(id)
+            .fetch_one(&db)
+    };
+    let (Ok(from_balance), Ok(to_balance)) = (balance(from).await, balance(to).await) else {
+        return http::StatusCode::INTERNAL_SERVER_ERROR;
+    };
+    if from_balance < amount {
+        return http::StatusCode::UNPROCESSABLE_ENTITY;
+    }
+    tokio::task::yield_now().await;
+    for (id, value) in [(from, from_balance - amount), (to, to_balance + amount)] {
+        let written = sqlx::query("UPDATE accounts SET balance = $2 WHERE id = $1")
+            .bind(id)
+            .bind(value)
+            .execute(&db)
+            .await;
+        if written.is_err() {
+            return http::StatusCode::INTERNAL_SERVER_ERROR;
+        }
+    }
+    http::StatusCode::OK
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_transfers_over_three_instances_neither_deadlock_nor_lose_money() {
+    const ACCOUNTS: i32 = 5;
+    const OPENING: i64 = 100;
+    let server = postgres::shared();
+    let namespace = postgres::fresh_namespace();
+    let db = sqlx::PgPool::connect(&server.url()).await.expect("pool");
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE IF NOT EXISTS accounts (id int PRIMARY KEY, balance bigint); \
+         DELETE FROM accounts; \
+         INSERT INTO accounts SELECT i, {OPENING} FROM generate_series(0, {ACCOUNTS} - 1) i"
+    ))
+    .execute(&db)
+    .await
+    .expect("accounts");
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let backend = postgres::backend_in(&namespace).await;
+        // Both accounts, in the order the request names them (the layer sorts them).
+        let layer = LockLayer::new(backend, PathParams::new(["from", "to"]).prefix("account"))
+            .wait(Duration::from_secs(30));
+        let app = Router::new()
+            .route("/transfer/{from}/{to}/{amount}", post(transfer))
+            .route_layer(layer)
+            .with_state(db.clone());
+        addrs.push(support::serve(app).await);
+    }
+    let client = support::http_client();
+    let transfers: Vec<_> = (0..150)
+        .map(|n| {
+            let from = fastrand::i32(0..ACCOUNTS);
+            let to = (from + fastrand::i32(1..ACCOUNTS)) % ACCOUNTS;
+            let amount = fastrand::i64(1..=60);
+            let (client, addr) = (client.clone(), addrs[n % 3]);
+            tokio::spawn(async move {
+                let path = format!("/transfer/{from}/{to}/{amount}");
+                support::post(&client, addr, &path).await.status
+            })
+        })
+        .collect();
+    for transfer in transfers {
+        let status = tokio::time::timeout(Duration::from_secs(60), transfer)
+            .await
+            .expect("no deadlock: every transfer finishes")
+            .expect("no panic");
+        assert!([200, 422].contains(&status), "{status}");
+    }
+    let balances: Vec<i64> = sqlx::query_scalar("SELECT balance FROM accounts ORDER BY id")
+        .fetch_all(&db)
+        .await
+        .expect("balances");
+    assert!(balances.iter().all(|b| *b >= 0), "overdrawn: {balances:?}");
+    assert_eq!(balances.iter().sum::<i64>(), OPENING * i64::from(ACCOUNTS));
 }
