@@ -185,8 +185,8 @@ async fn demo(options: &Options) -> Result<bool, Error> {
     println!(
         "\nThe lock's metrics, scraped from GET /metrics (one scrape covers the three instances: \
          they share this process's recorder). Wait: from asking for the lock to holding it or \
-         giving up; hold: until its release; p50 and p99 estimated from the histogram buckets, \
-         as Prometheus's histogram_quantile does. `--raw-metrics` prints the lines.\n"
+         giving up; hold: until its release. Each p50 and p99 is the histogram bucket it falls \
+         in. `--raw-metrics` prints the lines.\n"
     );
     print!("{}", summary::table(&exposition, &LOCKED_ROUTES));
     if options.raw_metrics {

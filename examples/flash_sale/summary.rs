@@ -79,26 +79,25 @@ impl Buckets {
         }
     }
 
-    /// The `q` quantile as Prometheus's `histogram_quantile` estimates it: the bucket that
-    /// holds it, interpolated linearly (from 0 for the first bucket); the highest finite
-    /// bound when it falls in `+Inf`. `None` without samples.
-    pub fn quantile(&self, q: f64) -> Option<f64> {
+    /// The bucket the `q` quantile falls in: its lower and upper bound (0 below the first
+    /// bucket, infinite for `+Inf`); `None` without samples.
+    ///
+    /// A range, not `histogram_quantile`'s point inside it: that point assumes the samples
+    /// spread evenly over the bucket, and when they crowd its low end (the longest waits of
+    /// a burst, say) it lands well above every sample, above the requests' own latency.
+    pub fn quantile(&self, q: f64) -> Option<(f64, f64)> {
         let total = self.cumulative.last()?.1;
         if total <= 0.0 {
             return None;
         }
-        let rank = q * total;
-        let (mut lower, mut below) = (0.0, 0.0);
+        let mut lower = 0.0;
         for &(le, count) in &self.cumulative {
-            if count >= rank {
-                if le.is_infinite() {
-                    return Some(lower);
-                }
-                return Some(lower + (le - lower) * (rank - below) / (count - below));
+            if count >= q * total {
+                return Some((lower, le));
             }
-            (lower, below) = (le, count);
+            lower = le;
         }
-        Some(lower)
+        Some((lower, f64::INFINITY))
     }
 }
 
@@ -117,7 +116,7 @@ pub fn table(exposition: &str, routes: &[(&str, &str)]) -> String {
             s.hold.quantile(0.5),
             s.hold.quantile(0.99),
         ]
-        .map(duration);
+        .map(range);
         // Writing to a String cannot fail.
         let _ = writeln!(
             out,
@@ -136,14 +135,42 @@ pub fn table(exposition: &str, routes: &[(&str, &str)]) -> String {
     out
 }
 
-/// Seconds as a person reads them: `82 µs`, `4.5 ms`, `421 ms`, `1.25 s`.
-pub fn duration(seconds: Option<f64>) -> String {
+/// A range of seconds as a person reads it, in the upper bound's unit: `50-63 µs`,
+/// `3.2-4 ms`, `400-500 ms`, `> 10 s`; `-` for none.
+pub fn range(bounds: Option<(f64, f64)>) -> String {
+    let Some((lower, upper)) = bounds else {
+        return "-".to_owned();
+    };
+    if upper.is_infinite() {
+        let (per_second, unit) = unit(lower);
+        return format!("> {} {unit}", figure(lower * per_second));
+    }
+    let (per_second, unit) = unit(upper);
+    let [lower, upper] = [lower, upper].map(|s| figure(s * per_second));
+    format!("{lower}-{upper} {unit}")
+}
+
+/// The unit that reads best for `seconds`, and how many of it make a second.
+fn unit(seconds: f64) -> (f64, &'static str) {
     match seconds {
-        None => "-".to_owned(),
-        Some(s) if s < 1e-3 => format!("{:.0} µs", s * 1e6),
-        Some(s) if s < 1e-2 => format!("{:.1} ms", s * 1e3),
-        Some(s) if s < 1.0 => format!("{:.0} ms", s * 1e3),
-        Some(s) => format!("{s:.2} s"),
+        s if s < 1e-3 => (1e6, "µs"),
+        s if s < 1.0 => (1e3, "ms"),
+        _ => (1.0, "s"),
+    }
+}
+
+/// Three significant figures at most, without trailing zeros.
+fn figure(value: f64) -> String {
+    let decimals = match value.abs() {
+        v if v >= 100.0 => 0,
+        v if v >= 10.0 => 1,
+        _ => 2,
+    };
+    let text = format!("{value:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
     }
 }
 

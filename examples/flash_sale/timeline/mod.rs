@@ -135,7 +135,7 @@ rect[data-sold=\"false\"] {{ fill: {SOLD_OUT} }}
 fn render(t: &Timeline) -> Result<String, fmt::Error> {
     let buy_top = 100.0;
     let sale_top = buy_top + buy::height(t) + 70.0;
-    let height = sale_top + sale::height() + 50.0;
+    let height = sale_top + sale::height() + 10.0;
 
     // Both panels on one scale: the longer route's span, longer still if crowded ticks
     // would run past the right end.
