@@ -112,7 +112,7 @@ mod telemetry;
 
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
-pub use crate::error::{BackendError, BuildError, KeyError, LockError};
+pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};

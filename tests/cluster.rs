@@ -21,7 +21,9 @@ use redis::{AsyncCommands, Script};
 use support::cluster::{Cluster, key_on};
 use support::{RedisServer, http_client, request, send, serve};
 use tokio::time::Instant;
-use tower_lock::{BuildError, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend};
+use tower_lock::{
+    BuildError, ConnectFailure, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios() {
@@ -60,8 +62,9 @@ async fn a_cluster_without_seeds_or_answering_nodes_is_a_build_error() {
         .connect_timeout(Duration::from_millis(500))
         .build()
         .await;
+    let at = format!("127.0.0.1:{closed}");
     assert!(
-        matches!(refused, Err(BuildError::Connect { .. })),
+        matches!(&refused, Err(BuildError::Connect { addr, failure: ConnectFailure::Refused, .. }) if *addr == at),
         "{refused:?}"
     );
     eprintln!(

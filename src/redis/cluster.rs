@@ -23,7 +23,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
 };
-use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value,
+};
 
 /// The seed nodes of a cluster and the timeouts of the connections made to it.
 pub(crate) struct ClusterNodes {
@@ -154,21 +156,25 @@ pub(crate) async fn query_at(
     conn.route_command(cmd.clone(), routing).await
 }
 
-/// Sends `cmd` to every primary and returns their replies, in no particular order: a
-/// setting that must hold on every shard (an eviction policy) is read from each.
+/// Sends `cmd` to every primary and returns each one's address (`host:port`) and reply,
+/// in no particular order: a setting that must hold on every shard (an eviction policy) is
+/// read from each.
 pub(crate) async fn query_each_primary(
     conn: &mut ClusterConnection,
     cmd: &Cmd,
-) -> RedisResult<Vec<Value>> {
+) -> RedisResult<Vec<(Option<String>, Value)>> {
     let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
     match conn.route_command(cmd.clone(), routing).await? {
         // Without a response policy redis-rs answers with a map: node address -> reply.
         // A node's error reply is a value among the others.
         Value::Map(replies) => replies
             .into_iter()
-            .map(|(_, reply)| reply.extract_error())
+            .map(|(node, reply)| {
+                let node = String::from_redis_value(node).ok();
+                Ok((node, reply.extract_error()?))
+            })
             .collect(),
-        other => Ok(vec![other.extract_error()?]),
+        other => Ok(vec![(None, other.extract_error()?)]),
     }
 }
 

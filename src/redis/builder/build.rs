@@ -10,8 +10,10 @@ use super::{RedisBackendBuilder, Target};
 use crate::backend::OwnerIds;
 use crate::error::BuildError;
 use crate::queue::Queues;
-use crate::redis::checks::{ServerChecks, connect_failure};
+use crate::redis::checks::ServerChecks;
 use crate::redis::cluster::ClusterNodes;
+use crate::redis::coverage;
+use crate::redis::diagnose::{Peer, diagnose};
 use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::recheck::Recheck;
@@ -48,7 +50,7 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let (topology, user) = self.topology().await?;
+        let (topology, peer) = self.topology().await?;
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
@@ -60,46 +62,8 @@ impl RedisBackendBuilder {
             self.command_timeout,
             recheck.clone(),
         );
-        // The pool bounds the connect by the connect timeout and the reply by the command
-        // timeout, so no outer timeout is needed (one would cut a slow connect short).
-        // Every primary of a cluster must answer, as the one server must.
-        pool.query_each_primary::<String>(&redis::cmd("PING"))
-            .await
-            .map_err(|e| connect_failure(e, &user))?;
-        if !topology.is_cluster() {
-            refuse_cluster_node(&pool).await?;
-        }
-        ServerChecks {
-            pool: &pool,
-            scripts: &scripts,
-            user: &user,
-            namespace: &self.namespace,
-            connect_timeout: self.connect_timeout,
-            command_timeout: self.command_timeout,
-            publish: if topology.is_cluster() {
-                "SPUBLISH"
-            } else {
-                "PUBLISH"
-            },
-        }
-        .run(&topology, self.allow_eviction)
-        .await?;
-        if self.restart_guard {
-            // The guard reads the uptime inside the acquire script: refuse a user that may
-            // not, instead of failing every acquisition.
-            let mut info = redis::cmd("INFO");
-            info.arg("server");
-            match pool.query::<String>(&info).await {
-                Ok(_) => {}
-                Err(e) if e.is_no_permission() => {
-                    return Err(BuildError::Setting {
-                        name: "restart_guard",
-                        reason: "the Redis user must be allowed to run INFO (the guard reads \
-                                 the server's uptime)",
-                    });
-                }
-                Err(e) => return Err(connect_failure(e, &user)),
-            }
+        if let Err(error) = self.check(&pool, &scripts, &peer).await {
+            return Err(diagnose(error, peer.tls, self.connect_timeout).await);
         }
         let metrics = Namespace::new(&self.namespace);
         telemetry::describe_metrics();
@@ -164,24 +128,78 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Checks the servers before the backend relies on them (see [`build`](Self::build)).
+    async fn check(&self, pool: &Pool, scripts: &Scripts, peer: &Peer) -> Result<(), BuildError> {
+        let topology = pool.topology();
+        // The pool bounds the connect by the connect timeout and the reply by the command
+        // timeout, so no outer timeout is needed (one would cut a slow connect short).
+        // Every primary of a cluster must answer, as the one server must.
+        pool.query_each_primary::<String>(&redis::cmd("PING"))
+            .await
+            .map_err(|e| peer.failure(e))?;
+        if !topology.is_cluster() {
+            refuse_cluster_node(pool).await?;
+        }
+        ServerChecks {
+            pool,
+            scripts,
+            peer,
+            namespace: &self.namespace,
+            connect_timeout: self.connect_timeout,
+            command_timeout: self.command_timeout,
+            publish: if topology.is_cluster() {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            },
+        }
+        .run(topology, self.allow_eviction)
+        .await?;
+        if self.restart_guard {
+            // The guard reads the uptime inside the acquire script: refuse a user that may
+            // not, instead of failing every acquisition.
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            match pool.query::<String>(&info).await {
+                Ok(_) => {}
+                Err(e) if e.is_no_permission() => {
+                    return Err(BuildError::Setting {
+                        name: "restart_guard",
+                        reason: "the Redis user must be allowed to run INFO (the guard reads \
+                                 the server's uptime)",
+                    });
+                }
+                Err(e) => return Err(peer.failure(e)),
+            }
+        }
+        if topology.is_cluster() {
+            coverage::warn_if_full_coverage_required(pool).await;
+        }
+        Ok(())
+    }
+
     /// Where the servers are (for Sentinel: the master the sentinels name now, asked once
     /// so that unreachable sentinels or an unknown name fail the build with that cause),
-    /// and the ACL user the connections log in as (for errors).
-    async fn topology(&self) -> Result<(Topology, String), BuildError> {
-        let url_error = |e: redis::RedisError| BuildError::Url {
-            source: Box::new(e),
+    /// and who the connections log in as where (for errors).
+    async fn topology(&self) -> Result<(Topology, Peer), BuildError> {
+        let info_of = |url: &str| {
+            redis::IntoConnectionInfo::into_connection_info(url).map_err(|e| BuildError::Url {
+                source: Box::new(e),
+            })
         };
-        let user_of = |url: &str| {
-            redis::IntoConnectionInfo::into_connection_info(url)
-                .map(|info| info.redis_settings().username().map(str::to_owned))
-                .map_err(url_error)
+        // Several servers tried alike are named together.
+        let addrs = |urls: &[String]| -> Result<String, BuildError> {
+            let addrs: Result<Vec<String>, BuildError> = urls
+                .iter()
+                .map(|url| Ok(info_of(url)?.addr().to_string()))
+                .collect();
+            Ok(addrs?.join(", "))
         };
-        let (topology, user) = match &self.target {
+        Ok(match &self.target {
             Target::Url(url) => {
                 let client = self.tls.client(url)?;
-                let info = client.get_connection_info();
-                let user = info.redis_settings().username().map(str::to_owned);
-                (Topology::Server(client), user)
+                let peer = peer_of(client.get_connection_info(), None);
+                (Topology::Server(client), peer)
             }
             Target::Cluster(nodes) => {
                 self.tls.check_cluster(nodes)?;
@@ -191,10 +209,13 @@ impl RedisBackendBuilder {
                     self.connect_timeout,
                     self.command_timeout,
                 )
-                .map_err(url_error)?;
+                .map_err(|e| BuildError::Url {
+                    source: Box::new(e),
+                })?;
                 // The cluster client checked that there are seeds and that they agree.
-                let user = user_of(nodes.first().map(String::as_str).unwrap_or_default())?;
-                (Topology::Cluster(cluster), user)
+                let first = info_of(nodes.first().map(String::as_str).unwrap_or_default())?;
+                let peer = peer_of(&first, Some(addrs(nodes)?));
+                (Topology::Cluster(cluster), peer)
             }
             Target::Sentinel { urls, master_name } => {
                 let use_tls = self.tls.check_sentinel(urls)?;
@@ -203,19 +224,18 @@ impl RedisBackendBuilder {
                     password: self.master_password.as_deref(),
                 };
                 let group = SentinelGroup::new(urls, master_name, master, &self.tls, use_tls)?;
+                let sentinels = addrs(urls)?;
                 // redis-rs bounds each sentinel's connect and reply by its own timeouts.
-                group.master().await.map_err(|e| BuildError::Sentinel {
+                let master = group.master().await.map_err(|e| BuildError::Sentinel {
                     master_name: master_name.clone(),
+                    addr: sentinels,
                     source: Box::new(RedisCause::from(e)),
                 })?;
-                let user = match &self.master_username {
-                    Some(user) => Some(user.clone()),
-                    None => user_of(urls.first().map(String::as_str).unwrap_or_default())?,
-                };
-                (Topology::Sentinel(Arc::new(group)), user)
+                // The master's client logs in with the master's credentials.
+                let peer = peer_of(master.get_connection_info(), None);
+                (Topology::Sentinel(Arc::new(group)), peer)
             }
-        };
-        Ok((topology, user.unwrap_or_else(|| "default".to_owned())))
+        })
     }
 
     /// Refuses values that would fail every call, instead of failing each request later.
@@ -288,4 +308,15 @@ async fn refuse_cluster_node(pool: &Pool) -> Result<(), BuildError> {
         });
     }
     Ok(())
+}
+
+/// Who connects with `info` and where (`addr` when several servers are tried alike).
+fn peer_of(info: &redis::ConnectionInfo, addr: Option<String>) -> Peer {
+    let settings = info.redis_settings();
+    Peer {
+        user: settings.username().unwrap_or("default").to_owned(),
+        addr: addr.unwrap_or_else(|| info.addr().to_string()),
+        tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
+        db: settings.db(),
+    }
 }
