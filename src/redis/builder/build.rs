@@ -35,7 +35,10 @@ impl RedisBackendBuilder {
     ///
     /// Fails with the cause as soon as it is known (connection refused, unknown host,
     /// wrong password, a TLS certificate that does not verify, ...); only a server that
-    /// does not answer takes the connect timeout. Before the backend is returned, the
+    /// does not answer takes the connect timeout, and so does a `rediss://` URL for a
+    /// plaintext port, which the error then names as such. The error's own message names
+    /// the server's address and what went wrong there (see [`BuildError`] and
+    /// [`ConnectFailure`](crate::ConnectFailure)). Before the backend is returned, the
     /// server is checked: its `maxmemory-policy` must be `noeviction` (unless
     /// [`allow_eviction`](Self::allow_eviction)), and the URL's ACL user must be allowed to
     /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
@@ -46,7 +49,12 @@ impl RedisBackendBuilder {
     /// owns hash slots is checked on its own: the user must log in to it, its
     /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
     /// the scripts, `SPUBLISH`, `PUBSUB SHARDNUMSUB` and `SSUBSCRIBE`; the error names the
-    /// primary that refused. Replicas are not checked.
+    /// primary that refused. Replicas are not checked. Each primary's
+    /// `cluster-require-full-coverage` is read too (when the user may run `CONFIG GET`):
+    /// where it is `yes`, Redis' default, every shard refuses commands while any hash slot
+    /// is uncovered (one primary down until its replica takes over), so every lock answers
+    /// 503 meanwhile; the build goes on, and logs a warning naming those primaries and the
+    /// setting that keeps the other shards serving, `cluster-require-full-coverage no`.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
