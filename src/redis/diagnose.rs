@@ -14,6 +14,7 @@ use std::io::ErrorKind as IoKind;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::join_all;
 use redis::RedisError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, lookup_host};
@@ -198,30 +199,33 @@ fn targets(addr: &str) -> Vec<(&str, u16)> {
 }
 
 /// The failure every server of `addr` shows to a DNS lookup and a TCP connect, if they all
-/// show the same one.
+/// show the same one. The servers are asked together, so a cluster's unreachable seeds
+/// take one timeout, not one each.
 async fn probe(addr: &str, limit: Duration) -> Option<ConnectFailure> {
-    let mut seen = None;
-    for (host, port) in targets(addr) {
-        let failure = match timeout(limit, lookup_host((host, port))).await {
-            Ok(Err(_)) => ConnectFailure::UnknownHost,
-            Err(_) => return None,
+    let probes = targets(addr).into_iter().map(|(host, port)| async move {
+        match timeout(limit, lookup_host((host, port))).await {
+            Ok(Err(_)) => Some(ConnectFailure::UnknownHost),
+            Err(_) => None,
             Ok(Ok(_)) => match timeout(limit, TcpStream::connect((host, port))).await {
-                Err(_) => ConnectFailure::TimedOut,
-                Ok(Err(e)) if e.kind() == IoKind::ConnectionRefused => ConnectFailure::Refused,
-                Ok(_) => return None,
+                Err(_) => Some(ConnectFailure::TimedOut),
+                Ok(Err(e)) if e.kind() == IoKind::ConnectionRefused => {
+                    Some(ConnectFailure::Refused)
+                }
+                Ok(_) => None,
             },
-        };
-        if seen.get_or_insert_with(|| failure.clone()) != &failure {
-            return None;
         }
-    }
-    seen
+    });
+    let mut failures = join_all(probes).await.into_iter();
+    let first = failures.next()??;
+    failures
+        .all(|failure| failure.as_ref() == Some(&first))
+        .then_some(first)
 }
 
-/// The first server of `addr` that answers a plaintext `PING` as Redis does (`+PONG`, or
-/// an error such as `-NOAUTH`).
+/// A server of `addr` that answers a plaintext `PING` as Redis does (`+PONG`, or an error
+/// such as `-NOAUTH`).
 async fn plaintext_server(addr: &str, limit: Duration) -> Option<String> {
-    for (host, port) in targets(addr) {
+    let pings = targets(addr).into_iter().map(|(host, port)| async move {
         let ping = async {
             let mut stream = TcpStream::connect((host, port)).await?;
             stream.write_all(b"PING\r\n").await?;
@@ -229,9 +233,31 @@ async fn plaintext_server(addr: &str, limit: Duration) -> Option<String> {
             stream.read_exact(&mut first).await?;
             Ok::<_, std::io::Error>(first[0])
         };
-        if let Ok(Ok(b'+' | b'-')) = timeout(limit, ping).await {
-            return Some(format!("{host}:{port}"));
+        match timeout(limit, ping).await {
+            Ok(Ok(b'+' | b'-')) => Some(format!("{host}:{port}")),
+            _ => None,
         }
+    });
+    join_all(pings).await.into_iter().flatten().next()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_are_read_back_from_the_address_of_an_error() {
+        assert_eq!(targets("127.0.0.1:6379"), [("127.0.0.1", 6379)]);
+        assert_eq!(
+            targets("a:7000, b:7001"),
+            [("a", 7000), ("b", 7001)],
+            "a cluster's seeds"
+        );
+        assert_eq!(
+            targets("::1:6379"),
+            [("::1", 6379)],
+            "IPv6, as redis-rs prints it"
+        );
+        assert!(targets("/run/redis.sock").is_empty(), "a Unix socket");
     }
-    None
 }
