@@ -3,11 +3,11 @@
 use std::fmt;
 use std::future::Future;
 
+use crate::core::telemetry;
 use crate::error::LockError;
 use crate::held::HeldLock;
 use crate::lock::BoxFuture;
 use crate::retry::HoldClock;
-use crate::core::telemetry;
 
 /// How a backend gives up one hold.
 pub(crate) trait ReleaseHold: Send + Sync + 'static {

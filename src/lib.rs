@@ -118,7 +118,7 @@ pub use crate::core::telemetry::describe_metrics;
 pub use crate::core::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
 };
-pub use crate::error::{BackendError, BuildError, KeyError, LockError};
+pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};

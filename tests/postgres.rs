@@ -131,7 +131,11 @@ async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them()
             tokio::spawn(async move {
                 for i in (t..NAMES).step_by(8) {
                     let guard = backend.lock(format!("name-{i}")).try_once().await;
-                    guard.expect("uncontended").release().await.expect("release");
+                    guard
+                        .expect("uncontended")
+                        .release()
+                        .await
+                        .expect("release");
                 }
             })
         })
@@ -144,7 +148,11 @@ async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them()
         task.await.expect("no panic");
     }
     for permit in permits {
-        permit.expect("a free permit").release().await.expect("release");
+        permit
+            .expect("a free permit")
+            .release()
+            .await
+            .expect("release");
     }
     // What the fencing design keeps: one row per name used within the fence TTL, nothing
     // of its holders.
@@ -158,8 +166,16 @@ async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them()
     .await
     .expect("the janitor deletes every name unused for the fence TTL");
     // Tokens go on increasing without the counters: the clock floors them.
-    let token = backend.lock("name-0").try_once().await.expect("free").fencing_token();
-    assert!(token > 1_000_000_000_000_000, "a clock-floored token: {token}");
+    let token = backend
+        .lock("name-0")
+        .try_once()
+        .await
+        .expect("free")
+        .fencing_token();
+    assert!(
+        token > 1_000_000_000_000_000,
+        "a clock-floored token: {token}"
+    );
 }
 
 /// One instance's shop: POST /buy sells one item of the stock kept in PostgreSQL, read and
@@ -267,7 +283,11 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     // Far longer than any polling interval, far shorter than the lease (30 s): a waiter
     // that wakes in this window was not woken by the lock.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(acquisitions(), before, "no acquisition attempt while the lock is held");
+    assert_eq!(
+        acquisitions(),
+        before,
+        "no acquisition attempt while the lock is held"
+    );
     guard.release().await.expect("release");
     for waiter in waiters {
         tokio::time::timeout(HANG, waiter)
@@ -365,4 +385,30 @@ async fn concurrent_transfers_over_three_instances_neither_deadlock_nor_lose_mon
         .expect("balances");
     assert!(balances.iter().all(|b| *b >= 0), "overdrawn: {balances:?}");
     assert_eq!(balances.iter().sum::<i64>(), OPENING * i64::from(ACCOUNTS));
+}
+
+#[tokio::test]
+async fn build_names_the_address_and_the_kind_of_a_connection_failure() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let refused = PostgresBackend::connect(&format!("postgres://app@127.0.0.1:{port}/app")).await;
+    let Err(error @ BuildError::Connect { .. }) = &refused else {
+        panic!("nothing listens: {refused:?}");
+    };
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("127.0.0.1:{port}")) && message.contains("refused"),
+        "{message}"
+    );
+    let unknown = PostgresBackend::connect("postgres://app@no-such-host.invalid/app").await;
+    let Err(error @ BuildError::Connect { .. }) = &unknown else {
+        panic!("an unknown host: {unknown:?}");
+    };
+    let message = error.to_string();
+    assert!(
+        message.contains("no-such-host.invalid:5432") && message.contains("does not resolve"),
+        "{message}"
+    );
 }

@@ -59,7 +59,10 @@ async fn a_holder_killed_with_sigkill_loses_its_lock_at_its_expiry_and_no_sooner
         .await
         .expect("backend");
     let mut holder = ChildProcess::spawn("child_process", "holder", &[(URL, server.url())]);
-    let report = holder.next_report().await.expect("the child reports its lock");
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
     let killed_token: u64 = report
         .strip_prefix("held ")
         .and_then(|t| t.parse().ok())

@@ -289,7 +289,7 @@ impl StdError for KeyError {}
 
 mod build;
 
-pub use self::build::BuildError;
+pub use self::build::{BuildError, ConnectFailure};
 
 #[cfg(test)]
 mod tests {
@@ -317,23 +317,28 @@ mod tests {
         let key = LockError::InvalidKey(KeyError::Empty);
         assert_eq!(chain(&key), "the lock key is empty");
         let build = BuildError::Connect {
-            source: Box::new(std::io::Error::other("connection refused")),
+            addr: "127.0.0.1:6390".into(),
+            failure: ConnectFailure::Refused,
+            source: Box::new(std::io::Error::other("Connection refused (os error 111)")),
         };
         assert_eq!(
             chain(&build),
-            "cannot connect to the lock backend: connection refused"
+            "the connection to 127.0.0.1:6390 was refused: nothing listens there (is the \
+             server running, on this host and port?): Connection refused (os error 111)"
         );
         let rights = BuildError::Rights {
             user: "app".into(),
             right: "run EVALSHA".into(),
+            addr: "127.0.0.1:6390".into(),
             source: Box::new(std::io::Error::other("NOPERM")),
         };
         assert_eq!(
             chain(&rights),
-            "the ACL user `app` may not run EVALSHA: NOPERM"
+            "the ACL user `app` of the server at 127.0.0.1:6390 may not run EVALSHA: NOPERM"
         );
         let eviction = BuildError::Eviction {
             policy: "allkeys-lru".into(),
+            addr: "127.0.0.1:6390".into(),
         };
         assert!(chain(&eviction).contains("`allkeys-lru`"));
     }

@@ -1,10 +1,13 @@
 //! [`PostgresBackendBuilder`]: the settings, and `build`: connect, check the server and the
 //! schema (or create it), start the listener and the janitor.
 
+use std::io;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use tokio::time::timeout;
 
 use super::listen::{ListenConfig, Listener};
 use super::store::{PgStore, Statements};
@@ -15,7 +18,7 @@ use crate::core::{
     Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
     Settings,
 };
-use crate::error::BuildError;
+use crate::error::{BuildError, ConnectFailure};
 use crate::key::{namespaced, validate_namespace};
 
 /// The `application_name` of the command connections, unless the URL sets one.
@@ -179,13 +182,15 @@ impl PostgresBackendBuilder {
     pub async fn build(self) -> Result<PostgresBackend, BuildError> {
         self.validate()?;
         let (pool, options) = self.pool().await?;
-        refuse_read_only(&pool).await?;
+        refuse_read_only(&pool, &options).await?;
         if self.migrate {
             schema::migrate(&pool, &self.table)
                 .await
                 .map_err(|e| connect_failure(e, &options))?;
         } else {
-            schema::check(&pool, &self.table).await?;
+            schema::check(&pool, &self.table)
+                .await
+                .map_err(|e| e.unwrap_or_else(|e| connect_failure(e, &options)))?;
         }
         let metrics = Namespace::new(&self.namespace);
         telemetry::describe_metrics();
@@ -265,7 +270,7 @@ impl PostgresBackendBuilder {
             .saturating_mul(2)
             .as_millis()
             .to_string();
-        match &self.target {
+        let (pool, options) = match &self.target {
             Target::Url(url) => {
                 let mut options = PgConnectOptions::from_str(url)
                     .map_err(|e| BuildError::Url {
@@ -282,34 +287,30 @@ impl PostgresBackendBuilder {
                     // A statement on a dead connection fails and is retried; a ping before
                     // every call would double the round trips.
                     .test_before_acquire(false)
-                    .connect_with(options.clone())
-                    .await
-                    .map_err(|e| connect_failure(e, &options))?;
-                Ok((pool, options))
+                    .connect_lazy_with(options.clone());
+                (pool, options)
             }
-            Target::Pool(pool) => {
-                let options = (*pool.connect_options()).clone();
-                // Proves the server and the credentials now, as a URL's pool does.
-                sqlx::query("SELECT 1")
-                    .execute(pool)
-                    .await
-                    .map_err(|e| connect_failure(e, &options))?;
-                Ok((pool.clone(), options))
-            }
+            Target::Pool(pool) => (pool.clone(), (*pool.connect_options()).clone()),
+        };
+        // One connection of its own proves the server and the credentials, with the cause
+        // when it cannot (a pool only says that it timed out).
+        match timeout(self.connect_timeout, PgConnection::connect_with(&options)).await {
+            Ok(Ok(conn)) => drop(conn.close().await),
+            Ok(Err(e)) => return Err(connect_failure(e, &options)),
+            Err(_) => return Err(connect_failure(sqlx::Error::PoolTimedOut, &options)),
         }
+        Ok((pool, options))
     }
 }
 
 /// Refuses a server that takes no writes: every acquisition would fail.
-async fn refuse_read_only(pool: &PgPool) -> Result<(), BuildError> {
+async fn refuse_read_only(pool: &PgPool, options: &PgConnectOptions) -> Result<(), BuildError> {
     let (recovery, read_only) = sqlx::query_as::<_, (bool, String)>(
         "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')",
     )
     .fetch_one(pool)
     .await
-    .map_err(|e| BuildError::Connect {
-        source: Box::new(e),
-    })?;
+    .map_err(|e| connect_failure(e, options))?;
     if recovery {
         return Err(BuildError::ReadOnly {
             reason: "the server is a replica (in recovery): give the primary's URL",
@@ -347,6 +348,7 @@ async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildE
                 sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
                     BuildError::Rights {
                         user: options.get_username().to_owned(),
+                        addr: addr(options),
                         right: format!("use the lock table `{table}` and its functions ({db})"),
                         source: Box::new(e),
                     }
@@ -357,17 +359,48 @@ async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildE
     Ok(())
 }
 
-/// The build error for a failed connection or call: wrong credentials are named as such.
-fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
-    let refused = matches!(&e, sqlx::Error::Database(db)
-        if matches!(db.code().as_deref(), Some("28P01" | "28000")));
-    if refused {
-        return BuildError::Auth {
-            user: options.get_username().to_owned(),
-            source: Box::new(e),
-        };
-    }
+/// Where `options` connect, as errors name it: `host:port` (or the socket directory).
+pub(super) fn addr(options: &PgConnectOptions) -> String {
+    format!("{}:{}", options.get_host(), options.get_port())
+}
+
+/// The build error for a failed connection or call, naming the server and the kind of
+/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
+pub(super) fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
+    let addr = addr(options);
+    let failure = match &e {
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("28P01" | "28000")) => {
+            return BuildError::Auth {
+                user: options.get_username().to_owned(),
+                addr,
+                source: Box::new(e),
+            };
+        }
+        sqlx::Error::Tls(_) => {
+            return BuildError::Tls {
+                reason: "could not set up TLS",
+                addr: Some(addr),
+                certificate: None,
+                source: Some(Box::new(e)),
+            };
+        }
+        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
+        sqlx::Error::Io(io) => match io.kind() {
+            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
+            // getaddrinfo's failures come as uncategorized I/O errors.
+            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
+            _ => ConnectFailure::Other,
+        },
+        _ => ConnectFailure::Other,
+    };
     BuildError::Connect {
+        addr,
+        failure,
         source: Box::new(e),
     }
 }

@@ -50,8 +50,12 @@ pub(crate) async fn migrate(pool: &PgPool, table: &str) -> Result<(), sqlx::Erro
     tx.commit().await
 }
 
-/// Refuses a database without the table's functions, or with another version of them.
-pub(crate) async fn check(pool: &PgPool, table: &str) -> Result<(), BuildError> {
+/// Refuses a database without the table's functions, or with another version of them;
+/// `Err(Err(e))` when the check itself failed.
+pub(crate) async fn check(
+    pool: &PgPool,
+    table: &str,
+) -> Result<(), Result<BuildError, sqlx::Error>> {
     let version = sqlx::query_scalar::<_, i32>(&format!("SELECT {table}_schema_version()"))
         .fetch_one(pool)
         .await;
@@ -60,17 +64,13 @@ pub(crate) async fn check(pool: &PgPool, table: &str) -> Result<(), BuildError> 
         Ok(version) => Some(version),
         // undefined_function: no schema at all.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42883") => None,
-        Err(e) => {
-            return Err(BuildError::Connect {
-                source: Box::new(e),
-            });
-        }
+        Err(e) => return Err(Err(e)),
     };
-    Err(BuildError::Schema {
+    Err(Ok(BuildError::Schema {
         table: table.to_owned(),
         found,
         expected: SCHEMA_VERSION,
-    })
+    }))
 }
 
 #[cfg(test)]

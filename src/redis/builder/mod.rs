@@ -3,6 +3,8 @@
 mod build;
 mod checks;
 mod cluster_checks;
+mod coverage;
+mod diagnose;
 
 use std::time::Duration;
 
