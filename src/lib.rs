@@ -190,6 +190,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/performance.md")]
     pub mod performance {}
+
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/postgres.md")]
+    pub mod postgres {}
 }
 
 /// The README's examples, compiled and run as doctests.
