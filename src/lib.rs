@@ -78,6 +78,7 @@ mod error;
 mod extract;
 mod future;
 mod held;
+mod inspect;
 mod key;
 mod layer;
 mod lock;
@@ -99,6 +100,7 @@ pub use crate::extract::{Header, QueryParam};
 pub use crate::extract::{PathParam, PathParams};
 pub use crate::future::ResponseFuture;
 pub use crate::held::{HeldLocks, MissingHeldLock};
+pub use crate::inspect::{LockInfo, LockMode};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
 pub use crate::lock::{

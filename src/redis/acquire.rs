@@ -13,6 +13,7 @@ use super::keys::LockKey;
 use super::{Inner, MIN_COMMAND_BUDGET, UnexpectedReply};
 use crate::backend::{Observe, Store};
 use crate::error::LockError;
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 use crate::queue::{Claim, Reentry, Slot, Turn};
 use crate::telemetry::Namespace;
@@ -55,6 +56,22 @@ impl Store for Inner {
 
     fn max_key_len(&self) -> usize {
         self.max_key_len
+    }
+
+    fn inspect(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        Box::pin(self.snapshot(key, of))
+    }
+
+    fn force_release(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        Box::pin(self.free_by_force(key, of))
     }
 }
 

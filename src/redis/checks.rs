@@ -59,7 +59,7 @@ pub(crate) fn connect_failure(error: CommandError, user: &str) -> BuildError {
 }
 
 /// What an ACL refusal was about.
-enum Refused {
+pub(super) enum Refused {
     Command,
     Key,
     Channel,
@@ -67,7 +67,7 @@ enum Refused {
 
 /// Whether Redis refused `error`'s command (or a command inside a script) for lack of
 /// rights, and which kind of right.
-fn refused(error: &CommandError) -> Option<Refused> {
+pub(super) fn refused(error: &CommandError) -> Option<Refused> {
     let e = error.redis_error()?;
     let text = e.to_string();
     let direct = e.code() == Some("NOPERM");

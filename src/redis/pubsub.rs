@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
+use super::admin::AdminChannel;
 use super::pool::FailureEpoch;
 use super::recheck::Recheck;
 use super::registry::Registry;
@@ -35,6 +36,8 @@ pub(crate) struct SubscriberConfig {
     pub(crate) max_backoff: Duration,
     /// The backend's namespace label for the subscriber's metrics.
     pub(crate) metrics: Namespace,
+    /// The namespace's admin channel (see `admin.rs`).
+    pub(crate) admin_channel: String,
 }
 
 pub(super) struct Shared {
@@ -44,6 +47,7 @@ pub(super) struct Shared {
     next_id: AtomicU64,
     pub(super) reconnects: AtomicU64,
     metrics: Namespace,
+    pub(super) admin: AdminChannel,
 }
 
 impl Shared {
@@ -117,6 +121,7 @@ impl Subscriber {
             next_id: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
             metrics: config.metrics.clone(),
+            admin: AdminChannel::new(config.admin_channel.clone(), recheck.clone()),
         });
         let serving = shared.clone();
         let start = move |shutdown| {
@@ -356,6 +361,7 @@ async fn serve(
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick completes at once; the connection was just proven by the handshake.
     ping.tick().await;
+    shared.admin.subscribe(sink, config.command_timeout).await?;
     loop {
         reconcile(shared, sink, config.command_timeout, proven).await?;
         tokio::select! {
@@ -364,7 +370,7 @@ async fn serve(
             _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
-                shared.registry().wake_channel(message.get_channel_name());
+                shared.received(message.get_channel_name());
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping

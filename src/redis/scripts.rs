@@ -4,7 +4,8 @@
 //! the script and retries once, so a script is shipped over the wire only when needed.
 //! Lua has no includes: the helpers the scripts share (`lease.lua`: extend a lease, never
 //! shorten it; `token.lua`: the next fencing token; `guard.lua`: the restart guard;
-//! `holders.lua`: holders with a lease of their own) are prepended at compile time.
+//! `holders.lua`: holders with a lease of their own; `snapshot.lua`: what an operator sees
+//! of a key) are prepended at compile time.
 
 use redis::Script;
 
@@ -20,6 +21,10 @@ pub(crate) struct Scripts {
     /// Semaphore permits.
     pub(crate) permit_acquire: Script,
     pub(crate) permit_release: Script,
+    /// The operator's calls: a snapshot of a key, and freeing it by force (not loaded at
+    /// build: a user that may lock need not be allowed these).
+    pub(crate) inspect: Script,
+    pub(crate) force_release: Script,
     /// Whether releases publish on sharded pub/sub (`SPUBLISH`, a Redis Cluster) rather
     /// than `PUBLISH`, which a cluster broadcasts to every node (Redisson #3349) and which
     /// Redis before 7 needs.
@@ -48,6 +53,8 @@ impl Scripts {
             shared_release: script!("shared_release.lua"),
             permit_acquire: script!("token.lua", "guard.lua", "permit_acquire.lua"),
             permit_release: script!("permit_release.lua"),
+            inspect: script!("snapshot.lua", "inspect.lua"),
+            force_release: script!("snapshot.lua", "force_release.lua"),
             sharded,
         }
     }

@@ -112,12 +112,17 @@ async fn serve(
         until: None,
         backoff: INITIAL_BACKOFF,
     };
+    shared.admin.resubscribe();
     loop {
         if deferred.until.is_some_and(|until| until <= Instant::now()) {
             deferred.channels.clear();
             deferred.until = None;
         }
         let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
+        let admin = &shared.admin;
+        admin
+            .ssubscribe(&conn, config.command_timeout, config.ping_interval)
+            .await;
         match &failed.refusal {
             Some(error) if !*refusal_logged => {
                 *refusal_logged = true;
@@ -176,7 +181,7 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
     match push.kind {
         PushKind::SMessage | PushKind::Message => {
             if let Some(channel) = channel() {
-                shared.registry().wake_channel(channel);
+                shared.received(channel);
             }
         }
         // redis-rs subscribed a channel again after a reconnect or a slot map change: a
@@ -188,6 +193,11 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
         }
         PushKind::SUnsubscribe => {
             let Some(channel) = channel() else { return };
+            if shared.admin.is(channel) {
+                shared.admin.resubscribe();
+                shared.dirty.notify_one();
+                return;
+            }
             let mut registry = shared.registry();
             // Not one this backend gave up (it has waiters): the server ended it.
             if registry.channels.contains_key(channel) && registry.active.remove(channel) {
@@ -203,6 +213,7 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, rechec
             // it are checked again.
             failure_epoch.raise();
             recheck.raise("a cluster node connection was lost");
+            shared.admin.resubscribe();
             let mut registry = shared.registry();
             registry.active.clear();
             registry.wake_all();

@@ -12,6 +12,7 @@ use crate::error::BuildError;
 use crate::queue::Queues;
 use crate::redis::checks::{ServerChecks, connect_failure};
 use crate::redis::cluster::ClusterNodes;
+use crate::redis::keys::admin_channel;
 use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::recheck::Recheck;
@@ -111,6 +112,7 @@ impl RedisBackendBuilder {
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
                 metrics: metrics.clone(),
+                admin_channel: admin_channel(&self.namespace),
             },
             pool.failure_epoch(),
             recheck.clone(),
