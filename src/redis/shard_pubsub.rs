@@ -119,9 +119,11 @@ async fn serve(
             deferred.until = None;
         }
         let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
-        let admin = &shared.admin;
-        admin
-            .ssubscribe(&conn, config.command_timeout, config.ping_interval)
+        // Retried no sooner than the next ping when its shard does not answer.
+        let retry = config.ping_interval;
+        shared
+            .admin
+            .ssubscribe(&conn, config.command_timeout, retry)
             .await;
         match &failed.refusal {
             Some(error) if !*refusal_logged => {
