@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod cluster_acl;
 pub mod history;
 pub mod netns;
+pub mod postgres;
 pub mod proxy;
 pub mod replica;
 pub mod sentinel;
