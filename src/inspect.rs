@@ -5,10 +5,12 @@ use std::time::Duration;
 
 /// Which of a key's two primitives an operator call is about: its lock (exclusive and
 /// shared holds of one hash) or its semaphore, which lives apart with its own holders and
-/// fencing tokens.
+/// fencing tokens. (`pub` because the sealed `Store` trait names it; never exported.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Primitive {
+    /// The key's lock: exclusive and shared holds.
     Lock,
+    /// The key's semaphore: permits.
     Semaphore,
 }
 

@@ -40,6 +40,9 @@
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
+//! - [`LockBackend::inspect`] and [`LockBackend::force_release`]: for operators, a
+//!   snapshot of a key ([`LockInfo`]: how it is held, for how long, the fencing token
+//!   reached; never owner ids) and freeing it by force, fenced, its holder told.
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`response`]: the status codes and problem+json bodies of rejections.
