@@ -240,7 +240,8 @@ impl Store for Inner {
         key: String,
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        Box::pin(std::future::ready(Inner::inspect(&self, key, of)))
+        // Lazy, as futures are: nothing happens until it is awaited.
+        Box::pin(async move { Inner::inspect(&self, key, of) })
     }
 
     fn force_release(
@@ -248,7 +249,7 @@ impl Store for Inner {
         key: String,
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        Box::pin(std::future::ready(Inner::force_release(&self, key, of)))
+        Box::pin(async move { Inner::force_release(&self, key, of) })
     }
 }
 
