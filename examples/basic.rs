@@ -9,13 +9,13 @@
 
 use std::time::{Duration, Instant};
 
+use axum::Router;
 use axum::extract::{Path, Request};
 use axum::routing::post;
-use axum::{Extension, Router};
 use tower::ServiceExt;
 use tower_lock::{HeldLock, LockLayer, RedisBackend};
 
-async fn pay(Path(id): Path<String>, Extension(lock): Extension<HeldLock>) -> String {
+async fn pay(Path(id): Path<String>, lock: HeldLock) -> String {
     // Pretend to call a payment provider while holding the order's lock.
     tokio::time::sleep(Duration::from_millis(200)).await;
     format!(

@@ -15,7 +15,6 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use axum::extract::Extension;
 use axum::routing::post;
 use axum::{Router, http::StatusCode};
 use futures_util::future::join;
@@ -30,7 +29,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 /// Long enough that the concurrent requests below overlap.
 const WORK: Duration = Duration::from_millis(300);
 
-async fn work(Extension(lock): Extension<HeldLock>) -> String {
+async fn work(lock: HeldLock) -> String {
     tokio::time::sleep(WORK).await;
     format!(
         "locked {} (fencing token {})",

@@ -9,6 +9,7 @@ use crate::error::LockError;
 use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
 use crate::many::ManyLockRequest;
+use crate::retry::RetryAfter;
 use crate::telemetry::{Labels, Namespace, Outcome};
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
@@ -163,6 +164,7 @@ pub(crate) struct Observe {
     span: tracing::Span,
     labels: Labels,
     waits: bool,
+    retry: RetryAfter,
 }
 
 impl Observe {
@@ -183,8 +185,9 @@ impl Observe {
         );
         Observe {
             span,
-            labels: Labels::new(namespace, &request.route),
+            labels: Labels::new(namespace, &request.route, request.kind),
             waits: matches!(request.mode, Mode::Wait(_)),
+            retry: request.retry.clone(),
         }
     }
 
@@ -205,6 +208,7 @@ impl Observe {
             span,
             labels,
             waits,
+            retry,
         } = self;
         async move {
             let started = Instant::now();
@@ -222,13 +226,17 @@ impl Observe {
                 Ok(guard) => {
                     span.record("token", guard.fencing_token());
                     guard.count_hold(labels.hold());
+                    guard.time_hold(retry.clock());
                     if guard.is_reentry() {
                         Outcome::Reentered
                     } else {
                         Outcome::Acquired
                     }
                 }
-                Err(e) => Outcome::of(e),
+                Err(e) => {
+                    retry.apply(e);
+                    Outcome::of(e)
+                }
             };
             span.record("outcome", outcome.as_str());
             // A refused key waited for nothing.

@@ -17,7 +17,7 @@ use crate::error::KeyError;
 /// | `Option<K>` | `Some(key)` | `None` | never |
 /// | `Result<K, KeyError>` | `Ok(key)` | never | `Err(e)` |
 /// | `Result<Option<K>, KeyError>` | `Ok(Some(key))` | `Ok(None)` | `Err(e)` |
-/// | `Vec<K>` | every key, all or none (see [`lock_many`](crate::LockBackend::lock_many)) | never | an empty list, a duplicate, more than [`MAX_KEYS`](crate::MAX_KEYS) |
+/// | `Vec<K>` | every key, all or none (see [`lock_many`](crate::LockBackend::lock_many)) | never | an empty list, more than [`MAX_KEYS`](crate::MAX_KEYS) different keys (a key given twice is taken once) |
 /// | `Result<Vec<K>, KeyError>` | as `Vec<K>` | never | as `Vec<K>`, and `Err(e)` |
 ///
 /// where `K: Into<String>` (in the `Result` shapes: `String`, `&str`, `Box<str>`
@@ -103,7 +103,7 @@ pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// Reads every key for `req`, for an extractor that may name several (the layer then
     /// takes them all or none, as [`lock_many`](crate::LockBackend::lock_many) does).
     /// `Ok(None)` runs the request unlocked; an empty list is refused with 400
-    /// ([`KeyError::NoKeys`]), as are duplicates. The layer calls this; the default reads
+    /// ([`KeyError::NoKeys`]); a key named twice is taken once. The layer calls this; the default reads
     /// the one key of [`extract`](Self::extract).
     fn extract_all(&self, req: &Request<B>) -> Result<Option<Vec<String>>, KeyError> {
         self.extract(req).map(|key| key.map(|key| vec![key]))

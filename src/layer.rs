@@ -14,6 +14,7 @@ use crate::error::LockError;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
 use crate::policy::{Exclusive, Permits, ReadWrite, SharedIf};
 use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
+use crate::retry::RetryAfter;
 use crate::service::LockService;
 use crate::telemetry::{self, Route};
 
@@ -43,6 +44,9 @@ pub(crate) struct Config {
     pub(crate) rejection: Option<Arc<Rejection>>,
     /// The `route` label of the layer's metrics; unset: axum's matched path.
     pub(crate) route: Route,
+    /// What a refusal for contention says about when to try again: by default the mean
+    /// of this layer's hold times, shared by its clones and the services they wrap.
+    pub(crate) retry: RetryAfter,
 }
 
 impl Config {
@@ -133,6 +137,7 @@ impl<K> LockLayer<K> {
                 hold_body: false,
                 rejection: None,
                 route: Route::default(),
+                retry: RetryAfter::estimate(),
             }),
         }
     }
@@ -226,6 +231,39 @@ impl<K, P> LockLayer<K, P> {
     /// runs. If the process dies the lock frees itself at most one lease later.
     pub fn lease(mut self, lease: Duration) -> Self {
         Arc::make_mut(&mut self.config).lease = lease;
+        self
+    }
+
+    /// Fixes the `Retry-After` of this layer's 409 (fail-fast, lock held), 429 (fail-fast,
+    /// every permit taken) and 503 (the wait ran out) to `retry_after`, rounded up to
+    /// whole seconds. For routes whose handlers take a known time, or whose clients
+    /// should back off by a policy of their own.
+    ///
+    /// Without it the layer says what its work takes: the mean time of its recent holds
+    /// (an exponentially weighted mean, each new hold weighing 1/8), at most the holder's
+    /// remaining lease as the store reports it, and at least 1 s. Before any of its holds
+    /// has ended it says 1 s (a client that retries early is refused again at the cost
+    /// of one request). The holds are the layer's own, whatever the route: the clones of
+    /// a layer applied to several routes (by `Router::route_layer`) share one mean, and
+    /// so do a read/write route's shared and exclusive holds. A hold that was lost is
+    /// left out.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::extract::Request;
+    /// use tower_lock::{LockLayer, MemoryBackend};
+    ///
+    /// // A nightly export runs for minutes: clients come back in five.
+    /// let layer = LockLayer::new(MemoryBackend::new(), |_: &Request| Some("export"))
+    ///     .fail_fast()
+    ///     .retry_after(Duration::from_secs(300));
+    /// # drop(layer);
+    /// ```
+    ///
+    /// The lock API sets it per acquisition with
+    /// [`LockRequest::retry_after`](crate::LockRequest::retry_after).
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        Arc::make_mut(&mut self.config).retry = RetryAfter::Fixed(retry_after);
         self
     }
 
@@ -323,6 +361,7 @@ impl<K, P: fmt::Debug> fmt::Debug for LockLayer<K, P> {
             .field("on_lost", &self.config.on_lost)
             .field("max_local_waiters", &self.config.max_local_waiters)
             .field("hold_until_body_end", &self.config.hold_body)
+            .field("retry_after", &self.config.retry)
             .finish_non_exhaustive()
     }
 }

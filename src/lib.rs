@@ -1,4 +1,4 @@
-//! Request-scoped distributed locks for [axum] and [tower] services, on Redis.
+//! Request-scoped distributed locks for [axum] and [tower] services, on Redis or in memory.
 //!
 //! Services that run as several instances need one lock per business key (an order, a
 //! product's stock, an idempotency key) held for exactly as long as the request handler
@@ -6,14 +6,16 @@
 //! lock, keeps it renewed while the handler runs, and releases it on every exit path
 //! (return, panic, cancellation). Contention becomes HTTP: 409 when the route does not
 //! wait, 503 with `Retry-After` when waiting ran out or the store is unreachable, 400 for
-//! a bad key. Read/write locks (many readers or one writer) and semaphores (at most `n`
-//! holders, 429 when all permits are taken) come with the same guarantees.
+//! a bad key. Read/write locks (many readers or one writer), semaphores (at most `n`
+//! holders, 429 when all permits are taken) and locks of several keys at once come with
+//! the same guarantees.
 //!
 //! ```
-//! use axum::{Router, extract::Request, routing::post};
-//! use tower_lock::{HeldLock, LockLayer, MemoryBackend};
+//! use axum::{Router, routing::post};
+//! use tower_lock::{HeldLock, LockLayer, MemoryBackend, PathParam};
 //!
-//! async fn pay(lock: axum::Extension<HeldLock>) -> String {
+//! // `HeldLock` is an axum extractor: the lock this request holds.
+//! async fn pay(lock: HeldLock) -> String {
 //!     // Send the fencing token with every write the lock protects.
 //!     format!("paid under token {}", lock.fencing_token())
 //! }
@@ -23,20 +25,20 @@
 //! let backend = MemoryBackend::new();
 //! let app: Router = Router::new()
 //!     .route("/orders/{id}/pay", post(pay))
-//!     .route_layer(LockLayer::new(backend, |req: &Request| {
-//!         req.uri().path().strip_prefix("/orders/").map(str::to_owned)
-//!     }));
+//!     .route_layer(LockLayer::new(backend, PathParam::new("id").prefix("order")));
 //! ```
 //!
-//! Where to look:
+//! # Where to look
 //!
 //! - [`LockLayer`]: the middleware and its settings (wait or fail fast, lease, what to do
 //!   when a lock is lost, holding until the body is sent, rejections), and its
 //!   [`policy`]: exclusive by default, read/write (`.read_write()`, `.shared_if(f)`) or a
 //!   semaphore (`.permits(n)`).
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
-//!   ready-made [`PathParam`], [`Header`] and [`QueryParam`].
-//! - [`RedisBackend`] and [`MemoryBackend`]: where locks live ([`LockBackend`]).
+//!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
+//! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
+//!   [Cluster](RedisBackend::cluster)) and [`MemoryBackend`]: where locks live
+//!   ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
@@ -45,7 +47,24 @@
 //!   reached; never owner ids) and freeing it by force, fenced, its holder told.
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
+//! - [`FencedStore`]: a store in the lock's Redis that refuses writes with stale tokens.
 //! - [`response`]: the status codes and problem+json bodies of rejections.
+//!
+//! # Guides
+//!
+//! - [Semantics](guide::semantics): what a lock guarantees, and every status code.
+//! - [Recipes](guide::recipes): keys per route, rejections, timeouts, streaming, jobs,
+//!   several keys, readers and writers, testing, services without axum.
+//! - [Choosing settings](guide::settings): lease, wait, bounds, timeouts and failover
+//!   settings for a given handler and failover budget; what each failure looks like.
+//! - [Deployments and failover](guide::deployments): what `build()` checks, TLS, ACL
+//!   users, Sentinel, Cluster, restarts and data loss.
+//! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], tokens and the clock.
+//! - [Metrics](guide::metrics): the `metrics` feature, its metrics and labels.
+//! - [Reliability](guide::reliability): the fault tests and the Jepsen test.
+//! - [Performance](guide::performance): the benchmark and how to read it.
+//!
+//! # Features
 //!
 //! The layer is a plain tower layer over `http` requests and any response body. The
 //! default-on `axum` feature adds what needs axum: [`PathParam`], the [`HeldLock`] and
@@ -61,11 +80,9 @@
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
-//! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace and route (see
-//! `LockLayer::metrics_label`), never by key; the application installs the exporter.
-//!
-//! The README (on the repository) covers the semantics in detail, the reliability
-//! suite and the benchmarks.
+//! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace, route and kind of
+//! hold, never by key; the application installs the exporter (see
+//! [the guide](guide::metrics)).
 //!
 //! [axum]: https://docs.rs/axum
 //! [tower]: https://docs.rs/tower
@@ -80,6 +97,7 @@ mod body;
 mod error;
 mod extract;
 mod future;
+mod guard;
 mod held;
 mod inspect;
 mod key;
@@ -91,13 +109,14 @@ pub mod policy;
 mod queue;
 mod redis;
 pub mod response;
+mod retry;
 mod service;
 mod spawner;
 mod telemetry;
 
 pub use crate::backend::LockBackend;
 pub use crate::body::ResponseBody;
-pub use crate::error::{BackendError, BuildError, KeyError, LockError};
+pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
@@ -120,6 +139,60 @@ pub use crate::service::LockService;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use crate::telemetry::describe_metrics;
+
+/// The guides, also in `docs/` on the repository: each page here is its file, with every
+/// snippet compiled (and, where it needs no server, run) as a doctest.
+///
+/// Links between guides name the files (`settings.md`), so that they work on the
+/// repository; here the link definitions below, which come first and so win, point them
+/// at these pages instead.
+pub mod guide {
+    /// Link definitions for the guides' reference-style links (see the module docs).
+    macro_rules! links {
+        () => {
+            "[semantics]: crate::guide::semantics\n\
+             [recipes]: crate::guide::recipes\n\
+             [settings]: crate::guide::settings\n\
+             [deployments]: crate::guide::deployments\n\
+             [fencing]: crate::guide::fencing\n\
+             [metrics]: crate::guide::metrics\n\
+             [reliability]: crate::guide::reliability\n\
+             [performance]: crate::guide::performance\n"
+        };
+    }
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/semantics.md")]
+    pub mod semantics {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/recipes.md")]
+    pub mod recipes {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/settings.md")]
+    pub mod settings {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/deployments.md")]
+    pub mod deployments {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/fencing.md")]
+    pub mod fencing {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/metrics.md")]
+    pub mod metrics {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/reliability.md")]
+    pub mod reliability {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
+}
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -1,5 +1,5 @@
-//! Taking locks without HTTP: the request builder and the guard (the held-lock handle is
-//! in `held.rs`).
+//! Taking locks without HTTP: the request builder (the guard is in `guard.rs`, the
+//! held-lock handle in `held.rs`).
 
 use std::fmt;
 use std::future::Future;
@@ -7,11 +7,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::guard::LockGuard;
+pub(crate) use crate::guard::ReleaseHold;
 pub use crate::held::HeldLock;
 
 use crate::backend::Store;
 use crate::error::LockError;
-use crate::telemetry::{self, Route};
+use crate::retry::RetryAfter;
+use crate::telemetry::Route;
 
 /// A boxed, sendable future, as returned by the backend trait.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -118,6 +121,8 @@ pub struct LockRequest {
     pub(crate) kind: Kind,
     /// The `route` label of the acquisition's metrics.
     pub(crate) route: Route,
+    /// What a refusal for contention says about when to try again.
+    pub(crate) retry: RetryAfter,
 }
 
 impl LockRequest {
@@ -132,6 +137,7 @@ impl LockRequest {
             max_local_waiters: DEFAULT_MAX_LOCAL_WAITERS,
             kind: Kind::Exclusive,
             route: Route::default(),
+            retry: RetryAfter::Lease,
         }
     }
 
@@ -226,6 +232,22 @@ impl LockRequest {
         self
     }
 
+    /// Sets the `retry_after` of a refusal for contention ([`LockError::Contended`],
+    /// [`PermitsTaken`](LockError::PermitsTaken), [`TimedOut`](LockError::TimedOut)) to
+    /// `retry_after`, for a caller that knows how long its holders' work takes. Without
+    /// it the refusal carries the holder's remaining lease as the store reported it, an
+    /// upper bound on when the lock frees if its holder stops renewing, but not when a
+    /// holder that finishes its work releases it.
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        self.retry = RetryAfter::Fixed(retry_after);
+        self
+    }
+
+    pub(crate) fn retry(mut self, retry: RetryAfter) -> Self {
+        self.retry = retry;
+        self
+    }
+
     /// Tries once; `Err(LockError::Contended)` if another owner holds the lock.
     ///
     /// # Cancel safety
@@ -272,6 +294,7 @@ impl LockRequest {
             max_local_waiters: self.max_local_waiters,
             kind: self.kind,
             route: self.route.clone(),
+            retry: self.retry.clone(),
         }
     }
 
@@ -290,124 +313,7 @@ impl fmt::Debug for LockRequest {
             .field("mode", &self.mode)
             .field("max_local_waiters", &self.max_local_waiters)
             .field("kind", &self.kind)
+            .field("retry_after", &self.retry)
             .finish_non_exhaustive()
-    }
-}
-
-/// How a backend gives up one hold.
-pub(crate) trait ReleaseHold: Send + Sync + 'static {
-    /// Releases and reports the outcome; `Err(LockError::Lost)` if the lock had already
-    /// been lost.
-    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>>;
-    /// Releases in a spawned task; used on drop, so it must not block or need an await.
-    fn release_in_background(self: Box<Self>);
-}
-
-/// Proof of holding a lock. Releasing happens on [`release`](Self::release) or, if the
-/// guard is dropped (cancellation, panic, early return), in a spawned task.
-#[must_use = "the lock is released as soon as the guard is dropped"]
-pub struct LockGuard {
-    held: HeldLock,
-    hold: Option<Box<dyn ReleaseHold>>,
-    /// The owner held the key already: this hold re-entered it.
-    reentry: bool,
-    /// Counts the hold in the metrics until it ends.
-    counted: Option<telemetry::Hold>,
-}
-
-impl LockGuard {
-    pub(crate) fn new(held: HeldLock, hold: Box<dyn ReleaseHold>) -> Self {
-        LockGuard {
-            held,
-            hold: Some(hold),
-            reentry: false,
-            counted: None,
-        }
-    }
-
-    pub(crate) fn reentry(mut self, reentry: bool) -> Self {
-        self.reentry = reentry;
-        self
-    }
-
-    pub(crate) fn is_reentry(&self) -> bool {
-        self.reentry
-    }
-
-    /// Counts this hold in the metrics until it is released.
-    pub(crate) fn count_hold(&mut self, hold: telemetry::Hold) {
-        self.counted = Some(hold);
-    }
-
-    /// The held lock's handle, to keep or to pass to [`LockRequest::reentrant`].
-    pub fn held(&self) -> &HeldLock {
-        &self.held
-    }
-
-    /// The key as the application gave it.
-    pub fn key(&self) -> &str {
-        self.held.key()
-    }
-
-    /// See [`HeldLock::fencing_token`].
-    pub fn fencing_token(&self) -> u64 {
-        self.held.fencing_token()
-    }
-
-    /// See [`HeldLock::lost`].
-    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.held.lost()
-    }
-
-    /// See [`HeldLock::is_lost`].
-    pub fn is_lost(&self) -> bool {
-        self.held.is_lost()
-    }
-
-    /// Releases the lock and waits for Redis to confirm. A re-entered lock stays held by
-    /// its outer holds. Returns `Err(LockError::Lost)` if the lock had been lost meanwhile
-    /// (nothing of a new owner's is touched). Transport failures are retried; a release is
-    /// idempotent, so a retry after a lost reply never releases twice. If Redis cannot be
-    /// reached in time this returns `Err(LockError::Backend)` and keeps retrying in the
-    /// background (as it does when this future is dropped), for up to one lease.
-    ///
-    /// # Cancel safety
-    ///
-    /// Dropping the future does not keep the lock: the release goes on in a spawned task
-    /// (as when the guard itself is dropped); only its outcome is lost.
-    pub async fn release(self) -> Result<(), LockError> {
-        match self.into_release() {
-            Some(release) => release.await,
-            None => Ok(()),
-        }
-    }
-
-    /// The backend's release future itself (`None` if already released), so the layer's
-    /// futures hold it without boxing it again.
-    pub(crate) fn into_release(mut self) -> Option<BoxFuture<'static, Result<(), LockError>>> {
-        let release = self.hold.take()?.release();
-        Some(match self.counted.take() {
-            Some(counted) => counted.end_with(release, self.held.clone()),
-            None => release,
-        })
-    }
-}
-
-impl Drop for LockGuard {
-    fn drop(&mut self) {
-        if let Some(hold) = self.hold.take() {
-            hold.release_in_background();
-        }
-        if let Some(counted) = self.counted.take() {
-            counted.end(self.held.is_lost());
-        }
-    }
-}
-
-impl fmt::Debug for LockGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LockGuard")
-            .field("held", &self.held)
-            .finish()
     }
 }

@@ -13,10 +13,11 @@ use crate::key::validate;
 use crate::lock::{
     BoxFuture, HeldLock, Kind, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
+use crate::retry::RetryAfter;
 use crate::telemetry::Route;
 
-/// The most keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each key is one
-/// acquisition (one round trip when free), taken one after another.
+/// The most different keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each
+/// key is one acquisition (one round trip when free), taken one after another.
 pub const MAX_KEYS: usize = 16;
 
 /// An acquisition of several keys at once, being configured; finish it with
@@ -28,7 +29,8 @@ pub const MAX_KEYS: usize = 16;
 /// `a` gets `b` next. All of them or none: if one cannot be had (held and not waited for,
 /// or the wait ran out), the keys already taken are released before the error returns.
 /// They are held under one owner, each with its own fencing token
-/// ([`HeldLock::keys`]), renewed together and released together.
+/// ([`HeldLock::keys`]), renewed together and released together. A key given twice (a
+/// transfer from an account to itself) is taken once.
 ///
 /// The order holds within one acquisition: keys already held by the same owner (an outer
 /// layer, [`reentrant`](Self::reentrant)) that sort after one of `keys` were taken out of
@@ -98,6 +100,12 @@ impl ManyLockRequest {
         self.each(LockRequest::shared)
     }
 
+    /// Sets the `retry_after` of a refusal for contention (see
+    /// [`LockRequest::retry_after`]).
+    pub fn retry_after(self, retry_after: Duration) -> Self {
+        self.each(|each| each.retry_after(retry_after))
+    }
+
     /// Acquires as the owner of `held`, re-entering the keys it already holds.
     pub fn reentrant(self, held: &HeldLock) -> Self {
         self.each(|each| each.reentrant(held))
@@ -120,6 +128,10 @@ impl ManyLockRequest {
 
     pub(crate) fn route(self, route: Route) -> Self {
         self.each(|each| each.route(route))
+    }
+
+    pub(crate) fn retry(self, retry: RetryAfter) -> Self {
+        self.each(|each| each.retry(retry))
     }
 
     /// Tries each key once; `Err(LockError::Contended)` naming the first key another owner
@@ -169,7 +181,12 @@ impl ManyLockRequest {
             };
             let request = each.for_key(key, owner.clone()).mode(mode);
             match request.into_future().await {
-                Ok(guard) => taken.push(guard),
+                Ok(mut guard) => {
+                    // Timed below as one hold, once every key is held: a key given back
+                    // (another was held) or a wait given up is no hold of the work.
+                    guard.time_hold(None);
+                    taken.push(guard);
+                }
                 Err(error) => {
                     // None of them, and the keys taken are free again when this returns.
                     join_all(taken.into_iter().map(LockGuard::release)).await;
@@ -186,7 +203,9 @@ impl ManyLockRequest {
                 }
             }
         }
-        Ok(combine(owner, taken))
+        let mut guard = combine(owner, taken);
+        guard.time_hold(each.retry.clock());
+        Ok(guard)
     }
 }
 
@@ -202,25 +221,24 @@ impl fmt::Debug for ManyLockRequest {
     }
 }
 
-/// The keys sorted, after checking that there are some, not too many, each one a key the
-/// backend takes (`max_len`), and none twice: a refusal takes nothing.
+/// The keys sorted and each taken once, after checking that there are some, not too
+/// many, and each one a key the backend takes (`max_len`): a refusal takes nothing.
+///
+/// A key given twice is one lock, held and released once: a transfer from an account to
+/// itself locks the account, rather than failing or re-entering its own hold.
 pub(crate) fn canonical(mut keys: Vec<String>, max_len: usize) -> Result<Vec<String>, KeyError> {
     if keys.is_empty() {
         return Err(KeyError::NoKeys);
-    }
-    if keys.len() > MAX_KEYS {
-        return Err(KeyError::TooManyKeys {
-            count: keys.len(),
-            max: MAX_KEYS,
-        });
     }
     for key in &keys {
         validate(key, max_len)?;
     }
     keys.sort_unstable();
-    if let Some(pair) = keys.windows(2).find(|pair| pair[0] == pair[1]) {
-        return Err(KeyError::DuplicateKey {
-            key: pair[0].clone(),
+    keys.dedup();
+    if keys.len() > MAX_KEYS {
+        return Err(KeyError::TooManyKeys {
+            count: keys.len(),
+            max: MAX_KEYS,
         });
     }
     Ok(keys)

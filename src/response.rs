@@ -21,9 +21,9 @@
 //!
 //! | error | status | `Retry-After` |
 //! |---|---|---|
-//! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | holder's remaining lease, when known |
-//! | [`PermitsTaken`](LockError::PermitsTaken) (fail-fast route, every permit taken) | 429 | earliest permit's remaining lease, else 1 s |
-//! | [`TimedOut`](LockError::TimedOut) (held for the whole wait) | 503 | holder's remaining lease, else 1 s |
+//! | [`Contended`](LockError::Contended) (fail-fast route, lock held) | 409 | the layer's mean hold time, at most the holder's remaining lease |
+//! | [`PermitsTaken`](LockError::PermitsTaken) (fail-fast route, every permit taken) | 429 | the layer's mean hold time, at most the earliest permit's remaining lease |
+//! | [`TimedOut`](LockError::TimedOut) (held for the whole wait) | 503 | the layer's mean hold time, at most the holder's remaining lease |
 //! | [`QueueFull`](LockError::QueueFull) (too many local waiters) | 503 | 1 s |
 //! | [`Backend`](LockError::Backend) (the store unreachable or failing) | 503 | 1 s |
 //! | [`Lost`](LockError::Lost) (lease lost while the handler ran) | 503 | 1 s |
@@ -32,7 +32,13 @@
 //! | [`UpgradeRefused`](LockError::UpgradeRefused) (a shared hold asked for exclusively by its owner) | 500 | none |
 //! | [`ZeroPermits`](LockError::ZeroPermits) (a semaphore of zero permits) | 500 | none |
 //!
-//! `Retry-After` is in whole seconds, rounded up, and at least 1.
+//! `Retry-After` is in whole seconds, rounded up, and at least 1. The first three say
+//! what the work takes, not how long the holder's lease runs (30 s by default, which a
+//! client of a 100 ms handler would wait for nothing): the mean of the layer's recent
+//! hold times, bounded above by the remaining lease the store reported, since the lock
+//! frees by then at the latest if its holder stops renewing it. Before any of the
+//! layer's holds has ended they say 1 s. [`LockLayer::retry_after`](crate::LockLayer::retry_after)
+//! fixes them per layer instead.
 //!
 //! With the `axum` feature (on by default), `LockError` is also an axum `IntoResponse`
 //! giving the same response.

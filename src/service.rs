@@ -107,6 +107,8 @@ where
         if unmatched_by_router(&request) {
             return self.pass_through(request);
         }
+        // Every key of a multi-key request is held the same way.
+        let kind = self.policy.kind(&request);
         // Several keys are checked here, as one key is by its backend: a refusal takes
         // nothing.
         let keys = match self.key.extract_all(&request) {
@@ -119,7 +121,8 @@ where
             Ok(keys) => keys,
             Err(e) => {
                 let route = route_of(&self.config, &request);
-                Labels::new(self.store.metrics(), &route).acquisition(Outcome::InvalidKey, None);
+                Labels::new(self.store.metrics(), &route, kind)
+                    .acquisition(Outcome::InvalidKey, None);
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }
         };
@@ -135,8 +138,6 @@ where
             None => self.store.new_owner(),
         };
         let route = route_of(&self.config, &request);
-        // Every key of a multi-key request is held the same way.
-        let kind = self.policy.kind(&request);
         let acquire = match (keys.pop(), keys.is_empty()) {
             (Some(key), true) => LockRequest::new(self.store.clone(), key)
                 .kind(kind)
@@ -145,6 +146,7 @@ where
                 .max_local_waiters(self.config.max_local_waiters)
                 .mode(self.config.mode)
                 .route(route)
+                .retry(self.config.retry.clone())
                 .into_future(),
             (last, _) => {
                 keys.extend(last);
@@ -154,6 +156,7 @@ where
                     .lease(self.config.lease)
                     .max_local_waiters(self.config.max_local_waiters)
                     .route(route)
+                    .retry(self.config.retry.clone())
                     .into_future(self.config.mode)
             }
         };

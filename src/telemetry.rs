@@ -3,7 +3,7 @@
 //! The application installs a recorder (a Prometheus exporter, say); without one every
 //! call here is a no-op of the facade, and without the feature this module is empty
 //! no-ops that compile away. Labels are bounded: the backend's namespace, the layer's
-//! route label, the outcome. Never a key.
+//! route label, the kind of hold (`mode`), the outcome. Never a key.
 
 /// The `outcome` label of [`ACQUISITIONS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +77,17 @@ mod on {
 
     use super::*;
     use crate::LockError;
-    use crate::lock::{BoxFuture, HeldLock};
+    use crate::lock::{BoxFuture, HeldLock, Kind};
+
+    /// The `mode` label of an acquisition and its hold: a read/write route's shared reads
+    /// and exclusive writes wait and hold for different times, so they are separate series.
+    fn mode(kind: Kind) -> &'static str {
+        match kind {
+            Kind::Exclusive => "exclusive",
+            Kind::Shared => "shared",
+            Kind::Permit(_) => "permit",
+        }
+    }
 
     /// Acquisitions by outcome (see [`Outcome`]).
     pub(super) const ACQUISITIONS: &str = "tower_lock_acquisitions_total";
@@ -99,19 +109,35 @@ mod on {
     /// Describes every metric of the crate to the installed recorder: their units and
     /// help texts. Called when a layer or a backend is built; call it again if the
     /// recorder was installed after them.
+    ///
+    /// The metrics of acquisitions and holds (`tower_lock_acquisitions_total`,
+    /// `tower_lock_wait_seconds`, `tower_lock_hold_seconds`, `tower_lock_held`,
+    /// `tower_lock_waiters`) carry the labels `namespace` (the backend's), `route` (the
+    /// layer's [`metrics_label`](crate::LockLayer::metrics_label), else the path pattern
+    /// axum matched, else empty) and `mode`, the kind of hold asked for: `exclusive`,
+    /// `shared` (a read of [`read_write`](crate::LockLayer::read_write) or
+    /// [`shared_if`](crate::LockLayer::shared_if)) or `permit`
+    /// ([`permits`](crate::LockLayer::permits)), so that a route's reads and writes are
+    /// separate series; the acquisitions also carry `outcome`. The backend's own metrics
+    /// (`tower_lock_subscribed_channels`, `tower_lock_subscriber_reconnects_total`,
+    /// `tower_lock_renewals_failed_total`) carry `namespace` only.
     pub fn describe_metrics() {
         use metrics::{describe_counter, describe_gauge, describe_histogram};
         describe_counter!(
             ACQUISITIONS,
             Unit::Count,
-            "Lock acquisitions by outcome; `lost` counts holds that were lost when they end"
+            "Lock acquisitions by kind of hold (`mode`) and outcome; `lost` counts holds that were lost when they end"
         );
         describe_histogram!(
             WAIT,
             Unit::Seconds,
-            "Time from asking for a lock to having it or giving up"
+            "Time from asking for a lock to having it or giving up, by kind of hold (`mode`)"
         );
-        describe_histogram!(HOLD, Unit::Seconds, "Time a lock was held");
+        describe_histogram!(
+            HOLD,
+            Unit::Seconds,
+            "Time a lock was held, by kind of hold (`mode`)"
+        );
         describe_gauge!(
             HELD,
             Unit::Count,
@@ -199,12 +225,16 @@ mod on {
 
     /// The labels of one acquisition and its hold.
     #[derive(Clone, Debug)]
-    pub(crate) struct Labels(Arc<[Label; 2]>);
+    pub(crate) struct Labels(Arc<[Label; 3]>);
 
     impl Labels {
-        pub(crate) fn new(namespace: &Namespace, route: &Route) -> Self {
+        pub(crate) fn new(namespace: &Namespace, route: &Route, kind: Kind) -> Self {
             let route = route.0.clone().unwrap_or(SharedString::const_str(""));
-            Labels(Arc::new([namespace.label(), Label::new("route", route)]))
+            Labels(Arc::new([
+                namespace.label(),
+                Label::new("route", route),
+                Label::from_static_parts("mode", mode(kind)),
+            ]))
         }
 
         fn with_outcome(&self, outcome: Outcome) -> Vec<Label> {
@@ -328,7 +358,7 @@ mod off {
     pub(crate) struct Labels;
 
     impl Labels {
-        pub(crate) fn new(_: &Namespace, _: &Route) -> Self {
+        pub(crate) fn new(_: &Namespace, _: &Route, _: crate::lock::Kind) -> Self {
             Labels
         }
         pub(crate) fn acquisition(&self, _: Outcome, _: Option<Duration>) {}

@@ -95,15 +95,24 @@ async fn wrong_password_and_unknown_user_are_refused_at_once() {
     assert!(text.contains("`default`"), "{text}");
 }
 
-/// Each right the backend needs, taken away in turn: `build()` names it, and the probes
+/// Each right the backend needs, taken away in turn: `build()` names it (a command a
+/// script calls by its name, not the script's whole list), the server, and the probes
 /// leave nothing behind.
 #[tokio::test]
 async fn each_missing_right_is_named_at_build() {
     let server = RedisServer::start();
-    let cases: [(&[&str], &str); 8] = [
+    let at = format!("127.0.0.1:{}", server.port());
+    let cases: [(&[&str], &str); 9] = [
         (&["-evalsha"], "may not run EVALSHA"),
         (&["-script"], "may not run SCRIPT LOAD"),
-        (&["-pexpire"], "may not run the acquire script (it calls"),
+        (
+            &["-pexpire"],
+            "may not run PEXPIRE (the acquire script calls it)",
+        ),
+        (
+            &["-publish"],
+            "may not run PUBLISH (the release script calls it)",
+        ),
         (
             &["resetkeys", "~other:*"],
             "may not access key `tower-lock:{",
@@ -124,11 +133,18 @@ async fn each_missing_right_is_named_at_build() {
             .await
             .expect_err("refused");
         let text = chain(&error);
-        assert!(matches!(error, BuildError::Rights { .. }), "{text}");
         assert!(
-            text.contains("the ACL user `app` ") && text.contains(says),
+            matches!(&error, BuildError::Rights { user, addr, .. } if user == "app" && addr == &at),
             "{text}"
         );
+        let message = error.to_string();
+        assert!(
+            message.starts_with(&format!("the ACL user `app` of the server at {at} "))
+                && message.contains(says),
+            "{text}"
+        );
+        // One command, not the list of every command the script calls.
+        assert!(!message.contains("HMGET"), "{text}");
         assert!(
             server.keys().await.is_empty(),
             "{what}: {:?}",
@@ -145,8 +161,9 @@ async fn evicting_policy_is_refused_unless_allowed() {
             .await
             .expect_err("refused");
         let text = chain(&error);
+        let at = format!("127.0.0.1:{}", server.port());
         assert!(
-            matches!(&error, BuildError::Eviction { policy: p } if p == policy),
+            matches!(&error, BuildError::Eviction { policy: p, addr } if p == policy && addr == &at),
             "{text}"
         );
         assert!(text.contains(policy), "{text}");

@@ -5,6 +5,8 @@
 mod checks;
 #[path = "cluster/family.rs"]
 mod family;
+#[path = "cluster/lost_node.rs"]
+mod lost_node;
 mod support;
 
 use std::net::SocketAddr;
@@ -21,7 +23,9 @@ use redis::{AsyncCommands, Script};
 use support::cluster::{Cluster, key_on};
 use support::{RedisServer, http_client, request, send, serve};
 use tokio::time::Instant;
-use tower_lock::{BuildError, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend};
+use tower_lock::{
+    BuildError, ConnectFailure, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios() {
@@ -42,7 +46,9 @@ async fn cluster_scenarios() {
     a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
     sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
     a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(&cluster).await;
-    a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
+    let killed =
+        a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(&mut cluster).await;
+    lost_node::the_backends_stop_reconnecting_to_a_killed_node(killed).await;
 }
 
 #[tokio::test]
@@ -60,8 +66,9 @@ async fn a_cluster_without_seeds_or_answering_nodes_is_a_build_error() {
         .connect_timeout(Duration::from_millis(500))
         .build()
         .await;
+    let at = format!("127.0.0.1:{closed}");
     assert!(
-        matches!(refused, Err(BuildError::Connect { .. })),
+        matches!(&refused, Err(BuildError::Connect { addr, failure: ConnectFailure::Refused, .. }) if *addr == at),
         "{refused:?}"
     );
     eprintln!(
@@ -349,6 +356,9 @@ async fn instances(cluster: &Cluster, wait: Duration) -> Vec<SocketAddr> {
     let redis = redis::cluster::ClusterClient::builder(cluster.urls())
         .connection_timeout(Duration::from_millis(500))
         .response_timeout(Duration::from_millis(500))
+        // As the backends' own connections do: only theirs may reach a killed node's port
+        // in `lost_node.rs`.
+        .max_connection_attempts(lost_node::RECONNECT_ATTEMPTS)
         .build()
         .expect("cluster client")
         .get_async_connection()
@@ -509,7 +519,10 @@ struct Outcome {
 /// shard is killed. That shard answers 503 until its replica is promoted and then serves
 /// again; the other shards serve every request throughout; no sale is lost or doubled and
 /// fencing tokens keep increasing across the failover.
-async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(cluster: &mut Cluster) {
+/// Returns the killed primary's port.
+async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
+    cluster: &mut Cluster,
+) -> u16 {
     let primaries = cluster.primaries();
     let victim = primaries[0];
     let items: Vec<String> = primaries
@@ -630,6 +643,7 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(clus
             .collect();
         audit(&mut redis, item, stocked, &served).await;
     }
+    victim
 }
 
 /// Runs `op` while the node on `port` is stopped, and has the node drop its command

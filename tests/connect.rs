@@ -9,8 +9,8 @@ use std::error::Error;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use support::RedisServer;
-use tower_lock::{BuildError, LockError, RedisBackend};
+use support::{RedisServer, assert_says};
+use tower_lock::{BuildError, ConnectFailure, LockError, RedisBackend};
 
 /// Far longer than any of these failures may take to be reported.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -25,7 +25,10 @@ async fn build_error(url: &str) -> BuildError {
     match tokio::time::timeout(HANG_GUARD, build).await {
         Err(_) => panic!("build({url}) still pending after {HANG_GUARD:?}"),
         Ok(Ok(_)) => panic!("build({url}) connected"),
-        Ok(Err(e)) => e,
+        Ok(Err(e)) => {
+            eprintln!("{url}: {}", chain(&e));
+            e
+        }
     }
 }
 
@@ -60,11 +63,15 @@ fn assert_names(error: &(dyn Error + 'static), causes: &[&str]) {
     );
 }
 
-/// Building on `url` fails at once with a connect error whose chain names one of `causes`.
-async fn assert_connect_fails(url: &str, causes: &[&str]) {
+/// Building on `url` fails at once with a connect error of `failure` at `addr`, which its
+/// own message names with `says`.
+async fn assert_connect_fails(url: &str, addr: &str, failure: ConnectFailure, says: &str) {
     let error = build_error(url).await;
-    assert!(matches!(error, BuildError::Connect { .. }), "{error:?}");
-    assert_names(&error, causes);
+    assert!(
+        matches!(&error, BuildError::Connect { addr: a, failure: f, .. } if a == addr && *f == failure),
+        "{error:?}"
+    );
+    assert_says(&error, &[addr, says]);
 }
 
 /// A loopback port with nothing listening on it.
@@ -75,24 +82,44 @@ fn closed_port() -> u16 {
 
 #[tokio::test]
 async fn build_names_a_refused_connection_at_once() {
-    assert_connect_fails(
-        &format!("redis://127.0.0.1:{}", closed_port()),
-        &["refused"],
-    )
-    .await;
+    let addr = format!("127.0.0.1:{}", closed_port());
+    let url = format!("redis://{addr}");
+    assert_connect_fails(&url, &addr, ConnectFailure::Refused, "was refused").await;
 }
 
 #[tokio::test]
 async fn build_names_a_host_that_does_not_resolve_at_once() {
-    assert_connect_fails(
-        "redis://no-such-host.invalid:6379",
+    let addr = "no-such-host.invalid:6379";
+    let url = format!("redis://{addr}");
+    let says = "does not resolve (DNS lookup failed";
+    assert_connect_fails(&url, addr, ConnectFailure::UnknownHost, says).await;
+}
+
+/// A server that accepts connections and never answers (a plain listener that reads
+/// nothing): the build ends at its connect timeout, saying so.
+#[tokio::test]
+async fn build_names_a_server_that_does_not_answer() {
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let build = RedisBackend::builder(format!("redis://{addr}"))
+        .connect_timeout(Duration::from_millis(300))
+        .build();
+    let error = tokio::time::timeout(HANG_GUARD, build)
+        .await
+        .expect("build() ends at its connect timeout")
+        .expect_err("nothing answers");
+    assert!(
+        matches!(&error, BuildError::Connect { addr: a, failure: ConnectFailure::TimedOut, .. } if *a == addr),
+        "{error:?}"
+    );
+    assert_says(
+        &error,
         &[
-            "failed to lookup address",
-            "name or service not known",
-            "resolve",
+            &addr,
+            "did not answer within the connect or command timeout",
         ],
-    )
-    .await;
+    );
+    drop(silent);
 }
 
 #[tokio::test]
@@ -101,15 +128,17 @@ async fn build_names_a_wrong_password_at_once() {
     let url = format!("redis://app:wrong@127.0.0.1:{}", server.port());
     let error = build_error(&url).await;
     assert!(matches!(error, BuildError::Auth { .. }), "{error:?}");
-    assert_names(&error, &["refused the credentials of ACL user `app`"]);
-    assert_cause_once(&error);
+    let at = format!("the server at 127.0.0.1:{}", server.port());
+    assert_says(&error, &[&at, "refused the credentials of ACL user `app`"]);
 }
 
 #[tokio::test]
 async fn build_names_a_db_index_out_of_range_at_once() {
     let server = RedisServer::start_with(&["--databases", "16"]);
     let url = format!("{}/99", server.url());
-    assert_connect_fails(&url, &["DB index is out of range"]).await;
+    let addr = format!("127.0.0.1:{}", server.port());
+    let failure = ConnectFailure::NoDatabase { db: 99 };
+    assert_connect_fails(&url, &addr, failure, "has no database 99").await;
 }
 
 #[tokio::test]

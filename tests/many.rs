@@ -13,7 +13,9 @@ use axum::routing::post;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use support::{RedisServer, http_client, lock_key, post as post_to, serve};
-use tower_lock::{HeldLock, KeyError, LockError, LockLayer, MAX_KEYS, MemoryBackend, PathParams};
+use tower_lock::{
+    HeldLock, KeyError, LockBackend, LockError, LockLayer, MAX_KEYS, MemoryBackend, PathParams,
+};
 
 const ACCOUNTS: usize = 5;
 const OPENING: i64 = 100;
@@ -268,10 +270,6 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
         refused(backend.lock_many(none).try_once().await),
         KeyError::NoKeys
     );
-    assert_eq!(
-        refused(backend.lock_many(["x", "y", "x"]).try_once().await),
-        KeyError::DuplicateKey { key: "x".into() }
-    );
     let many: Vec<String> = (0..=MAX_KEYS).map(|i| format!("k{i}")).collect();
     assert_eq!(
         refused(backend.lock_many(many).try_once().await),
@@ -292,7 +290,7 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
     ));
     assert_eq!(locks(&server).await, Vec::<String>::new(), "nothing taken");
 
-    // On the layer: an empty list and a duplicate are 400, before anything is locked.
+    // On the layer: an empty list is 400, before anything is locked.
     let app = Router::new()
         .route("/", post(|| async {}))
         .route("/{a}/{b}", post(|| async {}))
@@ -301,18 +299,90 @@ async fn bad_key_lists_are_refused_and_take_nothing() {
     let client = http_client();
     let empty = post_to(&client, addr, "/").await;
     assert!(empty.problem(400).contains("no lock key"), "{empty:?}");
-    let twice = post_to(&client, addr, "/x/x").await;
-    assert!(twice.problem(400).contains("twice"), "{twice:?}");
-    // `PathParams` decodes the segments as axum does: `%61` is `a`.
-    let decoded = LockLayer::new(MemoryBackend::new(), PathParams::new(["a", "b"]));
-    let decoded = Router::new()
-        .route("/{a}/{b}", post(|| async {}))
-        .route_layer(decoded);
-    let decoded = serve(decoded).await;
-    let same = post_to(&client, decoded, "/%61/a").await;
-    assert!(same.problem(400).contains("twice"), "{same:?}");
     assert_eq!(post_to(&client, addr, "/x/y").await.status, 200);
     assert_eq!(locks(&server).await, Vec::<String>::new(), "all released");
+}
+
+for_each_store!(a_key_given_twice_is_taken_once);
+
+/// A transfer from an account to itself: one lock of the account, held once (another owner
+/// is refused it) and free after the one release.
+async fn a_key_given_twice_is_taken_once<B: LockBackend>([mine, other, _]: [B; 3]) {
+    let guard = mine
+        .lock_many(["A", "B", "A"])
+        .try_once()
+        .await
+        .expect("A and B are free");
+    let keys: Vec<&str> = guard.held().keys().map(|(key, _)| key).collect();
+    assert_eq!(keys, ["A", "B"], "A once");
+    let busy = other.lock("A").try_once().await;
+    assert!(
+        matches!(&busy, Err(LockError::Contended { .. })),
+        "{busy:?}"
+    );
+    guard.release().await.expect("released");
+    for key in ["A", "B"] {
+        let free = other.lock(key).try_once().await;
+        free.expect("free after the one release")
+            .release()
+            .await
+            .expect("released");
+    }
+    // Only one key after all: a plain lock of it. The limit counts different keys.
+    let copies = vec!["A"; MAX_KEYS + 1];
+    let solo = mine.lock_many(copies).try_once().await.expect("one key");
+    assert_eq!(solo.held().keys().count(), 1);
+    assert_eq!((solo.key(), solo.is_lost()), ("A", false));
+    let busy = other.lock("A").try_once().await;
+    assert!(
+        matches!(&busy, Err(LockError::Contended { .. })),
+        "{busy:?}"
+    );
+    solo.release().await.expect("released");
+    other
+        .lock("A")
+        .try_once()
+        .await
+        .expect("free again")
+        .release()
+        .await
+        .expect("released");
+}
+
+#[tokio::test]
+async fn a_layer_given_one_key_twice_locks_it_once() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let owners = server.conn().await;
+    // The handler reports its keys and its owner's count in the key's lock hash (no other
+    // request runs: the hold is its own in Redis, not a run's in memory).
+    let handler = |State(mut redis): State<MultiplexedConnection>, lock: HeldLock| async move {
+        let owner = lock.owner().as_str();
+        let count: Option<i64> = redis.hget(lock_key("x"), owner).await.unwrap_or_default();
+        format!("{} key(s), count {count:?}", lock.keys().count())
+    };
+    let app = Router::new()
+        .route("/{a}/{b}", post(handler))
+        .route_layer(LockLayer::new(backend, path_keys))
+        .with_state(owners);
+    let addr = serve(app).await;
+    let client = http_client();
+    let twice = post_to(&client, addr, "/x/x").await;
+    assert_eq!(
+        (twice.status, twice.body.as_str()),
+        (200, "1 key(s), count Some(1)")
+    );
+    assert_eq!(locks(&server).await, Vec::<String>::new(), "released");
+    // `PathParams` decodes the segments as axum does: `%78` is `x`, the same key.
+    let decoded = LockLayer::new(MemoryBackend::new(), PathParams::new(["a", "b"]));
+    let decoded = Router::new()
+        .route(
+            "/{a}/{b}",
+            post(|lock: HeldLock| async move { lock.keys().count().to_string() }),
+        )
+        .route_layer(decoded);
+    let same = post_to(&client, serve(decoded).await, "/%78/x").await;
+    assert_eq!((same.status, same.body.as_str()), (200, "1"));
 }
 
 #[tokio::test]

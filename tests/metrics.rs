@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Path, Request};
-use axum::routing::post;
+use axum::routing::{get, post};
+use http::Method;
 use metrics::Unit;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use support::{Gate, RedisServer, eventually, http_client, post as post_to, queued, serve};
+use support::{Gate, RedisServer, call, eventually, http_client, post as post_to, queued, serve};
 use tokio::sync::{Mutex, MutexGuard};
 use tower_lock::{LockLayer, MemoryBackend, PathParam, RedisBackend};
 
@@ -153,6 +154,9 @@ const SUBSCRIBED: &str = "tower_lock_subscribed_channels";
 const RECONNECTS: &str = "tower_lock_subscriber_reconnects_total";
 const RENEWALS_FAILED: &str = "tower_lock_renewals_failed_total";
 
+/// The `mode` label of an exclusive hold, the default.
+const EXCLUSIVE: (&str, &str) = ("mode", "exclusive");
+
 /// The app under test: `/checkout/{id}` waits under the label `checkout`, `/try/{id}`
 /// fails fast with no label (so axum's matched path names it). Both pass `gate`.
 fn app(backend: RedisBackend, gate: Gate) -> Router {
@@ -204,14 +208,14 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
     let try_path = format!("/try/{key}");
     assert_eq!(post_to(&client, addr, &try_path).await.status, 409);
     assert_eq!(post_to(&client, addr, &try_path).await.status, 409);
-    let checkout = [("namespace", "shop"), ("route", "checkout")];
+    let checkout = [("namespace", "shop"), ("route", "checkout"), EXCLUSIVE];
     let during = recorded.take();
     assert_eq!(during.gauge(HELD, &checkout), 1.0, "one lock held");
     assert_eq!(during.gauge(WAITERS, &checkout), 3.0, "three requests wait");
     assert_eq!(
         during.counter(
             ACQUISITIONS,
-            &[checkout[0], checkout[1], ("outcome", "acquired")]
+            &[checkout[0], checkout[1], EXCLUSIVE, ("outcome", "acquired")]
         ),
         1
     );
@@ -241,6 +245,7 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
             &[
                 ("namespace", "shop"),
                 ("route", route),
+                EXCLUSIVE,
                 ("outcome", outcome),
             ],
         )
@@ -250,6 +255,7 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
     let contended = [
         ("namespace", "shop"),
         ("route", "/try/{id}"),
+        EXCLUSIVE,
         ("outcome", "contended"),
     ];
     assert_eq!(
@@ -277,7 +283,7 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
         holds.iter().any(|&h| h > 0.04),
         "the first hold lasted: {holds:?}"
     );
-    let contended = [("namespace", "shop"), ("route", "/try/{id}")];
+    let contended = [("namespace", "shop"), ("route", "/try/{id}"), EXCLUSIVE];
     assert_eq!(
         during.samples(WAIT, &contended).len(),
         2,
@@ -295,7 +301,10 @@ async fn a_contended_route_records_outcomes_waits_holds_and_gauges_under_its_lab
     assert_eq!(after.units.get(WAIT), Some(&Unit::Seconds));
     assert_eq!(after.units.get(HOLD), Some(&Unit::Seconds));
     assert_eq!(after.units.get(ACQUISITIONS), Some(&Unit::Count));
-    assert_eq!(after.label_keys(), ["namespace", "outcome", "route"]);
+    assert_eq!(
+        after.label_keys(),
+        ["mode", "namespace", "outcome", "route"]
+    );
     let values = [during.label_values(), after.label_values()].concat();
     assert!(
         values
@@ -342,6 +351,7 @@ async fn a_lock_lost_while_held_is_counted_once_when_its_hold_ends() {
             &[
                 ("namespace", "tower-lock"),
                 ("route", ""),
+                EXCLUSIVE,
                 ("outcome", outcome),
             ],
         )
@@ -349,7 +359,7 @@ async fn a_lock_lost_while_held_is_counted_once_when_its_hold_ends() {
     assert_eq!(api("lost"), 1);
     assert_eq!(api("acquired"), 2);
     assert_eq!(api("reentered"), 1);
-    let api_labels = [("namespace", "tower-lock"), ("route", "")];
+    let api_labels = [("namespace", "tower-lock"), ("route", ""), EXCLUSIVE];
     assert_eq!(s.gauge(HELD, &api_labels), 0.0, "every hold ended");
     assert_eq!(s.samples(HOLD, &api_labels).len(), 3);
 }
@@ -438,6 +448,7 @@ async fn the_memory_backend_reports_under_the_namespace_memory() {
             &[
                 ("namespace", "memory"),
                 ("route", "jobs"),
+                EXCLUSIVE,
                 ("outcome", outcome),
             ],
         )
@@ -460,7 +471,7 @@ async fn a_waiter_that_gives_up_and_a_dropped_guard_bring_their_gauges_back_to_z
         .metrics_label("gauges")
         .wait(Duration::from_secs(30));
     let waiting = tokio::spawn(waiting);
-    let labels = [("namespace", "memory"), ("route", "gauges")];
+    let labels = [("namespace", "memory"), ("route", "gauges"), EXCLUSIVE];
     // One runtime thread: yielding lets the waiter run until it parks in the queue.
     tokio::task::yield_now().await;
     // The client went away: the waiting acquisition is dropped.
@@ -476,4 +487,68 @@ async fn a_waiter_that_gives_up_and_a_dropped_guard_bring_their_gauges_back_to_z
     assert_eq!(gauge(WAITERS), 0.0, "counted up, then down");
     assert_eq!(gauge(HELD), 0.0, "counted up, then down");
     assert_eq!(s.samples(HOLD, &labels).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_write_route_counts_reads_and_writes_in_separate_series() {
+    let (_turn, recorded) = Recorded::turn().await;
+    let backend = MemoryBackend::new();
+    let gate = Gate::default();
+    let inside = gate.clone();
+    let read = move || {
+        let gate = inside.clone();
+        async move { gate.pass().await }
+    };
+    let docs = Router::new()
+        .route("/docs/{id}", get(read).put(|| async {}))
+        .route_layer(
+            LockLayer::new(backend.clone(), PathParam::new("id").prefix("doc"))
+                .read_write()
+                .fail_fast()
+                .metrics_label("docs"),
+        );
+    let exports = Router::new()
+        .route("/exports", post(|| async {}))
+        .route_layer(
+            LockLayer::new(backend, |_: &Request| Some("exports"))
+                .permits(2)
+                .metrics_label("exports"),
+        );
+    let app = docs.merge(exports);
+
+    // Two reads hold the document at once; a write meanwhile is refused.
+    let reads: Vec<_> = (0..2)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { call(&app, Method::GET, "/docs/1").await.status })
+        })
+        .collect();
+    gate.wait_inside(2).await;
+    assert_eq!(call(&app, Method::PUT, "/docs/1").await.status, 409);
+    let during = recorded.take();
+    gate.open();
+    for read in reads {
+        assert_eq!(read.await.expect("task"), 200);
+    }
+    assert_eq!(call(&app, Method::PUT, "/docs/1").await.status, 200);
+    assert_eq!(call(&app, Method::POST, "/exports").await.status, 200);
+    let after = recorded.take();
+
+    let labels = |route, mode| [("namespace", "memory"), ("route", route), ("mode", mode)];
+    let count = |s: &Snapshot, route, mode, outcome| {
+        let [namespace, route, mode] = labels(route, mode);
+        s.counter(
+            ACQUISITIONS,
+            &[namespace, route, mode, ("outcome", outcome)],
+        )
+    };
+    assert_eq!(count(&during, "docs", "shared", "acquired"), 2);
+    assert_eq!(count(&during, "docs", "exclusive", "contended"), 1);
+    assert_eq!(count(&during, "docs", "exclusive", "acquired"), 0);
+    assert_eq!(during.gauge(HELD, &labels("docs", "shared")), 2.0);
+    assert_eq!(count(&after, "docs", "exclusive", "acquired"), 1);
+    assert_eq!(after.samples(HOLD, &labels("docs", "shared")).len(), 2);
+    assert_eq!(after.samples(HOLD, &labels("docs", "exclusive")).len(), 1);
+    assert_eq!(count(&after, "exports", "permit", "acquired"), 1);
+    assert_eq!(after.samples(HOLD, &labels("exports", "permit")).len(), 1);
 }

@@ -5,11 +5,11 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::tls::{Certs, TlsServer};
-use support::{chain, lock_key};
-use tower_lock::{BuildError, LockError, RedisBackend, RedisBackendBuilder};
+use support::{assert_says, chain, lock_key};
+use tower_lock::{BuildError, ConnectFailure, LockError, RedisBackend, RedisBackendBuilder};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
@@ -100,52 +100,87 @@ async fn mutual_tls_works_and_a_missing_client_certificate_is_named() {
     .expect_err("the server demands a client certificate");
     let text = chain(&error);
     assert!(matches!(error, BuildError::Tls { .. }), "{text}");
-    assert!(text.contains("client certificate"), "{text}");
+    let addr = format!("the server at localhost:{}", server.port());
+    assert_says(&error, &[&addr, "client certificate"]);
 }
 
+/// The certificate's problem is named by rustls' name for it, in the error's own message.
 #[tokio::test]
 async fn a_client_that_does_not_trust_the_server_is_refused_at_build() {
     let server = TlsServer::start(false);
     let other_ca = Certs::new();
+    let addr = format!("localhost:{}", server.port());
     let cases = [
         (
             "system roots",
             RedisBackend::builder(server.url("localhost")),
+            "UnknownIssuer",
         ),
         (
+            // The other CA has the same name as the server's: the signature tells them apart.
             "another CA",
             RedisBackend::builder(server.url("localhost")).tls_root_cert(other_ca.pem("ca.crt")),
+            "BadSignature",
         ),
     ];
-    for (what, builder) in cases {
+    for (what, builder, problem) in cases {
         let error = build(what, builder).await.expect_err("not trusted");
         let text = chain(&error);
-        assert!(matches!(error, BuildError::Tls { .. }), "{text}");
-        assert!(text.contains("certificate failed verification"), "{text}");
+        assert!(
+            matches!(&error, BuildError::Tls { addr: Some(a), certificate: Some(c), .. }
+                if *a == addr && c == problem),
+            "{text}"
+        );
+        let failed = format!(
+            "the server at {addr} presented a TLS certificate that failed verification: {problem}"
+        );
+        assert_says(&error, &[&failed]);
     }
 }
 
-/// A plaintext Redis never answers a TLS hello (it waits for the end of an inline
-/// command): `build()` ends at the connect timeout with a connect error, not a hang.
+/// A plaintext Redis waits for the end of a line the TLS hello may never contain, or
+/// answers it with an error: either way `build()` says that the server does not speak TLS,
+/// by asking it a plaintext PING, after the connect timeout at most.
 #[tokio::test]
-async fn tls_to_a_plaintext_server_ends_at_the_connect_timeout() {
+async fn tls_to_a_plaintext_server_says_the_server_does_not_speak_tls() {
     let server = support::RedisServer::start();
-    let url = format!("rediss://127.0.0.1:{}", server.port());
-    let started = Instant::now();
-    let built = RedisBackend::builder(url)
-        .connect_timeout(Duration::from_millis(500))
-        .build();
-    let error = tokio::time::timeout(HANG, built)
+    let addr = format!("127.0.0.1:{}", server.port());
+    let builder = RedisBackend::builder(format!("rediss://{addr}"))
+        .connect_timeout(Duration::from_millis(500));
+    let error = support::timed_build("rediss:// to a plaintext port", builder)
         .await
-        .expect("build() ends")
         .expect_err("no TLS there");
     let text = chain(&error);
-    println!(
-        "plaintext server: build() took {:?}: {text}",
-        started.elapsed()
+    assert!(
+        matches!(&error, BuildError::Tls { addr: Some(a), certificate: None, .. } if *a == addr),
+        "{text}"
     );
-    assert!(matches!(error, BuildError::Connect { .. }), "{text}");
-    assert!(text.contains("timed out"), "{text}");
+    let says =
+        format!("the server at {addr} does not speak TLS (is it a plaintext port? use `redis://`)");
+    assert_says(&error, &[&says]);
+}
+
+/// A TLS-only port resets a connection whose first bytes are a plaintext command.
+#[tokio::test]
+async fn plaintext_to_a_tls_port_says_the_server_may_expect_tls() {
+    let server = TlsServer::start(false);
+    let addr = format!("127.0.0.1:{}", server.port());
+    let error = build(
+        "redis:// to a TLS port",
+        RedisBackend::builder(format!("redis://{addr}")),
+    )
+    .await
+    .expect_err("the server speaks TLS only");
+    let text = chain(&error);
+    assert!(
+        matches!(&error, BuildError::Connect { addr: a, failure: ConnectFailure::ClosedOnPlaintext, .. } if *a == addr),
+        "{text}"
+    );
+    let says = format!(
+        "the server at {addr} closed the connection on a plaintext command: it may expect TLS \
+         (use `rediss://`)"
+    );
+    assert_says(&error, &[&says]);
 }
 
 #[tokio::test]

@@ -13,67 +13,90 @@
 //! Sold out is 410 Gone. Exits non-zero if a locked route oversells.
 //!
 //! ```text
-//! cargo run --release --example flash_sale                     # picture: target/flash_sale.svg
+//! cargo run --release --example flash_sale                     # picture: $CARGO_TARGET_DIR/flash_sale.svg
 //! cargo run --release --example flash_sale -- docs/flash_sale.svg
+//! cargo run --release --example flash_sale -- --raw-metrics    # and the metrics' own lines
+//! cargo run --release --example flash_sale -- --help
 //! ```
+//!
+//! The picture goes to the path given as the argument, else to `flash_sale.svg` in
+//! `CARGO_TARGET_DIR` when that is set, else in the crate's `target`; the run prints where.
 //!
 //! Where the stock and the locks live:
 //!
-//! - `REDIS_URL` set: that Redis. Every key the demo writes lives under a namespace unique
-//!   to the run, and is deleted at the end.
+//! - `REDIS_URL` set: that Redis. Every key the demo writes lives under a namespace of the
+//!   run's own (a random suffix, claimed with `SETNX` before anything is written), and is
+//!   deleted at the end.
 //! - otherwise, with `redis-server` on `PATH`: a throwaway `redis-server` started here on a
-//!   free loopback port, killed when the demo ends.
+//!   free loopback port, killed when the demo ends; the namespace is `flash-sale`.
 //! - otherwise: one in-process `MemoryBackend` shared by the three apps, and the stock in
 //!   process memory (with the same await between read and write, so `/unsafe/buy` still
 //!   oversells).
 //!
 //! Every instance serves `/metrics` (the crate's `metrics` feature through a Prometheus
-//! exporter); the demo prints the lines of the locked routes after the run.
+//! exporter); after the run the demo scrapes it and prints, per locked route, the
+//! acquisitions by outcome and the wait and hold times (p50, p99). `--raw-metrics` prints
+//! the scraped lines of the locked routes too.
 //!
-//! The picture (see `timeline.rs`) shows who held the lock when on `/buy`, one lane per
-//! instance, and the sales of `/unsafe/buy` against the stock line crossing zero.
+//! The picture (see `timeline/`) shows who held the lock when on `/buy`, one lane per
+//! instance, and the sales of `/unsafe/buy` against the stock line crossing zero, both on
+//! one time axis, with a mark for every request.
 
+mod cli;
 mod load;
 mod scrape;
 mod shop;
+mod summary;
 mod throwaway;
 mod timeline;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower_lock::{MemoryBackend, RedisBackend};
 
+use crate::cli::{Command, Options};
 use crate::load::Row;
-use crate::shop::{Recorders, Store};
+use crate::shop::{LOCKED_ROUTES, Recorders, Store};
 use crate::throwaway::ThrowawayRedis;
 use crate::timeline::Timeline;
 
 const STOCK: i64 = 50;
 const BUYERS: usize = 300;
 const INSTANCES: usize = 3;
-const ROUTES: [&str; 3] = ["/unsafe/buy", "/buy", "/try-buy"];
+const ROUTES: [&str; 3] = ["/unsafe/buy", LOCKED_ROUTES[0].1, LOCKED_ROUTES[1].1];
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// Where the stock and the locks live.
 enum Place {
-    Redis(String),
+    /// The Redis at `REDIS_URL`, which others may use too.
+    SharedRedis(String),
+    /// A `redis-server` this run started: nothing else writes there.
+    OwnRedis(String),
     Memory,
 }
 
+/// The namespace on a Redis nothing else writes to.
+const NAMESPACE: &str = "flash-sale";
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let svg = match svg_path() {
-        Ok(path) => path,
+    let args = std::env::args_os().skip(1);
+    let options = match cli::parse(args, std::env::var_os("CARGO_TARGET_DIR")) {
+        Ok(Command::Run(options)) => options,
+        Ok(Command::Help) => {
+            println!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
         Err(usage) => {
             eprintln!("{usage}");
             return ExitCode::from(2);
         }
     };
-    match demo(&svg).await {
+    match demo(&options).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
             eprintln!("FAIL: a locked route oversold");
@@ -101,19 +124,10 @@ fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     levels.join(": ")
 }
 
-/// The picture's path: the one argument, or `target/flash_sale.svg` in the crate.
-fn svg_path() -> Result<PathBuf, String> {
-    let mut args = std::env::args_os().skip(1);
-    match (args.next(), args.next()) {
-        (None, _) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("target/flash_sale.svg")),
-        (Some(path), None) if !path.to_string_lossy().starts_with('-') => Ok(path.into()),
-        _ => Err("usage: cargo run --release --example flash_sale [-- PICTURE.svg]".into()),
-    }
-}
-
 /// Runs the sale on every route, prints the table and writes the picture; whether the
 /// locked routes sold no more than the stock.
-async fn demo(svg: &Path) -> Result<bool, Error> {
+async fn demo(options: &Options) -> Result<bool, Error> {
+    let svg = options.svg.as_path();
     // Lives until the end of this function: the server is killed on every way out.
     let mut throwaway = None;
     let (place, shared) = if let Some(url) =
@@ -124,7 +138,7 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
             Ok(info) => println!("Redis from REDIS_URL (redis-server {})", info.version),
             Err(_) => println!("Redis from REDIS_URL"),
         }
-        (Place::Redis(url), "one Redis")
+        (Place::SharedRedis(url), "one Redis")
     } else if let Some(server) = ThrowawayRedis::start().await? {
         println!(
             "throwaway redis-server {} on {} (REDIS_URL is unset; stopped when the demo ends)",
@@ -133,7 +147,7 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
         );
         let url = server.url().to_owned();
         throwaway = Some(server);
-        (Place::Redis(url), "one Redis")
+        (Place::OwnRedis(url), "one Redis")
     } else {
         println!(
             "no redis-server on PATH and REDIS_URL unset: running on the in-process MemoryBackend \
@@ -169,11 +183,18 @@ async fn demo(svg: &Path) -> Result<bool, Error> {
     }
 
     println!(
-        "\nThe lock's metrics for /buy and /try-buy (GET /metrics on any instance; the three \
-         share this process's recorder):\n"
+        "\nThe lock's metrics, scraped from GET /metrics (one scrape covers the three instances: \
+         they share this process's recorder). Wait: from asking for the lock to holding it or \
+         giving up; hold: until its release. Each p50 and p99 is the histogram bucket it falls \
+         in. `--raw-metrics` prints the lines.\n"
     );
-    for line in scrape::locked_routes(&exposition) {
-        println!("{line}");
+    print!("{}", summary::table(&exposition, &LOCKED_ROUTES));
+    if options.raw_metrics {
+        let labels = LOCKED_ROUTES.map(|(label, _)| label);
+        println!("\nThe lines behind it (--raw-metrics):\n");
+        for line in summary::raw_lines(&exposition, &labels) {
+            println!("{line}");
+        }
     }
 
     let title = format!(
@@ -206,38 +227,54 @@ async fn run(
     recorders: &Recorders,
     prometheus: &PrometheusHandle,
 ) -> Result<(Vec<Row>, String), Error> {
-    let mut instances = Vec::new();
-    let metrics = || scrape::route(prometheus.clone());
     match place {
         Place::Memory => {
+            let mut instances = Vec::new();
             let backend = MemoryBackend::new();
             let store = Store::memory();
             for instance in 1..=INSTANCES {
                 let app = shop::app(backend.clone(), store.clone(), instance, recorders);
-                instances.push(shop::serve(app.merge(metrics())).await?);
+                let metrics = scrape::route(prometheus.clone());
+                instances.push(shop::serve(app.merge(metrics)).await?);
             }
             sell(&store, &instances).await
         }
-        Place::Redis(url) => {
-            let namespace = format!(
-                "tower-lock-demo-flash-sale-{}",
-                &uuid::Uuid::new_v4().simple().to_string()[..8]
-            );
-            for instance in 1..=INSTANCES {
-                let backend = RedisBackend::builder(url)
-                    .namespace(&namespace)
-                    .build()
-                    .await?;
-                let store = Store::redis(url, &namespace).await?;
-                let app = shop::app(backend, store, instance, recorders);
-                instances.push(shop::serve(app.merge(metrics())).await?);
-            }
-            let store = Store::redis(url, &namespace).await?;
-            let sold = sell(&store, &instances).await;
-            store.clean_up().await?;
-            sold
+        Place::SharedRedis(url) => {
+            let namespace = shop::claim_namespace(url)
+                .await?
+                .ok_or("could not claim a namespace of the demo's own on REDIS_URL")?;
+            on_redis(url, &namespace, recorders, prometheus).await
         }
+        Place::OwnRedis(url) => on_redis(url, NAMESPACE, recorders, prometheus).await,
     }
+}
+
+/// Starts the instances on the Redis at `url`, sells, and deletes what the run wrote
+/// (whether it sold or failed).
+async fn on_redis(
+    url: &str,
+    namespace: &str,
+    recorders: &Recorders,
+    prometheus: &PrometheusHandle,
+) -> Result<(Vec<Row>, String), Error> {
+    let store = Store::redis(url, namespace).await?;
+    let sold = async {
+        let mut instances = Vec::new();
+        for instance in 1..=INSTANCES {
+            let backend = RedisBackend::builder(url)
+                .namespace(namespace)
+                .build()
+                .await?;
+            let store = Store::redis(url, namespace).await?;
+            let app = shop::app(backend, store, instance, recorders);
+            let metrics = scrape::route(prometheus.clone());
+            instances.push(shop::serve(app.merge(metrics)).await?);
+        }
+        sell(&store, &instances).await
+    }
+    .await;
+    store.clean_up().await?;
+    sold
 }
 
 async fn sell(store: &Store, instances: &[SocketAddr]) -> Result<(Vec<Row>, String), Error> {

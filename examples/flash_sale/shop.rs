@@ -22,6 +22,9 @@ use crate::timeline::Recorder;
 /// The lock key every buy takes: there is one item on sale.
 const ITEM: &str = "item";
 
+/// The routes under `LockLayer`: each layer's `metrics_label`, and the path.
+pub const LOCKED_ROUTES: [(&str, &str); 2] = [("buy", "/buy"), ("try-buy", "/try-buy")];
+
 /// How long the payment call takes: the window in which other buyers read the same stock.
 const PAYMENT: Duration = Duration::from_millis(5);
 
@@ -42,6 +45,30 @@ pub enum Store {
 pub struct Counts {
     stock: i64,
     sold: i64,
+}
+
+/// Namespaces tried before giving up (each attempt draws a new one).
+const CLAIMS: usize = 10;
+
+/// A namespace of this run's own on a Redis that others use: a random suffix, claimed with
+/// `SETNX` before the run writes anything under it, so that no other run of the demo (nor
+/// one that was killed and left its keys) shares it. [`Store::clean_up`] deletes the claim
+/// with the rest. `None` if every namespace drawn was taken.
+pub async fn claim_namespace(url: &str) -> redis::RedisResult<Option<String>> {
+    let mut conn = redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    for _ in 0..CLAIMS {
+        let suffix = uuid::Uuid::new_v4().simple().to_string();
+        let namespace = format!("tower-lock-demo-flash-sale-{}", &suffix[..8]);
+        if conn
+            .set_nx(format!("{namespace}:claim"), "the flash_sale demo")
+            .await?
+        {
+            return Ok(Some(namespace));
+        }
+    }
+    Ok(None)
 }
 
 impl Store {
@@ -190,20 +217,21 @@ pub fn app<B: LockBackend>(
         recorder: recorder.cloned(),
     };
     let item = |_: &Request| Some(ITEM);
+    let [(buy_label, buy_path), (try_label, try_path)] = LOCKED_ROUTES;
     let waiting = Router::new()
-        .route("/buy", post(buy))
+        .route(buy_path, post(buy))
         .route_layer(
             LockLayer::new(backend.clone(), item)
                 .wait(Duration::from_secs(10))
-                .metrics_label("buy"),
+                .metrics_label(buy_label),
         )
         .with_state(till(Some(&recorders.locked)));
     let fail_fast = Router::new()
-        .route("/try-buy", post(buy))
+        .route(try_path, post(buy))
         .route_layer(
             LockLayer::new(backend, item)
                 .fail_fast()
-                .metrics_label("try-buy"),
+                .metrics_label(try_label),
         )
         .with_state(till(None));
     Router::new()

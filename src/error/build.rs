@@ -1,4 +1,5 @@
-//! [`BuildError`]: why a backend could not be built.
+//! [`BuildError`]: why a backend could not be built, and [`ConnectFailure`]: why a
+//! connection could not be opened.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -6,6 +7,15 @@ use std::fmt;
 /// Why a backend could not be built: its configuration is invalid, or the store could not be
 /// reached or prepared. Returned by [`RedisBackend::connect`](crate::RedisBackend::connect)
 /// and [`RedisBackendBuilder::build`](crate::RedisBackendBuilder::build).
+///
+/// Each variant's own message (its `Display`) names the server's address (`host:port`,
+/// never the password) and what went wrong there; the underlying error, when there is one,
+/// is the [`source`](StdError::source) and is not repeated in the message, so
+/// `format!("{err}")` is a complete sentence and anyhow's `{:#}` adds the raw cause once.
+///
+/// An `addr` field holds one server's `host:port`, or a comma-separated list where several
+/// servers were tried alike (a cluster's seed nodes, the sentinels). Match variants with
+/// `..` so that later fields do not break the match.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum BuildError {
@@ -27,11 +37,15 @@ pub enum BuildError {
         /// Why the URL was rejected.
         source: Box<dyn StdError + Send + Sync>,
     },
-    /// No connection could be opened or the server refused it (connection refused, unknown
-    /// host, a database index out of range, ...); the cause is the
-    /// [`source`](StdError::source).
+    /// No connection could be opened, or the server refused it before any lock command
+    /// (connection refused, unknown host, no answer in time, a database index out of
+    /// range, ...): [`failure`](ConnectFailure) says which.
     Connect {
-        /// Why the connection failed.
+        /// Where the connection was going.
+        addr: String,
+        /// What went wrong.
+        failure: ConnectFailure,
+        /// The underlying error.
         source: Box<dyn StdError + Send + Sync>,
     },
     /// No sentinel named a usable master: none could be reached, none knows the master
@@ -40,11 +54,15 @@ pub enum BuildError {
     Sentinel {
         /// The master name given to [`RedisBackend::sentinel`](crate::RedisBackend::sentinel).
         master_name: String,
+        /// The sentinels that were asked.
+        addr: String,
         /// Why the lookup failed (the last sentinel's or the named master's error).
         source: Box<dyn StdError + Send + Sync>,
     },
     /// The server was reached but refused to load the lock scripts.
     Scripts {
+        /// The server that refused.
+        addr: String,
         /// Why loading failed.
         source: Box<dyn StdError + Send + Sync>,
     },
@@ -53,25 +71,42 @@ pub enum BuildError {
     Auth {
         /// The ACL user the URL names (`default` when it names none).
         user: String,
+        /// The server that refused.
+        addr: String,
         /// The server's refusal.
         source: Box<dyn StdError + Send + Sync>,
     },
     /// TLS could not be set up (a `rediss://` URL without the crate's `tls` feature,
-    /// unusable certificates) or the handshake failed (the server's certificate did not
-    /// verify, the server wanted a client certificate).
+    /// unusable certificates), the handshake failed (the server's certificate did not
+    /// verify, the server wanted a client certificate), or the server does not speak TLS
+    /// (a `rediss://` URL for a plaintext port).
     Tls {
-        /// What went wrong, in words.
+        /// What went wrong, in words. With an `addr`, it says what the server at that
+        /// address did ("does not speak TLS ..."); without one, nothing was contacted and it
+        /// is a whole sentence about the settings.
         reason: &'static str,
+        /// The server of the failed handshake; `None` when the settings were refused before
+        /// connecting.
+        addr: Option<String>,
+        /// Why the server's certificate failed verification, by rustls' name for it:
+        /// `UnknownIssuer` (no trusted CA signed it), `BadSignature`, `NotValidForName`
+        /// (it does not name the URL's host), `Expired`, `NotValidYet`, `Revoked`, ...;
+        /// `None` for other failures.
+        certificate: Option<String>,
         /// The TLS library's error, when there is one.
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
-    /// The ACL user may not run something the backend needs (a lock script, `PUBLISH` or
-    /// `SUBSCRIBE` on the namespace's channels, ...): every lock operation would fail later.
+    /// The ACL user may not run something the backend needs (a lock script, a command a
+    /// script calls, `PUBLISH` or `SUBSCRIBE` on the namespace's channels, ...): every
+    /// lock operation would fail later.
     Rights {
         /// The ACL user the URL names (`default` when it names none).
         user: String,
-        /// What the user may not do, for example ``SUBSCRIBE to channel `shop:{..}` ``.
+        /// What the user may not do, for example ``SUBSCRIBE to channel `shop:{..}` `` or
+        /// `run PUBLISH (the release script calls it)`.
         right: String,
+        /// The server that refused.
+        addr: String,
         /// The server's refusal.
         source: Box<dyn StdError + Send + Sync>,
     },
@@ -82,7 +117,66 @@ pub enum BuildError {
     Eviction {
         /// The server's policy, for example `allkeys-lru`.
         policy: String,
+        /// The server with that policy.
+        addr: String,
     },
+}
+
+/// What went wrong opening a connection ([`BuildError::Connect`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectFailure {
+    /// The connection was refused: nothing listens at the address (the server is down, or
+    /// the host or port is wrong).
+    Refused,
+    /// The host name does not resolve (DNS).
+    UnknownHost,
+    /// No answer within the connect timeout (or the command timeout, for the first
+    /// command): the host is unreachable, or the server is stopped or overloaded.
+    TimedOut,
+    /// The server closed or reset the connection before answering.
+    Closed,
+    /// The server closed or reset the connection on the first command of a `redis://`
+    /// (plaintext) URL, as a TLS-only port does: it may expect `rediss://`.
+    ClosedOnPlaintext,
+    /// The server has no database of the URL's index (`/99` on a server with 16): it
+    /// refused to `SELECT` it.
+    NoDatabase {
+        /// The database index the URL names.
+        db: i64,
+    },
+    /// Another failure; the [`source`](StdError::source) says what.
+    Other,
+}
+
+impl BuildError {
+    /// TLS settings refused before anything was contacted.
+    pub(crate) fn tls_settings(reason: &'static str) -> Self {
+        BuildError::Tls {
+            reason,
+            addr: None,
+            certificate: None,
+            source: None,
+        }
+    }
+
+    /// The same error, of the server at `node` (a cluster's primary, where the error came
+    /// through a connection to the whole cluster).
+    pub(crate) fn at(mut self, node: String) -> Self {
+        match &mut self {
+            BuildError::Connect { addr, .. }
+            | BuildError::Scripts { addr, .. }
+            | BuildError::Auth { addr, .. }
+            | BuildError::Rights { addr, .. }
+            | BuildError::Eviction { addr, .. } => *addr = node,
+            BuildError::Tls { addr, .. } => *addr = Some(node),
+            BuildError::Setting { .. }
+            | BuildError::Namespace { .. }
+            | BuildError::Url { .. }
+            | BuildError::Sentinel { .. } => {}
+        }
+        self
+    }
 }
 
 impl fmt::Display for BuildError {
@@ -95,28 +189,110 @@ impl fmt::Display for BuildError {
             ),
             BuildError::Setting { name, reason } => write!(f, "invalid `{name}`: {reason}"),
             BuildError::Url { .. } => f.write_str("invalid Redis URL"),
-            BuildError::Connect { .. } => f.write_str("cannot connect to the lock backend"),
-            BuildError::Sentinel { master_name, .. } => {
-                write!(f, "the sentinels name no usable master `{master_name}`")
-            }
-            BuildError::Scripts { .. } => f.write_str("cannot load the lock scripts"),
-            BuildError::Auth { user, .. } => {
+            BuildError::Connect { addr, failure, .. } => connect_message(f, addr, failure),
+            BuildError::Sentinel {
+                master_name, addr, ..
+            } => {
                 write!(
                     f,
-                    "Redis refused the credentials of ACL user `{user}` (a wrong or missing \
-                     password, or no such enabled user)"
+                    "the sentinels at {addr} name no usable master `{master_name}`"
                 )
             }
-            BuildError::Tls { reason, .. } => f.write_str(reason),
-            BuildError::Rights { user, right, .. } => {
-                write!(f, "the ACL user `{user}` may not {right}")
+            BuildError::Scripts { addr, .. } => {
+                write!(f, "the server at {addr} did not load the lock scripts")
             }
-            BuildError::Eviction { policy } => write!(
+            BuildError::Auth { user, addr, .. } => {
+                write!(
+                    f,
+                    "the server at {addr} refused the credentials of ACL user `{user}` (a \
+                     wrong or missing password, or no such enabled user)"
+                )
+            }
+            BuildError::Tls {
+                reason,
+                addr,
+                certificate,
+                ..
+            } => {
+                match addr {
+                    Some(addr) => write!(f, "the server at {addr} {reason}")?,
+                    None => f.write_str(reason)?,
+                }
+                match certificate {
+                    Some(problem) => write!(f, ": {problem} ({})", certificate_hint(problem)),
+                    None => Ok(()),
+                }
+            }
+            BuildError::Rights {
+                user, right, addr, ..
+            } => {
+                write!(
+                    f,
+                    "the ACL user `{user}` of the server at {addr} may not {right}"
+                )
+            }
+            BuildError::Eviction { policy, addr } => write!(
                 f,
-                "the Redis server's maxmemory-policy is `{policy}`, which may evict held \
-                 locks; only `noeviction` keeps them (or opt in with `allow_eviction`)"
+                "the maxmemory-policy of the server at {addr} is `{policy}`, which may evict \
+                 held locks; only `noeviction` keeps them (or opt in with `allow_eviction`)"
             ),
         }
+    }
+}
+
+fn connect_message(
+    f: &mut fmt::Formatter<'_>,
+    addr: &str,
+    failure: &ConnectFailure,
+) -> fmt::Result {
+    match failure {
+        ConnectFailure::Refused => write!(
+            f,
+            "the connection to {addr} was refused: nothing listens there (is the server \
+             running, on this host and port?)"
+        ),
+        ConnectFailure::UnknownHost => write!(
+            f,
+            "the host of {addr} does not resolve (DNS lookup failed: is the host name right?)"
+        ),
+        ConnectFailure::TimedOut => write!(
+            f,
+            "the server at {addr} did not answer within the connect or command timeout (is \
+             the host reachable, the server running and not overloaded?)"
+        ),
+        ConnectFailure::Closed => write!(
+            f,
+            "the server at {addr} closed the connection before answering"
+        ),
+        ConnectFailure::ClosedOnPlaintext => write!(
+            f,
+            "the server at {addr} closed the connection on a plaintext command: it may \
+             expect TLS (use `rediss://`)"
+        ),
+        ConnectFailure::NoDatabase { db } => write!(
+            f,
+            "the server at {addr} has no database {db}: it refused to SELECT the URL's \
+             database index (use one below its `databases` setting)"
+        ),
+        ConnectFailure::Other => write!(f, "cannot connect to the server at {addr}"),
+    }
+}
+
+/// What a certificate problem of [`BuildError::Tls`] means, and what to do about it.
+fn certificate_hint(problem: &str) -> &'static str {
+    match problem {
+        "UnknownIssuer" => {
+            "no CA this client trusts signed it: give the server's CA with `tls_root_cert`"
+        }
+        "BadSignature" => "its signature does not verify against the CA this client trusts",
+        "NotValidForName" => {
+            "it does not name the URL's host: connect by a name or address it lists"
+        }
+        "Expired" => "it has expired",
+        "NotValidYet" => "it is not valid yet: is a clock wrong?",
+        "Revoked" => "its CA revoked it",
+        "InvalidPurpose" => "it is not meant for a TLS server",
+        _ => "see the cause",
     }
 }
 
@@ -127,8 +303,8 @@ impl StdError for BuildError {
             | BuildError::Setting { .. }
             | BuildError::Eviction { .. } => None,
             BuildError::Url { source }
-            | BuildError::Connect { source }
-            | BuildError::Scripts { source }
+            | BuildError::Connect { source, .. }
+            | BuildError::Scripts { source, .. }
             | BuildError::Sentinel { source, .. }
             | BuildError::Auth { source, .. }
             | BuildError::Rights { source, .. } => Some(&**source),

@@ -23,7 +23,7 @@ pub enum LockError {
     Contended {
         /// The user-facing key that was contended.
         key: String,
-        /// How long the current holder's lease still runs, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// The lock stayed held for the whole wait.
@@ -32,7 +32,7 @@ pub enum LockError {
         key: String,
         /// How long the caller waited.
         waited: Duration,
-        /// The holder's remaining lease at the last attempt, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// This process already has the configured number of tasks queued for the key,
@@ -49,7 +49,7 @@ pub enum LockError {
         key: String,
         /// How many permits the acquisition asked of.
         permits: u32,
-        /// How long the earliest permit's lease still runs, when the store reported one.
+        /// When to try again (see [`retry_after`](LockError::retry_after)).
         retry_after: Option<Duration>,
     },
     /// The owner holds the key shared and asked for it exclusively. A shared hold cannot
@@ -88,7 +88,14 @@ pub enum LockError {
 impl LockError {
     /// How long a client should wait before retrying, when it can be known.
     ///
-    /// The layer uses this for the `Retry-After` header.
+    /// The layer uses this for the `Retry-After` header (see the
+    /// [table](crate::response)). For a refusal for contention ([`Contended`](Self::Contended),
+    /// [`PermitsTaken`](Self::PermitsTaken), [`TimedOut`](Self::TimedOut)) it is what the
+    /// acquisition was told: a layer's mean hold time bounded by the holder's remaining
+    /// lease, or its [`retry_after`](crate::LockLayer::retry_after) setting; from the lock
+    /// API, [`LockRequest::retry_after`](crate::LockRequest::retry_after) if set, else the
+    /// holder's remaining lease as the store reported it (for a semaphore, the earliest
+    /// permit's). A 429 or 503 without one says 1 s, as do the other 503s.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             LockError::Contended { retry_after, .. } => *retry_after,
@@ -247,18 +254,13 @@ pub enum KeyError {
     },
     /// A multi-key lock was asked for no key at all.
     NoKeys,
-    /// A multi-key lock was asked for more keys than
+    /// A multi-key lock was asked for more different keys than
     /// [`MAX_KEYS`](crate::MAX_KEYS).
     TooManyKeys {
         /// How many keys were asked for.
         count: usize,
         /// The limit.
         max: usize,
-    },
-    /// A multi-key lock was asked for the same key twice.
-    DuplicateKey {
-        /// The key given more than once.
-        key: String,
     },
 }
 
@@ -279,8 +281,6 @@ impl fmt::Display for KeyError {
             KeyError::TooManyKeys { count, max } => {
                 write!(f, "{count} lock keys were given; the limit is {max}")
             }
-            // Not the key itself: it comes from the client, unchecked (it may be huge).
-            KeyError::DuplicateKey { .. } => f.write_str("the same lock key was given twice"),
         }
     }
 }
@@ -289,7 +289,7 @@ impl StdError for KeyError {}
 
 mod build;
 
-pub use self::build::BuildError;
+pub use self::build::{BuildError, ConnectFailure};
 
 #[cfg(test)]
 mod tests {
@@ -317,23 +317,28 @@ mod tests {
         let key = LockError::InvalidKey(KeyError::Empty);
         assert_eq!(chain(&key), "the lock key is empty");
         let build = BuildError::Connect {
-            source: Box::new(std::io::Error::other("connection refused")),
+            addr: "127.0.0.1:6390".into(),
+            failure: ConnectFailure::Refused,
+            source: Box::new(std::io::Error::other("Connection refused (os error 111)")),
         };
         assert_eq!(
             chain(&build),
-            "cannot connect to the lock backend: connection refused"
+            "the connection to 127.0.0.1:6390 was refused: nothing listens there (is the \
+             server running, on this host and port?): Connection refused (os error 111)"
         );
         let rights = BuildError::Rights {
             user: "app".into(),
             right: "run EVALSHA".into(),
+            addr: "127.0.0.1:6390".into(),
             source: Box::new(std::io::Error::other("NOPERM")),
         };
         assert_eq!(
             chain(&rights),
-            "the ACL user `app` may not run EVALSHA: NOPERM"
+            "the ACL user `app` of the server at 127.0.0.1:6390 may not run EVALSHA: NOPERM"
         );
         let eviction = BuildError::Eviction {
             policy: "allkeys-lru".into(),
+            addr: "127.0.0.1:6390".into(),
         };
         assert!(chain(&eviction).contains("`allkeys-lru`"));
     }

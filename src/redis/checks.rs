@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use tokio::time::timeout;
 
+use super::diagnose::Peer;
 use super::keys::LockKey;
 use super::pool::{CommandError, Pool};
-use super::scripts::Scripts;
-use super::tls::handshake_failure;
+use super::scripts::{self, Scripts};
 use super::topology::Topology;
 use crate::error::BuildError;
 
@@ -25,37 +25,13 @@ const PROBE_TTL_MS: u64 = 10_000;
 pub(crate) struct ServerChecks<'a> {
     pub(crate) pool: &'a Pool,
     pub(crate) scripts: &'a Scripts,
-    /// The ACL user the connections log in as, for the errors.
-    pub(crate) user: &'a str,
+    /// Who the connections log in as and where, for the errors.
+    pub(crate) peer: &'a Peer,
     pub(crate) namespace: &'a str,
     pub(crate) connect_timeout: Duration,
     pub(crate) command_timeout: Duration,
     /// The command the release script publishes with (`PUBLISH`; `SPUBLISH` on a cluster).
     pub(crate) publish: &'static str,
-}
-
-/// Why a build-time connection failed: refused credentials and failed TLS handshakes are
-/// named as such; anything else is a connection failure with its cause.
-pub(crate) fn connect_failure(error: CommandError, user: &str) -> BuildError {
-    if let Some(e) = error.redis_error() {
-        let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
-            || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"));
-        if refused {
-            return BuildError::Auth {
-                user: user.to_owned(),
-                source: error.into_cause(),
-            };
-        }
-        if let Some(reason) = handshake_failure(e) {
-            return BuildError::Tls {
-                reason,
-                source: Some(error.into_cause()),
-            };
-        }
-    }
-    BuildError::Connect {
-        source: error.into_cause(),
-    }
 }
 
 /// What an ACL refusal was about.
@@ -107,6 +83,7 @@ impl ServerChecks<'_> {
                         e.into_cause(),
                     ),
                     None => BuildError::Scripts {
+                        addr: self.peer.addr.clone(),
                         source: e.into_cause(),
                     },
                 })?;
@@ -127,7 +104,7 @@ impl ServerChecks<'_> {
         let client = topology
             .subscriber_client()
             .await
-            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))?;
+            .map_err(|e| self.peer.failure(CommandError::Redis(e)))?;
         self.subscribe(&client, &probe.channel).await
     }
 
@@ -155,8 +132,9 @@ impl ServerChecks<'_> {
         source: Box<dyn std::error::Error + Send + Sync>,
     ) -> BuildError {
         BuildError::Rights {
-            user: self.user.to_owned(),
+            user: self.peer.user.clone(),
             right,
+            addr: self.peer.addr.clone(),
             source,
         }
     }
@@ -165,7 +143,7 @@ impl ServerChecks<'_> {
     /// keys. `INFO memory` is read rather than `CONFIG GET`, which managed services and ACL
     /// users are often denied.
     async fn eviction_policy(&self) -> Result<(), BuildError> {
-        let infos: Vec<String> = self
+        let infos: Vec<(Option<String>, String)> = self
             .pool
             .query_each_primary(redis::cmd("INFO").arg("memory"))
             .await
@@ -175,7 +153,7 @@ impl ServerChecks<'_> {
                     "run INFO (it tells the maxmemory-policy; `allow_eviction` skips this)",
                 )
             })?;
-        for info in &infos {
+        for (node, info) in infos {
             let policy = info
                 .lines()
                 .find_map(|line| line.strip_prefix("maxmemory_policy:"))
@@ -183,6 +161,7 @@ impl ServerChecks<'_> {
             if policy != "noeviction" {
                 return Err(BuildError::Eviction {
                     policy: policy.to_owned(),
+                    addr: node.unwrap_or_else(|| self.peer.addr.clone()),
                 });
             }
         }
@@ -216,16 +195,17 @@ impl ServerChecks<'_> {
             .arg(&probe.channel)
             .arg(u8::from(self.scripts.sharded));
         let steps = [
-            ("acquire", &acquire, ACQUIRE_CALLS),
-            ("renew", &renew, RENEW_CALLS),
-            ("release", &release, RELEASE_CALLS),
+            ("acquire", &acquire, scripts::ACQUIRE),
+            ("renew", &renew, scripts::RENEW),
+            ("release", &release, scripts::RELEASE),
         ];
-        for (name, invocation, calls) in steps {
+        for (name, invocation, source) in steps {
             let ran = self.pool.invoke::<redis::Value>(invocation).await;
             ran.map_err(|e| {
                 let right = match refused(&e) {
                     None => {
                         return BuildError::Scripts {
+                            addr: self.peer.addr.clone(),
                             source: e.into_cause(),
                         };
                     }
@@ -239,7 +219,7 @@ impl ServerChecks<'_> {
                     {
                         "run EVALSHA (every lock operation is a script)".to_owned()
                     }
-                    Some(Refused::Command) => format!("run the {name} script (it calls {calls})"),
+                    Some(Refused::Command) => self.refused_call(&e, name, source),
                 };
                 self.rights_error(right, e.into_cause())
             })?;
@@ -256,24 +236,14 @@ impl ServerChecks<'_> {
 
     /// Subscribes to the probe channel on a connection of its own, as the subscriber will.
     async fn subscribe(&self, client: &redis::Client, channel: &str) -> Result<(), BuildError> {
-        let connect_failed =
-            |e: redis::RedisError| connect_failure(CommandError::Redis(e), self.user);
-        let mut pubsub = match timeout(self.connect_timeout, client.get_async_pubsub()).await {
-            Ok(connected) => connected.map_err(connect_failed)?,
-            Err(elapsed) => {
-                return Err(BuildError::Connect {
-                    source: Box::new(elapsed),
-                });
-            }
-        };
-        let subscribed = match timeout(self.command_timeout, pubsub.subscribe(channel)).await {
-            Ok(subscribed) => subscribed.map_err(CommandError::Redis),
-            Err(elapsed) => {
-                return Err(BuildError::Connect {
-                    source: Box::new(elapsed),
-                });
-            }
-        };
+        let connected = timeout(self.connect_timeout, client.get_async_pubsub()).await;
+        let mut pubsub = connected
+            .map_err(|elapsed| self.peer.timed_out(elapsed))?
+            .map_err(|e| self.peer.failure(CommandError::Redis(e)))?;
+        let subscribed = timeout(self.command_timeout, pubsub.subscribe(channel))
+            .await
+            .map_err(|elapsed| self.peer.timed_out(elapsed))?
+            .map_err(CommandError::Redis);
         subscribed.map_err(|e| self.subscribe_failure(e, "SUBSCRIBE", channel))
     }
 
@@ -296,13 +266,35 @@ impl ServerChecks<'_> {
         if refused(&error).is_some() {
             return self.rights_error(right.to_owned(), error.into_cause());
         }
-        connect_failure(error, self.user)
+        self.peer.failure(error)
+    }
+
+    /// What a refusal inside the `name` script (of `source`) was about: the command on the
+    /// line Redis names (`... script: <sha>, on @user_script:263.`), or the command Redis
+    /// names itself (Redis 6: `... to run the 'publish' command`); failing both, every
+    /// command the script calls.
+    fn refused_call(&self, error: &CommandError, name: &str, source: &str) -> String {
+        let sharded = self.scripts.sharded;
+        let text = error
+            .redis_error()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let on_line = text
+            .split("@user_script:")
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|line| line.parse().ok())
+            .and_then(|line| scripts::command_on_line(source, line, sharded));
+        let named = || {
+            let rest = text.split("to run the '").nth(1)?;
+            Some(rest.split('\'').next()?.to_ascii_uppercase())
+        };
+        match on_line.or_else(named) {
+            Some(command) => format!("run {command} (the {name} script calls it)"),
+            None => format!(
+                "run the {name} script (it calls {})",
+                scripts::commands(source, sharded)
+            ),
+        }
     }
 }
-
-/// The commands each script calls, named when a user may not run one of them.
-const ACQUIRE_CALLS: &str = "TYPE, HMGET, PTTL, HINCRBY, PEXPIRE, HGETALL, HDEL, TIME, GET, SET, \
-     HSET, DEL, ZADD, ZREM, ZREMRANGEBYSCORE, INFO";
-const RENEW_CALLS: &str = "HMGET, TIME, HSET, PTTL, PEXPIRE";
-const RELEASE_CALLS: &str = "HMGET, HGETALL, HDEL, HINCRBY, HSET, PTTL, PEXPIRE, PUBLISH, DEL, \
-     PUBSUB, TIME, GET, SET";

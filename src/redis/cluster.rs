@@ -12,6 +12,7 @@
 //! handoff check, which `hold.rs` always asks for on a cluster).
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +24,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
 };
-use redis::{Cmd, ErrorKind, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, ProtocolVersion, RedisError, RedisFuture, RedisResult, Value,
+};
 
 /// The seed nodes of a cluster and the timeouts of the connections made to it.
 pub(crate) struct ClusterNodes {
@@ -88,6 +91,18 @@ impl ClusterNodes {
     }
 }
 
+/// How many times a connection tries to reach a node it lost before giving it up (redis-rs
+/// spaces the tries 50 ms, 100 ms, ... apart, so five take under a second).
+///
+/// redis-rs' default is to try forever, once a second (a WARN line each time), as long as
+/// the node is in the connection's slot map, and only a command routed to a moved slot
+/// refreshes that map: the subscriber's connection, which pings only the primaries it knows
+/// and sends nothing to a lost replica's slots, kept trying a killed node without end. A
+/// node given up is not cut off: a command for its slots goes to another node of its shard
+/// (the replica that took over) or follows `MOVED` to it, connecting anew, and the
+/// subscriber subscribes its channels again itself.
+const RECONNECT_ATTEMPTS: NonZeroUsize = NonZeroUsize::MIN.saturating_add(4);
+
 /// A client builder with the seeds and timeouts; each connection's settings go on top.
 fn client_builder(
     nodes: &[String],
@@ -111,6 +126,7 @@ fn client_builder(
         .retries(2)
         .min_retry_wait(10)
         .max_retry_wait(100)
+        .max_connection_attempts(RECONNECT_ATTEMPTS)
 }
 
 /// `items` grouped by the hash slot of their key (its hash tag's, when it has one): the
@@ -154,21 +170,25 @@ pub(crate) async fn query_at(
     conn.route_command(cmd.clone(), routing).await
 }
 
-/// Sends `cmd` to every primary and returns their replies, in no particular order: a
-/// setting that must hold on every shard (an eviction policy) is read from each.
+/// Sends `cmd` to every primary and returns each one's address (`host:port`) and reply,
+/// in no particular order: a setting that must hold on every shard (an eviction policy) is
+/// read from each.
 pub(crate) async fn query_each_primary(
     conn: &mut ClusterConnection,
     cmd: &Cmd,
-) -> RedisResult<Vec<Value>> {
+) -> RedisResult<Vec<(Option<String>, Value)>> {
     let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
     match conn.route_command(cmd.clone(), routing).await? {
         // Without a response policy redis-rs answers with a map: node address -> reply.
         // A node's error reply is a value among the others.
         Value::Map(replies) => replies
             .into_iter()
-            .map(|(_, reply)| reply.extract_error())
+            .map(|(node, reply)| {
+                let node = String::from_redis_value(node).ok();
+                Ok((node, reply.extract_error()?))
+            })
             .collect(),
-        other => Ok(vec![other.extract_error()?]),
+        other => Ok(vec![(None, other.extract_error()?)]),
     }
 }
 

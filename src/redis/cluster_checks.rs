@@ -17,7 +17,6 @@
 //! cluster serves); a replica without the user fails its shard after a failover.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
@@ -27,7 +26,7 @@ use redis::{AsyncConnectionConfig, FromRedisValue, PushInfo, RedisError, Value};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::timeout;
 
-use super::checks::{ServerChecks, connect_failure};
+use super::checks::ServerChecks;
 use super::cluster::ClusterNodes;
 use super::keys::LockKey;
 use super::pool::CommandError;
@@ -78,7 +77,7 @@ impl ServerChecks<'_> {
                 routed(&mut conn, cluster_slots, routing),
             )
             .await?;
-        let owners = slot_owners(slots).map_err(|e| connect_failure(e, self.user))?;
+        let owners = slot_owners(slots).map_err(|e| self.peer.failure(e))?;
         let mut slot_owner = HashMap::new();
         for (i, owner) in owners.iter().enumerate() {
             for &(start, end) in &owner.ranges {
@@ -157,20 +156,22 @@ impl ServerChecks<'_> {
         Ok(())
     }
 
-    /// Logs in to the node at `host:port` and PINGs it.
+    /// Logs in to the node at `host:port` and PINGs it. A failure is the cluster's until
+    /// [`on_primary`] names the node.
     async fn log_in(&self, nodes: &ClusterNodes, host: &str, port: u16) -> Result<(), BuildError> {
         let client = nodes.node_client(host, port)?;
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.connect_timeout))
             .set_response_timeout(Some(self.command_timeout));
+        let failed = |e| self.peer.failure(CommandError::Redis(e));
         let mut conn = client
             .get_multiplexed_async_connection_with_config(&config)
             .await
-            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))?;
+            .map_err(failed)?;
         redis::cmd("PING")
             .query_async::<()>(&mut conn)
             .await
-            .map_err(|e| connect_failure(CommandError::Redis(e), self.user))
+            .map_err(failed)
     }
 
     /// `future` within `limit`, a failure as a connection failure.
@@ -179,7 +180,7 @@ impl ServerChecks<'_> {
         limit: Duration,
         future: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, BuildError> {
-        command_outcome(timeout(limit, future).await).map_err(|e| connect_failure(e, self.user))
+        command_outcome(timeout(limit, future).await).map_err(|e| self.peer.failure(e))
     }
 }
 
@@ -260,54 +261,7 @@ fn node_address(node: Value) -> Option<(String, u16)> {
 
 /// `error`, naming the primary it came from.
 fn on_primary(error: BuildError, host: &str, port: u16) -> BuildError {
-    let node = |source| -> Box<dyn std::error::Error + Send + Sync> {
-        Box::new(NodeError {
-            node: format!("{host}:{port}"),
-            source,
-        })
-    };
-    match error {
-        BuildError::Rights {
-            user,
-            right,
-            source,
-        } => BuildError::Rights {
-            user,
-            right: format!("{right} on the primary {host}:{port}"),
-            source,
-        },
-        BuildError::Auth { user, source } => BuildError::Auth {
-            user,
-            source: node(source),
-        },
-        BuildError::Connect { source } => BuildError::Connect {
-            source: node(source),
-        },
-        BuildError::Scripts { source } => BuildError::Scripts {
-            source: node(source),
-        },
-        other => other,
-    }
-}
-
-/// An error of one node, as a level of the chain: "the primary HOST:PORT answered", then
-/// what it answered.
-#[derive(Debug)]
-struct NodeError {
-    node: String,
-    source: Box<dyn std::error::Error + Send + Sync>,
-}
-
-impl fmt::Display for NodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the primary {} answered", self.node)
-    }
-}
-
-impl std::error::Error for NodeError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.source)
-    }
+    error.at(format!("{host}:{port}"))
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@ mod checks;
 mod cluster;
 mod cluster_checks;
 mod command_error;
+mod coverage;
+mod diagnose;
 mod fence;
 mod handoff;
 mod hold;

@@ -268,20 +268,27 @@ impl Pool {
 
 impl Pool {
     /// Runs one command on every server that takes writes (each primary of a cluster, the
-    /// one server otherwise), for settings that must hold on all of them.
+    /// one server otherwise), for settings that must hold on all of them. Each reply comes
+    /// with its primary's address on a cluster.
     pub(crate) async fn query_each_primary<T: FromRedisValue>(
         &self,
         cmd: &redis::Cmd,
-    ) -> Result<Vec<T>, CommandError> {
+    ) -> Result<Vec<(Option<String>, T)>, CommandError> {
         let mut conn = self.connection().await?;
         let replies = match &mut conn.conn {
             AnyConn::Cluster(cluster) => super::cluster::query_each_primary(cluster, cmd).await,
-            server => cmd.query_async::<Value>(server).await.map(|v| vec![v]),
+            server => cmd
+                .query_async::<Value>(server)
+                .await
+                .map(|v| vec![(None, v)]),
         };
         let replies = conn.observe(replies)?;
         replies
             .into_iter()
-            .map(|v| T::from_redis_value(v).map_err(|e| CommandError::Redis(e.into())))
+            .map(|(node, v)| match T::from_redis_value(v) {
+                Ok(reply) => Ok((node, reply)),
+                Err(e) => Err(CommandError::Redis(e.into())),
+            })
             .collect()
     }
 }

@@ -31,30 +31,32 @@ pub(crate) struct Scripts {
     pub(crate) sharded: bool,
 }
 
-/// A script with the shared helpers before it.
-macro_rules! script {
+/// A script's source: the shared helpers, then its own files.
+macro_rules! source {
     ($($file:literal),+) => {
-        Script::new(concat!(
-            include_str!("lease.lua"),
-            include_str!("holders.lua"),
-            $(include_str!($file)),+
-        ))
+        concat!(include_str!("lease.lua"), include_str!("holders.lua"), $(include_str!($file)),+)
     };
 }
+
+/// The sources of the scripts the build-time checks run, kept to name the command on the
+/// line an ACL refusal points at.
+pub(crate) const ACQUIRE: &str = source!("token.lua", "guard.lua", "acquire.lua");
+pub(crate) const RELEASE: &str = source!("token.lua", "release.lua");
+pub(crate) const RENEW: &str = source!("renew.lua");
 
 impl Scripts {
     pub(crate) fn new(sharded: bool) -> Self {
         Scripts {
-            acquire: script!("token.lua", "guard.lua", "acquire.lua"),
-            release: script!("token.lua", "release.lua"),
-            renew: script!("renew.lua"),
+            acquire: Script::new(ACQUIRE),
+            release: Script::new(RELEASE),
+            renew: Script::new(RENEW),
             fence: Script::new(include_str!("fence.lua")),
-            shared_acquire: script!("guard.lua", "shared_acquire.lua"),
-            shared_release: script!("shared_release.lua"),
-            permit_acquire: script!("token.lua", "guard.lua", "permit_acquire.lua"),
-            permit_release: script!("permit_release.lua"),
-            inspect: script!("snapshot.lua", "inspect.lua"),
-            force_release: script!("snapshot.lua", "force_release.lua"),
+            shared_acquire: Script::new(source!("guard.lua", "shared_acquire.lua")),
+            shared_release: Script::new(source!("shared_release.lua")),
+            permit_acquire: Script::new(source!("token.lua", "guard.lua", "permit_acquire.lua")),
+            permit_release: Script::new(source!("permit_release.lua")),
+            inspect: Script::new(source!("snapshot.lua", "inspect.lua")),
+            force_release: Script::new(source!("snapshot.lua", "force_release.lua")),
             sharded,
         }
     }
@@ -70,5 +72,82 @@ impl Scripts {
             &self.permit_acquire,
             &self.permit_release,
         ]
+    }
+}
+
+/// The command `source` calls on its line `line` (1-based, as Redis numbers the line of an
+/// ACL refusal inside a script): `redis.call('pexpire', ..)` calls PEXPIRE. A call that
+/// picks its command by the deployment (`sharded and 'spublish' or 'publish'`) is the one
+/// this deployment uses.
+pub(crate) fn command_on_line(source: &str, line: usize, sharded: bool) -> Option<String> {
+    called(source.lines().nth(line.checked_sub(1)?)?, sharded)
+}
+
+/// Every command `source` calls, in the order of first use, for a refusal whose line is
+/// unknown.
+pub(crate) fn commands(source: &str, sharded: bool) -> String {
+    let mut names: Vec<String> = Vec::new();
+    for name in source.lines().filter_map(|line| called(line, sharded)) {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names.join(", ")
+}
+
+/// The command of the first `redis.call` or `redis.pcall` of `line`.
+fn called(line: &str, sharded: bool) -> Option<String> {
+    let code = line.split("--").next()?;
+    let at = code
+        .find("redis.call(")
+        .or_else(|| code.find("redis.pcall("))?;
+    let args = &code[at..];
+    let args = &args[args.find('(')? + 1..];
+    let pick = |cluster: &'static str, server: &'static str| if sharded { cluster } else { server };
+    if args.contains("'publish'") {
+        return Some(pick("SPUBLISH", "PUBLISH").to_owned());
+    }
+    if args.starts_with("'pubsub'") && args.contains("numsub") {
+        return Some(pick("PUBSUB SHARDNUMSUB", "PUBSUB NUMSUB").to_owned());
+    }
+    let name = args.strip_prefix('\'')?.split('\'').next()?;
+    Some(name.to_ascii_uppercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_of_a_refused_line_is_the_one_it_calls() {
+        let line = |needle: &str| {
+            RELEASE
+                .lines()
+                .position(|l| l.contains(needle) && !l.trim_start().starts_with("--"))
+                .map(|i| i + 1)
+                .expect("the line is in the script")
+        };
+        let publish = line("'spublish' or 'publish'");
+        assert_eq!(
+            command_on_line(RELEASE, publish, false).as_deref(),
+            Some("PUBLISH")
+        );
+        assert_eq!(
+            command_on_line(RELEASE, publish, true).as_deref(),
+            Some("SPUBLISH")
+        );
+        assert_eq!(
+            command_on_line(RELEASE, line("redis.call('pexpire'"), false).as_deref(),
+            Some("PEXPIRE")
+        );
+        let numsub = line("'shardnumsub' or 'numsub'");
+        assert_eq!(
+            command_on_line(RELEASE, numsub, false).as_deref(),
+            Some("PUBSUB NUMSUB")
+        );
+        assert_eq!(command_on_line(RELEASE, 0, false), None);
+        let all = commands(RENEW, false);
+        assert!(all.starts_with("PTTL, PEXPIRE"), "{all}");
+        assert!(all.contains("HMGET"), "{all}");
     }
 }

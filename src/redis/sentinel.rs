@@ -245,21 +245,18 @@ fn certified(
         .iter()
         .any(|info| login(info) != (username.clone(), password.clone()))
     {
-        return Err(BuildError::Tls {
-            reason: "with TLS certificates every sentinel URL must carry the same username \
-                     and password",
-            source: None,
-        });
+        return Err(BuildError::tls_settings(
+            "with TLS certificates every sentinel URL must carry the same username and \
+             password",
+        ));
     }
     let built = |e: redis::RedisError| BuildError::Url {
         source: Box::new(e),
     };
     let addrs = sentinels.iter().map(|info| info.addr().clone());
     let certificates = || {
-        tls.certificates().ok_or(BuildError::Tls {
-            reason: "no TLS certificates were given",
-            source: None,
-        })
+        tls.certificates()
+            .ok_or(BuildError::tls_settings("no TLS certificates were given"))
     };
     let mut builder = SentinelClientBuilder::new(addrs, master_name, SentinelServerType::Master)
         .map_err(built)?

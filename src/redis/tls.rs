@@ -179,6 +179,8 @@ impl TlsSettings {
         });
         redis::Client::build_with_tls(info, certificates).map_err(|e| BuildError::Tls {
             reason: "the TLS certificates or key given to the builder are invalid",
+            addr: None,
+            certificate: None,
             source: Some(CommandError::Redis(e).into_cause()),
         })
     }
@@ -198,10 +200,7 @@ fn url_error(error: redis::RedisError) -> BuildError {
 }
 
 fn refused(reason: &'static str) -> BuildError {
-    BuildError::Tls {
-        reason,
-        source: None,
-    }
+    BuildError::tls_settings(reason)
 }
 
 /// Makes ring the process's rustls crypto provider unless one is installed already.
@@ -214,21 +213,40 @@ fn install_crypto_provider() {
     }
 }
 
+/// What went wrong in a failed TLS handshake.
+pub(crate) struct Handshake {
+    /// What the server did, as a predicate of "the server at ADDR" (see
+    /// [`BuildError::Tls`]).
+    pub(crate) reason: &'static str,
+    /// rustls' name of the certificate problem, when the certificate failed verification.
+    pub(crate) certificate: Option<String>,
+}
+
+/// The reason of a handshake the server answered with something that is not TLS: a
+/// plaintext server's error reply to the TLS hello, which `diagnose.rs` can confirm.
+pub(crate) const NOT_TLS_LIKE: &str = "answered the TLS handshake with something that is not TLS";
+
 /// What went wrong in a TLS handshake, if `error` (or one of its causes) is a TLS error.
 #[cfg(feature = "tls")]
-pub(crate) fn handshake_failure(error: &(dyn StdError + 'static)) -> Option<&'static str> {
+pub(crate) fn handshake_failure(error: &(dyn StdError + 'static)) -> Option<Handshake> {
     let mut level = Some(error);
     while let Some(e) = level {
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            let failed = |reason| Handshake {
+                reason,
+                certificate: None,
+            };
             return Some(match tls {
-                rustls::Error::InvalidCertificate(_) => {
-                    "the Redis server's TLS certificate failed verification"
-                }
-                rustls::Error::AlertReceived(_) => {
-                    "the Redis server refused the TLS handshake (does it require a client \
-                     certificate, or one it trusts?)"
-                }
-                _ => "the TLS handshake with the Redis server failed",
+                rustls::Error::InvalidCertificate(problem) => Handshake {
+                    certificate: Some(certificate_problem(problem)),
+                    ..failed("presented a TLS certificate that failed verification")
+                },
+                rustls::Error::AlertReceived(_) => failed(
+                    "refused the TLS handshake (does it require a client certificate, or one \
+                     it trusts?)",
+                ),
+                rustls::Error::InvalidMessage(_) => failed(NOT_TLS_LIKE),
+                _ => failed("failed the TLS handshake"),
             });
         }
         // `source` skips the error an `io::Error` wraps, and a `RedisError`'s source is
@@ -245,8 +263,31 @@ pub(crate) fn handshake_failure(error: &(dyn StdError + 'static)) -> Option<&'st
     None
 }
 
+/// rustls' name of a certificate problem, without the details some variants carry (the
+/// names a certificate lists, its validity dates): those are in the cause.
+#[cfg(feature = "tls")]
+fn certificate_problem(problem: &rustls::CertificateError) -> String {
+    use rustls::CertificateError as E;
+    let name = match problem {
+        E::UnknownIssuer => "UnknownIssuer",
+        E::BadSignature => "BadSignature",
+        E::NotValidForName | E::NotValidForNameContext { .. } => "NotValidForName",
+        E::Expired | E::ExpiredContext { .. } => "Expired",
+        E::NotValidYet | E::NotValidYetContext { .. } => "NotValidYet",
+        E::Revoked => "Revoked",
+        E::InvalidPurpose | E::InvalidPurposeContext { .. } => "InvalidPurpose",
+        // The variant's name is what rustls calls it.
+        other => {
+            let debug = format!("{other:?}");
+            let end = debug.find([' ', '(', '{']).unwrap_or(debug.len());
+            return debug[..end].to_owned();
+        }
+    };
+    name.to_owned()
+}
+
 /// Without TLS support no handshake ever happens.
 #[cfg(not(feature = "tls"))]
-pub(crate) fn handshake_failure(_error: &(dyn StdError + 'static)) -> Option<&'static str> {
+pub(crate) fn handshake_failure(_error: &(dyn StdError + 'static)) -> Option<Handshake> {
     None
 }

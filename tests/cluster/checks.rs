@@ -1,9 +1,12 @@
 //! `build()` on a cluster checks every primary (ACL users, rights and settings are per
 //! node): scenarios on the shared cluster, each undoing its ACL and CONFIG changes.
 
+use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tower_lock::{BuildError, RedisBackend, RedisBackendBuilder};
+use tracing::instrument::WithSubscriber;
 
 use crate::support::cluster::{Cluster, key_on};
 use crate::support::cluster_acl::{APP_RULES, NodeChanges, attempts, builder_as};
@@ -19,6 +22,7 @@ pub async fn build_checks_hold_on_every_primary(cluster: &Cluster) {
     a_primary_that_denies_channels_is_named(cluster).await;
     a_user_missing_on_one_primary_is_refused(cluster).await;
     an_evicting_primary_is_refused_unless_allowed(cluster).await;
+    full_coverage_is_warned_about_at_build(cluster).await;
     revoked_channel_rights_do_not_make_the_shard_subscriber_spin(cluster).await;
 }
 
@@ -128,7 +132,8 @@ async fn an_evicting_primary_is_refused_unless_allowed(cluster: &Cluster) {
         .expect_err("refused");
     let text = chain(&error);
     assert!(
-        matches!(&error, BuildError::Eviction { policy } if policy == "allkeys-lru"),
+        matches!(&error, BuildError::Eviction { policy, addr }
+            if policy == "allkeys-lru" && addr == &format!("127.0.0.1:{evicting}")),
         "{text}"
     );
     let backend = build("allowed", cluster_builder(cluster).allow_eviction())
@@ -137,6 +142,82 @@ async fn an_evicting_primary_is_refused_unless_allowed(cluster: &Cluster) {
     let key = key_on(cluster, evicting, "evicting:");
     let guard = backend.lock(key).try_once().await.expect("lock");
     guard.release().await.expect("release");
+}
+
+/// `cluster-require-full-coverage yes` (Redis' default) on one primary makes every shard
+/// refuse commands while any slot is uncovered: `build()` warns, naming that primary, what
+/// it means and the setting that avoids it; not when every primary says `no`, and a user
+/// who may not read the setting builds without a word.
+async fn full_coverage_is_warned_about_at_build(cluster: &Cluster) {
+    let requiring = cluster.primaries()[1];
+    let mut changes = NodeChanges::new(cluster);
+    changes.require_full_coverage(requiring);
+    let (built, warnings) = build_logging(cluster_builder(cluster)).await;
+    built.expect("a warning, not a refusal");
+    let named = format!("primaries=127.0.0.1:{requiring}");
+    let about = |text: &str| text.matches("cluster-require-full-coverage is").count();
+    assert_eq!(
+        about(&warnings),
+        1,
+        "one warning for the cluster: {warnings}"
+    );
+    for says in [
+        "cluster-require-full-coverage is `yes`",
+        "every lock answers 503",
+        "set `cluster-require-full-coverage no`",
+        named.as_str(),
+    ] {
+        assert!(warnings.contains(says), "{says:?} in {warnings}");
+    }
+
+    let mut rules = APP_RULES.to_vec();
+    rules.push("-config");
+    changes.set_user(&cluster.live(), "app", &rules);
+    let (built, warnings) = build_logging(builder_as(cluster, "app", "secret")).await;
+    built.expect("CONFIG GET is not needed");
+    assert_eq!(
+        about(&warnings),
+        0,
+        "a user who may not read it: {warnings}"
+    );
+
+    drop(changes);
+    let (built, warnings) = build_logging(cluster_builder(cluster)).await;
+    built.expect("builds");
+    assert_eq!(about(&warnings), 0, "every primary says no: {warnings}");
+}
+
+/// Builds, returning the WARN and ERROR lines the build logged.
+async fn build_logging(builder: RedisBackendBuilder) -> (Result<RedisBackend, BuildError>, String) {
+    let lines = Lines::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer({
+            let lines = lines.clone();
+            move || lines.clone()
+        })
+        .finish();
+    let built = tokio::time::timeout(HANG, builder.build().with_subscriber(subscriber))
+        .await
+        .expect("build() ends");
+    let text = String::from_utf8(lines.0.lock().expect("lines").clone()).expect("UTF-8");
+    (built, text)
+}
+
+/// Where [`build_logging`]'s subscriber writes.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lines").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 fn cluster_builder(cluster: &Cluster) -> RedisBackendBuilder {

@@ -24,6 +24,7 @@ pub struct NodeChanges<'a> {
     cluster: &'a Cluster,
     users: Vec<(u16, String)>,
     policies: Vec<u16>,
+    full_coverage: Vec<u16>,
 }
 
 impl<'a> NodeChanges<'a> {
@@ -32,6 +33,7 @@ impl<'a> NodeChanges<'a> {
             cluster,
             users: Vec::new(),
             policies: Vec::new(),
+            full_coverage: Vec::new(),
         }
     }
 
@@ -54,6 +56,15 @@ impl<'a> NodeChanges<'a> {
         assert_eq!(reply.trim(), "OK", "CONFIG SET on {port}: {reply}");
         self.policies.push(port);
     }
+
+    /// `CONFIG SET cluster-require-full-coverage yes` (Redis' default, which the test
+    /// cluster turns off) on the node on `port`.
+    pub fn require_full_coverage(&mut self, port: u16) {
+        let args = ["CONFIG", "SET", "cluster-require-full-coverage", "yes"];
+        let reply = self.cluster.run(port, &args);
+        assert_eq!(reply.trim(), "OK", "CONFIG SET on {port}: {reply}");
+        self.full_coverage.push(port);
+    }
 }
 
 impl Drop for NodeChanges<'_> {
@@ -63,6 +74,10 @@ impl Drop for NodeChanges<'_> {
         }
         for port in &self.policies {
             let args = ["CONFIG", "SET", "maxmemory-policy", "noeviction"];
+            self.cluster.run(*port, &args);
+        }
+        for port in &self.full_coverage {
+            let args = ["CONFIG", "SET", "cluster-require-full-coverage", "no"];
             self.cluster.run(*port, &args);
         }
     }

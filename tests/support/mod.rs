@@ -527,6 +527,30 @@ pub fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     levels.join(": ")
 }
 
+/// A build error's own message (its Display, without the source) says each of `says`, and
+/// leaves the source's text to the source: in the chain the innermost cause appears once.
+pub fn assert_says(error: &tower_lock::BuildError, says: &[&str]) {
+    let message = error.to_string();
+    for part in says {
+        assert!(message.contains(part), "{message:?} does not say {part:?}");
+    }
+    let mut innermost = None;
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        assert!(
+            !message.contains(&text),
+            "{message:?} repeats its cause {text:?}"
+        );
+        innermost = Some(text);
+        source = cause.source();
+    }
+    if let Some(cause) = innermost {
+        let text = chain(error);
+        assert_eq!(text.matches(&cause).count(), 1, "{text}");
+    }
+}
+
 /// Builds, printing how long the build took and how it ended (a figure, not an
 /// assertion); a build that does not end within 20 s fails the test.
 pub async fn timed_build(

@@ -10,8 +10,10 @@ use super::{RedisBackendBuilder, Target};
 use crate::backend::OwnerIds;
 use crate::error::BuildError;
 use crate::queue::Queues;
-use crate::redis::checks::{ServerChecks, connect_failure};
+use crate::redis::checks::ServerChecks;
 use crate::redis::cluster::ClusterNodes;
+use crate::redis::coverage;
+use crate::redis::diagnose::{Peer, diagnose};
 use crate::redis::keys::admin_channel;
 use crate::redis::pool::{Pool, RedisCause};
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
@@ -34,7 +36,10 @@ impl RedisBackendBuilder {
     ///
     /// Fails with the cause as soon as it is known (connection refused, unknown host,
     /// wrong password, a TLS certificate that does not verify, ...); only a server that
-    /// does not answer takes the connect timeout. Before the backend is returned, the
+    /// does not answer takes the connect timeout, and so does a `rediss://` URL for a
+    /// plaintext port, which the error then names as such. The error's own message names
+    /// the server's address and what went wrong there (see [`BuildError`] and
+    /// [`ConnectFailure`](crate::ConnectFailure)). Before the backend is returned, the
     /// server is checked: its `maxmemory-policy` must be `noeviction` (unless
     /// [`allow_eviction`](Self::allow_eviction)), and the URL's ACL user must be allowed to
     /// load and run the lock scripts on the namespace's keys, and to `PUBLISH` and
@@ -45,11 +50,16 @@ impl RedisBackendBuilder {
     /// owns hash slots is checked on its own: the user must log in to it, its
     /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
     /// the scripts, `SPUBLISH`, `PUBSUB SHARDNUMSUB` and `SSUBSCRIBE`; the error names the
-    /// primary that refused. Replicas are not checked.
+    /// primary that refused. Replicas are not checked. Each primary's
+    /// `cluster-require-full-coverage` is read too (when the user may run `CONFIG GET`):
+    /// where it is `yes`, Redis' default, every shard refuses commands while any hash slot
+    /// is uncovered (one primary down until its replica takes over), so every lock answers
+    /// 503 meanwhile; the build goes on, and logs a warning naming those primaries and the
+    /// setting that keeps the other shards serving, `cluster-require-full-coverage no`.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let (topology, user) = self.topology().await?;
+        let (topology, peer) = self.topology().await?;
         let runtime = Spawner::current();
         let shutdown = CancellationToken::new();
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
@@ -61,46 +71,8 @@ impl RedisBackendBuilder {
             self.command_timeout,
             recheck.clone(),
         );
-        // The pool bounds the connect by the connect timeout and the reply by the command
-        // timeout, so no outer timeout is needed (one would cut a slow connect short).
-        // Every primary of a cluster must answer, as the one server must.
-        pool.query_each_primary::<String>(&redis::cmd("PING"))
-            .await
-            .map_err(|e| connect_failure(e, &user))?;
-        if !topology.is_cluster() {
-            refuse_cluster_node(&pool).await?;
-        }
-        ServerChecks {
-            pool: &pool,
-            scripts: &scripts,
-            user: &user,
-            namespace: &self.namespace,
-            connect_timeout: self.connect_timeout,
-            command_timeout: self.command_timeout,
-            publish: if topology.is_cluster() {
-                "SPUBLISH"
-            } else {
-                "PUBLISH"
-            },
-        }
-        .run(&topology, self.allow_eviction)
-        .await?;
-        if self.restart_guard {
-            // The guard reads the uptime inside the acquire script: refuse a user that may
-            // not, instead of failing every acquisition.
-            let mut info = redis::cmd("INFO");
-            info.arg("server");
-            match pool.query::<String>(&info).await {
-                Ok(_) => {}
-                Err(e) if e.is_no_permission() => {
-                    return Err(BuildError::Setting {
-                        name: "restart_guard",
-                        reason: "the Redis user must be allowed to run INFO (the guard reads \
-                                 the server's uptime)",
-                    });
-                }
-                Err(e) => return Err(connect_failure(e, &user)),
-            }
+        if let Err(error) = self.check(&pool, &scripts, &peer).await {
+            return Err(diagnose(error, peer.tls, self.connect_timeout).await);
         }
         let metrics = Namespace::new(&self.namespace);
         telemetry::describe_metrics();
@@ -166,24 +138,78 @@ impl RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Checks the servers before the backend relies on them (see [`build`](Self::build)).
+    async fn check(&self, pool: &Pool, scripts: &Scripts, peer: &Peer) -> Result<(), BuildError> {
+        let topology = pool.topology();
+        // The pool bounds the connect by the connect timeout and the reply by the command
+        // timeout, so no outer timeout is needed (one would cut a slow connect short).
+        // Every primary of a cluster must answer, as the one server must.
+        pool.query_each_primary::<String>(&redis::cmd("PING"))
+            .await
+            .map_err(|e| peer.failure(e))?;
+        if !topology.is_cluster() {
+            refuse_cluster_node(pool).await?;
+        }
+        ServerChecks {
+            pool,
+            scripts,
+            peer,
+            namespace: &self.namespace,
+            connect_timeout: self.connect_timeout,
+            command_timeout: self.command_timeout,
+            publish: if topology.is_cluster() {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            },
+        }
+        .run(topology, self.allow_eviction)
+        .await?;
+        if self.restart_guard {
+            // The guard reads the uptime inside the acquire script: refuse a user that may
+            // not, instead of failing every acquisition.
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            match pool.query::<String>(&info).await {
+                Ok(_) => {}
+                Err(e) if e.is_no_permission() => {
+                    return Err(BuildError::Setting {
+                        name: "restart_guard",
+                        reason: "the Redis user must be allowed to run INFO (the guard reads \
+                                 the server's uptime)",
+                    });
+                }
+                Err(e) => return Err(peer.failure(e)),
+            }
+        }
+        if topology.is_cluster() {
+            coverage::warn_if_full_coverage_required(pool).await;
+        }
+        Ok(())
+    }
+
     /// Where the servers are (for Sentinel: the master the sentinels name now, asked once
     /// so that unreachable sentinels or an unknown name fail the build with that cause),
-    /// and the ACL user the connections log in as (for errors).
-    async fn topology(&self) -> Result<(Topology, String), BuildError> {
-        let url_error = |e: redis::RedisError| BuildError::Url {
-            source: Box::new(e),
+    /// and who the connections log in as where (for errors).
+    async fn topology(&self) -> Result<(Topology, Peer), BuildError> {
+        let info_of = |url: &str| {
+            redis::IntoConnectionInfo::into_connection_info(url).map_err(|e| BuildError::Url {
+                source: Box::new(e),
+            })
         };
-        let user_of = |url: &str| {
-            redis::IntoConnectionInfo::into_connection_info(url)
-                .map(|info| info.redis_settings().username().map(str::to_owned))
-                .map_err(url_error)
+        // Several servers tried alike are named together.
+        let addrs = |urls: &[String]| -> Result<String, BuildError> {
+            let addrs: Result<Vec<String>, BuildError> = urls
+                .iter()
+                .map(|url| Ok(info_of(url)?.addr().to_string()))
+                .collect();
+            Ok(addrs?.join(", "))
         };
-        let (topology, user) = match &self.target {
+        Ok(match &self.target {
             Target::Url(url) => {
                 let client = self.tls.client(url)?;
-                let info = client.get_connection_info();
-                let user = info.redis_settings().username().map(str::to_owned);
-                (Topology::Server(client), user)
+                let peer = peer_of(client.get_connection_info(), None);
+                (Topology::Server(client), peer)
             }
             Target::Cluster(nodes) => {
                 self.tls.check_cluster(nodes)?;
@@ -193,10 +219,13 @@ impl RedisBackendBuilder {
                     self.connect_timeout,
                     self.command_timeout,
                 )
-                .map_err(url_error)?;
+                .map_err(|e| BuildError::Url {
+                    source: Box::new(e),
+                })?;
                 // The cluster client checked that there are seeds and that they agree.
-                let user = user_of(nodes.first().map(String::as_str).unwrap_or_default())?;
-                (Topology::Cluster(cluster), user)
+                let first = info_of(nodes.first().map(String::as_str).unwrap_or_default())?;
+                let peer = peer_of(&first, Some(addrs(nodes)?));
+                (Topology::Cluster(cluster), peer)
             }
             Target::Sentinel { urls, master_name } => {
                 let use_tls = self.tls.check_sentinel(urls)?;
@@ -205,19 +234,18 @@ impl RedisBackendBuilder {
                     password: self.master_password.as_deref(),
                 };
                 let group = SentinelGroup::new(urls, master_name, master, &self.tls, use_tls)?;
+                let sentinels = addrs(urls)?;
                 // redis-rs bounds each sentinel's connect and reply by its own timeouts.
-                group.master().await.map_err(|e| BuildError::Sentinel {
+                let master = group.master().await.map_err(|e| BuildError::Sentinel {
                     master_name: master_name.clone(),
+                    addr: sentinels,
                     source: Box::new(RedisCause::from(e)),
                 })?;
-                let user = match &self.master_username {
-                    Some(user) => Some(user.clone()),
-                    None => user_of(urls.first().map(String::as_str).unwrap_or_default())?,
-                };
-                (Topology::Sentinel(Arc::new(group)), user)
+                // The master's client logs in with the master's credentials.
+                let peer = peer_of(master.get_connection_info(), None);
+                (Topology::Sentinel(Arc::new(group)), peer)
             }
-        };
-        Ok((topology, user.unwrap_or_else(|| "default".to_owned())))
+        })
     }
 
     /// Refuses values that would fail every call, instead of failing each request later.
@@ -290,4 +318,15 @@ async fn refuse_cluster_node(pool: &Pool) -> Result<(), BuildError> {
         });
     }
     Ok(())
+}
+
+/// Who connects with `info` and where (`addr` when several servers are tried alike).
+fn peer_of(info: &redis::ConnectionInfo, addr: Option<String>) -> Peer {
+    let settings = info.redis_settings();
+    Peer {
+        user: settings.username().unwrap_or("default").to_owned(),
+        addr: addr.unwrap_or_else(|| info.addr().to_string()),
+        tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
+        db: settings.db(),
+    }
 }
