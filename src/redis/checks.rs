@@ -219,7 +219,7 @@ impl ServerChecks<'_> {
                     {
                         "run EVALSHA (every lock operation is a script)".to_owned()
                     }
-                    Some(Refused::Command) => self.refused_call(&e, name, source),
+                    Some(Refused::Command) => refused_call(&e, name, source, self.scripts.sharded),
                 };
                 self.rights_error(right, e.into_cause())
             })?;
@@ -268,33 +268,37 @@ impl ServerChecks<'_> {
         }
         self.peer.failure(error)
     }
+}
 
-    /// What a refusal inside the `name` script (of `source`) was about: the command on the
-    /// line Redis names (`... script: <sha>, on @user_script:263.`), or the command Redis
-    /// names itself (Redis 6: `... to run the 'publish' command`); failing both, every
-    /// command the script calls.
-    fn refused_call(&self, error: &CommandError, name: &str, source: &str) -> String {
-        let sharded = self.scripts.sharded;
-        let text = error
-            .redis_error()
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        let on_line = text
-            .split("@user_script:")
-            .nth(1)
-            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|line| line.parse().ok())
-            .and_then(|line| scripts::command_on_line(source, line, sharded));
-        let named = || {
-            let rest = text.split("to run the '").nth(1)?;
-            Some(rest.split('\'').next()?.to_ascii_uppercase())
-        };
-        match on_line.or_else(named) {
-            Some(command) => format!("run {command} (the {name} script calls it)"),
-            None => format!(
-                "run the {name} script (it calls {})",
-                scripts::commands(source, sharded)
-            ),
-        }
+/// What a refusal inside the `name` script (of `source`) was about: the command on the line
+/// Redis names (`... script: <sha>, on @user_script:263.`), or the command Redis names
+/// itself (Redis 6: `... to run the 'publish' command`); failing both, every command the
+/// script calls. (Also for the operator's calls, which `build()` does not probe.)
+pub(super) fn refused_call(
+    error: &CommandError,
+    name: &str,
+    source: &str,
+    sharded: bool,
+) -> String {
+    let text = error
+        .redis_error()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let on_line = text
+        .split("@user_script:")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|line| line.parse().ok())
+        .and_then(|line| scripts::command_on_line(source, line, sharded));
+    let named = || {
+        let rest = text.split("to run the '").nth(1)?;
+        Some(rest.split('\'').next()?.to_ascii_uppercase())
+    };
+    match on_line.or_else(named) {
+        Some(command) => format!("run {command} (the {name} script calls it)"),
+        None => format!(
+            "run the {name} script (it calls {})",
+            scripts::commands(source, sharded)
+        ),
     }
 }

@@ -13,17 +13,14 @@ use std::time::Duration;
 use redis::ScriptInvocation;
 use tokio::time::timeout;
 
-use super::checks::{Refused, refused};
+use super::checks::{Refused, refused, refused_call};
 use super::keys::{LockKey, admin_channel};
 use super::pool::CommandError;
+use super::scripts;
 use super::watchdog::millis;
 use super::{Inner, UnexpectedReply};
 use crate::error::LockError;
 use crate::inspect::{LockInfo, LockMode, Primitive};
-
-/// The commands each script calls, named when the ACL user may not run one of them.
-const INSPECT_CALLS: &str = "TYPE, HGETALL, GET, TIME, PTTL";
-const FORCE_RELEASE_CALLS: &str = "TYPE, HGETALL, GET, TIME, PTTL, EXISTS, PUBLISH, SET, DEL";
 
 impl Inner {
     /// A snapshot of `key`'s lock or semaphore (see `LockBackend::inspect`).
@@ -94,7 +91,7 @@ impl Inner {
             Ok(Err(e)) => match refused(&e) {
                 Some(what) => Err(LockError::backend(
                     context,
-                    NotAllowed::new(call, what, names, e),
+                    NotAllowed::new((call, self.scripts.sharded), what, names, e),
                 )),
                 None => Err(LockError::backend(context, e)),
             },
@@ -143,6 +140,14 @@ impl Call {
             Call::ForceRelease => "force_release",
         }
     }
+
+    /// The script's name in words, and its source.
+    fn script(self) -> (&'static str, &'static str) {
+        match self {
+            Call::Inspect => ("inspect", scripts::INSPECT),
+            Call::ForceRelease => ("force-release", scripts::FORCE_RELEASE),
+        }
+    }
 }
 
 /// The snapshot a script returned (see snapshot.lua).
@@ -178,15 +183,18 @@ struct NotAllowed {
 }
 
 impl NotAllowed {
-    fn new(call: Call, what: Refused, names: &LockKey, source: CommandError) -> Self {
-        let right = match (what, call) {
-            (Refused::Channel, _) => format!("publish to channel `{}`", names.channel),
-            (Refused::Key, _) => format!("access key `{}`", names.lock),
-            (Refused::Command, Call::Inspect) => {
-                format!("run the inspect script (it calls {INSPECT_CALLS})")
-            }
-            (Refused::Command, Call::ForceRelease) => {
-                format!("run the force-release script (it calls {FORCE_RELEASE_CALLS})")
+    fn new(
+        (call, sharded): (Call, bool),
+        what: Refused,
+        names: &LockKey,
+        source: CommandError,
+    ) -> Self {
+        let right = match what {
+            Refused::Channel => format!("publish to channel `{}`", names.channel),
+            Refused::Key => format!("access key `{}`", names.lock),
+            Refused::Command => {
+                let (name, script) = call.script();
+                refused_call(&source, name, script, sharded)
             }
         };
         NotAllowed { right, source }

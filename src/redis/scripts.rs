@@ -43,6 +43,9 @@ macro_rules! source {
 pub(crate) const ACQUIRE: &str = source!("token.lua", "guard.lua", "acquire.lua");
 pub(crate) const RELEASE: &str = source!("token.lua", "release.lua");
 pub(crate) const RENEW: &str = source!("renew.lua");
+/// The operator's scripts, kept to name the command of a refusal when they are called.
+pub(crate) const INSPECT: &str = source!("snapshot.lua", "inspect.lua");
+pub(crate) const FORCE_RELEASE: &str = source!("snapshot.lua", "force_release.lua");
 
 impl Scripts {
     pub(crate) fn new(sharded: bool) -> Self {
@@ -55,8 +58,8 @@ impl Scripts {
             shared_release: Script::new(source!("shared_release.lua")),
             permit_acquire: Script::new(source!("token.lua", "guard.lua", "permit_acquire.lua")),
             permit_release: Script::new(source!("permit_release.lua")),
-            inspect: Script::new(source!("snapshot.lua", "inspect.lua")),
-            force_release: Script::new(source!("snapshot.lua", "force_release.lua")),
+            inspect: Script::new(INSPECT),
+            force_release: Script::new(FORCE_RELEASE),
             sharded,
         }
     }
