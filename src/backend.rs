@@ -1,5 +1,7 @@
 //! The seam between the layer and where locks live.
 
+use crate::error::LockError;
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::LockRequest;
 use crate::many::ManyLockRequest;
 
@@ -30,6 +32,73 @@ pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
     {
         ManyLockRequest::new(self.store(), keys.into_iter().map(Into::into).collect())
     }
+
+    /// A snapshot of `key`'s lock: free, held exclusively (with its re-entries) or shared
+    /// (by how many), the longest remaining lease and the fencing token reached; never
+    /// owner ids (see [`LockInfo`]). For operators and admin pages: it takes nothing and
+    /// changes nothing. A key that no lock may have (empty, too long) is refused as
+    /// [`lock`](Self::lock) refuses it ([`LockError::InvalidKey`]).
+    ///
+    /// The key's semaphore is a primitive of its own: see
+    /// [`inspect_permits`](Self::inspect_permits).
+    fn inspect(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        self.store().inspect(key.into(), Primitive::Lock)
+    }
+
+    /// A snapshot of `key`'s semaphore: [`LockMode::Permits`](crate::LockMode::Permits)
+    /// with the permits taken, or free (see [`inspect`](Self::inspect)).
+    fn inspect_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        self.store().inspect(key.into(), Primitive::Semaphore)
+    }
+
+    /// Frees `key`'s lock whatever holds it, an exclusive holder with its re-entries or
+    /// every shared holder: an operator's way out when a holder hangs with its lock kept
+    /// alive by its watchdog. Returns what it freed (free when nothing was held).
+    ///
+    /// - **Fenced.** The next holder's fencing token is above every token issued for the
+    ///   key so far, including those a process set aside for its own tasks taking turns
+    ///   in memory. A store that checks tokens refuses the old holder's late writes.
+    /// - **Waiters are woken**, as by a release, and take the key in their usual order.
+    /// - **The old holder sees [`HeldLock::lost`](crate::HeldLock::lost)** (by default the
+    ///   layer then drops its handler and answers 503), and its release returns
+    ///   [`LockError::Lost`] without touching the next holder. On a
+    ///   [`MemoryBackend`](crate::MemoryBackend) at once. On a
+    ///   [`RedisBackend`](crate::RedisBackend) within a round trip or two wherever the
+    ///   backend holding it has its subscriber connected: the force-release announces
+    ///   itself on the namespace's admin channel, which every backend subscribes to, and
+    ///   each re-checks every lock it holds at once; otherwise (the subscriber is
+    ///   reconnecting, or the ACL user may not subscribe to that channel) at its next
+    ///   renewal, a third of its lease after the last one.
+    ///
+    /// Until it learns of it, the old holder goes on as if it held the key, and a process
+    /// passing the key between its own tasks in memory may pass it on once more: their
+    /// tokens are all below the next holder's, which is what fencing is for.
+    ///
+    /// The key's semaphore is a primitive of its own: see
+    /// [`force_release_permits`](Self::force_release_permits). Refuses bad keys as
+    /// [`lock`](Self::lock) does.
+    fn force_release(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        self.store().force_release(key.into(), Primitive::Lock)
+    }
+
+    /// Frees every permit of `key`'s semaphore, as [`force_release`](Self::force_release)
+    /// frees its lock (fenced, waiters woken, the holders see `lost()`). Returns what it
+    /// freed.
+    fn force_release_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        self.store().force_release(key.into(), Primitive::Semaphore)
+    }
 }
 
 pub(crate) use self::sealed::{Backend, Sealed};
@@ -38,6 +107,7 @@ mod sealed {
     use std::sync::Arc;
 
     use crate::error::LockError;
+    use crate::inspect::{LockInfo, Primitive};
     use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
 
     /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).
@@ -63,6 +133,21 @@ mod sealed {
 
         /// The longest key the backend accepts, in bytes.
         fn max_key_len(&self) -> usize;
+
+        /// A snapshot of `key`'s lock or semaphore (see `LockBackend::inspect`).
+        fn inspect(
+            self: Arc<Self>,
+            key: String,
+            of: Primitive,
+        ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
+
+        /// Frees `key`'s lock or semaphore, fenced, and reports what it freed (see
+        /// `LockBackend::force_release`).
+        fn force_release(
+            self: Arc<Self>,
+            key: String,
+            of: Primitive,
+        ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
     }
 }
 

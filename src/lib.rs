@@ -42,6 +42,9 @@
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
+//! - [`LockBackend::inspect`] and [`LockBackend::force_release`]: for operators, a
+//!   snapshot of a key ([`LockInfo`]: how it is held, for how long, the fencing token
+//!   reached; never owner ids) and freeing it by force, fenced, its holder told.
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`FencedStore`]: a store in the lock's Redis that refuses writes with stale tokens.
@@ -97,6 +100,7 @@ mod extract;
 mod future;
 mod guard;
 mod held;
+mod inspect;
 mod key;
 mod layer;
 mod lock;
@@ -124,6 +128,7 @@ pub use crate::extract::{Header, QueryParam};
 pub use crate::extract::{PathParam, PathParams};
 pub use crate::future::ResponseFuture;
 pub use crate::held::{HeldLocks, MissingHeldLock};
+pub use crate::inspect::{LockInfo, LockMode};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
 pub use crate::lock::{

@@ -84,7 +84,7 @@ async fn redis_owners(server: &RedisServer) -> Vec<String> {
         .expect("HKEYS");
     fields
         .into_iter()
-        .filter(|f| f != "token" && !f.contains('@') && !f.contains('#'))
+        .filter(|f| f != "token" && f != "reserved" && !f.contains(['@', '#']))
         .collect()
 }
 

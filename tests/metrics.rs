@@ -378,7 +378,12 @@ async fn the_backend_counts_subscriber_reconnects_and_failed_renewals() {
         connect().await.expect("backend"),
         connect().await.expect("holder"),
     );
-    // A waiter, so that the subscriber connection subscribes (and is of type pubsub).
+    // Both subscribers listen on the admin channel (and are of type pubsub), the
+    // backend's also on the release channel of the key it waits for.
+    eventually("both subscribers listen", || async {
+        server.numsub("faults:{%admin}:released").await == 2
+    })
+    .await;
     let held = holder.lock("busy").try_once().await.expect("free lock");
     let waiting = backend.lock("busy").wait(Duration::from_secs(10));
     let waiting = tokio::spawn(waiting);
@@ -386,10 +391,11 @@ async fn the_backend_counts_subscriber_reconnects_and_failed_renewals() {
         server.numsub("faults:{busy}:released").await == 1
     })
     .await;
-    assert!(server.kill_subscribers().await >= 1);
+    assert_eq!(server.kill_subscribers().await, 2);
     let faults = [("namespace", "faults")];
-    eventually("the subscriber reconnects", || async {
+    eventually("both subscribers reconnect", || async {
         backend.stats().subscriber_connections_made >= 2
+            && holder.stats().subscriber_connections_made >= 2
     })
     .await;
     held.release().await.expect("released");
@@ -413,7 +419,7 @@ async fn the_backend_counts_subscriber_reconnects_and_failed_renewals() {
     drop(guard);
 
     let s = recorded.take();
-    assert_eq!(s.counter(RECONNECTS, &faults), 1, "{:?}", s.names());
+    assert_eq!(s.counter(RECONNECTS, &faults), 2, "{:?}", s.names());
     assert!(s.counter(RENEWALS_FAILED, &faults) >= 1, "{:?}", s.names());
 }
 

@@ -16,6 +16,7 @@ use super::telemetry::Namespace;
 use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
 use crate::backend::Backend;
 use crate::error::LockError;
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
 /// What one attempt found, as the acquisition acts on it.
@@ -56,6 +57,33 @@ impl<S: Store> Backend for Core<S> {
 
     fn max_key_len(&self) -> usize {
         self.settings.max_key_len
+    }
+
+    fn inspect(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let (inspect, limit) = (self.store.inspect(key, of), self.settings.command_timeout);
+        Box::pin(async move {
+            timeout(limit, inspect)
+                .await
+                .map_err(|elapsed| LockError::backend("inspect", elapsed))?
+        })
+    }
+
+    fn force_release(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let freeing = self.store.force_release(key, of);
+        let limit = self.settings.command_timeout;
+        Box::pin(async move {
+            timeout(limit, freeing)
+                .await
+                .map_err(|elapsed| LockError::backend("force_release", elapsed))?
+        })
     }
 }
 

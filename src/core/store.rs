@@ -38,7 +38,8 @@ use std::time::Duration;
 use super::queue::Claim;
 use super::wakeups::Waiter;
 use super::watchdog::Due;
-use crate::error::KeyError;
+use crate::error::{KeyError, LockError};
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// What an acquisition attempt's call came back with, and what it went out on (`None`
@@ -130,6 +131,24 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn takeovers(&self) -> Takeovers {
         Takeovers::none()
     }
+
+    /// A snapshot of `user`'s lock or semaphore, for operators (see
+    /// `LockBackend::inspect`): never owner ids.
+    fn inspect(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
+
+    /// Frees `user`'s lock or semaphore whatever holds it (see
+    /// `LockBackend::force_release`): fenced above every token issued or reserved, the
+    /// waiters woken, and every backend on the store told, so that the holder's re-checks
+    /// its holds and finds it lost. Returns what was freed.
+    fn force_release(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
 
     /// A final release of an exclusive hold of `token` went through (freed or handed on):
     /// a store that may lose it in a failover remembers it to do it again.

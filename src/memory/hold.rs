@@ -63,6 +63,16 @@ impl Tenure {
         }
     }
 
+    /// Holds of the owner, re-entries included.
+    pub(super) fn holds(&self) -> u32 {
+        self.holds
+    }
+
+    /// Fires the holder's `lost()`: its tenure is ended by force.
+    pub(super) fn lose(&self) {
+        self.lost.cancel();
+    }
+
     /// How long the tenure lasts at most, for `Retry-After`.
     pub(super) fn remaining(&self) -> Duration {
         if self.renewing > 0 {
@@ -75,7 +85,7 @@ impl Tenure {
 
 impl State {
     /// The tenure `id` names, if it still exists.
-    fn tenure(&mut self, id: &HoldId) -> Option<&mut Tenure> {
+    pub(super) fn tenure(&mut self, id: &HoldId) -> Option<&mut Tenure> {
         let tenure = match id.of {
             Of::Exclusive => self.keys.get_mut(&id.key)?.writer_tenure(&id.owner)?,
             Of::Shared => self.keys.get_mut(&id.key)?.readers.get_mut(&id.owner)?,
@@ -88,9 +98,9 @@ impl State {
         (tenure.generation == id.generation).then_some(tenure)
     }
 
-    /// Ends the tenure `id` (its last hold released, or its lease run out) and lets the
-    /// waiters it kept out in.
-    fn end(&mut self, inner: &Arc<Inner>, id: &HoldId, deferred: &mut super::Deferred) {
+    /// Ends the tenure `id` (its last hold released, its lease run out, or freed by an
+    /// operator) and lets the waiters it kept out in.
+    pub(super) fn end(&mut self, inner: &Arc<Inner>, id: &HoldId, deferred: &mut super::Deferred) {
         match id.of {
             Of::Exclusive | Of::Shared => self.end_rw(inner, id, deferred),
             Of::Permit => self.end_permit(inner, id, deferred),

@@ -27,6 +27,7 @@
 //! ```
 
 mod hold;
+mod inspect;
 mod rw;
 mod semaphore;
 mod wait;
@@ -49,6 +50,7 @@ use crate::core::queue::{Claim, Queues};
 use crate::core::runtime::Spawner;
 use crate::core::telemetry::Namespace;
 use crate::error::LockError;
+use crate::inspect::{LockInfo, Primitive};
 use crate::key::validate;
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
@@ -146,6 +148,40 @@ impl MemoryBackend {
         LockBackend::lock_many(self, keys)
     }
 
+    /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]).
+    pub fn inspect(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::inspect(self, key)
+    }
+
+    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
+    pub fn inspect_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::inspect_permits(self, key)
+    }
+
+    /// Frees `key`'s lock whatever holds it; its holders see `lost()` at once (see
+    /// [`LockBackend::force_release`]).
+    pub fn force_release(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::force_release(self, key)
+    }
+
+    /// Frees every permit of `key`'s semaphore (see
+    /// [`LockBackend::force_release_permits`]).
+    pub fn force_release_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::force_release_permits(self, key)
+    }
+
     /// How many keys are held right now: locked, held shared, or with a permit taken
     /// (a key whose lock and semaphore are both held counts twice).
     pub fn held(&self) -> usize {
@@ -198,6 +234,23 @@ impl Backend for Inner {
 
     fn max_key_len(&self) -> usize {
         MAX_KEY_LEN
+    }
+
+    fn inspect(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        // Lazy, as futures are: nothing happens until it is awaited.
+        Box::pin(async move { Inner::inspect(&self, key, of) })
+    }
+
+    fn force_release(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        Box::pin(async move { Inner::force_release(&self, key, of) })
     }
 }
 

@@ -51,6 +51,11 @@ impl RwKey {
         self.writer.is_some() || !self.readers.is_empty()
     }
 
+    /// The exclusive holder and its tenure.
+    pub(super) fn writer(&self) -> Option<(&LockOwner, &Tenure)> {
+        self.writer.as_ref().map(|w| (&w.owner, &w.tenure))
+    }
+
     pub(super) fn writer_tenure(&mut self, owner: &LockOwner) -> Option<&mut Tenure> {
         let writer = self.writer.as_mut().filter(|w| w.owner == *owner)?;
         Some(&mut writer.tenure)

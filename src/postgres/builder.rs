@@ -9,6 +9,7 @@ use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use tokio::time::timeout;
 
+use super::keys::admin_channel;
 use super::listen::{ListenConfig, Listener};
 use super::store::{PgStore, Statements};
 use super::{PostgresBackend, janitor, schema};
@@ -210,6 +211,7 @@ impl PostgresBackendBuilder {
         let listener = Listener::spawn(
             (listen_pool, Wakeups::new(metrics)),
             ListenConfig {
+                admin_channel: admin_channel(&self.namespace),
                 connect_timeout: self.connect_timeout,
                 command_timeout: self.command_timeout,
                 ping_interval: self.ping_interval,
@@ -233,6 +235,7 @@ impl PostgresBackendBuilder {
             listener,
             janitor,
             instance: parts.owners.instance().to_owned(),
+            admin_channel: admin_channel(&self.namespace),
             namespace: self.namespace,
             table: self.table,
             max_key_len: self.max_key_len,

@@ -51,6 +51,13 @@ impl StoreKey for PgKey {
     }
 }
 
+/// The channel every backend of `namespace` listens on: a force-release is announced
+/// there, so that the holder re-checks its holds at once. No user key's row has this name
+/// (an escaped key has a `%` only before `25`, `7B` or `7D`).
+pub(crate) fn admin_channel(namespace: &str) -> String {
+    channel(&format!("{namespace}:{{%admin}}"))
+}
+
 /// The channel of the row `name` (see [`PgKey::channel`]): a stable hash, the same in
 /// every process and build, since instances of several versions share a table.
 fn channel(name: &str) -> String {

@@ -19,8 +19,11 @@ use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
 
 /// Timing of the listening connection.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ListenConfig {
+    /// The namespace's admin channel, listened to on every connection: a force-release
+    /// announced there re-checks every held lock.
+    pub(crate) admin_channel: String,
     pub(crate) connect_timeout: Duration,
     pub(crate) command_timeout: Duration,
     pub(crate) ping_interval: Duration,
@@ -49,7 +52,7 @@ impl Listener {
             listen_until_shutdown(
                 serving.clone(),
                 pool.clone(),
-                config,
+                config.clone(),
                 recheck.clone(),
                 shutdown,
             )
@@ -94,7 +97,14 @@ async fn listen_until_shutdown(
                 tracing::debug!("lock listener connected");
                 recheck.raise("the listening connection was (re)opened");
                 let mut proven = false;
-                let ended = serve(&wakeups, &mut listener, config, &shutdown, &mut proven).await;
+                let ended = serve(
+                    (&wakeups, &recheck),
+                    &mut listener,
+                    &config,
+                    &shutdown,
+                    &mut proven,
+                )
+                .await;
                 wakeups.disconnected();
                 if proven {
                     backoff = initial_backoff;
@@ -118,9 +128,9 @@ async fn listen_until_shutdown(
 /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
 /// Sets `proven` once a `LISTEN` or a ping went through.
 async fn serve(
-    wakeups: &Wakeups,
+    (wakeups, recheck): (&Wakeups, &Recheck),
     listener: &mut PgListener,
-    config: ListenConfig,
+    config: &ListenConfig,
     shutdown: &CancellationToken,
     proven: &mut bool,
 ) -> Result<(), String> {
@@ -130,6 +140,13 @@ async fn serve(
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
+    timeout(
+        config.command_timeout,
+        listener.listen(&config.admin_channel),
+    )
+    .await
+    .map_err(|_| "LISTEN timed out".to_owned())?
+    .map_err(|e| format!("LISTEN failed: {e}"))?;
     loop {
         reconcile(wakeups, listener, config.command_timeout, proven).await?;
         tokio::select! {
@@ -137,6 +154,9 @@ async fn serve(
             _ = wakeups.changed() => {}
             // Cancel-safe: sqlx keeps a partly read message in the connection's buffer.
             received = listener.try_recv() => match received {
+                Ok(Some(notification)) if notification.channel() == config.admin_channel => {
+                    recheck.raise("a lock of the namespace was force-released");
+                }
                 Ok(Some(notification)) => {
                     wakeups.registry().wake_channel(notification.channel());
                 }

@@ -407,6 +407,79 @@ BEGIN
 END
 $$;
 
+-- A snapshot of the lock (or, if p_semaphore, the semaphore) `p_name`, for operators:
+-- {mode, holders, holds, lease, token}, mode 0 free, 1 exclusive, 2 shared, 3 permits;
+-- lease: milliseconds the longest lease still runs, -1 when free; token: the highest
+-- fencing token issued or reserved for the name (0: none). Never owner ids.
+CREATE OR REPLACE FUNCTION tower_lock_snapshot(p_name text, p_semaphore boolean,
+    p_now timestamptz)
+RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    l tower_lock;
+    n integer;
+    total bigint;
+    latest timestamptz;
+    token bigint;
+BEGIN
+    SELECT * INTO l FROM tower_lock WHERE name = p_name;
+    token := coalesce(l.fence, 0);
+    SELECT count(*), coalesce(sum(count), 0), max(expires) INTO n, total, latest
+    FROM tower_lock_holders
+    WHERE name = p_name AND expires > p_now
+        AND kind = CASE WHEN p_semaphore THEN 'p' ELSE 's' END;
+    IF p_semaphore AND n > 0 THEN
+        RETURN ARRAY[3, n, total, tower_lock_ms(p_now, latest), token];
+    END IF;
+    IF NOT p_semaphore AND l.owner IS NOT NULL AND l.expires > p_now THEN
+        RETURN ARRAY[1, 1, l.count, tower_lock_ms(p_now, greatest(l.expires, latest)), token];
+    END IF;
+    IF NOT p_semaphore AND n > 0 THEN
+        RETURN ARRAY[2, n, total, tower_lock_ms(p_now, latest), token];
+    END IF;
+    RETURN ARRAY[0, 0, 0, -1, token];
+END
+$$;
+
+CREATE OR REPLACE FUNCTION tower_lock_inspect(p_name text, p_semaphore boolean)
+RETURNS bigint[]
+LANGUAGE sql AS $$ SELECT tower_lock_snapshot(p_name, p_semaphore, clock_timestamp()) $$;
+
+-- Frees the lock (or, if p_semaphore, every permit of the semaphore) `p_name` whatever
+-- holds it, an operator's action, and returns its snapshot from before. Fenced: the next
+-- token is above the name's counter, which is at least every token issued or reserved.
+-- The waiters are told on p_channel; every backend of the namespace on p_admin, so that
+-- the holder re-checks its holds and finds this one lost. Waiting writers stay
+-- registered: they still wait.
+CREATE OR REPLACE FUNCTION tower_lock_force_release(p_name text, p_semaphore boolean,
+    p_channel text, p_admin text)
+RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    t_now timestamptz := clock_timestamp();
+    freed bigint[];
+BEGIN
+    PERFORM 1 FROM tower_lock WHERE name = p_name FOR UPDATE;
+    freed := tower_lock_snapshot(p_name, p_semaphore, t_now);
+    IF freed[1] = 0 THEN
+        RETURN freed;
+    END IF;
+    IF p_semaphore THEN
+        DELETE FROM tower_lock_holders WHERE name = p_name AND kind = 'p';
+        UPDATE tower_lock SET touched = t_now WHERE name = p_name;
+    ELSE
+        DELETE FROM tower_lock_holders WHERE name = p_name AND kind = 's';
+        UPDATE tower_lock
+        SET owner = NULL, count = 0, expires = NULL, undone = '{}', readers = 0,
+            touched = t_now
+        WHERE name = p_name;
+    END IF;
+    PERFORM pg_notify(p_channel, '');
+    PERFORM pg_notify(p_admin, '');
+    RETURN freed;
+END
+$$;
+
 -- Withdraws p_holder's registration as a waiting writer of `p_name` (it stopped waiting),
 -- and wakes the name's waiters if p_wake (shared holds it kept out may come in).
 CREATE OR REPLACE FUNCTION tower_lock_withdraw(p_name text, p_holder text, p_channel text,

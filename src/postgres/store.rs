@@ -10,10 +10,11 @@ use super::error::PgError;
 use super::keys::PgKey;
 use super::listen::Listener;
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store};
+use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::KeyError;
+use crate::error::{KeyError, LockError};
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
 
 /// Locks in one PostgreSQL database, in the table (and its functions) named `table`.
@@ -29,6 +30,8 @@ pub(crate) struct PgStore {
     /// This backend's instance id: a run of its holders ends by freeing the lock when
     /// another instance waits for it.
     pub(crate) instance: String,
+    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
+    pub(crate) admin_channel: String,
 }
 
 /// The statements of the lock protocol, for the table's functions.
@@ -48,6 +51,8 @@ pub(crate) struct Statements {
     holder_release: String,
     remaining: String,
     withdraw: String,
+    inspect: String,
+    force_release: String,
     pub(crate) sweep: String,
 }
 
@@ -97,6 +102,8 @@ impl Statements {
                  WHERE name = $1 AND owner IS NOT NULL"
             ),
             withdraw: format!("SELECT {table}_withdraw($1, $2, $3, $4)"),
+            inspect: format!("SELECT {table}_inspect($1, $2)"),
+            force_release: format!("SELECT {table}_force_release($1, $2, $3, $4)"),
             sweep: format!("SELECT {table}_sweep($1, $2)"),
         }
     }
@@ -290,6 +297,37 @@ impl Store for PgStore {
         })
     }
 
+    fn inspect(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let store = self.clone();
+        Box::pin(async move { store.operator(&store.sql.inspect, user, of, false).await })
+    }
+
+    fn force_release(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            let freed = store
+                .operator(&store.sql.force_release, user, of, true)
+                .await?;
+            if !freed.is_free() {
+                tracing::info!(
+                    key = %freed.key,
+                    mode = ?freed.mode,
+                    holders = freed.holders,
+                    "lock force-released"
+                );
+            }
+            Ok(freed)
+        })
+    }
+
     fn withdraw_writer(
         self: &Arc<Self>,
         key: &Arc<PgKey>,
@@ -309,5 +347,36 @@ impl Store for PgStore {
                 tracing::debug!(key = %key.name, %error, "could not withdraw a waiting writer");
             }
         })
+    }
+}
+
+impl PgStore {
+    /// Runs an operator's call (`inspect` or `force_release`) on `user`'s lock or semaphore.
+    async fn operator(
+        &self,
+        statement: &str,
+        user: String,
+        of: Primitive,
+        announced: bool,
+    ) -> Result<LockInfo, LockError> {
+        let semaphore = of == Primitive::Semaphore;
+        let key = PgKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
+        let context = if announced {
+            "force_release"
+        } else {
+            "inspect"
+        };
+        let mut call = sqlx::query_scalar::<_, Vec<i64>>(statement)
+            .bind(&*key.name)
+            .bind(semaphore);
+        if announced {
+            call = call.bind(&key.channel).bind(&self.admin_channel);
+        }
+        let reply = call
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| LockError::backend(context, PgError::from(e)))?;
+        LockInfo::from_reply(key.user().to_owned(), &reply)
+            .ok_or_else(|| LockError::backend(context, PgError::Unexpected(context)))
     }
 }

@@ -59,3 +59,13 @@ impl LockKey {
         }
     }
 }
+
+/// The namespace's admin channel: a force-release is announced there, and every backend's
+/// subscriber listens, so that holders of the namespace re-check their locks at once.
+///
+/// It has the shape of a release channel (`namespace:{..}:released`, so the channel rights
+/// that cover those cover it) under a tag no user key can have: an escaped key has a `%`
+/// only before `25`, `7B` or `7D`.
+pub(crate) fn admin_channel(namespace: &str) -> String {
+    format!("{namespace}:{{%admin}}:released")
+}

@@ -2,9 +2,11 @@
 //!
 //! The type and its design are documented on [`RedisBackend`].
 
+mod admin;
 mod builder;
 mod connection;
 mod fence;
+mod inspect;
 mod keys;
 mod pubsub;
 mod replay;
@@ -21,7 +23,8 @@ pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::store::RedisStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::BuildError;
+use crate::error::{BuildError, LockError};
+use crate::inspect::LockInfo;
 use crate::lock::LockRequest;
 
 /// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
@@ -191,6 +194,42 @@ impl RedisBackend {
         I::Item: Into<String>,
     {
         LockBackend::lock_many(self, keys)
+    }
+
+    /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
+    /// reached (see [`LockBackend::inspect`]). One script call; changes nothing.
+    pub fn inspect(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::inspect(self, key)
+    }
+
+    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
+    pub fn inspect_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::inspect_permits(self, key)
+    }
+
+    /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
+    /// round trip or two, at the latest at its next renewal (see
+    /// [`LockBackend::force_release`]). Returns what was freed.
+    pub fn force_release(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::force_release(self, key)
+    }
+
+    /// Frees every permit of `key`'s semaphore (see
+    /// [`LockBackend::force_release_permits`]).
+    pub fn force_release_permits(
+        &self,
+        key: impl Into<String>,
+    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
+        LockBackend::force_release_permits(self, key)
     }
 
     /// A snapshot of the backend's connections and bookkeeping.

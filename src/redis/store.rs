@@ -20,7 +20,8 @@ use crate::core::store::{
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::KeyError;
+use crate::error::{KeyError, LockError};
+use crate::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// Locks in one Redis deployment (a server, a Sentinel group's master, a cluster).
@@ -230,6 +231,22 @@ impl Store for RedisStore {
 
     fn takeovers(&self) -> Takeovers {
         self.pool.topology().takeovers()
+    }
+
+    fn inspect(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        Box::pin(self.clone().snapshot(user, of))
+    }
+
+    fn force_release(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        Box::pin(self.clone().free_by_force(user, of))
     }
 
     fn released(&self, key: &Arc<LockKey>, token: u64, lease: Duration, generation: u64) {

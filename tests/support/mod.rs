@@ -186,9 +186,12 @@ impl RedisServer {
         reply.1
     }
 
-    /// Every channel with a subscriber, sorted.
+    /// Every channel with a subscriber, sorted, but for the namespace's admin channel
+    /// ([`ADMIN_CHANNEL`]), which every backend's subscriber listens on.
     pub async fn channels(&self) -> Vec<String> {
-        self.sorted(redis::cmd("PUBSUB").arg("CHANNELS")).await
+        let mut channels = self.sorted(redis::cmd("PUBSUB").arg("CHANNELS")).await;
+        channels.retain(|c| c != ADMIN_CHANNEL);
+        channels
     }
 
     /// Whether `key` exists.
@@ -262,6 +265,9 @@ impl RedisServer {
 pub fn lock_key(user: &str) -> String {
     format!("tower-lock:{{{user}}}")
 }
+
+/// The default namespace's admin channel: a force-release is announced there.
+pub const ADMIN_CHANNEL: &str = "tower-lock:{%admin}:released";
 
 /// The release channel of a plain user key (see [`lock_key`]).
 pub fn channel(user: &str) -> String {

@@ -18,6 +18,7 @@ use crate::redis::connection::cluster::ClusterNodes;
 use crate::redis::connection::pool::{Pool, RedisCause};
 use crate::redis::connection::sentinel::{MasterAuth, SentinelGroup};
 use crate::redis::connection::topology::Topology;
+use crate::redis::keys::admin_channel;
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::replay::{ReplayConfig, Replays};
 use crate::redis::run_id::ServerIdentity;
@@ -87,6 +88,7 @@ impl RedisBackendBuilder {
                 command_timeout: self.command_timeout,
                 ping_interval: self.ping_interval,
                 max_backoff: self.max_backoff,
+                admin_channel: admin_channel(&self.namespace),
             },
             pool.failure_epoch(),
             server,

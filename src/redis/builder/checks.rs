@@ -13,6 +13,7 @@ use tokio::time::timeout;
 
 use super::diagnose::Peer;
 use crate::error::BuildError;
+use crate::redis::connection::command_error::{Refused, refused, refused_call};
 use crate::redis::connection::pool::{CommandError, Pool};
 use crate::redis::connection::topology::Topology;
 use crate::redis::keys::LockKey;
@@ -33,31 +34,6 @@ pub(crate) struct ServerChecks<'a> {
     pub(crate) command_timeout: Duration,
     /// The command the release script publishes with (`PUBLISH`; `SPUBLISH` on a cluster).
     pub(crate) publish: &'static str,
-}
-
-/// What an ACL refusal was about.
-enum Refused {
-    Command,
-    Key,
-    Channel,
-}
-
-/// Whether Redis refused `error`'s command (or a command inside a script) for lack of
-/// rights, and which kind of right.
-fn refused(error: &CommandError) -> Option<Refused> {
-    let e = error.redis_error()?;
-    let text = e.to_string();
-    let direct = e.code() == Some("NOPERM");
-    if !direct && !text.contains("The user executing the script can't") {
-        return None;
-    }
-    Some(if text.contains("channel") {
-        Refused::Channel
-    } else if text.contains("keys") {
-        Refused::Key
-    } else {
-        Refused::Command
-    })
 }
 
 impl ServerChecks<'_> {
@@ -220,7 +196,7 @@ impl ServerChecks<'_> {
                     {
                         "run EVALSHA (every lock operation is a script)".to_owned()
                     }
-                    Some(Refused::Command) => self.refused_call(&e, name, source),
+                    Some(Refused::Command) => refused_call(&e, name, source, self.scripts.sharded),
                 };
                 self.rights_error(right, e.into_cause())
             })?;
@@ -268,34 +244,5 @@ impl ServerChecks<'_> {
             return self.rights_error(right.to_owned(), error.into_cause());
         }
         self.peer.failure(error)
-    }
-
-    /// What a refusal inside the `name` script (of `source`) was about: the command on the
-    /// line Redis names (`... script: <sha>, on @user_script:263.`), or the command Redis
-    /// names itself (Redis 6: `... to run the 'publish' command`); failing both, every
-    /// command the script calls.
-    fn refused_call(&self, error: &CommandError, name: &str, source: &str) -> String {
-        let sharded = self.scripts.sharded;
-        let text = error
-            .redis_error()
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        let on_line = text
-            .split("@user_script:")
-            .nth(1)
-            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|line| line.parse().ok())
-            .and_then(|line| scripts::command_on_line(source, line, sharded));
-        let named = || {
-            let rest = text.split("to run the '").nth(1)?;
-            Some(rest.split('\'').next()?.to_ascii_uppercase())
-        };
-        match on_line.or_else(named) {
-            Some(command) => format!("run {command} (the {name} script calls it)"),
-            None => format!(
-                "run the {name} script (it calls {})",
-                scripts::commands(source, sharded)
-            ),
-        }
     }
 }

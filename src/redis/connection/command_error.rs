@@ -8,6 +8,7 @@ use redis::RedisError;
 
 use crate::redis::UnexpectedReply;
 use crate::redis::replicas::Unreplicated;
+use crate::redis::scripts;
 
 /// Why a command did not complete.
 #[derive(Debug)]
@@ -155,4 +156,62 @@ pub(crate) fn is_transport(e: &RedisError) -> bool {
 
 pub(crate) fn is_read_only(e: &RedisError) -> bool {
     e.kind() == redis::ServerErrorKind::ReadOnly.into()
+}
+
+/// What an ACL refusal was about.
+pub(crate) enum Refused {
+    Command,
+    Key,
+    Channel,
+}
+
+/// Whether Redis refused `error`'s command (or a command inside a script) for lack of
+/// rights, and which kind of right.
+pub(crate) fn refused(error: &CommandError) -> Option<Refused> {
+    let e = error.redis_error()?;
+    let text = e.to_string();
+    let direct = e.code() == Some("NOPERM");
+    if !direct && !text.contains("The user executing the script can't") {
+        return None;
+    }
+    Some(if text.contains("channel") {
+        Refused::Channel
+    } else if text.contains("keys") {
+        Refused::Key
+    } else {
+        Refused::Command
+    })
+}
+
+/// What a refusal inside the `name` script (of `source`) was about: the command on the line
+/// Redis names (`... script: <sha>, on @user_script:263.`), or the command Redis names
+/// itself (Redis 6: `... to run the 'publish' command`); failing both, every command the
+/// script calls. (Also for the operator's calls, which `build()` does not probe.)
+pub(crate) fn refused_call(
+    error: &CommandError,
+    name: &str,
+    source: &str,
+    sharded: bool,
+) -> String {
+    let text = error
+        .redis_error()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let on_line = text
+        .split("@user_script:")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|line| line.parse().ok())
+        .and_then(|line| scripts::command_on_line(source, line, sharded));
+    let named = || {
+        let rest = text.split("to run the '").nth(1)?;
+        Some(rest.split('\'').next()?.to_ascii_uppercase())
+    };
+    match on_line.or_else(named) {
+        Some(command) => format!("run {command} (the {name} script calls it)"),
+        None => format!(
+            "run the {name} script (it calls {})",
+            scripts::commands(source, sharded)
+        ),
+    }
 }

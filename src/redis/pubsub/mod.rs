@@ -16,6 +16,7 @@ use redis::aio::{PubSubSink, PubSubStream};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
+use super::admin::AdminChannel;
 use super::connection::pool::FailureEpoch;
 use super::connection::topology::{Topology, TopologyChanges};
 use super::run_id::ServerIdentity;
@@ -31,6 +32,26 @@ pub(crate) struct SubscriberConfig {
     pub(crate) command_timeout: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) max_backoff: Duration,
+    /// The namespace's admin channel (see `admin.rs`).
+    pub(crate) admin_channel: String,
+}
+
+/// What the subscriber task serves: the waiters, and the namespace's admin channel.
+pub(super) struct Shared {
+    pub(super) wakeups: Wakeups,
+    pub(super) admin: AdminChannel,
+}
+
+impl Shared {
+    /// A message on `channel`: a release wakes the channel's waiters; an announced
+    /// force-release re-checks every held lock.
+    pub(super) fn received(&self, channel: &str) {
+        if self.admin.is(channel) {
+            self.admin.announced();
+        } else {
+            self.wakeups.registry().wake_channel(channel);
+        }
+    }
 }
 
 /// Handle to the backend's subscriber task.
@@ -53,11 +74,14 @@ impl Subscriber {
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
-        let serving = wakeups.clone();
+        let shared = Arc::new(Shared {
+            admin: AdminChannel::new(config.admin_channel.clone(), server.clone()),
+            wakeups: wakeups.clone(),
+        });
         let start = move |shutdown| {
             let (topology, config) = (topology.clone(), config.clone());
             serve_until_shutdown(
-                serving.clone(),
+                shared.clone(),
                 topology,
                 config,
                 failure_epoch.clone(),
@@ -106,7 +130,7 @@ impl From<&str> for Ended {
 /// Runs the subscriber, and the topology's announcements of a failover next to it, until
 /// shut down.
 async fn serve_until_shutdown(
-    wakeups: Wakeups,
+    shared: Arc<Shared>,
     topology: Topology,
     config: SubscriberConfig,
     failure_epoch: FailureEpoch,
@@ -116,7 +140,7 @@ async fn serve_until_shutdown(
     if let Topology::Cluster(nodes) = &topology {
         let nodes = nodes.clone();
         let signs = (failure_epoch, server);
-        return shard::serve_until_shutdown(wakeups, nodes, config, signs, shutdown).await;
+        return shard::serve_until_shutdown(shared, nodes, config, signs, shutdown).await;
     }
     let announce = topology.announce_changes(
         failure_epoch.clone(),
@@ -126,7 +150,7 @@ async fn serve_until_shutdown(
     );
     let signs = (failure_epoch, server);
     tokio::join!(
-        subscribe_until_shutdown(wakeups, &topology, config.clone(), signs, shutdown),
+        subscribe_until_shutdown(shared, &topology, config.clone(), signs, shutdown),
         announce
     );
 }
@@ -139,7 +163,7 @@ async fn serve_until_shutdown(
 /// dropped at once, as under an ACL user without channel rights, must not reconnect in a
 /// tight loop (219 connections in 5 s were seen).
 async fn subscribe_until_shutdown(
-    wakeups: Wakeups,
+    shared: Arc<Shared>,
     topology: &Topology,
     config: SubscriberConfig,
     (failure_epoch, server): (FailureEpoch, ServerIdentity),
@@ -148,7 +172,7 @@ async fn subscribe_until_shutdown(
     let mut changes = topology.changes();
     // However the task ends, even dropped with its runtime, no connection is claimed and
     // every waiter tries again.
-    let _disconnected = Disconnected(&wakeups);
+    let _disconnected = Disconnected(&shared.wakeups);
 
     let initial_backoff = Duration::from_millis(20);
     let mut backoff = initial_backoff;
@@ -162,7 +186,7 @@ async fn subscribe_until_shutdown(
         };
         match connected {
             Ok(Ok(pubsub)) => {
-                wakeups.connected();
+                shared.wakeups.connected();
                 tracing::debug!("lock subscriber connected");
                 // The first sign of a restart (the old connection ended with the server)
                 // or of a fault that may have hidden one: held locks may be gone.
@@ -170,7 +194,7 @@ async fn subscribe_until_shutdown(
                 let (mut sink, mut stream) = pubsub.split();
                 let mut proven = false;
                 let ended = serve(
-                    &wakeups,
+                    &shared,
                     (&mut sink, &mut stream),
                     &config,
                     &mut changes,
@@ -178,7 +202,7 @@ async fn subscribe_until_shutdown(
                     &mut proven,
                 )
                 .await;
-                wakeups.disconnected();
+                shared.wakeups.disconnected();
                 if proven {
                     backoff = initial_backoff;
                 }
@@ -217,7 +241,7 @@ async fn subscribe_until_shutdown(
 /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
 /// Sets `proven` once the server confirmed a subscription or answered a ping.
 async fn serve(
-    wakeups: &Wakeups,
+    shared: &Shared,
     (sink, stream): (&mut PubSubSink, &mut PubSubStream),
     config: &SubscriberConfig,
     changes: &mut TopologyChanges,
@@ -228,15 +252,16 @@ async fn serve(
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick completes at once; the connection was just proven by the handshake.
     ping.tick().await;
+    shared.admin.subscribe(sink, config.command_timeout).await?;
     loop {
-        reconcile(wakeups, sink, config.command_timeout, proven).await?;
+        reconcile(shared, sink, config.command_timeout, proven).await?;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            _ = wakeups.changed() => {}
+            _ = shared.wakeups.changed() => {}
             _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
-                wakeups.registry().wake_channel(message.get_channel_name());
+                shared.received(message.get_channel_name());
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping
@@ -253,15 +278,15 @@ async fn serve(
 
 /// Brings the connection's subscriptions in line with the registry.
 async fn reconcile(
-    wakeups: &Wakeups,
+    shared: &Shared,
     sink: &mut PubSubSink,
     command_timeout: Duration,
     proven: &mut bool,
 ) -> Result<(), Ended> {
     loop {
-        let (subscribe, unsubscribe) = wakeups.registry().changes();
+        let (subscribe, unsubscribe) = shared.wakeups.registry().changes();
         if subscribe.is_empty() && unsubscribe.is_empty() {
-            wakeups.report_subscriptions();
+            shared.wakeups.report_subscriptions();
             return Ok(());
         }
         if !unsubscribe.is_empty() {
@@ -279,7 +304,7 @@ async fn reconcile(
                     _ => Ended::Lost(format!("subscribe failed: {e}")),
                 })?;
             *proven = true;
-            wakeups.registry().confirmed(subscribe);
+            shared.wakeups.registry().confirmed(subscribe);
         }
     }
 }

@@ -26,8 +26,9 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
+use super::Shared;
 use super::SubscriberConfig;
-use crate::core::wakeups::{Disconnected, Wakeups};
+use crate::core::wakeups::Disconnected;
 use crate::redis::connection::cluster::{self, ClusterNodes};
 use crate::redis::connection::pool::FailureEpoch;
 use crate::redis::run_id::ServerIdentity;
@@ -36,14 +37,14 @@ const INITIAL_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Connects, serves, and reconnects with capped exponential backoff until shut down.
 pub(super) async fn serve_until_shutdown(
-    wakeups: Wakeups,
+    shared: Arc<Shared>,
     nodes: Arc<ClusterNodes>,
     config: SubscriberConfig,
     (failure_epoch, server): (FailureEpoch, ServerIdentity),
     shutdown: CancellationToken,
 ) {
     // However the task ends, even dropped with its runtime, every waiter tries again.
-    let _disconnected = Disconnected(&wakeups);
+    let _disconnected = Disconnected(&shared.wakeups);
     let mut backoff = INITIAL_BACKOFF;
     let mut refusal_logged = false;
     while !shutdown.is_cancelled() {
@@ -55,14 +56,14 @@ pub(super) async fn serve_until_shutdown(
         match connected {
             Ok(Ok(conn)) => {
                 backoff = INITIAL_BACKOFF;
-                wakeups.connected();
+                shared.wakeups.connected();
                 tracing::debug!("lock subscriber connected to the cluster");
                 // A node may have restarted or failed over while the subscriber was away.
                 server.recheck("the subscriber connection was (re)opened");
                 let signs = (&failure_epoch, &server);
                 let session = (&shutdown, &mut refusal_logged);
-                let ended = serve(&wakeups, conn, received, &config, signs, session).await;
-                wakeups.disconnected();
+                let ended = serve(&shared, conn, received, &config, signs, session).await;
+                shared.wakeups.disconnected();
                 match ended {
                     Ok(()) => return,
                     Err(reason) => {
@@ -97,7 +98,7 @@ struct Deferred {
 /// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
 /// `refusal_logged` says whether the refusal of the current run of NOPERMs was logged.
 async fn serve(
-    wakeups: &Wakeups,
+    shared: &Shared,
     mut conn: ClusterConnection,
     mut pushes: UnboundedReceiver<PushInfo>,
     config: &SubscriberConfig,
@@ -112,12 +113,19 @@ async fn serve(
         until: None,
         backoff: INITIAL_BACKOFF,
     };
+    shared.admin.resubscribe();
     loop {
         if deferred.until.is_some_and(|until| until <= Instant::now()) {
             deferred.channels.clear();
             deferred.until = None;
         }
-        let failed = reconcile(wakeups, &conn, config.command_timeout, &deferred.channels).await;
+        let failed = reconcile(shared, &conn, config.command_timeout, &deferred.channels).await;
+        // Retried no sooner than the next ping when its shard does not answer.
+        let retry = config.ping_interval;
+        shared
+            .admin
+            .ssubscribe(&conn, config.command_timeout, retry)
+            .await;
         match &failed.refusal {
             Some(error) if !*refusal_logged => {
                 *refusal_logged = true;
@@ -144,9 +152,9 @@ async fn serve(
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            _ = wakeups.changed() => {}
+            _ = shared.wakeups.changed() => {}
             push = pushes.recv() => {
-                on_push(wakeups, push.ok_or("connection closed")?, failure_epoch, server);
+                on_push(shared, push.ok_or("connection closed")?, failure_epoch, server);
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping
@@ -168,12 +176,7 @@ async fn serve(
 /// Acts on what the cluster pushed: a release wakes its channel's waiters; a lost node or a
 /// subscription the server ended (its slot moved) makes every waiter try again and every
 /// channel be subscribed anew on the shard that owns it now.
-fn on_push(
-    wakeups: &Wakeups,
-    push: PushInfo,
-    failure_epoch: &FailureEpoch,
-    server: &ServerIdentity,
-) {
+fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, server: &ServerIdentity) {
     let channel = || match push.data.first() {
         Some(Value::BulkString(name)) => std::str::from_utf8(name).ok(),
         _ => None,
@@ -181,25 +184,30 @@ fn on_push(
     match push.kind {
         PushKind::SMessage | PushKind::Message => {
             if let Some(channel) = channel() {
-                wakeups.registry().wake_channel(channel);
+                shared.received(channel);
             }
         }
         // redis-rs subscribed a channel again after a reconnect or a slot map change: a
         // release may have gone out while it was not.
         PushKind::SSubscribe => {
             if let Some(channel) = channel() {
-                wakeups.registry().wake_channel(channel);
+                shared.wakeups.registry().wake_channel(channel);
             }
         }
         PushKind::SUnsubscribe => {
             let Some(channel) = channel() else { return };
-            let mut registry = wakeups.registry();
+            if shared.admin.is(channel) {
+                shared.admin.resubscribe();
+                shared.wakeups.mark_changed();
+                return;
+            }
+            let mut registry = shared.wakeups.registry();
             // Not one this backend gave up (it has waiters): the server ended it.
             if registry.channels.contains_key(channel) && registry.active.remove(channel) {
                 tracing::debug!(%channel, "shard ended a lock channel subscription");
                 registry.wake_channel(channel);
                 drop(registry);
-                wakeups.mark_changed();
+                shared.wakeups.mark_changed();
             }
         }
         PushKind::Disconnection => {
@@ -208,11 +216,12 @@ fn on_push(
             // it are checked again.
             failure_epoch.raise();
             server.recheck("a cluster node connection was lost");
-            let mut registry = wakeups.registry();
+            shared.admin.resubscribe();
+            let mut registry = shared.wakeups.registry();
             registry.active.clear();
             registry.wake_all();
             drop(registry);
-            wakeups.mark_changed();
+            shared.wakeups.mark_changed();
         }
         _ => {}
     }
@@ -233,12 +242,12 @@ struct Failed {
 /// per hash slot (a sharded command's channels must share one), the slots in flight
 /// together, leaving out `deferred` channels.
 async fn reconcile(
-    wakeups: &Wakeups,
+    shared: &Shared,
     conn: &ClusterConnection,
     command_timeout: Duration,
     deferred: &HashSet<String>,
 ) -> Failed {
-    let (mut subscribe, unsubscribe) = wakeups.registry().changes();
+    let (mut subscribe, unsubscribe) = shared.wakeups.registry().changes();
     subscribe.retain(|c| !deferred.contains(c));
     let unsubscribing = cluster::by_slot(unsubscribe, |c| c)
         .into_iter()
@@ -269,7 +278,7 @@ async fn reconcile(
         match outcome {
             Ok(()) => {
                 failed.confirmed = true;
-                wakeups.registry().confirmed(channels);
+                shared.wakeups.registry().confirmed(channels);
             }
             Err((error, refused)) => {
                 if refused {
@@ -281,6 +290,6 @@ async fn reconcile(
             }
         }
     }
-    wakeups.report_subscriptions();
+    shared.wakeups.report_subscriptions();
     failed
 }

@@ -1,7 +1,8 @@
 -- Take, or re-enter, a reentrant lock (the Redisson hash model).
 --
 -- KEYS[1]  the lock hash: owner id -> re-entry count, plus the field "token" and the ids
---          of the attempts that took holds (see ARGV[5]) and of undone re-entries (release.lua)
+--          of the attempts that took holds (see ARGV[5]) and of undone re-entries
+--          (release.lua), and "reserved" = ARGV[7] when tokens were reserved
 -- KEYS[2]  the fencing counter: a string holding the last token issued for KEYS[1]
 -- ARGV[1]  owner id ("instance-uuid:request-seq")
 -- ARGV[2]  lease in milliseconds
@@ -98,8 +99,12 @@ end
 local token = next_token(KEYS[2], ARGV[3])
 if ARGV[7] and ARGV[7] ~= '0' then
   redis.call('incrby', KEYS[2], ARGV[7])
+  -- The block's size goes with the hold, so that a force-release fences above it even if
+  -- the counter is gone by then (snapshot.lua).
+  redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1, 'reserved', ARGV[7])
+else
+  redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 end
-redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 redis.call('pexpire', KEYS[1], ARGV[2])
 -- A waiting acquisition may have registered as a waiting writer in an earlier attempt
 -- (or an earlier run of this one, sent again by a cluster client): it waits no more.

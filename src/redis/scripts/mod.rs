@@ -4,7 +4,8 @@
 //! the script and retries once, so a script is shipped over the wire only when needed.
 //! Lua has no includes: the helpers the scripts share (`lease.lua`: extend a lease, never
 //! shorten it; `token.lua`: the next fencing token; `guard.lua`: the restart guard;
-//! `holders.lua`: holders with a lease of their own) are prepended at compile time.
+//! `holders.lua`: holders with a lease of their own; `snapshot.lua`: what an operator sees
+//! of a key) are prepended at compile time.
 
 pub(crate) mod release_call;
 
@@ -26,6 +27,10 @@ pub(crate) struct Scripts {
     /// Semaphore permits.
     pub(crate) permit_acquire: Script,
     pub(crate) permit_release: Script,
+    /// The operator's calls: a snapshot of a key, and freeing it by force (not loaded at
+    /// build: a user that may lock need not be allowed these).
+    pub(crate) inspect: Script,
+    pub(crate) force_release: Script,
     /// Whether releases publish on sharded pub/sub (`SPUBLISH`, a Redis Cluster) rather
     /// than `PUBLISH`, which a cluster broadcasts to every node (Redisson #3349) and which
     /// Redis before 7 needs.
@@ -44,6 +49,9 @@ macro_rules! source {
 pub(crate) const ACQUIRE: &str = source!("token.lua", "guard.lua", "acquire.lua");
 pub(crate) const RELEASE: &str = source!("token.lua", "release.lua");
 pub(crate) const RENEW: &str = source!("renew.lua");
+/// The operator's scripts, kept to name the command of a refusal when they are called.
+pub(crate) const INSPECT: &str = source!("snapshot.lua", "inspect.lua");
+pub(crate) const FORCE_RELEASE: &str = source!("snapshot.lua", "force_release.lua");
 
 impl Scripts {
     pub(crate) fn new(sharded: bool) -> Self {
@@ -56,6 +64,8 @@ impl Scripts {
             shared_release: Script::new(source!("shared_release.lua")),
             permit_acquire: Script::new(source!("token.lua", "guard.lua", "permit_acquire.lua")),
             permit_release: Script::new(source!("permit_release.lua")),
+            inspect: Script::new(INSPECT),
+            force_release: Script::new(FORCE_RELEASE),
             sharded,
         }
     }

@@ -111,8 +111,13 @@ if successor ~= '' and (ARGV[11] ~= '1' or subscribers(ARGV[4]) == 0) then
       redis.call('incrby', KEYS[2], ARGV[13])
     end
   end
-  -- The hash is rebuilt rather than edited, so the old owner's release ids go with it.
-  redis.call('hset', KEYS[1], successor, 1, 'token', token)
+  -- The hash is rebuilt rather than edited, so the old owner's release ids go with it;
+  -- a reserved block's size goes with the hold (see acquire.lua).
+  if (ARGV[13] or '0') ~= '0' then
+    redis.call('hset', KEYS[1], successor, 1, 'token', token, 'reserved', ARGV[13])
+  else
+    redis.call('hset', KEYS[1], successor, 1, 'token', token)
+  end
   redis.call('pexpire', KEYS[1], ARGV[9])
   return {3, tonumber(token)}
 end
