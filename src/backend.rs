@@ -1,9 +1,9 @@
 //! The seam between the layer and where locks live.
 
 use crate::error::LockError;
-use crate::inspect::{LockInfo, Primitive};
 use crate::lock::LockRequest;
-use crate::many::ManyLockRequest;
+use crate::lock::inspect::{LockInfo, Primitive};
+use crate::lock::many::ManyLockRequest;
 
 /// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
 /// [`MemoryBackend`](crate::MemoryBackend) inside one process.
@@ -107,7 +107,7 @@ mod sealed {
     use std::sync::Arc;
 
     use crate::error::LockError;
-    use crate::inspect::{LockInfo, Primitive};
+    use crate::lock::inspect::{LockInfo, Primitive};
     use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
 
     /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).

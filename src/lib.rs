@@ -93,29 +93,21 @@
 // Every public item has one path: the crate root, except `response`'s and `policy`'s,
 // which only those modules export.
 mod backend;
-mod body;
 mod core;
 mod error;
 mod extract;
-mod future;
-mod guard;
-mod held;
-mod inspect;
 mod key;
 mod layer;
 mod lock;
-mod many;
 mod memory;
-pub mod policy;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod redis;
-pub mod response;
-mod retry;
-mod service;
+
+pub use crate::layer::response;
+pub use crate::lock::policy;
 
 pub use crate::backend::{BackendStats, LockBackend};
-pub use crate::body::ResponseBody;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use crate::core::telemetry::describe_metrics;
@@ -126,22 +118,23 @@ pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockE
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
-pub use crate::future::ResponseFuture;
-pub use crate::held::{HeldLocks, MissingHeldLock};
-pub use crate::inspect::{LockInfo, LockMode};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
+pub use crate::layer::body::ResponseBody;
+pub use crate::layer::future::ResponseFuture;
+pub use crate::layer::service::LockService;
 pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
+pub use crate::lock::held::{HeldLocks, MissingHeldLock};
+pub use crate::lock::inspect::{LockInfo, LockMode};
+pub use crate::lock::many::{MAX_KEYS, ManyLockRequest};
 pub use crate::lock::{
     DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner, LockRequest,
     MAX_DURATION,
 };
-pub use crate::many::{MAX_KEYS, ManyLockRequest};
 pub use crate::memory::MemoryBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
 pub use crate::redis::{FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder};
-pub use crate::service::LockService;
 
 /// The guides, also in `docs/` on the repository: each page here is its file, with every
 /// snippet compiled (and, where it needs no server, run) as a doctest.

@@ -16,7 +16,7 @@ use super::telemetry::Namespace;
 use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
 use crate::backend::Backend;
 use crate::error::LockError;
-use crate::inspect::{LockInfo, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
 /// What one attempt found, as the acquisition acts on it.

@@ -8,8 +8,8 @@ use tracing::Instrument;
 
 use super::telemetry::{Labels, Namespace, Outcome};
 use crate::error::LockError;
+use crate::lock::retry::RetryAfter;
 use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
-use crate::retry::RetryAfter;
 
 /// What every backend records of an acquisition: the `lock.acquire` span (how long it
 /// waited, its outcome and token) and the metrics.

@@ -39,7 +39,7 @@ use super::queue::Claim;
 use super::wakeups::Waiter;
 use super::watchdog::Due;
 use crate::error::{KeyError, LockError};
-use crate::inspect::{LockInfo, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// What an acquisition attempt's call came back with, and what it went out on (`None`

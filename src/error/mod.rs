@@ -89,7 +89,7 @@ impl LockError {
     /// How long a client should wait before retrying, when it can be known.
     ///
     /// The layer uses this for the `Retry-After` header (see the
-    /// [table](crate::response)). For a refusal for contention ([`Contended`](Self::Contended),
+    /// [table](crate::layer::response)). For a refusal for contention ([`Contended`](Self::Contended),
     /// [`PermitsTaken`](Self::PermitsTaken), [`TimedOut`](Self::TimedOut)) it is what the
     /// acquisition was told: a layer's mean hold time bounded by the holder's remaining
     /// lease, or its [`retry_after`](crate::LockLayer::retry_after) setting; from the lock

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use super::hold::{HoldId, Of, Tenure};
 use super::{Inner, MAX_KEY_LEN, State};
 use crate::error::LockError;
-use crate::inspect::{LockInfo, LockMode, Primitive};
 use crate::key::validate;
+use crate::lock::inspect::{LockInfo, LockMode, Primitive};
 
 impl Inner {
     pub(super) fn inspect(&self, key: String, of: Primitive) -> Result<LockInfo, LockError> {

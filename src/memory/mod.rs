@@ -50,8 +50,8 @@ use crate::core::queue::{Claim, Queues};
 use crate::core::runtime::Spawner;
 use crate::core::telemetry::Namespace;
 use crate::error::LockError;
-use crate::inspect::{LockInfo, Primitive};
 use crate::key::validate;
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
 /// Default upper bound on a key's length in bytes, as for the Redis backend.

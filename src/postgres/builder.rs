@@ -1,7 +1,6 @@
 //! [`PostgresBackendBuilder`]: the settings, and `build`: connect, check the server and the
 //! schema (or create it), start the listener and the janitor.
 
-use std::io;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -9,6 +8,7 @@ use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use tokio::time::timeout;
 
+use super::checks::{connect_failure, probe, refuse_read_only};
 use super::keys::admin_channel;
 use super::listen::{ListenConfig, Listener};
 use super::store::{PgStore, Statements};
@@ -19,8 +19,8 @@ use crate::core::{
     Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
     Settings,
 };
-use crate::error::{BuildError, ConnectFailure};
-use crate::key::{namespaced, validate_namespace};
+use crate::error::BuildError;
+use crate::key::validate_namespace;
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";
@@ -303,107 +303,5 @@ impl PostgresBackendBuilder {
             Err(_) => return Err(connect_failure(sqlx::Error::PoolTimedOut, &options)),
         }
         Ok((pool, options))
-    }
-}
-
-/// Refuses a server that takes no writes: every acquisition would fail.
-async fn refuse_read_only(pool: &PgPool, options: &PgConnectOptions) -> Result<(), BuildError> {
-    let (recovery, read_only) = sqlx::query_as::<_, (bool, String)>(
-        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(|e| connect_failure(e, options))?;
-    if recovery {
-        return Err(BuildError::ReadOnly {
-            reason: "the server is a replica (in recovery): give the primary's URL",
-        });
-    }
-    if read_only == "on" {
-        return Err(BuildError::ReadOnly {
-            reason: "the session is read-only (default_transaction_read_only is on for this \
-                     user or database)",
-        });
-    }
-    Ok(())
-}
-
-/// Takes and gives back a lock on a probe name, so that a user without the rights the
-/// functions need is refused now rather than on every request; deletes its row after.
-async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildError> {
-    let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
-    let name = namespaced(&store.namespace, &probe);
-    let table = &store.table;
-    let statements = [
-        format!("SELECT {table}_acquire($1, 'probe', 1000, 0, 0, false, '')"),
-        format!(
-            "SELECT {table}_release($1, 'probe', 'probe#0', 1000, 'tl_probe', NULL, false, \
-             NULL, 0, false, NULL, 0, '')"
-        ),
-        format!("DELETE FROM {table} WHERE name = $1"),
-    ];
-    for statement in &statements {
-        sqlx::query(statement)
-            .bind(&name)
-            .execute(&store.pool)
-            .await
-            .map_err(|e| match &e {
-                sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
-                    BuildError::Rights {
-                        user: options.get_username().to_owned(),
-                        addr: addr(options),
-                        right: format!("use the lock table `{table}` and its functions ({db})"),
-                        source: Box::new(e),
-                    }
-                }
-                _ => connect_failure(e, options),
-            })?;
-    }
-    Ok(())
-}
-
-/// Where `options` connect, as errors name it: `host:port` (or the socket directory).
-pub(super) fn addr(options: &PgConnectOptions) -> String {
-    format!("{}:{}", options.get_host(), options.get_port())
-}
-
-/// The build error for a failed connection or call, naming the server and the kind of
-/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
-pub(super) fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
-    let addr = addr(options);
-    let failure = match &e {
-        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("28P01" | "28000")) => {
-            return BuildError::Auth {
-                user: options.get_username().to_owned(),
-                addr,
-                source: Box::new(e),
-            };
-        }
-        sqlx::Error::Tls(_) => {
-            return BuildError::Tls {
-                reason: "could not set up TLS",
-                addr: Some(addr),
-                certificate: None,
-                source: Some(Box::new(e)),
-            };
-        }
-        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
-        sqlx::Error::Io(io) => match io.kind() {
-            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
-            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
-            io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
-            // getaddrinfo's failures come as uncategorized I/O errors.
-            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
-            _ => ConnectFailure::Other,
-        },
-        _ => ConnectFailure::Other,
-    };
-    BuildError::Connect {
-        addr,
-        failure,
-        source: Box::new(e),
     }
 }

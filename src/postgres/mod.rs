@@ -4,6 +4,7 @@
 //! The type and its design are documented on [`PostgresBackend`].
 
 mod builder;
+mod checks;
 mod error;
 mod janitor;
 mod keys;
@@ -19,8 +20,8 @@ use self::store::PgStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
 use crate::error::{BuildError, LockError};
-use crate::inspect::LockInfo;
 use crate::lock::LockRequest;
+use crate::lock::inspect::LockInfo;
 
 /// Distributed locks in PostgreSQL (feature `postgres`). Cheap to clone; clones share
 /// connections.

@@ -14,7 +14,7 @@ use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, Sto
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::{KeyError, LockError};
-use crate::inspect::{LockInfo, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
 
 /// Locks in one PostgreSQL database, in the table (and its functions) named `table`.

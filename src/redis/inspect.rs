@@ -19,7 +19,7 @@ use super::keys::{LockKey, admin_channel};
 use super::scripts::{self, millis};
 use super::store::RedisStore;
 use crate::error::LockError;
-use crate::inspect::{LockInfo, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 
 impl RedisStore {
     /// A snapshot of `key`'s lock or semaphore (see `LockBackend::inspect`).

@@ -24,8 +24,8 @@ use self::store::RedisStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
 use crate::error::{BuildError, LockError};
-use crate::inspect::LockInfo;
 use crate::lock::LockRequest;
+use crate::lock::inspect::LockInfo;
 
 /// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
 /// Cheap to clone; clones share connections.

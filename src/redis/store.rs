@@ -21,7 +21,7 @@ use crate::core::store::{
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::{KeyError, LockError};
-use crate::inspect::{LockInfo, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// Locks in one Redis deployment (a server, a Sentinel group's master, a cluster).

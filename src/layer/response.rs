@@ -49,8 +49,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 
-use crate::body::BoxError;
 use crate::error::LockError;
+use crate::layer::body::BoxError;
 
 /// The media type of every rejection body.
 pub const PROBLEM_JSON: &str = "application/problem+json";

@@ -5,9 +5,9 @@ use std::future::Future;
 
 use crate::core::telemetry;
 use crate::error::LockError;
-use crate::held::HeldLock;
 use crate::lock::BoxFuture;
-use crate::retry::HoldClock;
+use crate::lock::held::HeldLock;
+use crate::lock::retry::HoldClock;
 
 /// How a backend gives up one hold.
 pub(crate) trait ReleaseHold: Send + Sync + 'static {

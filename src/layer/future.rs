@@ -15,12 +15,12 @@ use http::{Method, Request, Response};
 use pin_project::pin_project;
 use tower_service::Service;
 
-use crate::body::{BodyHold, ResponseBody, sent_length};
 use crate::error::LockError;
-use crate::held::LostSignal;
+use crate::layer::body::{BodyHold, ResponseBody, sent_length};
+use crate::layer::response::RejectionBody;
 use crate::layer::{Config, OnLockLost};
+use crate::lock::held::LostSignal;
 use crate::lock::{BoxFuture, HeldLock, LockGuard};
-use crate::response::RejectionBody;
 
 /// Response future of [`LockService`](crate::LockService).
 #[pin_project]

@@ -10,10 +10,10 @@ use http::{HeaderMap, Method, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 
-use crate::future::{Release, lost_error};
-use crate::held::LostSignal;
+use crate::layer::future::{Release, lost_error};
+use crate::layer::response::RejectionBody;
 use crate::lock::LockGuard;
-use crate::response::RejectionBody;
+use crate::lock::held::LostSignal;
 
 /// The error type of [`ResponseBody`]: whatever the inner body or the lock failed with.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,4 +1,12 @@
-//! [`LockLayer`]: the builder and the [`Layer`] implementation.
+//! The tower layer: [`LockLayer`], the builder and the [`Layer`] implementation (here),
+//! the service that takes the lock (`service.rs`), the response future that holds it
+//! (`future.rs`), the body that may hold it until sent (`body.rs`), and rejections as
+//! responses (`response.rs`).
+
+pub(crate) mod body;
+pub(crate) mod future;
+pub mod response;
+pub(crate) mod service;
 
 use std::fmt;
 use std::sync::Arc;
@@ -9,14 +17,14 @@ use http::Response;
 use tower_layer::Layer;
 
 use crate::backend::{Backend, LockBackend};
-use crate::body::BoxError;
 use crate::core::telemetry::{self, Route};
 use crate::error::LockError;
+use crate::layer::body::BoxError;
+use crate::layer::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
+use crate::layer::service::LockService;
+use crate::lock::policy::{Exclusive, Permits, ReadWrite, SharedIf};
+use crate::lock::retry::RetryAfter;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
-use crate::policy::{Exclusive, Permits, ReadWrite, SharedIf};
-use crate::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
-use crate::retry::RetryAfter;
-use crate::service::LockService;
 
 /// How long a request waits for a held lock by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
@@ -83,13 +91,13 @@ impl Config {
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
 /// (problem+json with 409, 429, 503, 400 or 500 by default, see
-/// [`response`](crate::response)), so no `HandleErrorLayer` is needed.
+/// [`response`](crate::layer::response)), so no `HandleErrorLayer` is needed.
 ///
 /// Requests take the lock exclusively by default. [`read_write`](Self::read_write) and
 /// [`shared_if`](Self::shared_if) let some take shared holds of it instead (readers that
 /// do not exclude each other), and [`permits`](Self::permits) turns it into a semaphore
 /// (at most `n` requests per key at once). Each sets the layer's hold policy, its second
-/// type parameter `P` (see [`policy`](crate::policy)).
+/// type parameter `P` (see [`policy`](crate::lock::policy)).
 ///
 /// For keys taken from a path parameter, a header or a query parameter, with a prefix per
 /// route, see [`PathParam`](crate::PathParam), [`Header`](crate::Header) and
@@ -320,7 +328,7 @@ impl<K, P> LockLayer<K, P> {
 
     /// Builds the response for a request whose lock could not be taken or was lost,
     /// replacing the problem+json default. Start from
-    /// [`default_rejection`](crate::response::default_rejection) to change one part of
+    /// [`default_rejection`](crate::layer::response::default_rejection) to change one part of
     /// it (a header, the body) and keep the rest, or ask
     /// [`LockError::status`](crate::LockError::status) to keep the statuses under a body
     /// of your own.

@@ -8,16 +8,16 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::backend::Backend;
-use crate::body::ResponseBody;
 use crate::core::telemetry::{Labels, Outcome, Route};
 use crate::error::LockError;
-use crate::future::ResponseFuture;
-use crate::held::push_outer;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
+use crate::layer::body::ResponseBody;
+use crate::layer::future::ResponseFuture;
+use crate::lock::held::push_outer;
+use crate::lock::many::{ManyLockRequest, canonical};
+use crate::lock::policy::{Exclusive, HoldPolicy};
 use crate::lock::{HeldLock, LockRequest};
-use crate::many::{ManyLockRequest, canonical};
-use crate::policy::{Exclusive, HoldPolicy};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
@@ -41,7 +41,7 @@ pub struct LockService<S, K, P = Exclusive> {
     inner: S,
     store: Arc<dyn Backend>,
     key: K,
-    /// Which kind of hold each request takes (see [`policy`](crate::policy)).
+    /// Which kind of hold each request takes (see [`policy`](crate::lock::policy)).
     policy: P,
     config: Arc<Config>,
 }
@@ -220,7 +220,7 @@ mod tests {
     use http_body_util::{BodyExt, Full};
     use tower::{Layer, ServiceExt};
 
-    use crate::response::PROBLEM_JSON;
+    use crate::layer::response::PROBLEM_JSON;
     use crate::{LockLayer, MemoryBackend};
 
     /// The point of the `axum` feature being optional: the layer over a plain tower

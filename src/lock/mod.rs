@@ -1,5 +1,14 @@
-//! Taking locks without HTTP: the request builder (the guard is in `guard.rs`, the
-//! held-lock handle in `held.rs`).
+//! The lock API, with or without HTTP: the request builder (here), the guard
+//! (`guard.rs`), the held-lock handle (`held.rs`), several keys at once (`many.rs`), the
+//! layer's hold policies (`policy.rs`), the operator's snapshot (`inspect.rs`) and the
+//! `Retry-After` estimate (`retry.rs`).
+
+pub(crate) mod guard;
+pub(crate) mod held;
+pub(crate) mod inspect;
+pub(crate) mod many;
+pub mod policy;
+pub(crate) mod retry;
 
 use std::fmt;
 use std::future::Future;
@@ -7,14 +16,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use crate::guard::LockGuard;
-pub(crate) use crate::guard::ReleaseHold;
-pub use crate::held::HeldLock;
+pub use crate::lock::guard::LockGuard;
+pub(crate) use crate::lock::guard::ReleaseHold;
+pub use crate::lock::held::HeldLock;
 
 use crate::backend::Backend;
 use crate::core::telemetry::Route;
 use crate::error::LockError;
-use crate::retry::RetryAfter;
+use crate::lock::retry::RetryAfter;
 
 /// A boxed, sendable future, as returned by the backend trait.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -73,7 +82,7 @@ impl Mode {
 }
 
 /// The kind of hold an acquisition asks for. `pub` but not exported, so that the sealed
-/// [`HoldPolicy`](crate::policy::HoldPolicy) can name it.
+/// [`HoldPolicy`](crate::lock::policy::HoldPolicy) can name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// The lock itself: one owner at a time (the default).

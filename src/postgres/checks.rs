@@ -1,0 +1,115 @@
+//! What `build()` checks of the server before the backend relies on it, and the errors
+//! that name what is wrong.
+
+use std::io;
+
+use sqlx::postgres::{PgConnectOptions, PgPool};
+
+use super::store::PgStore;
+use crate::error::{BuildError, ConnectFailure};
+use crate::key::namespaced;
+
+/// Refuses a server that takes no writes: every acquisition would fail.
+pub(super) async fn refuse_read_only(
+    pool: &PgPool,
+    options: &PgConnectOptions,
+) -> Result<(), BuildError> {
+    let (recovery, read_only) = sqlx::query_as::<_, (bool, String)>(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| connect_failure(e, options))?;
+    if recovery {
+        return Err(BuildError::ReadOnly {
+            reason: "the server is a replica (in recovery): give the primary's URL",
+        });
+    }
+    if read_only == "on" {
+        return Err(BuildError::ReadOnly {
+            reason: "the session is read-only (default_transaction_read_only is on for this \
+                     user or database)",
+        });
+    }
+    Ok(())
+}
+
+/// Takes and gives back a lock on a probe name, so that a user without the rights the
+/// functions need is refused now rather than on every request; deletes its row after.
+pub(super) async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildError> {
+    let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
+    let name = namespaced(&store.namespace, &probe);
+    let table = &store.table;
+    let statements = [
+        format!("SELECT {table}_acquire($1, 'probe', 1000, 0, 0, false, '')"),
+        format!(
+            "SELECT {table}_release($1, 'probe', 'probe#0', 1000, 'tl_probe', NULL, false, \
+             NULL, 0, false, NULL, 0, '')"
+        ),
+        format!("DELETE FROM {table} WHERE name = $1"),
+    ];
+    for statement in &statements {
+        sqlx::query(statement)
+            .bind(&name)
+            .execute(&store.pool)
+            .await
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
+                    BuildError::Rights {
+                        user: options.get_username().to_owned(),
+                        addr: addr(options),
+                        right: format!("use the lock table `{table}` and its functions ({db})"),
+                        source: Box::new(e),
+                    }
+                }
+                _ => connect_failure(e, options),
+            })?;
+    }
+    Ok(())
+}
+
+/// Where `options` connect, as errors name it: `host:port` (or the socket directory).
+pub(super) fn addr(options: &PgConnectOptions) -> String {
+    format!("{}:{}", options.get_host(), options.get_port())
+}
+
+/// The build error for a failed connection or call, naming the server and the kind of
+/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
+pub(super) fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
+    let addr = addr(options);
+    let failure = match &e {
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("28P01" | "28000")) => {
+            return BuildError::Auth {
+                user: options.get_username().to_owned(),
+                addr,
+                source: Box::new(e),
+            };
+        }
+        sqlx::Error::Tls(_) => {
+            return BuildError::Tls {
+                reason: "could not set up TLS",
+                addr: Some(addr),
+                certificate: None,
+                source: Some(Box::new(e)),
+            };
+        }
+        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
+        sqlx::Error::Io(io) => match io.kind() {
+            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
+            // getaddrinfo's failures come as uncategorized I/O errors.
+            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
+            _ => ConnectFailure::Other,
+        },
+        _ => ConnectFailure::Other,
+    };
+    BuildError::Connect {
+        addr,
+        failure,
+        source: Box::new(e),
+    }
+}
