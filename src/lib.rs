@@ -153,14 +153,34 @@ pub mod guide {
     /// Link definitions for the guides' reference-style links (see the module docs).
     macro_rules! links {
         () => {
-            "[semantics]: crate::guide::semantics\n\
-             [recipes]: crate::guide::recipes\n\
-             [settings]: crate::guide::settings\n\
-             [deployments]: crate::guide::deployments\n\
-             [fencing]: crate::guide::fencing\n\
-             [metrics]: crate::guide::metrics\n\
-             [reliability]: crate::guide::reliability\n\
-             [performance]: crate::guide::performance\n"
+            concat!(
+                "[semantics]: crate::guide::semantics\n\
+                 [recipes]: crate::guide::recipes\n\
+                 [settings]: crate::guide::settings\n\
+                 [deployments]: crate::guide::deployments\n\
+                 [fencing]: crate::guide::fencing\n\
+                 [metrics]: crate::guide::metrics\n\
+                 [reliability]: crate::guide::reliability\n\
+                 [performance]: crate::guide::performance\n",
+                postgres_link!()
+            )
+        };
+    }
+
+    /// The PostgreSQL guide is a page here only with the `postgres` feature; without it,
+    /// links to it go to the documentation built with every feature.
+    #[cfg(feature = "postgres")]
+    macro_rules! postgres_link {
+        () => {
+            "[postgres]: crate::guide::postgres\n"
+        };
+    }
+
+    /// See the `postgres` feature's form above.
+    #[cfg(not(feature = "postgres"))]
+    macro_rules! postgres_link {
+        () => {
+            "[postgres]: https://docs.rs/tower-lock/latest/tower_lock/guide/postgres/index.html\n"
         };
     }
 
