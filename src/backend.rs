@@ -5,8 +5,9 @@ use crate::lock::LockRequest;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::many::ManyLockRequest;
 
-/// A store of locks: [`RedisBackend`](crate::RedisBackend) across instances, or
-/// [`MemoryBackend`](crate::MemoryBackend) inside one process.
+/// A store of locks: [`RedisBackend`](crate::RedisBackend) or `PostgresBackend` (feature
+/// `postgres`) across instances, or [`MemoryBackend`](crate::MemoryBackend) inside one
+/// process.
 ///
 /// The layer and [`LockRequest`] hold any backend behind this trait, so no type names the
 /// backend (`LockLayer<K>`), and an application can take `impl LockBackend` to run on
@@ -74,7 +75,11 @@ pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
     ///   itself on the namespace's admin channel, which every backend subscribes to, and
     ///   each re-checks every lock it holds at once; otherwise (the subscriber is
     ///   reconnecting, or the ACL user may not subscribe to that channel) at its next
-    ///   renewal, a third of its lease after the last one.
+    ///   renewal, a third of its lease after the last one. On a `PostgresBackend` the
+    ///   same way through its listening connection: the force-release's statement sends
+    ///   `NOTIFY` on the namespace's admin channel, which every backend `LISTEN`s to, and
+    ///   each re-checks every lock it holds once the statement commits; while that
+    ///   connection is reconnecting, at the holder's next renewal.
     ///
     /// Until it learns of it, the old holder goes on as if it held the key, and a process
     /// passing the key between its own tasks in memory may pass it on once more: their

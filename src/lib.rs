@@ -1,4 +1,5 @@
-//! Request-scoped distributed locks for [axum] and [tower] services, on Redis or in memory.
+//! Request-scoped distributed locks for [axum] and [tower] services, on Redis, PostgreSQL
+//! or in memory.
 //!
 //! Services that run as several instances need one lock per business key (an order, a
 //! product's stock, an idempotency key) held for exactly as long as the request handler
@@ -37,8 +38,8 @@
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
-//!   [Cluster](RedisBackend::cluster)) and [`MemoryBackend`]: where locks live
-//!   ([`LockBackend`]).
+//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`) and
+//!   [`MemoryBackend`]: where locks live ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
@@ -52,14 +53,20 @@
 //!
 //! # Guides
 //!
-//! - [Semantics](guide::semantics): what a lock guarantees, and every status code.
+//! - [Semantics](guide::semantics): what a lock guarantees, the operator calls, and every
+//!   status code.
 //! - [Recipes](guide::recipes): keys per route, rejections, timeouts, streaming, jobs,
-//!   several keys, readers and writers, testing, services without axum.
+//!   several keys, readers and writers, an admin route, testing, services without axum.
 //! - [Choosing settings](guide::settings): lease, wait, bounds, timeouts and failover
 //!   settings for a given handler and failover budget; what each failure looks like.
 //! - [Deployments and failover](guide::deployments): what `build()` checks, TLS, ACL
 //!   users, Sentinel, Cluster, restarts and data loss.
-//! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], tokens and the clock.
+#![cfg_attr(
+    feature = "postgres",
+    doc = "- [PostgreSQL](guide::postgres): the PostgreSQL store, its schema, rights and failures."
+)]
+//! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
+//!   PostgreSQL, tokens and the clock.
 //! - [Metrics](guide::metrics): the `metrics` feature, its metrics and labels.
 //! - [Reliability](guide::reliability): the fault tests and the Jepsen test.
 //! - [Performance](guide::performance): the benchmark and how to read it.
@@ -77,6 +84,9 @@
 //! verified against the system roots or
 //! [`tls_root_cert`](RedisBackendBuilder::tls_root_cert); the crate installs ring as the
 //! process's rustls crypto provider when none is installed.
+//!
+//! The `postgres` feature (off by default) adds `PostgresBackend`: the same locks in a
+//! table of a PostgreSQL database, through sqlx, waiters woken by `LISTEN`/`NOTIFY`.
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
@@ -146,14 +156,34 @@ pub mod guide {
     /// Link definitions for the guides' reference-style links (see the module docs).
     macro_rules! links {
         () => {
-            "[semantics]: crate::guide::semantics\n\
-             [recipes]: crate::guide::recipes\n\
-             [settings]: crate::guide::settings\n\
-             [deployments]: crate::guide::deployments\n\
-             [fencing]: crate::guide::fencing\n\
-             [metrics]: crate::guide::metrics\n\
-             [reliability]: crate::guide::reliability\n\
-             [performance]: crate::guide::performance\n"
+            concat!(
+                "[semantics]: crate::guide::semantics\n\
+                 [recipes]: crate::guide::recipes\n\
+                 [settings]: crate::guide::settings\n\
+                 [deployments]: crate::guide::deployments\n\
+                 [fencing]: crate::guide::fencing\n\
+                 [metrics]: crate::guide::metrics\n\
+                 [reliability]: crate::guide::reliability\n\
+                 [performance]: crate::guide::performance\n",
+                postgres_link!()
+            )
+        };
+    }
+
+    /// The PostgreSQL guide is a page here only with the `postgres` feature; without it,
+    /// links to it go to the documentation built with every feature.
+    #[cfg(feature = "postgres")]
+    macro_rules! postgres_link {
+        () => {
+            "[postgres]: crate::guide::postgres\n"
+        };
+    }
+
+    /// See the `postgres` feature's form above.
+    #[cfg(not(feature = "postgres"))]
+    macro_rules! postgres_link {
+        () => {
+            "[postgres]: https://docs.rs/tower-lock/latest/tower_lock/guide/postgres/index.html\n"
         };
     }
 
