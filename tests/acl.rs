@@ -139,7 +139,7 @@ async fn each_missing_right_is_named_at_build() {
         );
         let message = error.to_string();
         assert!(
-            message.starts_with(&format!("the ACL user `app` of the server at {at} "))
+            message.starts_with(&format!("the user `app` of the server at {at} "))
                 && message.contains(says),
             "{text}"
         );

@@ -5,8 +5,9 @@ use std::error::Error as StdError;
 use std::fmt;
 
 /// Why a backend could not be built: its configuration is invalid, or the store could not be
-/// reached or prepared. Returned by [`RedisBackend::connect`](crate::RedisBackend::connect)
-/// and [`RedisBackendBuilder::build`](crate::RedisBackendBuilder::build).
+/// reached or prepared. Returned by [`RedisBackend::connect`](crate::RedisBackend::connect),
+/// [`RedisBackendBuilder::build`](crate::RedisBackendBuilder::build) and the other stores'
+/// `connect` and `build` (PostgreSQL's with the feature `postgres`).
 ///
 /// Each variant's own message (its `Display`) names the server's address (`host:port`,
 /// never the password) and what went wrong there; the underlying error, when there is one,
@@ -31,7 +32,7 @@ pub enum BuildError {
         /// The rejected namespace.
         namespace: String,
     },
-    /// The URL does not parse as a Redis URL; the parser's reason is the
+    /// The URL does not parse as the store's URL; the parser's reason is the
     /// [`source`](StdError::source).
     Url {
         /// Why the URL was rejected.
@@ -69,7 +70,7 @@ pub enum BuildError {
     /// The server refused the credentials: a wrong password, an unknown or disabled ACL
     /// user (Redis answers all three with `WRONGPASS`), or no password where one is needed.
     Auth {
-        /// The ACL user the URL names (`default` when it names none).
+        /// The user the URL names (a Redis ACL user: `default` when it names none).
         user: String,
         /// The server that refused.
         addr: String,
@@ -96,11 +97,11 @@ pub enum BuildError {
         /// The TLS library's error, when there is one.
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
-    /// The ACL user may not run something the backend needs (a lock script, a command a
-    /// script calls, `PUBLISH` or `SUBSCRIBE` on the namespace's channels, ...): every
-    /// lock operation would fail later.
+    /// The user may not do something the backend needs (on Redis: run a lock script or a
+    /// command it calls, `PUBLISH` or `SUBSCRIBE` on the namespace's channels, ...; on
+    /// PostgreSQL: use the lock table): every lock operation would fail later.
     Rights {
-        /// The ACL user the URL names (`default` when it names none).
+        /// The user the URL names (a Redis ACL user: `default` when it names none).
         user: String,
         /// What the user may not do, for example ``SUBSCRIBE to channel `shop:{..}` `` or
         /// `run PUBLISH (the release script calls it)`.
@@ -268,7 +269,7 @@ impl fmt::Display for BuildError {
             } => {
                 write!(
                     f,
-                    "the ACL user `{user}` of the server at {addr} may not {right}"
+                    "the user `{user}` of the server at {addr} may not {right}"
                 )
             }
             BuildError::Eviction { policy, addr } => write!(

@@ -71,7 +71,7 @@ async fn each_missing_sharded_right_is_named_at_build(cluster: &Cluster) {
         let text = chain(&error);
         assert!(matches!(error, BuildError::Rights { .. }), "{text}");
         assert!(
-            text.contains("the ACL user `app` ") && text.contains(says),
+            text.contains("the user `app` ") && text.contains(says),
             "{text}"
         );
         assert_no_probe_keys(cluster, rule);
