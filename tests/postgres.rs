@@ -67,7 +67,7 @@ async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_c
 }
 
 #[tokio::test]
-async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_session() {
+async fn build_refuses_an_older_schema_a_user_without_rights_a_read_only_session_and_a_replica() {
     let server = postgres::shared();
     postgres::backend().await; // the schema
     exec(
@@ -92,6 +92,13 @@ async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_ses
         matches!(refused, Err(BuildError::ReadOnly { .. })),
         "a read-only session is refused: {refused:?}"
     );
+    // A replica's URL given by mistake: it has the schema (replicated), and takes no writes.
+    let replica = server.replica();
+    let refused = PostgresBackend::connect(&replica.url()).await;
+    let Err(error @ BuildError::ReadOnly { .. }) = &refused else {
+        panic!("a replica is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("replica"), "{error}");
 
     exec(
         server,

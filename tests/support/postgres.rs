@@ -63,24 +63,14 @@ impl PostgresServer {
             chown(dir.path(), Some(uid), Some(gid)).map_err(|e| format!("chown: {e}"))?;
         }
         let data = dir.path().join("data");
-        let initdb = run_as(
-            Command::new(bin.join("initdb"))
-                .arg("-D")
-                .arg(&data)
-                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
-                .args(["--no-locale", "--no-sync"]),
-            user,
-        )
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("could not run {}: {e}", bin.join("initdb").display()))?;
-        if !initdb.status.success() {
-            return Err(format!(
-                "initdb failed: {}",
-                String::from_utf8_lossy(&initdb.stderr).trim()
-            ));
-        }
-        let mut server = PostgresServer {
+        let mut initdb = Command::new(bin.join("initdb"));
+        initdb
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
+            .args(["--no-locale", "--no-sync"]);
+        run(&mut initdb, user, "initdb")?;
+        let server = PostgresServer {
             child: None,
             port: 0,
             bin: bin.clone(),
@@ -89,11 +79,52 @@ impl PostgresServer {
             reaper: None,
             dir,
         };
+        server.start_on_a_free_port()
+    }
+
+    /// A hot standby of this server (`pg_basebackup -R`), started on its own free port:
+    /// read-only, as a replica URL given by mistake would be.
+    pub fn replica(&self) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        if let Some((uid, gid)) = self.user {
+            chown(dir.path(), Some(uid), Some(gid)).expect("chown");
+        }
+        let mut backup = Command::new(self.bin.join("pg_basebackup"));
+        backup
+            .arg("-D")
+            .arg(dir.path().join("data"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-R", "-X", "stream", "--no-sync"]);
+        run(&mut backup, self.user, "pg_basebackup").unwrap_or_else(|e| panic!("{e}"));
+        let replica = PostgresServer {
+            child: None,
+            port: 0,
+            bin: self.bin.clone(),
+            user: self.user,
+            settings: Vec::new(),
+            reaper: None,
+            dir,
+        };
+        replica
+            .start_on_a_free_port()
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Runs `postgres` on a free port, trying another when one was taken meanwhile.
+    fn start_on_a_free_port(mut self) -> Result<Self, String> {
         for _ in 0..ATTEMPTS {
-            if server.spawn(free_port()?)? {
-                return Ok(server);
+            if self.spawn(free_port()?)? {
+                return Ok(self);
             }
         }
+        let server = self;
         let log = std::fs::read_to_string(server.dir.path().join("postgres.log"));
         Err(format!(
             "postgres did not start ({ATTEMPTS} ports tried); its log ends: {}",
@@ -154,8 +185,9 @@ impl PostgresServer {
             let pid = child.id().to_string();
             let status = std::fs::read_to_string(&pid_file).unwrap_or_default();
             let lines: Vec<&str> = status.lines().collect();
+            // A hot standby says `standby` once it takes connections.
             if lines.first() == Some(&pid.as_str())
-                && lines.get(7).map(|s| s.trim()) == Some("ready")
+                && matches!(lines.get(7).map(|s| s.trim()), Some("ready" | "standby"))
             {
                 return Ok(true);
             }
@@ -303,6 +335,21 @@ fn unprivileged_user() -> Result<Option<(u32, u32)>, String> {
         return Ok(None);
     }
     Ok(Some((id(&["-u", "postgres"])?, id(&["-g", "postgres"])?)))
+}
+
+/// Runs `command` (named `what`) to its end as the given user, if any.
+fn run(command: &mut Command, user: Option<(u32, u32)>, what: &str) -> Result<(), String> {
+    let out = run_as(command, user)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("could not run {what}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
 }
 
 /// `command` as the given user, if any.
