@@ -334,7 +334,7 @@ mod tests {
         };
         assert_eq!(
             chain(&rights),
-            "the ACL user `app` of the server at 127.0.0.1:6390 may not run EVALSHA: NOPERM"
+            "the user `app` of the server at 127.0.0.1:6390 may not run EVALSHA: NOPERM"
         );
         let eviction = BuildError::Eviction {
             policy: "allkeys-lru".into(),
