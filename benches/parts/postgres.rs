@@ -63,7 +63,15 @@ async fn uncontended(server: &PostgresServer, backend: &PostgresBackend) -> Stri
         .connect(&server.url())
         .await
         .expect("pool");
-    let (mut selects, mut locks) = (Vec::with_capacity(N), Vec::with_capacity(N));
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_floor (id int PRIMARY KEY, n bigint); \
+         INSERT INTO bench_floor VALUES (1, 0) ON CONFLICT DO NOTHING",
+    )
+    .execute(&pool)
+    .await
+    .expect("floor table");
+    let (mut selects, mut updates) = (Vec::with_capacity(N), Vec::with_capacity(N));
+    let mut locks = Vec::with_capacity(N);
     for i in 0..N + 200 {
         let t = Instant::now();
         let _: i32 = sqlx::query_scalar("SELECT 1")
@@ -72,19 +80,33 @@ async fn uncontended(server: &PostgresServer, backend: &PostgresBackend) -> Stri
             .expect("SELECT 1");
         let select = t.elapsed();
         let t = Instant::now();
+        for _ in 0..2 {
+            sqlx::query("UPDATE bench_floor SET n = n + 1 WHERE id = 1")
+                .execute(&pool)
+                .await
+                .expect("UPDATE");
+        }
+        let update = t.elapsed();
+        let t = Instant::now();
         let guard = backend.lock("bench:solo").try_once().await.expect("free");
         guard.release().await.expect("release");
         let lock = t.elapsed();
         if i >= 200 {
             selects.push(select);
+            updates.push(update);
             locks.push(lock);
         }
     }
-    let (select, lock) = (Percentiles::of(selects), Percentiles::of(locks));
+    let (select, update) = (Percentiles::of(selects), Percentiles::of(updates));
+    let lock = Percentiles::of(locks);
     let mut out = String::from("### PostgreSQL: uncontended acquire + release\n\n");
     out += "| | p50 | p99 |\n|---|---|---|\n";
     for (name, latency) in [
         ("`SELECT 1` round trip", &select),
+        (
+            "two one-row `UPDATE`s (the floor of two write transactions)",
+            &update,
+        ),
         ("tower-lock `try_once` + `release`", &lock),
     ] {
         let _ = writeln!(
@@ -96,8 +118,10 @@ async fn uncontended(server: &PostgresServer, backend: &PostgresBackend) -> Stri
     }
     let _ = writeln!(
         out,
-        "\nRound trips per acquire + release (p50 / `SELECT 1` p50): **{:.2}**\n",
-        lock.p50.as_secs_f64() / select.p50.as_secs_f64()
+        "\nRound trips per acquire + release (p50 / `SELECT 1` p50): **{:.2}**; the two \
+         `UPDATE`s: {:.2}\n",
+        lock.p50.as_secs_f64() / select.p50.as_secs_f64(),
+        update.p50.as_secs_f64() / select.p50.as_secs_f64()
     );
     out
 }
