@@ -701,9 +701,9 @@ const REPLY_LOSS_TRIES: usize = 5;
 
 /// A backend whose calls outlast the node's stop in [`with_reply_lost`].
 async fn patient_backend(cluster: &Cluster) -> RedisBackend {
-    RedisBackend::cluster(cluster.urls())
+    cluster
+        .builder()
         .command_timeout(Duration::from_secs(5))
-        .connect_timeout(Duration::from_millis(500))
         .build()
         .await
         .expect("backend connects to the test cluster")
@@ -860,9 +860,9 @@ async fn a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(cluster: &C
     // Renewed every third of it: a second of room for a renewal delayed on a loaded
     // machine; a renewal waiting behind the stopped shard's would wait out the pause.
     let lease = Duration::from_millis(1500);
-    let backend = RedisBackend::cluster(cluster.urls())
+    let backend = cluster
+        .builder()
         .command_timeout(4 * lease)
-        .connect_timeout(Duration::from_millis(500))
         .build()
         .await
         .expect("backend connects to the test cluster");
