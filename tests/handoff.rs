@@ -221,9 +221,15 @@ async fn tokens_strictly_increase_over_local_and_remote_holders_even_with_the_co
 async fn a_second_instance_is_served_within_a_quantum_of_a_local_stream() {
     const QUANTUM: u32 = 8;
     let server = RedisServer::start();
+    // Runs end by their count on any machine that does eight handoffs within seconds (one
+    // ended earlier by time only lowers the counts). The time bound is also how long the
+    // local stream leaves the key to the remote task after a run: long enough for a remote
+    // task slowed by a loaded machine, short enough for the case where it took and released
+    // the key between two tries of the local contender while Redis still counted its
+    // subscription, which the contender cannot tell from a remote task still to come.
     let local = RedisBackend::builder(server.url())
         .max_local_handoffs(QUANTUM)
-        .max_local_handoff_time(Duration::from_secs(60))
+        .max_local_handoff_time(Duration::from_secs(5))
         .build()
         .await
         .expect("backend");
