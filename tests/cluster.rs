@@ -83,7 +83,9 @@ async fn a_cluster_without_seeds_or_answering_nodes_is_a_build_error() {
 /// refused with CROSSSLOT) through three leases, and release leaves nothing behind.
 async fn locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(cluster: &Cluster) {
     let backend = cluster.backend().await;
-    let lease = Duration::from_millis(300);
+    // Renewed every third of it: a second of room for a renewal delayed on a loaded machine
+    // (six servers share it with the test).
+    let lease = Duration::from_millis(1500);
     let mut keys: Vec<(String, u16)> = cluster
         .primaries()
         .into_iter()
@@ -167,16 +169,14 @@ async fn a_multi_key_lock_spans_the_shards_of_its_keys(cluster: &Cluster) {
     }
 }
 
-/// `key` held by one backend and waited for (up to 20 s) by another, in a task.
+/// `key` held by `holder` and waited for (up to 20 s) by `waiter`, in a task.
 async fn held_and_waited_for(
-    cluster: &Cluster,
+    (holder, waiter): (&RedisBackend, RedisBackend),
     key: &str,
 ) -> (
     tower_lock::LockGuard,
     tokio::task::JoinHandle<Result<tower_lock::LockGuard, tower_lock::LockError>>,
 ) {
-    let holder = cluster.backend().await;
-    let waiter = cluster.backend().await;
     let held = holder.lock(key).try_once().await.expect("free");
     let key = key.to_owned();
     let waiting = tokio::spawn(async move { waiter.lock(key).wait(Duration::from_secs(20)).await });
@@ -191,9 +191,23 @@ async fn waiters_do_not_poll_and_a_release_reaches_only_its_shard(cluster: &Clus
     let owner = primaries[1];
     let key = key_on(cluster, owner, "wait:");
     let channel = format!("tower-lock:{{{key}}}:released");
-    let (held, waiting) = held_and_waited_for(cluster, &key).await;
+    let scripts = |c: &Cluster| -> u64 {
+        primaries
+            .iter()
+            .map(|&p| c.command_calls(p, &["evalsha", "eval"]))
+            .sum()
+    };
+    let backends = (&cluster.backend().await, cluster.backend().await);
+    let start = scripts(cluster);
+    let (held, waiting) = held_and_waited_for(backends, &key).await;
     support::eventually("the waiter subscribed on its shard", || async {
         cluster.shard_subscribers(owner, &channel) == 1
+    })
+    .await;
+    // The hold, the waiter's try, and its try once the subscription was confirmed: the
+    // last script before the release.
+    support::eventually("the waiter tried again once subscribed", || async {
+        scripts(cluster) - start >= 3
     })
     .await;
     for &port in &primaries {
@@ -204,12 +218,6 @@ async fn waiters_do_not_poll_and_a_release_reaches_only_its_shard(cluster: &Clus
             "{port}"
         );
     }
-    let scripts = |c: &Cluster| -> u64 {
-        primaries
-            .iter()
-            .map(|&p| c.command_calls(p, &["evalsha", "eval"]))
-            .sum()
-    };
     let before = scripts(cluster);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(scripts(cluster), before, "no script calls while waiting");
@@ -252,7 +260,8 @@ async fn a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(cluster: 
     let (from, to) = (primaries[2], primaries[1]);
     let key = key_on(cluster, from, "reshard:");
     let channel = format!("tower-lock:{{{key}}}:released");
-    let (held, waiting) = held_and_waited_for(cluster, &key).await;
+    let backends = (&cluster.backend().await, cluster.backend().await);
+    let (held, waiting) = held_and_waited_for(backends, &key).await;
     support::eventually("the waiter subscribed on the old shard", || async {
         cluster.shard_subscribers(from, &channel) == 1
     })
@@ -567,7 +576,12 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
             }
         }));
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The victim's shard served before the kill (checked below).
+    support::eventually("the victim's shard serves", || async {
+        let outcomes = outcomes.lock().expect("outcomes");
+        outcomes.iter().any(|o| o.item == 0 && o.status == 200)
+    })
+    .await;
     cluster.kill(victim);
     let killed = Instant::now();
     let served_after_kill = |o: &Outcome| o.item == 0 && o.status == 200 && o.sent > killed;
@@ -652,8 +666,9 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
 /// after that command but before the reply is written. redis-rs sees the connection
 /// dropped without a reply and sends the command again on a new connection: one call, run
 /// twice, as after a connection lost at the wrong moment. Returns how many times the node
-/// ran a script meanwhile: on a loaded machine the kill may overtake `op`'s command, and
-/// the caller then tries again (a run with one script run proves nothing).
+/// ran a script meanwhile: `op`'s command and the kill each get a generous 300 ms to reach
+/// the stopped node, but on a loaded machine the kill may still overtake it, and the
+/// caller then tries again (a run with one script run proves nothing).
 async fn with_reply_lost<T: Send + 'static>(
     cluster: &Cluster,
     port: u16,
@@ -663,7 +678,7 @@ async fn with_reply_lost<T: Send + 'static>(
     let before = cluster.command_calls(port, &["evalsha"]);
     cluster.pause(port);
     let op = tokio::spawn(op);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let kill = tokio::spawn(async move {
         redis::cmd("CLIENT")
             .arg("KILL")
@@ -672,7 +687,7 @@ async fn with_reply_lost<T: Send + 'static>(
             .query_async::<i64>(&mut killer)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     cluster.resume(port);
     let killed = kill.await.expect("task").expect("CLIENT KILL");
     let out = op.await.expect("task");
@@ -683,6 +698,16 @@ async fn with_reply_lost<T: Send + 'static>(
 
 /// How many times a scenario tries to have a reply lost before it gives up.
 const REPLY_LOSS_TRIES: usize = 5;
+
+/// A backend whose calls outlast the node's stop in [`with_reply_lost`].
+async fn patient_backend(cluster: &Cluster) -> RedisBackend {
+    cluster
+        .builder()
+        .command_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("backend connects to the test cluster")
+}
 
 /// Fails the scenario when no try made the node run the script twice.
 fn assert_resent(runs: u64, tries: usize) {
@@ -699,7 +724,7 @@ async fn an_acquisition_resent_after_a_lost_reply_is_taken_once(cluster: &Cluste
     let port = cluster.primaries()[1];
     let key = key_on(cluster, port, "resent:");
     let lock = format!("tower-lock:{{{key}}}");
-    let backend = cluster.backend().await;
+    let backend = patient_backend(cluster).await;
     let warm = backend.lock(key.clone()).try_once().await.expect("free");
     warm.release().await.expect("release");
     for tries in 1..=REPLY_LOSS_TRIES {
@@ -735,7 +760,7 @@ async fn a_release_resent_after_a_lost_reply_is_not_reported_lost(cluster: &Clus
     let port = cluster.primaries()[2];
     let key = key_on(cluster, port, "rerelease:");
     let lock = format!("tower-lock:{{{key}}}");
-    let backend = cluster.backend().await;
+    let backend = patient_backend(cluster).await;
     for tries in 1..=REPLY_LOSS_TRIES {
         let guard = backend.lock(key.clone()).try_once().await.expect("free");
         let (released, runs) = with_reply_lost(cluster, port, guard.release()).await;
@@ -829,12 +854,19 @@ async fn sync_replicas_waits_only_on_the_shard_of_the_lock(cluster: &Cluster) {
 }
 
 /// The watchdog's renewal calls of different shards complete on their own: while one
-/// primary is stopped (its renewal call hangs for the command timeout, 500 ms), locks on
-/// the other shards with a 300 ms lease keep being renewed and are not declared lost.
+/// primary is stopped for two leases (its renewal call hangs for the command timeout, far
+/// longer), locks on the other shards keep being renewed and are not declared lost.
 async fn a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(cluster: &Cluster) {
-    let backend = cluster.backend().await;
+    // Renewed every third of it: a second of room for a renewal delayed on a loaded
+    // machine; a renewal waiting behind the stopped shard's would wait out the pause.
+    let lease = Duration::from_millis(1500);
+    let backend = cluster
+        .builder()
+        .command_timeout(4 * lease)
+        .build()
+        .await
+        .expect("backend connects to the test cluster");
     let primaries = cluster.primaries();
-    let lease = Duration::from_millis(300);
     let mut guards = Vec::new();
     for &port in &primaries {
         let key = key_on(cluster, port, "renewed:");
@@ -843,7 +875,7 @@ async fn a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(cluster: &C
     }
     let stopped = primaries[0];
     cluster.pause(stopped);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(2 * lease).await;
     cluster.resume(stopped);
     let stopped_lost = guards[0].is_lost();
     for guard in &guards[1..] {

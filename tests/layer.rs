@@ -4,6 +4,8 @@ mod support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -25,23 +27,43 @@ use tower_lock::{LockError, LockLayer, PathParam, RedisBackend, ResponseBody};
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
 
+/// The shop's state: its Redis, and for the unlocked shop a meeting point of the first two
+/// buyers.
+#[derive(Clone)]
+struct Shop {
+    redis: redis::aio::MultiplexedConnection,
+    overlap: Option<Arc<Overlap>>,
+}
+
+/// Holds the first two buyers between their read and their write until both have read, so
+/// that without a lock they certainly overlap, however the machine schedules them.
+struct Overlap {
+    arrived: AtomicUsize,
+    met: tokio::sync::Barrier,
+}
+
 /// Reads the stock, yields to other requests, then writes it back decremented: the
 /// read-check-write race that a lock must close.
-async fn buy(State(mut redis): State<redis::aio::MultiplexedConnection>) -> StatusCode {
+async fn buy(State(Shop { mut redis, overlap }): State<Shop>) -> StatusCode {
     let stock: i64 = redis.get(STOCK).await.unwrap_or(0);
     if stock <= 0 {
         return StatusCode::GONE;
     }
-    tokio::time::sleep(Duration::from_millis(2)).await;
+    match overlap {
+        Some(overlap) if overlap.arrived.fetch_add(1, Ordering::SeqCst) < 2 => {
+            overlap.met.wait().await;
+        }
+        _ => tokio::time::sleep(Duration::from_millis(2)).await,
+    }
     let _: Result<(), _> = redis.set(STOCK, stock - 1).await;
     let _: Result<i64, _> = redis.incr(SOLD, 1).await;
     StatusCode::OK
 }
 
-fn shop(redis: redis::aio::MultiplexedConnection, lock: Option<StockLayer>) -> Router {
+fn shop(shop: Shop, lock: Option<StockLayer>) -> Router {
     let router = Router::new()
         .route("/buy", routing::post(buy))
-        .with_state(redis);
+        .with_state(shop);
     match lock {
         Some(layer) => router.route_layer(layer),
         None => router,
@@ -61,6 +83,12 @@ async fn flash_sale(server: &RedisServer, locked: bool) -> (i64, Vec<u16>) {
     let _: () = conn.set(STOCK, 100).await.unwrap();
     let _: () = conn.set(SOLD, 0).await.unwrap();
     let mut instances = Vec::new();
+    let overlap = (!locked).then(|| {
+        Arc::new(Overlap {
+            arrived: AtomicUsize::new(0),
+            met: tokio::sync::Barrier::new(2),
+        })
+    });
     for _ in 0..3 {
         let layer = if locked {
             let key_fn: fn(&Request) -> Option<&'static str> = stock_key;
@@ -75,7 +103,11 @@ async fn flash_sale(server: &RedisServer, locked: bool) -> (i64, Vec<u16>) {
         } else {
             None
         };
-        instances.push(serve(shop(server.conn().await, layer)).await);
+        let state = Shop {
+            redis: server.conn().await,
+            overlap: overlap.clone(),
+        };
+        instances.push(serve(shop(state, layer)).await);
     }
     let client = http_client();
     let buyers = (0..300).map(|i| {
@@ -107,6 +139,8 @@ async fn three_instances_sell_exactly_the_stock() {
 async fn the_same_handler_without_the_layer_oversells() {
     let server = RedisServer::start();
     let (sold, _) = flash_sale(&server, false).await;
+    // The first two buyers both read 100 and both wrote 99: a chain of writes from 100 down
+    // to 0 has a buyer per step, and one of the two is not in it.
     assert!(sold > 100, "the unlocked race sold {sold} of 100");
 }
 
@@ -266,6 +300,12 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
         stats.channels_with_waiters == 1 && stats.local_waiters == 9
     })
     .await;
+    // Its try after Redis confirmed the subscription is the last call until the release.
+    server.wait_for_subscribers("k", 1).await;
+    eventually("the first waiter tried again once subscribed", || async {
+        server.command_calls(&scripts).await - before >= 2
+    })
+    .await;
     let after_subscribing = server.command_calls(&scripts).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let after_waiting = server.command_calls(&scripts).await;
@@ -404,6 +444,8 @@ async fn lock_deleted_from_outside_aborts_the_handler_with_503() {
 
 #[tokio::test]
 async fn watchdog_keeps_the_lock_through_a_handler_running_three_leases() {
+    // Renewed every third of it: a second of room for a renewal delayed on a loaded machine.
+    const LEASE: Duration = Duration::from_millis(1500);
     let server = RedisServer::start();
     let backend = server.backend().await;
     let gate = Gate::default();
@@ -420,12 +462,12 @@ async fn watchdog_keeps_the_lock_through_a_handler_running_three_leases() {
         .route_layer(
             LockLayer::new(backend, |_: &Request| Some("k"))
                 .fail_fast()
-                .lease(Duration::from_secs(1)),
+                .lease(LEASE),
         );
     let addr = serve(app).await;
     let slow = tokio::spawn(async move { post(&http_client(), addr, "/slow").await.status });
     gate.wait_inside(1).await;
-    tokio::time::sleep(Duration::from_millis(3200)).await;
+    tokio::time::sleep(3 * LEASE + LEASE / 5).await;
     assert_eq!(
         post(&http_client(), addr, "/try").await.status,
         409,

@@ -10,6 +10,9 @@ use tower_lock::{KeyError, LockError, LockGuard, RedisBackend};
 
 const KEY: &str = "order:42";
 const LOCK: &str = "tower-lock:{order:42}";
+/// The lease of a hold that must outlive it by renewals alone: renewed every third of it,
+/// so a second of room for a renewal delayed on a loaded machine.
+const RENEWED_LEASE: Duration = Duration::from_millis(1500);
 
 #[tokio::test]
 async fn fencing_tokens_strictly_increase_even_after_external_delete() {
@@ -86,8 +89,8 @@ async fn watchdog_keeps_the_lock_through_three_leases() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let other = server.backend().await;
-    let guard = take(&backend, Duration::from_millis(600)).await;
-    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let guard = take(&backend, RENEWED_LEASE).await;
+    tokio::time::sleep(3 * RENEWED_LEASE).await;
     assert!(!guard.is_lost());
     assert!(matches!(
         other.lock(KEY).try_once().await,
@@ -326,10 +329,9 @@ async fn one_subscriber_connection_carries_every_channel_and_survives_its_pings(
             tokio::spawn(request.wait(Duration::from_secs(30)))
         })
         .collect();
-    eventually("all twenty channels subscribed", || async {
-        waiter.stats().channels_with_waiters == 20
-    })
-    .await;
+    for key in &keys {
+        server.wait_for_subscribers(key, 1).await;
+    }
     // Several ping intervals pass while the subscriptions sit idle.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let stats = waiter.stats();
@@ -380,13 +382,13 @@ async fn releasing_a_lost_guard_leaves_the_same_owners_new_hold_alone() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let old = lost_by_deletion(&server, &backend).await;
-    let new = reenter(&backend, &old, Duration::from_millis(600)).await;
+    let new = reenter(&backend, &old, RENEWED_LEASE).await;
 
     assert!(matches!(old.release().await, Err(LockError::Lost { .. })));
     assert!(server.exists(LOCK).await, "the new hold is untouched");
     assert_eq!(backend.stats().watched_locks, 1, "and still renewed");
     // Past its lease: only renewal keeps it.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(2 * RENEWED_LEASE).await;
     assert!(matches!(
         server.backend().await.lock(KEY).try_once().await,
         Err(LockError::Contended { .. })
@@ -417,16 +419,23 @@ async fn unbounded_leases_and_waits_are_clamped_not_fatal() {
 #[tokio::test]
 async fn a_reentry_cancelled_in_flight_is_undone_exactly_once() {
     let server = RedisServer::start();
-    let backend = server.backend().await;
+    // A command timeout far beyond the wait below: the re-entry is cancelled by its
+    // caller, never timed out by the backend.
+    let backend = support::builder(&server.url())
+        .command_timeout(Duration::from_secs(30))
+        .build()
+        .await
+        .unwrap();
     let outer = backend.lock(KEY).try_once().await.unwrap();
     let owner = outer.held().owner().as_str().to_owned();
     let scripts = ["evalsha", "eval"];
     let before = server.command_calls(&scripts).await;
-    // The re-entry's script reaches a paused server and its caller gives up: the script
-    // runs on resume, for a hold nobody has a guard for.
+    // The re-entry's script reaches a paused server (its kernel takes the bytes) and its
+    // caller gives up: the script runs on resume, for a hold nobody has a guard for. A
+    // second is a generous bound on writing one command to a socket.
     server.pause();
     let cancelled = tokio::time::timeout(
-        Duration::from_millis(150),
+        Duration::from_secs(1),
         backend.lock(KEY).reentrant(outer.held()).try_once(),
     )
     .await;
@@ -466,14 +475,14 @@ async fn a_renewal_never_shortens_a_longer_reentry_of_another_instance() {
     let server = RedisServer::start();
     let backend = server.backend().await;
     let other_instance = server.backend().await;
-    let short = Duration::from_millis(600);
+    let short = RENEWED_LEASE;
     let outer = take(&backend, short).await;
     // The same owner re-enters through another backend (another layer's, another
     // process's): only that backend's watchdog knows the long lease.
     let inner = reenter(&other_instance, &outer, Duration::from_secs(60)).await;
     let scripts = ["evalsha", "eval"];
     let before = server.command_calls(&scripts).await;
-    // The outer backend renews every 200 ms; nothing else runs a script now.
+    // The outer backend renews every third of its lease; nothing else runs a script now.
     eventually("the outer hold was renewed twice", || async {
         server.command_calls(&scripts).await - before >= 2
     })

@@ -496,14 +496,18 @@ async fn a_crashed_reader_keeps_a_waiting_writer_out_only_until_its_own_lease_en
 /// exclusively: it is a writer like any other, kept out by the other reader, not refused
 /// as an upgrade.
 async fn a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade<B: LockBackend>(b: [B; 3]) {
+    let lease = Duration::from_millis(300);
     let expired = b[0]
         .lock("doc")
         .shared()
-        .lease(Duration::from_millis(300))
+        .lease(lease)
         .without_watchdog()
         .try_once()
         .await
         .expect("free");
+    // The store counts the lease from when it took the hold, before the call returned
+    // (and in whole milliseconds: one more).
+    let ended = tokio::time::Instant::now() + lease + Duration::from_millis(1);
     let other = b[1].lock("doc").shared().try_once().await.expect("shared");
     eventually("the short shared hold runs out", || {
         let lost = expired.is_lost();
@@ -511,7 +515,7 @@ async fn a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade<B: LockBacken
     })
     .await;
     // `lost()` fires a little before the lease ends in the store (see `HeldLock::is_lost`).
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep_until(ended).await;
     let exclusive = b[0].lock("doc").reentrant(expired.held()).try_once().await;
     assert!(
         matches!(exclusive, Err(LockError::Contended { .. })),

@@ -65,6 +65,19 @@ for_each_backend!(
     a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
 );
 
+/// Waits until `n` tasks are queued for `key` behind its holder (who must hold it): a
+/// request that would wait alongside at most `n` is refused as full exactly then, and
+/// otherwise, waiting for no time, leaves the queue at once (a task arriving meanwhile
+/// stands behind it for that instant: its bound must allow one more). Both stores share
+/// the queue.
+async fn queued<B: LockBackend>(b: &B, key: &str, n: usize) {
+    support::eventually(&format!("{n} task(s) queued for {key}"), || async {
+        let probe = b.lock(key).max_local_waiters(n).wait(Duration::ZERO).await;
+        matches!(probe, Err(LockError::QueueFull { .. }))
+    })
+    .await;
+}
+
 fn path_key(req: &Request) -> Option<String> {
     req.uri().path().strip_prefix("/lock/").map(str::to_owned)
 }
@@ -125,7 +138,7 @@ async fn waiting_route_is_served_once_the_holder_releases<B: LockBackend>(b: B) 
         let app = app.clone();
         async move { call(&app, "/lock/a").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    queued(&b, "a", 1).await;
     assert!(!waiting.is_finished(), "the request waits for the holder");
     let held_token = guard.fencing_token();
     guard.release().await.expect("released");
@@ -237,13 +250,11 @@ async fn unrenewed_lease_runs_out_fires_lost_and_frees_the_key<B: LockBackend>(b
 }
 
 async fn renewed_hold_outlives_its_lease<B: LockBackend>(b: B) {
-    let guard = b
-        .lock("a")
-        .lease(Duration::from_millis(300))
-        .try_once()
-        .await
-        .expect("free");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Renewed every third of it: a lease of seconds leaves the renewals that much room on
+    // a loaded machine.
+    let lease = Duration::from_secs(2);
+    let guard = b.lock("a").lease(lease).try_once().await.expect("free");
+    tokio::time::sleep(2 * lease).await;
     assert!(!guard.is_lost());
     assert!(matches!(
         b.lock("a").try_once().await,
@@ -254,29 +265,31 @@ async fn renewed_hold_outlives_its_lease<B: LockBackend>(b: B) {
 
 async fn local_queue_bound_sheds_with_queue_full<B: LockBackend>(b: B) {
     let guard = b.lock("a").try_once().await.expect("free");
-    let queued = {
+    // Queued under the default bound: a tight one could shed it for the instant a probe of
+    // `queued` stands in line.
+    let first = {
         let b = b.clone();
-        tokio::spawn(async move { b.lock("a").max_local_waiters(1).wait(HANG).await })
+        tokio::spawn(async move { b.lock("a").wait(HANG).await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    queued(&b, "a", 1).await;
     let shed = b.lock("a").max_local_waiters(1).wait(HANG).await;
     assert!(matches!(shed, Err(LockError::QueueFull { .. })), "{shed:?}");
     guard.release().await.expect("released");
-    assert!(queued.await.expect("no panic").is_ok());
+    assert!(first.await.expect("no panic").is_ok());
 }
 
 async fn waiters_are_served_in_arrival_order<B: LockBackend>(b: B) {
     let guard = b.lock("a").try_once().await.expect("free");
     let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel();
     for i in 0..5 {
-        let (b, order_tx) = (b.clone(), order_tx.clone());
+        let (waiter, order_tx) = (b.clone(), order_tx.clone());
         tokio::spawn(async move {
-            let guard = b.lock("a").wait(HANG).await.expect("served");
+            let guard = waiter.lock("a").wait(HANG).await.expect("served");
             order_tx.send(i).expect("receiver lives");
             guard.release().await.expect("released");
         });
         // Arrival order is what the test controls.
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        queued(&b, "a", i + 1).await;
     }
     drop(order_tx);
     guard.release().await.expect("released");
@@ -298,12 +311,12 @@ async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: Lo
         let (b, owner) = (b.clone(), owner.clone());
         tokio::spawn(async move { b.lock("a").reentrant(&owner).wait(HANG).await })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    queued(&b, "a", 1).await;
     let later = {
         let b = b.clone();
         tokio::spawn(async move { b.lock("a").wait(HANG).await })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    queued(&b, "a", 2).await;
     first.release().await.expect("released");
     let again = b
         .lock("a")

@@ -84,12 +84,11 @@ pub(super) struct CutOff {
     pub(super) lock_key: String,
     /// When the fault began (µs).
     pub(super) began: u64,
-    /// The server-side expiry as observed during the cut: `(when, expiry)`, the observer's
-    /// clock before `PTTL` was sent, and that plus the `PTTL` answered (so never later than
-    /// the real expiry). The last one observed before the holder stopped counts: until
-    /// then the lock was its own (the checker verifies that), and later renewals of it
-    /// could only have moved the expiry later.
-    pub(super) expiries: Vec<(u64, u64)>,
+    /// The server-side expiry as observed during the cut (see [`server_expiry`]). The last
+    /// one observed before the holder stopped counts: until then the lock was its own (the
+    /// checker verifies that), and later renewals of it could only have moved the expiry
+    /// later.
+    pub(super) expiries: Vec<Expiry>,
 }
 
 /// What the nemesis acts on.
@@ -196,7 +195,14 @@ pub(super) async fn run_nemesis(
     let lease = |factor: f64| LEASE.mul_f64(factor);
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(fastrand::u64(200..800))).await;
-        let fault = FAULTS[fastrand::usize(..FAULTS.len())];
+        // The first fault cuts a holder off for two leases, so that every run sees one
+        // stopped; the rest are drawn at random.
+        let first = cut_offs.is_empty();
+        let fault = if first {
+            Fault::Partition
+        } else {
+            FAULTS[fastrand::usize(..FAULTS.len())]
+        };
         match fault {
             Fault::Partition | Fault::Stall | Fault::CutEveryReply => {
                 let instance = if fault == Fault::Partition {
@@ -214,7 +220,11 @@ pub(super) async fn run_nemesis(
                     Fault::Stall => cluster.proxy.stall(),
                     _ => cluster.proxy.cut_replies(usize::MAX),
                 }
-                let cut_for = lease(0.5 + 1.5 * fastrand::f64());
+                let cut_for = lease(if first {
+                    2.0
+                } else {
+                    0.5 + 1.5 * fastrand::f64()
+                });
                 let (ns, key) = probe.1.split_once('-').expect("ns-key");
                 let redis_key = lock_key(ns, key);
                 // The expiry as of the last renewal that reached Redis (with replies cut,
@@ -305,13 +315,23 @@ pub(super) async fn start_probe(
     None
 }
 
-/// When and what the server's expiry of `lock_key` was, in wall-clock µs (see
-/// [`CutOff::expiries`]).
+/// The server-side expiry of a lock, in wall-clock µs, as far as one `PTTL` can tell.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Expiry {
+    /// When `PTTL` was sent.
+    pub(super) asked: u64,
+    /// The earliest and the latest the expiry can be: Redis answered at some moment between
+    /// sending and receiving, in whole milliseconds.
+    pub(super) earliest: u64,
+    pub(super) latest: u64,
+}
+
+/// The server's expiry of `lock_key` (see [`Expiry`]).
 pub(super) async fn server_expiry(
     observer: &mut Option<redis::aio::MultiplexedConnection>,
     cluster: &Cluster,
     lock_key: &str,
-) -> Option<(u64, u64)> {
+) -> Option<Expiry> {
     if observer.is_none() {
         *observer = redis::Client::open(format!("redis://{}", cluster.redis.addr()))
             .ok()?
@@ -320,20 +340,37 @@ pub(super) async fn server_expiry(
             .ok();
     }
     let conn = observer.as_mut()?;
-    let before = now_micros();
+    let asked = now_micros();
     let pttl: i64 = redis::cmd("PTTL")
         .arg(lock_key)
         .query_async(conn)
         .await
         .ok()?;
-    (pttl >= 0).then(|| (before, before + 1000 * pttl as u64))
+    Expiry::from_pttl(asked, now_micros(), pttl)
+}
+
+impl Expiry {
+    /// The expiry that a `PTTL` sent at `asked` and answered at `answered` (µs) reported as
+    /// `pttl` ms; `None` for a key without one.
+    pub(super) fn from_pttl(asked: u64, answered: u64, pttl: i64) -> Option<Expiry> {
+        let pttl = 1000 * u64::try_from(pttl).ok()?;
+        Some(Expiry {
+            asked,
+            earliest: (asked + pttl).saturating_sub(1000),
+            latest: answered + pttl + 1000,
+        })
+    }
 }
 
 #[derive(Debug)]
 pub(super) struct Margin {
     pub(super) fault: Fault,
-    /// Server-side expiry minus the holder's stop, µs.
+    /// Server-side expiry minus the holder's stop, µs, at the latest the expiry can have
+    /// been: negative only when the holder certainly ran past it.
     pub(super) margin: i64,
+    /// The same at the earliest the expiry can have been: positive when the holder
+    /// certainly stopped before it.
+    pub(super) proven: i64,
     /// The same from the `expired` event's arrival at the observer (later than the expiry
     /// itself: Redis deletes an expired key on access or in its expiry cycle).
     pub(super) by_event: Option<i64>,
@@ -353,8 +390,7 @@ pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
                 .expiries
                 .iter()
                 .rev()
-                .find(|(when, _)| *when < end)
-                .map(|(_, expiry)| *expiry)
+                .find(|e| e.asked < end)
                 .unwrap_or_else(|| panic!("no expiry observed while {:?} was held", c.probe));
             let by_event = log
                 .expired
@@ -363,7 +399,8 @@ pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
                 .map(|(_, at)| *at as i64 - end as i64);
             Some(Margin {
                 fault: c.fault,
-                margin: expiry as i64 - end as i64,
+                margin: expiry.latest as i64 - end as i64,
+                proven: expiry.earliest as i64 - end as i64,
                 by_event,
             })
         })

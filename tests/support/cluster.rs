@@ -130,12 +130,17 @@ impl Cluster {
 
     /// A backend on the cluster with short timeouts (as `support::backend` for one server).
     pub async fn backend(&self) -> RedisBackend {
-        RedisBackend::cluster(self.urls())
-            .command_timeout(Duration::from_millis(500))
-            .connect_timeout(Duration::from_millis(500))
+        self.builder()
             .build()
             .await
             .expect("backend connects to the test cluster")
+    }
+
+    /// The builder of [`backend`](Self::backend), for tests that set more before building.
+    pub fn builder(&self) -> tower_lock::RedisBackendBuilder {
+        RedisBackend::cluster(self.urls())
+            .command_timeout(Duration::from_millis(500))
+            .connect_timeout(Duration::from_millis(500))
     }
 
     /// A cluster connection for the test's own data.

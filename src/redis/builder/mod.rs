@@ -259,8 +259,10 @@ impl RedisBackendBuilder {
     ///
     /// What it costs: after every start of the server, the first start and restarts with
     /// persistence included, new acquisitions of keys that are not held wait until one
-    /// `max_lease` after the start; waiting requests wait it out (503 if their wait is
-    /// shorter), a [`try_once`](crate::LockRequest::try_once) or fail-fast layer gets
+    /// `max_lease` after the start, and up to two seconds more (Redis counts its uptime in
+    /// whole seconds, which the guard rounds so as never to end early); waiting requests
+    /// wait it out (503 if their wait is shorter), a
+    /// [`try_once`](crate::LockRequest::try_once) or fail-fast layer gets
     /// [`LockError::Contended`](crate::LockError::Contended) (409) with the time left as
     /// `Retry-After`. Locks that survived the restart (persistence) are held, renewed and
     /// re-entered as before. With the guard on, a request's lease is capped at `max_lease`.
