@@ -1,0 +1,522 @@
+//! `IdempotencyLayer` through axum, on a throwaway Redis and on `MemoryBackend`: replays,
+//! duplicates in flight across three instances, mismatches, tenants, 5xx, bodies, expiry,
+//! lost locks and crashed instances.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use support::child::{self, ChildProcess};
+use support::{Gate, RedisServer, Reply, eventually, lock_key};
+use tower::ServiceExt;
+use tower_lock::{IdempotencyBackend, IdempotencyLayer, MemoryBackend};
+
+/// Counts handler runs; holds them in `gate` when one is set.
+#[derive(Clone, Default)]
+struct Payments {
+    runs: Arc<AtomicUsize>,
+    gate: Option<Gate>,
+}
+
+impl Payments {
+    fn gated() -> Self {
+        Payments {
+            gate: Some(Gate::default()),
+            ..Payments::default()
+        }
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+/// Charges once per run: 201, a header naming the charge, a cookie, the body echoed.
+async fn pay(State(payments): State<Payments>, body: Bytes) -> impl IntoResponse {
+    let n = payments.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if let Some(gate) = &payments.gate {
+        gate.pass().await;
+    }
+    (
+        StatusCode::CREATED,
+        [
+            ("x-charge", format!("ch_{n}")),
+            ("set-cookie", "s=1".into()),
+        ],
+        format!("charged {n} for {}", String::from_utf8_lossy(&body)),
+    )
+}
+
+/// Fails with 500 on its first run, then charges.
+async fn flaky(State(payments): State<Payments>) -> impl IntoResponse {
+    match payments.runs.fetch_add(1, Ordering::SeqCst) {
+        0 => (StatusCode::INTERNAL_SERVER_ERROR, "card network down"),
+        _ => (StatusCode::CREATED, "charged"),
+    }
+}
+
+/// The scope of a request: its `x-tenant` header.
+fn tenant(parts: &http::request::Parts) -> String {
+    parts
+        .headers
+        .get("x-tenant")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn app(layer: IdempotencyLayer, payments: &Payments) -> Router {
+    Router::new()
+        .route("/payments", post(pay))
+        .route("/flaky", post(flaky))
+        .route_layer(layer.scope(tenant))
+        .with_state(payments.clone())
+}
+
+/// Three instances of one service on `b`'s three backends, sharing `payments`.
+fn apps<B: IdempotencyBackend>(
+    b: &[B; 3],
+    payments: &Payments,
+    layer: impl Fn(IdempotencyLayer) -> IdempotencyLayer,
+) -> [Router; 3] {
+    b.clone()
+        .map(|backend| app(layer(IdempotencyLayer::new(backend)), payments))
+}
+
+/// A POST to `path` with `key` (if any) for tenant `t`, carrying `body`.
+fn payment(path: &str, key: Option<&str>, t: &str, body: impl Into<Body>) -> http::Request<Body> {
+    let mut request = http::Request::post(path).header("x-tenant", t);
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(body.into()).expect("request")
+}
+
+async fn send(app: &Router, request: http::Request<Body>) -> Reply {
+    let response = tokio::time::timeout(Duration::from_secs(30), app.clone().oneshot(request))
+        .await
+        .expect("a reply within 30 s")
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.expect("body");
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+async fn pay_with(app: &Router, key: &str, body: &'static str) -> Reply {
+    send(app, payment("/payments", Some(key), "acme", body)).await
+}
+
+/// Sends the first payment of key `k1` on `app` and waits until its handler is inside
+/// `gate`.
+async fn first_inside(app: &Router, gate: &Gate) -> tokio::task::JoinHandle<Reply> {
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { pay_with(&app, "k1", "{}").await }
+    });
+    gate.wait_inside(1).await;
+    first
+}
+
+/// The lock key the layer takes for `key` of tenant `t`.
+fn scoped(t: &str, key: &str) -> String {
+    format!("idempotency:{}:{t}:{key}", t.len())
+}
+
+on_redis_and_memory!(
+    a_retry_after_completion_replays_exactly_without_running_the_handler,
+    duplicates_in_flight_on_three_instances_run_the_handler_once_and_get_409,
+    duplicates_that_wait_for_the_first_get_its_response,
+    the_same_key_with_a_different_body_is_422,
+    two_tenants_with_the_same_key_are_independent,
+    server_errors_are_not_stored_and_the_retry_runs,
+    missing_and_invalid_keys_are_400_unless_optional,
+    a_body_over_the_limit_is_413_and_a_streamed_one_is_fingerprinted_whole,
+    a_lock_lost_while_the_handler_runs_stores_nothing,
+    a_dropped_request_leaves_no_record_and_the_retry_runs,
+);
+
+async fn a_retry_after_completion_replays_exactly_without_running_the_handler<
+    B: IdempotencyBackend,
+>(
+    b: [B; 3],
+) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l);
+    let first = pay_with(&apps[0], "k1", "{\"amount\":10}").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, "charged 1 for {\"amount\":10}");
+    assert_eq!(first.headers["set-cookie"], "s=1");
+    assert!(first.headers.get("idempotency-replayed").is_none());
+
+    // On another instance too.
+    for app in &apps[1..] {
+        let retry = pay_with(app, "k1", "{\"amount\":10}").await;
+        assert_eq!(retry.status, first.status);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.headers["idempotency-replayed"], "true");
+        let mut replayed = retry.headers.clone();
+        replayed.remove("idempotency-replayed");
+        let mut expected = first.headers.clone();
+        // Denied by default: a cookie is not handed to whoever retries.
+        expected.remove("set-cookie");
+        assert_eq!(replayed, expected);
+    }
+    assert_eq!(payments.runs(), 1, "the handler ran once");
+}
+
+async fn duplicates_in_flight_on_three_instances_run_the_handler_once_and_get_409<
+    B: IdempotencyBackend,
+>(
+    b: [B; 3],
+) {
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let apps = apps(&b, &payments, |l| l);
+    let first = first_inside(&apps[0], &gate).await;
+    for app in &apps[1..] {
+        let duplicate = pay_with(app, "k1", "{}").await;
+        duplicate.problem(409);
+        assert!(duplicate.headers.contains_key("retry-after"));
+    }
+    gate.open();
+    assert_eq!(first.await.expect("first").status, 201);
+    assert_eq!(payments.runs(), 1);
+    // Once done, a duplicate is a replay.
+    assert_eq!(
+        pay_with(&apps[2], "k1", "{}").await.body,
+        "charged 1 for {}"
+    );
+    assert_eq!(payments.runs(), 1);
+}
+
+async fn duplicates_that_wait_for_the_first_get_its_response<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let apps = apps(&b, &payments, |l| l.wait_for_first(Duration::from_secs(20)));
+    let replies: Vec<_> = apps
+        .iter()
+        .map(|app| {
+            let app = app.clone();
+            tokio::spawn(async move { pay_with(&app, "k1", "{}").await })
+        })
+        .collect();
+    // One of the three runs; the two others wait (none can get past the lock).
+    gate.wait_inside(1).await;
+    gate.open();
+    for reply in replies {
+        let reply = reply.await.expect("request");
+        assert_eq!(reply.status, 201);
+        assert_eq!(reply.body, "charged 1 for {}");
+    }
+    assert_eq!(
+        payments.runs(),
+        1,
+        "two duplicates replayed the first's response"
+    );
+}
+
+async fn the_same_key_with_a_different_body_is_422<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l);
+    assert_eq!(
+        pay_with(&apps[0], "k1", "{\"amount\":10}").await.status,
+        201
+    );
+    pay_with(&apps[1], "k1", "{\"amount\":99}")
+        .await
+        .problem(422);
+    // Another path with the same key is another request too.
+    send(
+        &apps[1],
+        payment("/flaky", Some("k1"), "acme", "{\"amount\":10}"),
+    )
+    .await
+    .problem(422);
+    assert_eq!(payments.runs(), 1);
+}
+
+async fn two_tenants_with_the_same_key_are_independent<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l);
+    let acme = send(&apps[0], payment("/payments", Some("k1"), "acme", "x")).await;
+    let globex = send(&apps[1], payment("/payments", Some("k1"), "globex", "y")).await;
+    assert_eq!((acme.status, globex.status), (201, 201));
+    assert_eq!(acme.body, "charged 1 for x");
+    assert_eq!(globex.body, "charged 2 for y");
+    // A tenant whose name and key spell another pair's meets nobody.
+    let spelled = send(&apps[2], payment("/payments", Some("k1"), "acme:", "x")).await;
+    assert_eq!(spelled.body, "charged 3 for x");
+    let again = send(&apps[2], payment("/payments", Some("k1"), "acme", "x")).await;
+    assert_eq!(again.body, acme.body);
+    assert_eq!(payments.runs(), 3);
+}
+
+async fn server_errors_are_not_stored_and_the_retry_runs<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l);
+    let flaky = || payment("/flaky", Some("k1"), "acme", "");
+    assert_eq!(send(&apps[0], flaky()).await.status, 500);
+    assert_eq!(send(&apps[1], flaky()).await.status, 201);
+    let replay = send(&apps[2], flaky()).await;
+    assert_eq!((replay.status, replay.body.as_str()), (201, "charged"));
+    assert_eq!(replay.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 2);
+}
+
+async fn missing_and_invalid_keys_are_400_unless_optional<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::default();
+    let required = apps(&b, &payments, |l| l);
+    let missing = send(&required[0], payment("/payments", None, "acme", "")).await;
+    assert!(missing.problem(400).contains("idempotency-key"));
+    let long = "k".repeat(256);
+    send(&required[0], payment("/payments", Some(&long), "acme", ""))
+        .await
+        .problem(400);
+    send(&required[0], payment("/payments", Some("\"\""), "acme", ""))
+        .await
+        .problem(400);
+    assert_eq!(payments.runs(), 0);
+
+    let optional = apps(&b, &payments, IdempotencyLayer::optional);
+    for n in 1..=2 {
+        let reply = send(&optional[0], payment("/payments", None, "acme", "")).await;
+        assert_eq!(reply.body, format!("charged {n} for "));
+    }
+    // The draft's quoted form is the same key as the bare one.
+    assert_eq!(
+        pay_with(&optional[1], "\"k9\"", "").await.body,
+        "charged 3 for "
+    );
+    assert_eq!(
+        pay_with(&optional[2], "k9", "").await.body,
+        "charged 3 for "
+    );
+}
+
+async fn a_body_over_the_limit_is_413_and_a_streamed_one_is_fingerprinted_whole<
+    B: IdempotencyBackend,
+>(
+    b: [B; 3],
+) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l.max_request_body(16));
+    pay_with(&apps[0], "k1", "seventeen bytes!!")
+        .await
+        .problem(413);
+    assert_eq!(payments.runs(), 0);
+    // Nothing was stored: the same key with a body within the limit runs.
+    assert_eq!(pay_with(&apps[0], "k1", "small").await.status, 201);
+
+    let chunks = ["str", "ea", "med"].map(|c| Ok::<_, std::io::Error>(Bytes::from(c)));
+    let streamed = Body::from_stream(futures_util::stream::iter(chunks));
+    let reply = send(&apps[1], payment("/payments", Some("k2"), "acme", streamed)).await;
+    assert_eq!(reply.body, "charged 2 for streamed");
+    // The same bytes in one piece are the same request.
+    assert_eq!(pay_with(&apps[2], "k2", "streamed").await.body, reply.body);
+    assert_eq!(payments.runs(), 2);
+}
+
+async fn a_lock_lost_while_the_handler_runs_stores_nothing<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let apps = apps(&b, &payments, |l| l);
+    let first = first_inside(&apps[0], &gate).await;
+    b[1].force_release(scoped("acme", "k1"))
+        .await
+        .expect("force release");
+    // The handler is dropped where it waits, and the client gets 503.
+    first.await.expect("first").problem(503);
+    gate.open();
+    let retry = pay_with(&apps[1], "k1", "{}").await;
+    assert_eq!(
+        (retry.status, retry.body.as_str()),
+        (201, "charged 2 for {}")
+    );
+    assert!(retry.headers.get("idempotency-replayed").is_none());
+}
+
+async fn a_dropped_request_leaves_no_record_and_the_retry_runs<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let apps = apps(&b, &payments, |l| l);
+    let first = first_inside(&apps[0], &gate).await;
+    // The client went away: its request future is dropped mid-handler.
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+    let key = scoped("acme", "k1");
+    eventually("the dropped request's lock is released", || async {
+        b[1].inspect(key.as_str()).await.expect("inspect").is_free()
+    })
+    .await;
+    gate.open();
+    let retry = pay_with(&apps[1], "k1", "{}").await;
+    assert_eq!(retry.body, "charged 2 for {}");
+    assert!(retry.headers.get("idempotency-replayed").is_none());
+}
+
+async fn pttl(server: &RedisServer, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("PTTL")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_record_sits_beside_the_lock_with_its_retention_and_nothing_else_stays() {
+    let server = RedisServer::start();
+    let payments = Payments::default();
+    let retention = Duration::from_secs(600);
+    let app = app(
+        IdempotencyLayer::new(server.backend().await).retention(retention),
+        &payments,
+    );
+    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
+    let lock = lock_key(&scoped("acme", "k1"));
+    let record = format!("{lock}:record");
+    // The record, and the fencing counter every lock leaves (with its own expiry); the
+    // lock itself is gone.
+    assert_eq!(
+        server.keys().await,
+        [format!("{lock}:fence"), record.clone()]
+    );
+    let left = pttl(&server, &record).await;
+    assert!(
+        left > 0 && left <= 600_000,
+        "the record expires within its retention: PTTL {left}"
+    );
+    assert!(pttl(&server, &format!("{lock}:fence")).await > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_redis_record_is_gone_and_the_key_runs_again() {
+    let server = RedisServer::start();
+    let payments = Payments::default();
+    let app = app(
+        IdempotencyLayer::new(server.backend().await).retention(Duration::from_millis(1)),
+        &payments,
+    );
+    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
+    let record = format!("{}:record", lock_key(&scoped("acme", "k1")));
+    server.wait_until_gone(&record).await;
+    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_records_expire_after_their_retention_and_nothing_else_stays() {
+    let backend = MemoryBackend::new();
+    let payments = Payments::default();
+    let app = app(
+        IdempotencyLayer::new(backend.clone()).retention(Duration::from_millis(1)),
+        &payments,
+    );
+    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
+    assert_eq!(backend.held(), 0, "the lock is released");
+    eventually("the record expires", || async {
+        backend.idempotency_records() == 0
+    })
+    .await;
+    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
+}
+
+/// Settings passed to the child instance.
+const URL: &str = "TOWER_LOCK_TEST_REDIS_URL";
+/// The lease of the child's lock: how long after its death the retry runs.
+const CHILD_LEASE: Duration = Duration::from_secs(2);
+
+#[tokio::test]
+#[ignore = "entry point of the child instance that the crash test spawns"]
+async fn child_process() {
+    match child::role().as_deref() {
+        None => {}
+        Some("instance") => serve_until_killed().await,
+        Some(other) => panic!("unknown child role {other}"),
+    }
+}
+
+/// An instance whose handler reports that it runs, then never returns.
+async fn serve_until_killed() {
+    let backend = support::backend(&child::setting(URL)).await;
+    let app = Router::new()
+        .route(
+            "/payments",
+            post(|| async {
+                child::report("charging");
+                std::future::pending::<&str>().await
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(backend).lease(CHILD_LEASE));
+    let request = payment("/payments", Some("k1"), "", "{}");
+    let _ = send(&app, request).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_mid_handler_leaves_no_record_and_the_retry_runs_once_after_the_lease() {
+    let server = RedisServer::start();
+    let mut instance = ChildProcess::spawn("child_process", "instance", &[(URL, server.url())]);
+    assert_eq!(instance.next_report().await.as_deref(), Some("charging"));
+    instance.kill().await;
+
+    let lock = lock_key(&scoped("", "k1"));
+    assert!(
+        !server.exists(&format!("{lock}:record")).await,
+        "a dead instance stores nothing"
+    );
+    let payments = Payments::default();
+    let app = app(
+        IdempotencyLayer::new(server.backend().await).wait_for_first(Duration::from_secs(20)),
+        &payments,
+    );
+    // Waits for the dead instance's lease to run out, then runs.
+    let retry = send(&app, payment("/payments", Some("k1"), "", "{}")).await;
+    assert_eq!(
+        (retry.status, retry.body.as_str()),
+        (201, "charged 1 for {}")
+    );
+    let again = send(&app, payment("/payments", Some("k1"), "", "{}")).await;
+    assert_eq!(again.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 1);
+}
+
+#[tokio::test]
+async fn the_redis_record_script_stores_only_under_the_hold_that_ran_the_handler() {
+    let server = RedisServer::start();
+    let mut conn = server.conn().await;
+    let script = redis::Script::new(include_str!("../src/redis/scripts/record_store.lua"));
+    let mut store = async |token: u64| -> i64 {
+        script
+            .key("lock")
+            .key("record")
+            .arg(token)
+            .arg(60_000)
+            .arg("r")
+            .invoke_async(&mut conn)
+            .await
+            .expect("record_store.lua")
+    };
+    assert_eq!(store(5).await, 0, "no lock: nothing stored");
+    let () = redis::cmd("HSET")
+        .arg(&["lock", "owner", "1", "token", "6"])
+        .query_async(&mut server.conn().await)
+        .await
+        .expect("HSET");
+    assert_eq!(store(5).await, 0, "a later holder (token 6) has the key");
+    assert!(!server.exists("record").await);
+    // The hold itself, and a task it was passed to in memory (a token above the hash's).
+    assert_eq!(store(6).await, 1);
+    assert_eq!(store(7).await, 1);
+    let left = pttl(&server, "record").await;
+    assert!(left > 0 && left <= 60_000, "PTTL {left}");
+}
