@@ -63,6 +63,14 @@ async fn flaky(State(payments): State<Payments>) -> impl IntoResponse {
     }
 }
 
+/// Panics on its first run, then charges.
+async fn panics_once(State(payments): State<Payments>) -> &'static str {
+    if payments.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        panic!("the handler panics");
+    }
+    "charged"
+}
+
 /// The scope of a request: its `x-tenant` header.
 fn tenant(parts: &http::request::Parts) -> String {
     parts
@@ -77,7 +85,9 @@ fn app(layer: IdempotencyLayer, payments: &Payments) -> Router {
     Router::new()
         .route("/payments", post(pay))
         .route("/flaky", post(flaky))
+        .route("/panics", post(panics_once))
         .route_layer(layer.scope(tenant))
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .with_state(payments.clone())
 }
 
@@ -142,9 +152,11 @@ on_redis_and_memory!(
     two_tenants_with_the_same_key_are_independent,
     server_errors_are_not_stored_and_the_retry_runs,
     missing_and_invalid_keys_are_400_unless_optional,
+    a_handler_that_panicked_left_no_record_and_the_retry_runs,
     a_body_over_the_limit_is_413_and_a_streamed_one_is_fingerprinted_whole,
     a_lock_lost_while_the_handler_runs_stores_nothing,
-    a_dropped_request_leaves_no_record_and_the_retry_runs,
+    a_request_whose_client_went_away_still_completes_and_is_replayed,
+    a_dropped_request_that_stops_with_its_client_leaves_no_record,
 );
 
 async fn a_retry_after_completion_replays_exactly_without_running_the_handler<
@@ -275,6 +287,22 @@ async fn server_errors_are_not_stored_and_the_retry_runs<B: IdempotencyBackend>(
     assert_eq!(payments.runs(), 2);
 }
 
+async fn a_handler_that_panicked_left_no_record_and_the_retry_runs<B: IdempotencyBackend>(
+    b: [B; 3],
+) {
+    let payments = Payments::default();
+    // Every status stored: the 500 comes from the `CatchPanicLayer` outside, never from
+    // the handler, so there is nothing to store.
+    let apps = apps(&b, &payments, |l| l.store_if(|_| true));
+    let panics = || payment("/panics", Some("k1"), "acme", "");
+    assert_eq!(send(&apps[0], panics()).await.status, 500);
+    released(&b[1], "k1").await;
+    assert_eq!(send(&apps[1], panics()).await.body, "charged");
+    let replay = send(&apps[2], panics()).await;
+    assert_eq!(replay.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 2);
+}
+
 async fn missing_and_invalid_keys_are_400_unless_optional<B: IdempotencyBackend>(b: [B; 3]) {
     let payments = Payments::default();
     let required = apps(&b, &payments, |l| l);
@@ -347,23 +375,52 @@ async fn a_lock_lost_while_the_handler_runs_stores_nothing<B: IdempotencyBackend
     assert!(retry.headers.get("idempotency-replayed").is_none());
 }
 
-async fn a_dropped_request_leaves_no_record_and_the_retry_runs<B: IdempotencyBackend>(b: [B; 3]) {
+async fn a_request_whose_client_went_away_still_completes_and_is_replayed<B: IdempotencyBackend>(
+    b: [B; 3],
+) {
     let payments = Payments::gated();
     let gate = payments.gate.clone().expect("gated");
     let apps = apps(&b, &payments, |l| l);
     let first = first_inside(&apps[0], &gate).await;
-    // The client went away: its request future is dropped mid-handler.
+    // The client went away (its timeout, a dropped connection): its request future is
+    // dropped mid-handler, after the charge.
     first.abort();
     assert!(first.await.expect_err("aborted").is_cancelled());
-    let key = scoped("acme", "k1");
-    eventually("the dropped request's lock is released", || async {
-        b[1].inspect(key.as_str()).await.expect("inspect").is_free()
-    })
-    .await;
+    gate.open();
+    released(&b[1], "k1").await;
+    let retry = pay_with(&apps[1], "k1", "{}").await;
+    assert_eq!(retry.body, "charged 1 for {}");
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 1);
+}
+
+async fn a_dropped_request_that_stops_with_its_client_leaves_no_record<B: IdempotencyBackend>(
+    b: [B; 3],
+) {
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let apps = apps(&b, &payments, IdempotencyLayer::stop_when_client_gone);
+    let first = first_inside(&apps[0], &gate).await;
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+    released(&b[1], "k1").await;
     gate.open();
     let retry = pay_with(&apps[1], "k1", "{}").await;
     assert_eq!(retry.body, "charged 2 for {}");
     assert!(retry.headers.get("idempotency-replayed").is_none());
+}
+
+/// Waits until the lock of tenant acme's `key` is free.
+async fn released<B: IdempotencyBackend>(backend: &B, key: &str) {
+    let key = scoped("acme", key);
+    eventually("the lock is released", || async {
+        backend
+            .inspect(key.as_str())
+            .await
+            .expect("inspect")
+            .is_free()
+    })
+    .await;
 }
 
 async fn pttl(server: &RedisServer, key: &str) -> i64 {

@@ -36,7 +36,9 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<IdempotencyBody>, S::Error>
 where
-    S: Service<Request<InnerBody<ReqBody>>, Response = Response<ResBody>>,
+    S: Service<Request<InnerBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
@@ -50,7 +52,7 @@ where
         }
         Err(e) => return Ok(reject(&e)),
     };
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(body) => body.to_bytes(),
         Err(e) if e.is::<LengthLimitError>() => {
@@ -88,6 +90,54 @@ where
         }
         Err(e) => return Ok(reject(&IdempotencyError::Lock(e))),
     };
+    let key = Locked {
+        key,
+        fingerprint,
+        guard,
+    };
+    let finish = finish(config.clone(), inner, parts, body, key);
+    if !config.finish_when_client_gone {
+        return finish.await;
+    }
+    // Once the lock is held the work runs to its end in a task of its own, so that a
+    // client that gives up (its timeout, a dropped connection: the reply it will retry
+    // for) does not stop a handler half-way, after its charge and before its record.
+    match tokio::spawn(finish).await {
+        Ok(response) => response,
+        // A panic goes on to the layers outside (a `CatchPanicLayer`), as without the task.
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // The runtime is shutting down.
+        Err(_) => Ok(reject(&IdempotencyError::Lock(LockError::Lost {
+            key: String::new(),
+        }))),
+    }
+}
+
+/// A request that holds its key's lock.
+struct Locked {
+    key: String,
+    fingerprint: Fingerprint,
+    guard: LockGuard,
+}
+
+/// The rest of a request once it holds the lock: the record read again, the handler, the
+/// response stored, the lock released.
+async fn finish<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    mut inner: S,
+    mut parts: http::request::Parts,
+    body: Bytes,
+    Locked {
+        key,
+        fingerprint,
+        guard,
+    }: Locked,
+) -> Result<Response<IdempotencyBody>, S::Error>
+where
+    S: Service<Request<InnerBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     // The first request may have finished between the lookup and the lock: it stores its
     // record before it releases, so the record is there now if it ever will be.
     match lookup(&config, &key, fingerprint).await {

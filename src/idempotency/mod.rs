@@ -67,6 +67,8 @@ pub(crate) struct Config {
     pub(crate) store_if: Arc<StoreIf>,
     pub(crate) deny_headers: Vec<HeaderName>,
     pub(crate) replay_header: Option<(HeaderName, HeaderValue)>,
+    /// Whether a request that holds its lock runs to its end when its client goes away.
+    pub(crate) finish_when_client_gone: bool,
 }
 
 impl Config {
@@ -148,9 +150,11 @@ impl Config {
 /// | body over [`max_request_body`](Self::max_request_body) | 413, nothing stored |
 /// | the store unreachable | 503 (fail closed) |
 ///
-/// A handler that panics, or whose instance dies, leaves no record: a panic frees the key
-/// at once, a dead instance's lock expires after its [`lease`](Self::lease), and the retry
-/// then runs the handler again. A lock lost while the handler runs (the lease ran out
+/// A request that holds its lock runs to its end even if its client goes away (see
+/// [`stop_when_client_gone`](Self::stop_when_client_gone)), so a retry after a lost reply
+/// gets the stored response. A handler that panics, or whose instance dies, leaves no
+/// record: a panic frees the key at once, a dead instance's lock expires after its
+/// [`lease`](Self::lease), and the retry then runs the handler again. A lock lost while the handler runs (the lease ran out
 /// while the store was unreachable) drops the handler and stores nothing, as the lock
 /// layer does. See the [guide](crate::guide::idempotency).
 #[derive(Clone)]
@@ -184,6 +188,7 @@ impl IdempotencyLayer {
                     HeaderName::from_static("idempotency-replayed"),
                     HeaderValue::from_static("true"),
                 )),
+                finish_when_client_gone: true,
             },
         }
     }
@@ -289,6 +294,18 @@ impl IdempotencyLayer {
     /// `None` marks nothing.
     pub fn replay_header(mut self, header: Option<(HeaderName, HeaderValue)>) -> Self {
         self.config.replay_header = header;
+        self
+    }
+
+    /// Drops the handler when the client goes away (its request future is dropped: a
+    /// closed connection, an outer timeout), as [`LockLayer`](crate::LockLayer) does: no
+    /// record is stored, and the retry runs the handler again.
+    ///
+    /// By default a request that holds its key's lock runs to its end in a task of its
+    /// own whatever the client does, so that the client's retry after a lost reply gets
+    /// the stored response instead of a second run of a handler that stopped half-way.
+    pub fn stop_when_client_gone(mut self) -> Self {
+        self.config.finish_when_client_gone = false;
         self
     }
 }
