@@ -16,7 +16,6 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use support::child::{self, ChildProcess};
 use support::{Gate, RedisServer, Reply, eventually, lock_key};
-use tower::ServiceExt;
 use tower_lock::{IdempotencyBackend, IdempotencyLayer, MemoryBackend};
 
 /// Counts handler runs; holds them in `gate` when one is set.
@@ -111,17 +110,7 @@ fn payment(path: &str, key: Option<&str>, t: &str, body: impl Into<Body>) -> htt
 }
 
 async fn send(app: &Router, request: http::Request<Body>) -> Reply {
-    let response = tokio::time::timeout(Duration::from_secs(30), app.clone().oneshot(request))
-        .await
-        .expect("a reply within 30 s")
-        .expect("infallible");
-    let (parts, body) = response.into_parts();
-    let body = axum::body::to_bytes(body, usize::MAX).await.expect("body");
-    Reply {
-        status: parts.status.as_u16(),
-        headers: parts.headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
+    support::oneshot(app, request).await
 }
 
 async fn pay_with(app: &Router, key: &str, body: &'static str) -> Reply {
@@ -516,7 +505,8 @@ async fn serve_until_killed() {
         )
         .route_layer(IdempotencyLayer::new(backend).lease(CHILD_LEASE));
     let request = payment("/payments", Some("k1"), "", "{}");
-    let _ = send(&app, request).await;
+    // Never answers: the parent kills this process while the handler runs.
+    let _ = tower::ServiceExt::oneshot(app, request).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -630,12 +630,18 @@ macro_rules! for_each_store {
 /// Sends an empty `method` request to `path` through `app` (no socket) and reads the whole
 /// reply; a reply that takes over 10 s fails the test.
 pub async fn call(app: &Router, method: http::Method, path: &str) -> Reply {
-    use tower::ServiceExt;
     let request = http::Request::builder()
         .method(method)
         .uri(path)
         .body(axum::body::Body::empty())
         .expect("request");
+    oneshot(app, request).await
+}
+
+/// Sends `request` through `app` (no socket) and reads the whole reply; a reply that takes
+/// over 10 s fails the test.
+pub async fn oneshot(app: &Router, request: http::Request<axum::body::Body>) -> Reply {
+    use tower::ServiceExt;
     let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(request))
         .await
         .expect("a reply within 10 s")
