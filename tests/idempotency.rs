@@ -567,3 +567,33 @@ async fn the_redis_record_script_stores_only_under_the_hold_that_ran_the_handler
     let left = pttl(&server, "record").await;
     assert!(left > 0 && left <= 60_000, "PTTL {left}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_costs_one_get_and_never_touches_the_lock() {
+    let server = RedisServer::start();
+    let payments = Payments::default();
+    let app = app(IdempotencyLayer::new(server.backend().await), &payments);
+    let calls = async || {
+        let reads = server.command_calls(&["get"]).await;
+        let scripts = server.command_calls(&["evalsha", "eval"]).await;
+        (reads, scripts)
+    };
+    // Warmed up: the record script loaded (EVALSHA, NOSCRIPT, EVAL the first time).
+    assert_eq!(pay_with(&app, "k0", "{}").await.status, 201);
+    let before = calls().await;
+    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
+    let first = calls().await;
+    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
+    let replay = calls().await;
+    println!(
+        "first request: {} GET, {} scripts; replay: {} GET, {} scripts",
+        first.0 - before.0,
+        first.1 - before.1,
+        replay.0 - first.0,
+        replay.1 - first.1
+    );
+    // Take, store, release. (Its GETs are the two reads of the record, before and after
+    // taking the lock, and those the lock's scripts make: Redis counts those too.)
+    assert_eq!(first.1 - before.1, 3);
+    assert_eq!((replay.0 - first.0, replay.1 - first.1), (1, 0));
+}
