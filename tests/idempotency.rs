@@ -597,3 +597,20 @@ async fn a_replay_costs_one_get_and_never_touches_the_lock() {
     assert_eq!(first.1 - before.1, 3);
     assert_eq!((replay.0 - first.0, replay.1 - first.1), (1, 0));
 }
+
+#[tokio::test]
+async fn on_rejection_answers_refusals_in_the_apis_own_format() {
+    let payments = Payments::default();
+    let layer = IdempotencyLayer::new(MemoryBackend::new()).on_rejection(|error| {
+        let body = format!("{{\"error\":\"{error}\"}}");
+        (error.status(), body).into_response()
+    });
+    let app = app(layer, &payments);
+    assert_eq!(pay_with(&app, "k1", "a").await.status, 201);
+    let mismatch = pay_with(&app, "k1", "b").await;
+    assert_eq!(mismatch.status, 422);
+    assert_eq!(
+        mismatch.body,
+        "{\"error\":\"the idempotency key was used for a different request\"}"
+    );
+}

@@ -14,7 +14,7 @@ use tower_service::Service;
 use super::Config;
 use super::fingerprint::{Fingerprint, scoped_key};
 use super::record::{Record, kept_headers};
-use super::response::{IdempotencyError, idempotency_rejection};
+use super::response::IdempotencyError;
 use super::service::{IdempotencyBody, InnerBody};
 use crate::error::LockError;
 use crate::layer::body::BoxError;
@@ -50,20 +50,20 @@ where
             let response = call(&mut inner, request.map(Either::Right)).await?;
             return Ok(response.map(boxed));
         }
-        Err(e) => return Ok(reject(&e)),
+        Err(e) => return Ok(config.reject(e)),
     };
     let (parts, body) = request.into_parts();
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(body) => body.to_bytes(),
         Err(e) if e.is::<LengthLimitError>() => {
-            return Ok(reject(&IdempotencyError::BodyTooLarge {
+            return Ok(config.reject(IdempotencyError::BodyTooLarge {
                 limit: config.max_request_body,
             }));
         }
         Err(e) => {
             // The client went away or sent a broken body: nothing to answer it.
             tracing::debug!(error = %e, "idempotency: request body unreadable");
-            return Ok(reject(&IdempotencyError::BodyUnreadable {
+            return Ok(config.reject(IdempotencyError::BodyUnreadable {
                 reason: e.to_string(),
             }));
         }
@@ -76,7 +76,7 @@ where
     match lookup(&config, &key, fingerprint).await {
         Ok(Found::Nothing) => {}
         Ok(Found::Replay(response)) => return Ok(response),
-        Err(e) => return Ok(reject(&e)),
+        Err(e) => return Ok(config.reject(e)),
     }
     let lock = LockRequest::new(config.store.clone(), key.clone()).lease(config.lease);
     let acquired = match config.wait {
@@ -86,9 +86,9 @@ where
     let guard = match acquired {
         Ok(guard) => guard,
         Err(LockError::Contended { retry_after, .. }) => {
-            return Ok(reject(&IdempotencyError::InFlight { retry_after }));
+            return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
         }
-        Err(e) => return Ok(reject(&IdempotencyError::Lock(e))),
+        Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
     };
     let key = Locked {
         key,
@@ -107,7 +107,7 @@ where
         // A panic goes on to the layers outside (a `CatchPanicLayer`), as without the task.
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // The runtime is shutting down.
-        Err(_) => Ok(reject(&IdempotencyError::Lock(LockError::Lost {
+        Err(_) => Ok(config.reject(IdempotencyError::Lock(LockError::Lost {
             key: String::new(),
         }))),
     }
@@ -148,7 +148,7 @@ where
         }
         Err(e) => {
             release(guard).await;
-            return Ok(reject(&e));
+            return Ok(config.reject(e));
         }
     }
 
@@ -165,7 +165,7 @@ where
         () = held.lost() => {
             let error = lost_error(&guard, "the idempotent handler ran");
             drop(guard);
-            return Ok(reject(&IdempotencyError::Lock(error)));
+            return Ok(config.reject(IdempotencyError::Lock(error)));
         }
         response = call(&mut inner, request) => response?,
     };
@@ -291,16 +291,12 @@ where
     StreamBody::new(head.chain(rest)).boxed_unsync()
 }
 
-fn boxed<B>(body: B) -> IdempotencyBody
+pub(crate) fn boxed<B>(body: B) -> IdempotencyBody
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     body.map_err(Into::into).boxed_unsync()
-}
-
-fn reject(error: &IdempotencyError) -> Response<IdempotencyBody> {
-    idempotency_rejection(error).map(boxed)
 }
 
 /// A stored record this crate cannot read.

@@ -46,6 +46,7 @@ pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 const DEFAULT_MAX_KEY_LEN: usize = 255;
 
 type Scope = dyn Fn(&Parts) -> String + Send + Sync;
+type Rejection = dyn Fn(IdempotencyError) -> http::Response<IdempotencyBody> + Send + Sync;
 type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 #[derive(Clone)]
@@ -69,9 +70,17 @@ pub(crate) struct Config {
     pub(crate) replay_header: Option<(HeaderName, HeaderValue)>,
     /// Whether a request that holds its lock runs to its end when its client goes away.
     pub(crate) finish_when_client_gone: bool,
+    pub(crate) rejection: Option<Arc<Rejection>>,
 }
 
 impl Config {
+    pub(crate) fn reject(&self, error: IdempotencyError) -> http::Response<IdempotencyBody> {
+        match &self.rejection {
+            Some(reject) => reject(error),
+            None => idempotency_rejection(&error).map(future::boxed),
+        }
+    }
+
     /// The request's idempotency key: `Ok(None)` when it has none and may go without.
     pub(crate) fn key(
         &self,
@@ -189,6 +198,7 @@ impl IdempotencyLayer {
                     HeaderValue::from_static("true"),
                 )),
                 finish_when_client_gone: true,
+                rejection: None,
             },
         }
     }
@@ -306,6 +316,28 @@ impl IdempotencyLayer {
     /// the stored response instead of a second run of a handler that stopped half-way.
     pub fn stop_when_client_gone(mut self) -> Self {
         self.config.finish_when_client_gone = false;
+        self
+    }
+
+    /// Answers the layer's refusals with `rejection` instead of the default problem+json
+    /// ([`idempotency_rejection`]), for example in an API's own error format. The closure
+    /// returns an `http::Response` with any body of `Bytes` (axum's `Response` too).
+    ///
+    /// ```
+    /// use axum::response::IntoResponse;
+    /// use tower_lock::{IdempotencyError, IdempotencyLayer, MemoryBackend};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new())
+    ///     .on_rejection(|error: IdempotencyError| (error.status(), error.to_string()).into_response());
+    /// # drop(layer);
+    /// ```
+    pub fn on_rejection<F, B>(mut self, rejection: F) -> Self
+    where
+        F: Fn(IdempotencyError) -> http::Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<crate::layer::body::BoxError>,
+    {
+        self.config.rejection = Some(Arc::new(move |error| rejection(error).map(future::boxed)));
         self
     }
 }
