@@ -4,6 +4,11 @@
 
 mod support;
 
+#[path = "idempotency/crash.rs"]
+mod crash;
+#[path = "idempotency/records.rs"]
+mod records;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -14,8 +19,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
-use support::child::{self, ChildProcess};
-use support::{Gate, RedisServer, Reply, eventually, lock_key};
+use support::{Gate, Reply, eventually};
 use tower_lock::{IdempotencyBackend, IdempotencyLayer, MemoryBackend};
 
 /// Counts handler runs; holds them in `gate` when one is set.
@@ -410,192 +414,6 @@ async fn released<B: IdempotencyBackend>(backend: &B, key: &str) {
             .is_free()
     })
     .await;
-}
-
-async fn pttl(server: &RedisServer, key: &str) -> i64 {
-    redis::cmd("PTTL")
-        .arg(key)
-        .query_async(&mut server.conn().await)
-        .await
-        .expect("PTTL")
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_record_sits_beside_the_lock_with_its_retention_and_nothing_else_stays() {
-    let server = RedisServer::start();
-    let payments = Payments::default();
-    let retention = Duration::from_secs(600);
-    let app = app(
-        IdempotencyLayer::new(server.backend().await).retention(retention),
-        &payments,
-    );
-    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
-    let lock = lock_key(&scoped("acme", "k1"));
-    let record = format!("{lock}:record");
-    // The record, and the fencing counter every lock leaves (with its own expiry); the
-    // lock itself is gone.
-    assert_eq!(
-        server.keys().await,
-        [format!("{lock}:fence"), record.clone()]
-    );
-    let left = pttl(&server, &record).await;
-    assert!(
-        left > 0 && left <= 600_000,
-        "the record expires within its retention: PTTL {left}"
-    );
-    assert!(pttl(&server, &format!("{lock}:fence")).await > 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_expired_redis_record_is_gone_and_the_key_runs_again() {
-    let server = RedisServer::start();
-    let payments = Payments::default();
-    let app = app(
-        IdempotencyLayer::new(server.backend().await).retention(Duration::from_millis(1)),
-        &payments,
-    );
-    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
-    let record = format!("{}:record", lock_key(&scoped("acme", "k1")));
-    server.wait_until_gone(&record).await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_records_expire_after_their_retention_and_nothing_else_stays() {
-    let backend = MemoryBackend::new();
-    let payments = Payments::default();
-    let app = app(
-        IdempotencyLayer::new(backend.clone()).retention(Duration::from_millis(1)),
-        &payments,
-    );
-    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
-    assert_eq!(backend.held(), 0, "the lock is released");
-    eventually("the record expires", || async {
-        backend.idempotency_records() == 0
-    })
-    .await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
-}
-
-/// Settings passed to the child instance.
-const URL: &str = "TOWER_LOCK_TEST_REDIS_URL";
-/// The lease of the child's lock: how long after its death the retry runs.
-const CHILD_LEASE: Duration = Duration::from_secs(2);
-
-#[tokio::test]
-#[ignore = "entry point of the child instance that the crash test spawns"]
-async fn child_process() {
-    match child::role().as_deref() {
-        None => {}
-        Some("instance") => serve_until_killed().await,
-        Some(other) => panic!("unknown child role {other}"),
-    }
-}
-
-/// An instance whose handler reports that it runs, then never returns.
-async fn serve_until_killed() {
-    let backend = support::backend(&child::setting(URL)).await;
-    let app = Router::new()
-        .route(
-            "/payments",
-            post(|| async {
-                child::report("charging");
-                std::future::pending::<&str>().await
-            }),
-        )
-        .route_layer(IdempotencyLayer::new(backend).lease(CHILD_LEASE));
-    let request = payment("/payments", Some("k1"), "", "{}");
-    // Never answers: the parent kills this process while the handler runs.
-    let _ = tower::ServiceExt::oneshot(app, request).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_mid_handler_leaves_no_record_and_the_retry_runs_once_after_the_lease() {
-    let server = RedisServer::start();
-    let mut instance = ChildProcess::spawn("child_process", "instance", &[(URL, server.url())]);
-    assert_eq!(instance.next_report().await.as_deref(), Some("charging"));
-    instance.kill().await;
-
-    let lock = lock_key(&scoped("", "k1"));
-    assert!(
-        !server.exists(&format!("{lock}:record")).await,
-        "a dead instance stores nothing"
-    );
-    let payments = Payments::default();
-    let app = app(
-        IdempotencyLayer::new(server.backend().await).wait_for_first(Duration::from_secs(20)),
-        &payments,
-    );
-    // Waits for the dead instance's lease to run out, then runs.
-    let retry = send(&app, payment("/payments", Some("k1"), "", "{}")).await;
-    assert_eq!(
-        (retry.status, retry.body.as_str()),
-        (201, "charged 1 for {}")
-    );
-    let again = send(&app, payment("/payments", Some("k1"), "", "{}")).await;
-    assert_eq!(again.headers["idempotency-replayed"], "true");
-    assert_eq!(payments.runs(), 1);
-}
-
-#[tokio::test]
-async fn the_redis_record_script_stores_only_under_the_hold_that_ran_the_handler() {
-    let server = RedisServer::start();
-    let mut conn = server.conn().await;
-    let script = redis::Script::new(include_str!("../src/redis/scripts/record_store.lua"));
-    let mut store = async |token: u64| -> i64 {
-        script
-            .key("lock")
-            .key("record")
-            .arg(token)
-            .arg(60_000)
-            .arg("r")
-            .invoke_async(&mut conn)
-            .await
-            .expect("record_store.lua")
-    };
-    assert_eq!(store(5).await, 0, "no lock: nothing stored");
-    let () = redis::cmd("HSET")
-        .arg(&["lock", "owner", "1", "token", "6"])
-        .query_async(&mut server.conn().await)
-        .await
-        .expect("HSET");
-    assert_eq!(store(5).await, 0, "a later holder (token 6) has the key");
-    assert!(!server.exists("record").await);
-    // The hold itself, and a task it was passed to in memory (a token above the hash's).
-    assert_eq!(store(6).await, 1);
-    assert_eq!(store(7).await, 1);
-    let left = pttl(&server, "record").await;
-    assert!(left > 0 && left <= 60_000, "PTTL {left}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_costs_one_get_and_never_touches_the_lock() {
-    let server = RedisServer::start();
-    let payments = Payments::default();
-    let app = app(IdempotencyLayer::new(server.backend().await), &payments);
-    let calls = async || {
-        let reads = server.command_calls(&["get"]).await;
-        let scripts = server.command_calls(&["evalsha", "eval"]).await;
-        (reads, scripts)
-    };
-    // Warmed up: the record script loaded (EVALSHA, NOSCRIPT, EVAL the first time).
-    assert_eq!(pay_with(&app, "k0", "{}").await.status, 201);
-    let before = calls().await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
-    let first = calls().await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
-    let replay = calls().await;
-    println!(
-        "first request: {} GET, {} scripts; replay: {} GET, {} scripts",
-        first.0 - before.0,
-        first.1 - before.1,
-        replay.0 - first.0,
-        replay.1 - first.1
-    );
-    // Take, store, release. (Its GETs are the two reads of the record, before and after
-    // taking the lock, and those the lock's scripts make: Redis counts those too.)
-    assert_eq!(first.1 - before.1, 3);
-    assert_eq!((replay.0 - first.0, replay.1 - first.1), (1, 0));
 }
 
 #[tokio::test]
