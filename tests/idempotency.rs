@@ -66,6 +66,15 @@ async fn flaky(State(payments): State<Payments>) -> impl IntoResponse {
     }
 }
 
+/// Answers 2 KiB, in two chunks.
+async fn big(State(payments): State<Payments>) -> Body {
+    payments.runs.fetch_add(1, Ordering::SeqCst);
+    let chunks = [Bytes::from(vec![b'a'; 1024]), Bytes::from(vec![b'b'; 1024])];
+    Body::from_stream(futures_util::stream::iter(
+        chunks.map(Ok::<_, std::io::Error>),
+    ))
+}
+
 /// Panics on its first run, then charges.
 async fn panics_once(State(payments): State<Payments>) -> &'static str {
     if payments.runs.fetch_add(1, Ordering::SeqCst) == 0 {
@@ -89,6 +98,7 @@ fn app(layer: IdempotencyLayer, payments: &Payments) -> Router {
         .route("/payments", post(pay))
         .route("/flaky", post(flaky))
         .route("/panics", post(panics_once))
+        .route("/big", post(big))
         .route_layer(layer.scope(tenant))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .with_state(payments.clone())
@@ -148,6 +158,7 @@ on_redis_and_memory!(
     a_handler_that_panicked_left_no_record_and_the_retry_runs,
     a_body_over_the_limit_is_413_and_a_streamed_one_is_fingerprinted_whole,
     a_lock_lost_while_the_handler_runs_stores_nothing,
+    a_response_over_the_limit_is_sent_whole_and_not_stored,
     a_request_whose_client_went_away_still_completes_and_is_replayed,
     a_dropped_request_that_stops_with_its_client_leaves_no_record,
 );
@@ -347,6 +358,21 @@ async fn a_body_over_the_limit_is_413_and_a_streamed_one_is_fingerprinted_whole<
     // The same bytes in one piece are the same request.
     assert_eq!(pay_with(&apps[2], "k2", "streamed").await.body, reply.body);
     assert_eq!(payments.runs(), 2);
+}
+
+async fn a_response_over_the_limit_is_sent_whole_and_not_stored<B: IdempotencyBackend>(b: [B; 3]) {
+    let payments = Payments::default();
+    let apps = apps(&b, &payments, |l| l.max_response_body(1500));
+    let big = || payment("/big", Some("k1"), "acme", "");
+    for (n, app) in apps.iter().enumerate() {
+        let reply = send(app, big()).await;
+        assert_eq!(
+            reply.body,
+            format!("{}{}", "a".repeat(1024), "b".repeat(1024))
+        );
+        assert!(reply.headers.get("idempotency-replayed").is_none());
+        assert_eq!(payments.runs(), n + 1, "not stored: every try runs");
+    }
 }
 
 async fn a_lock_lost_while_the_handler_runs_stores_nothing<B: IdempotencyBackend>(b: [B; 3]) {

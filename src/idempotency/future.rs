@@ -90,12 +90,13 @@ where
         }
         Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
     };
-    let key = Locked {
+    let lost = LockError::Lost { key: key.clone() };
+    let locked = Locked {
         key,
         fingerprint,
         guard,
     };
-    let finish = finish(config.clone(), inner, parts, body, key);
+    let finish = finish(config.clone(), inner, parts, body, locked);
     if !config.finish_when_client_gone {
         return finish.await;
     }
@@ -106,10 +107,8 @@ where
         Ok(response) => response,
         // A panic goes on to the layers outside (a `CatchPanicLayer`), as without the task.
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // The runtime is shutting down.
-        Err(_) => Ok(config.reject(IdempotencyError::Lock(LockError::Lost {
-            key: String::new(),
-        }))),
+        // The runtime is shutting down: the task was dropped, and its lock released.
+        Err(_) => Ok(config.reject(IdempotencyError::Lock(lost))),
     }
 }
 
