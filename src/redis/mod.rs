@@ -9,6 +9,7 @@ mod fence;
 mod inspect;
 mod keys;
 mod pubsub;
+mod records;
 mod replay;
 mod replicas;
 mod run_id;
