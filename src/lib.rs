@@ -110,6 +110,8 @@ mod key;
 mod layer;
 mod lock;
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod redis;
@@ -141,6 +143,9 @@ pub use crate::lock::{
     MAX_DURATION,
 };
 pub use crate::memory::MemoryBackend;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
