@@ -8,7 +8,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOpti
 use sqlx::{Connection, Executor};
 use tokio::time::timeout;
 
-use super::checks::{connect_failure, probe, refuse_read_only};
+use super::checks::{call_failure, connect_failure, probe, refuse_read_only};
 use super::keys::admin_channel;
 use super::store::{MySqlStore, Statements};
 use super::wake::{Links, WakeConfig, WakeConnection};
@@ -184,11 +184,11 @@ impl MySqlBackendBuilder {
         if self.migrate {
             schema::migrate(&pool, &self.table)
                 .await
-                .map_err(|e| connect_failure(e, &options))?;
+                .map_err(|e| call_failure(e, &options, &self.table))?;
         } else {
             schema::check(&pool, &self.table)
                 .await
-                .map_err(|e| e.unwrap_or_else(|e| connect_failure(e, &options)))?;
+                .map_err(|e| e.unwrap_or_else(|e| call_failure(e, &options, &self.table)))?;
         }
         let metrics = Namespace::new(&self.namespace);
         telemetry::describe_metrics();

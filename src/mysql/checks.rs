@@ -40,20 +40,7 @@ pub(super) async fn probe(
     let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
     let name = namespaced(&store.namespace, &probe);
     let table = &store.table;
-    let refused = |e: sqlx::Error, right: String| match number(&e) {
-        // Access denied to a table or a routine (1142, 1370), or read-only (1290, 1836).
-        Some(1142 | 1143 | 1370 | 1044) => BuildError::Rights {
-            user: options.get_username().to_owned(),
-            addr: addr(options),
-            right,
-            source: Box::new(e),
-        },
-        Some(1290 | 1836 | 1792) => BuildError::ReadOnly {
-            reason: "the server refuses writes (read_only is on: a replica?)",
-        },
-        _ => connect_failure(e, options),
-    };
-    let use_table = || format!("use the lock table `{table}` and its procedures");
+    let refused = |e: sqlx::Error| call_failure(e, options, table);
     let acquire = || {
         sqlx::query_scalar(&store.sql.acquire)
             .bind(&name)
@@ -82,7 +69,7 @@ pub(super) async fn probe(
     };
     for call in [&acquire as &dyn Fn() -> _, &release] {
         reply(&store.pool, call).await.map_err(|e| match e {
-            super::error::MySqlError::Sqlx(e) => refused(e, use_table()),
+            super::error::MySqlError::Sqlx(e) => refused(e),
             unexpected => connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options),
         })?;
     }
@@ -90,7 +77,7 @@ pub(super) async fn probe(
         .bind(&name)
         .execute(&store.pool)
         .await
-        .map_err(|e| refused(e, use_table()))?;
+        .map_err(refused)?;
     let killed = may_kill(&store.pool, options)
         .await
         .map_err(|e| connect_failure(e, options))?;
@@ -102,6 +89,29 @@ pub(super) async fn probe(
             .to_owned(),
         source: Box::new(e),
     })
+}
+
+/// The build error for a failed call to the lock tables or procedures: a user without the
+/// rights to use them, a server that refuses writes, or a failed connection.
+pub(super) fn call_failure(
+    e: sqlx::Error,
+    options: &MySqlConnectOptions,
+    table: &str,
+) -> BuildError {
+    match number(&e) {
+        // Access denied to a table, a column or a routine.
+        Some(1142 | 1143 | 1370) => BuildError::Rights {
+            user: options.get_username().to_owned(),
+            addr: addr(options),
+            right: format!("use the lock table `{table}` and its procedures"),
+            source: Box::new(e),
+        },
+        // The server runs with read_only (or is in read-only mode).
+        Some(1290 | 1836 | 1792) => BuildError::ReadOnly {
+            reason: "the server refuses writes (read_only is on: a replica?)",
+        },
+        _ => connect_failure(e, options),
+    }
 }
 
 /// Where `options` connect, as errors name it: `host:port`.

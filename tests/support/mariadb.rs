@@ -63,6 +63,7 @@ impl MariaDbServer {
         };
         for _ in 0..ATTEMPTS {
             if server.spawn(free_port()?)? {
+                server.client("CREATE DATABASE test")?;
                 return Ok(server);
             }
         }
@@ -97,6 +98,24 @@ impl MariaDbServer {
         self.port = port;
         self.child = Some(child);
         self.wait_until_ready()
+    }
+
+    /// Runs `sql` with the `mariadb` client, as root.
+    pub fn client(&self, sql: &str) -> Result<(), String> {
+        let out = Command::new("mariadb")
+            .args(["--no-defaults", "-uroot", "-h127.0.0.1"])
+            .arg(format!("-P{}", self.port))
+            .args(["-e", sql])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("could not run the mariadb client: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{sql}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(())
     }
 
     /// Waits until this server's log says it is ready for connections on its port, so
@@ -165,8 +184,8 @@ impl MariaDbServer {
 
     /// A global status counter (`SHOW GLOBAL STATUS LIKE name`).
     pub async fn status(&self, name: &str) -> u64 {
-        let (_, value) = sqlx::query_as::<_, (String, String)>("SHOW GLOBAL STATUS LIKE ?")
-            .bind(name)
+        let show = format!("SHOW GLOBAL STATUS LIKE '{name}'");
+        let (_, value) = sqlx::query_as::<_, (String, String)>(&show)
             .fetch_one(&mut self.conn().await)
             .await
             .expect("global status");
@@ -177,8 +196,7 @@ impl MariaDbServer {
         self.port
     }
 
-    /// `mysql://root@127.0.0.1:PORT/test` (the `test` database, created by
-    /// [`shared`]).
+    /// `mysql://root@127.0.0.1:PORT/test` (the `test` database, created at start).
     pub fn url(&self) -> String {
         self.url_as("root", "")
     }
@@ -246,33 +264,13 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("free port: {e}"))
 }
 
-/// The server this test binary's MariaDB tests share, with a `test` database: started by
-/// the first test that asks, and stopped (its files removed) when the binary exits. Tests
+/// The server this test binary's MariaDB tests share: started by the first test that asks, and stopped (its files removed) when the binary exits. Tests
 /// keep apart by namespace.
 pub fn shared() -> &'static MariaDbServer {
     static SERVER: OnceLock<MariaDbServer> = OnceLock::new();
     SERVER.get_or_init(|| {
         let mut server = MariaDbServer::start();
         server.reap_at_exit();
-        let url = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
-        // Its own thread: this may run inside a test's runtime.
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                use sqlx::{Connection, Executor};
-                let mut conn = sqlx::MySqlConnection::connect(&url)
-                    .await
-                    .expect("connect to the test MariaDB");
-                conn.execute("CREATE DATABASE IF NOT EXISTS test")
-                    .await
-                    .expect("create the test database");
-            })
-        })
-        .join()
-        .expect("the test database is created");
         server
     })
 }
