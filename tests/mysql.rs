@@ -12,19 +12,11 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::routing::post;
-use support::mariadb::{self, MariaDbServer};
+use support::mariadb::{self, MariaDbServer, fresh_database};
 use tower_lock::{BuildError, LockLayer, MySqlBackend};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
-
-/// A database of its own on the shared server; its URL (as root).
-async fn fresh_database() -> String {
-    let server = mariadb::shared();
-    let name = format!("db_{}", uuid::Uuid::new_v4().simple());
-    server.execute(&format!("CREATE DATABASE {name}")).await;
-    server.url().replace("/test", &format!("/{name}"))
-}
 
 async fn rows(url: &str, table: &str) -> i64 {
     use sqlx::Connection;

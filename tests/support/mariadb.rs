@@ -296,6 +296,14 @@ pub fn builder(namespace: &str) -> tower_lock::MySqlBackendBuilder {
         .migrate()
 }
 
+/// A database of its own on [`shared`] (empty: no lock tables); its URL, as root.
+pub async fn fresh_database() -> String {
+    let server = shared();
+    let name = format!("db_{}", uuid::Uuid::new_v4().simple());
+    server.execute(&format!("CREATE DATABASE {name}")).await;
+    server.url().replace("/test", &format!("/{name}"))
+}
+
 /// A namespace no other test uses.
 pub fn fresh_namespace() -> String {
     format!("test-{}", uuid::Uuid::new_v4().simple())
