@@ -38,8 +38,9 @@
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
-//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`) and
-//!   [`MemoryBackend`]: where locks live ([`LockBackend`]).
+//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
+//!   `MySqlBackend` (feature `mysql`) and [`MemoryBackend`]: where locks live
+//!   ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
@@ -65,6 +66,11 @@
     feature = "postgres",
     doc = "- [PostgreSQL](guide::postgres): the PostgreSQL store, its schema, rights and failures."
 )]
+#![cfg_attr(
+    feature = "mysql",
+    doc = "- [MySQL and MariaDB](guide::mysql): the MySQL store, its schema, how waiters are \
+           woken without polling, users and `KILL`, MySQL 8 and MariaDB, failures."
+)]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Metrics](guide::metrics): the `metrics` feature, its metrics and labels.
@@ -87,6 +93,10 @@
 //!
 //! The `postgres` feature (off by default) adds `PostgresBackend`: the same locks in a
 //! table of a PostgreSQL database, through sqlx, waiters woken by `LISTEN`/`NOTIFY`.
+//!
+//! The `mysql` feature (off by default) adds `MySqlBackend`: the same locks in InnoDB
+//! tables of a MySQL 8 or MariaDB database, through sqlx, waiters woken by a parked
+//! connection that a release interrupts.
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
@@ -170,7 +180,8 @@ pub mod guide {
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
                  [performance]: crate::guide::performance\n",
-                postgres_link!()
+                postgres_link!(),
+                mysql_link!()
             )
         };
     }
@@ -189,6 +200,23 @@ pub mod guide {
     macro_rules! postgres_link {
         () => {
             "[postgres]: https://docs.rs/tower-lock/latest/tower_lock/guide/postgres/index.html\n"
+        };
+    }
+
+    /// The MySQL guide is a page here only with the `mysql` feature; without it, links to
+    /// it go to the documentation built with every feature.
+    #[cfg(feature = "mysql")]
+    macro_rules! mysql_link {
+        () => {
+            "[mysql]: crate::guide::mysql\n"
+        };
+    }
+
+    /// See the `mysql` feature's form above.
+    #[cfg(not(feature = "mysql"))]
+    macro_rules! mysql_link {
+        () => {
+            "[mysql]: https://docs.rs/tower-lock/latest/tower_lock/guide/mysql/index.html\n"
         };
     }
 
@@ -229,6 +257,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/postgres.md")]
     pub mod postgres {}
+
+    #[cfg(feature = "mysql")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/mysql.md")]
+    pub mod mysql {}
 }
 
 /// The README's examples, compiled and run as doctests.

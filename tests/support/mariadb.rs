@@ -2,7 +2,7 @@
 //! loopback port with its socket in that dir, stopped when dropped (SIGTERM, then SIGKILL
 //! if it is not gone within [`STOP_BOUND`]). Nothing here touches a MariaDB it did not
 //! start: the machine's own (on 3306) is never used, and `--no-defaults` keeps the
-//! machine's option files out.
+//! machine's option files out. As root (CI), both programs run with `--user=root`.
 //!
 //! Grants are kept (no `--skip-grant-tables`), so that tests can create users without
 //! rights and see `build()` refuse them.
@@ -37,8 +37,9 @@ impl MariaDbServer {
 
     fn try_start() -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
-        let out = Command::new("mariadb-install-db")
-            .args(["--no-defaults", "--user=root", "--skip-test-db"])
+        let out = Command::new(program("mariadb-install-db"))
+            .args(["--no-defaults", "--skip-test-db"])
+            .args(as_root())
             .arg("--auth-root-authentication-method=normal")
             .arg(format!("--datadir={}", dir.path().join("data").display()))
             .stdin(Stdio::null())
@@ -77,8 +78,9 @@ impl MariaDbServer {
     /// taken).
     fn spawn(&mut self, port: u16) -> Result<bool, String> {
         let dir = self.dir.path();
-        let child = Command::new("mariadbd")
-            .args(["--no-defaults", "--user=root", "--bind-address=127.0.0.1"])
+        let child = Command::new(program("mariadbd"))
+            .args(["--no-defaults", "--bind-address=127.0.0.1"])
+            .args(as_root())
             .arg(format!("--port={port}"))
             .arg(format!("--datadir={}", dir.join("data").display()))
             .arg(format!("--socket={}", dir.join("sock").display()))
@@ -255,6 +257,27 @@ impl Drop for MariaDbServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `name` on `PATH`, else in `/usr/sbin` (where Debian puts `mariadbd`, off a plain user's
+/// `PATH`).
+fn program(name: &str) -> std::path::PathBuf {
+    let sbin = std::path::Path::new("/usr/sbin").join(name);
+    let on_path = std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .any(|dir| dir.join(name).is_file());
+    if on_path || !sbin.is_file() {
+        name.into()
+    } else {
+        sbin
+    }
+}
+
+/// `--user=root` when this process runs as root: the server refuses root without it.
+fn as_root() -> Option<&'static str> {
+    let uid = Command::new("id").arg("-u").output().ok()?;
+    (String::from_utf8_lossy(&uid.stdout).trim() == "0").then_some("--user=root")
 }
 
 fn free_port() -> Result<u16, String> {
