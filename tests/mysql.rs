@@ -44,8 +44,7 @@ async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_c
     // migrate() creates it, and running it again (another instance starting) changes
     // nothing; a backend without migrate() then builds.
     for _ in 0..2 {
-        MySqlBackend::builder(&url)
-            .migrate()
+        mariadb::builder_on(&url)
             .build()
             .await
             .expect("migrate creates the schema");
@@ -70,6 +69,7 @@ async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_c
     assert!(client.wait().expect("the client ends").success());
     let backend = MySqlBackend::builder(&url)
         .table("locks")
+        .connect_timeout(Duration::from_secs(10))
         .build()
         .await
         .expect("the schema applied by hand");
@@ -94,8 +94,7 @@ async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_ser
              CREATE PROCEDURE old.tower_lock_schema_version() SELECT 0",
         )
         .await;
-    MySqlBackend::builder(server.url())
-        .migrate()
+    mariadb::builder_on(&server.url())
         .build()
         .await
         .expect("the schema");
@@ -135,8 +134,7 @@ async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them()
     const NAMES: usize = 10_000;
     let url = fresh_database().await;
     let fence_ttl = Duration::from_secs(1);
-    let backend = MySqlBackend::builder(&url)
-        .migrate()
+    let backend = mariadb::builder_on(&url)
         .fence_ttl(fence_ttl)
         .build()
         .await
@@ -239,9 +237,8 @@ async fn three_instances_sell_exactly_the_stock() {
     let mut addrs = Vec::new();
     let namespace = mariadb::fresh_namespace();
     for _ in 0..3 {
-        let backend = MySqlBackend::builder(&url)
+        let backend = mariadb::builder_on(&url)
             .namespace(&namespace)
-            .migrate()
             .build()
             .await
             .expect("backend");
@@ -273,8 +270,7 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     // A server of its own: its global counters count this test's statements only.
     let server = MariaDbServer::start();
     let instance = || async {
-        MySqlBackend::builder(server.url())
-            .migrate()
+        mariadb::builder_on(&server.url())
             // The wake connections' park, their one statement per interval, lasts longer
             // than the test: any statement in the window below is a poll.
             .wake_ping_interval(Duration::from_secs(120))
@@ -330,6 +326,11 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
             .expect("served")
             .expect("no panic")
             .expect("acquired after the release, and released");
+    }
+    // Woken by the release through the parked connections, which stayed up: a wake-up
+    // that broke them would have served the waiters through the reconnect instead.
+    for backend in &waiting {
+        assert_eq!(backend.stats().subscriber_connections_made, 1);
     }
 }
 

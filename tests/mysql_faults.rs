@@ -54,11 +54,7 @@ async fn scalar(url: &str, sql: &str) -> i64 {
 #[tokio::test]
 async fn a_holder_killed_with_sigkill_loses_its_lock_at_its_expiry_and_no_sooner() {
     let url = fresh_database().await;
-    let backend = MySqlBackend::builder(&url)
-        .migrate()
-        .build()
-        .await
-        .expect("backend");
+    let backend = mariadb::builder_on(&url).build().await.expect("backend");
     let mut holder = ChildProcess::spawn("child_process", "holder", &[(URL, url.clone())]);
     let report = holder
         .next_report()
@@ -127,8 +123,7 @@ async fn the_wake_connection_killed_while_requests_wait_all_are_served_after_the
     // A database of its own: every waiter row in it is one of this test's backends'.
     let url = fresh_database().await;
     let instance = || async {
-        MySqlBackend::builder(&url)
-            .migrate()
+        mariadb::builder_on(&url)
             // Parks longer than the test: only a wake-up or a reconnect ends one.
             .wake_ping_interval(Duration::from_secs(120))
             .build()
@@ -193,8 +188,7 @@ async fn the_server_restarted_mid_run_answers_503_then_serves_with_no_double_hol
     let overlaps = Arc::new(AtomicU64::new(0));
     let mut addrs = Vec::new();
     for _ in 0..3 {
-        let backend = MySqlBackend::builder(server.url())
-            .migrate()
+        let backend = mariadb::builder_on(&server.url())
             .build()
             .await
             .expect("backend");

@@ -49,8 +49,9 @@ use crate::lock::inspect::LockInfo;
 /// (`namespace:{key}`, the primary key), the holder and its re-entry count, the lease's
 /// end on the server's clock (`UTC_TIMESTAMP(6)`), and the fencing counter; shared
 /// holders and semaphore permits are rows of `tower_lock_holders`, each with its own
-/// lease. Every operation is one `CALL` of one of the crate's stored procedures (see
-/// `src/mysql/schema.sql`), which runs one short transaction that locks the name's row: no
+/// lease. Every operation is one statement or one `CALL` of one of the crate's stored
+/// procedures (see `src/mysql/schema.sql`), which runs one short transaction that locks
+/// the name's row: no
 /// transaction stays open while a lock is held, so a held lock never pins a pooled
 /// connection, unlike `GET_LOCK`, which is bound to its session.
 ///

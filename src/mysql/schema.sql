@@ -81,27 +81,28 @@ SELECT 1 //
 
 -- Marks the waiters of p_channel woken and cuts their wake connections' SLEEP short.
 -- Called after the release's COMMIT: a wake connection that looks after this finds its
--- row woken, one that is parked already is interrupted. A connection that is gone, or
--- that this user may not KILL (another user without CONNECTION ADMIN), is skipped.
+-- row woken, one that is parked already is interrupted. Only rows not woken yet are
+-- interrupted: a row still marked has a KILL on its way or being read, and a KILL waits
+-- for its target, so that concurrent ones would queue up behind each other. A connection
+-- that is gone, or that this user may not KILL (another user without CONNECTION ADMIN),
+-- is skipped.
 DROP PROCEDURE IF EXISTS tower_lock_wake //
 CREATE PROCEDURE tower_lock_wake(p_channel VARBINARY(32)) SQL SECURITY INVOKER
 BEGIN
-    DECLARE done INT DEFAULT 0;
-    DECLARE c BIGINT UNSIGNED;
-    DECLARE conns CURSOR FOR SELECT conn FROM tower_lock_waiters WHERE channel = p_channel;
-    DECLARE CONTINUE HANDLER FOR NOT FOUND SET done = 1;
+    DECLARE conns TEXT;
+    DECLARE c VARCHAR(21);
     -- Unknown thread id, not the owner of the thread.
     DECLARE CONTINUE HANDLER FOR 1094, 1095 BEGIN END;
-    UPDATE tower_lock_waiters SET woken = 1 WHERE channel = p_channel;
-    OPEN conns;
-    next_conn: LOOP
-        FETCH conns INTO c;
-        IF done THEN
-            LEAVE next_conn;
-        END IF;
-        KILL QUERY c;
-    END LOOP;
-    CLOSE conns;
+    START TRANSACTION;
+    SELECT GROUP_CONCAT(conn) INTO conns FROM tower_lock_waiters
+    WHERE channel = p_channel AND woken = 0 FOR UPDATE;
+    UPDATE tower_lock_waiters SET woken = 1 WHERE channel = p_channel AND woken = 0;
+    COMMIT;
+    WHILE conns IS NOT NULL AND conns <> '' DO
+        SET c = SUBSTRING_INDEX(conns, ',', 1);
+        SET conns = IF(LOCATE(',', conns) > 0, SUBSTRING(conns, LOCATE(',', conns) + 1), '');
+        KILL QUERY CAST(c AS UNSIGNED);
+    END WHILE;
 END //
 
 -- The row of `p_name`, created if missing, locked until the transaction ends.

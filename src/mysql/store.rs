@@ -40,8 +40,15 @@ pub(crate) struct MySqlStore {
 }
 
 /// The statements of the lock protocol, for the table's procedures.
+///
+/// The common cases, a free lock taken and a lone hold freed with nobody waiting, are
+/// single plain statements (`acquire_free`, `release_last`): a `CALL` runs several
+/// statements on the server, each with its own overhead. When one finds its case does not
+/// apply it changes nothing, and the procedure that covers every case runs next.
 pub(crate) struct Statements {
+    acquire_free: String,
     pub(crate) acquire: String,
+    release_last: String,
     pub(crate) release: String,
     renew: String,
     shared_acquire: String,
@@ -56,8 +63,44 @@ pub(crate) struct Statements {
 
 impl Statements {
     pub(crate) fn new(table: &str) -> Self {
+        // Microseconds since the epoch on the server's clock: the tokens' floor.
+        let clock = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))";
         Statements {
+            // A new name, or a free row not left to another waiting instance; as
+            // {table}_acquire's path for them. The token comes back as the statement's
+            // LAST_INSERT_ID; 0 when the lock was not free (nothing changed). `@tl_free`
+            // keeps the condition as the row was: later assignments see earlier ones.
+            acquire_free: format!(
+                "INSERT INTO {table} (name, owner, count, expires, token, fence, touched) \
+                 VALUES (?, ?, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+                     LAST_INSERT_ID({clock}), {clock} + ?, UTC_TIMESTAMP(6)) \
+                 ON DUPLICATE KEY UPDATE \
+                 token = IF(@tl_free := ((owner IS NULL OR expires <= UTC_TIMESTAMP(6)) \
+                         AND readers = 0 AND writers = 0 AND NOT (? AND waiter IS NOT NULL \
+                         AND waiter <> ? AND waiter_until > UTC_TIMESTAMP(6))), \
+                     LAST_INSERT_ID(GREATEST(fence + 1, {clock})), \
+                     token + LAST_INSERT_ID(0)), \
+                 fence = IF(@tl_free, token + ?, fence), \
+                 owner = IF(@tl_free, VALUES(owner), owner), \
+                 count = IF(@tl_free, 1, count), \
+                 expires = IF(@tl_free, VALUES(expires), expires), \
+                 undone = IF(@tl_free, NULL, undone), \
+                 touched = IF(@tl_free, VALUES(touched), touched), \
+                 waiter = IF(@tl_free AND waiter = ?, NULL, waiter)"
+            ),
             acquire: format!("CALL {table}_acquire(?, ?, ?, ?, ?, ?, ?)"),
+            // The holder's only hold, nobody reading, no waiter registered anywhere:
+            // freed, and nobody to wake; as {table}_release's last path.
+            release_last: format!(
+                "UPDATE {table} \
+                 SET token = IFNULL(?, token), fence = GREATEST(fence, token), owner = NULL, \
+                     count = 0, expires = NULL, undone = NULL, touched = UTC_TIMESTAMP(6) \
+                 WHERE name = ? AND owner = ? AND count = 1 \
+                     AND expires > UTC_TIMESTAMP(6) AND readers = 0 \
+                     AND LOCATE(CONCAT(CHAR(10), ?, CHAR(10)), \
+                         CONCAT(CHAR(10), IFNULL(undone, ''))) = 0 \
+                     AND NOT EXISTS (SELECT 1 FROM {table}_waiters WHERE channel = ?)"
+            ),
             release: format!("CALL {table}_release(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
             renew: format!("CALL {table}_renew(?)"),
             shared_acquire: format!("CALL {table}_shared_acquire(?, ?, ?, ?)"),
@@ -142,6 +185,34 @@ impl Store for MySqlStore {
             let lease = millis(attempt.lease);
             let holder = attempt.holder.as_str();
             let sql = &store.sql;
+            if attempt.kind == Kind::Exclusive {
+                let taken = sqlx::query(&sql.acquire_free)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(lease.saturating_mul(1000))
+                    .bind(token(attempt.reserve))
+                    .bind(attempt.yielding)
+                    .bind(&store.instance)
+                    .bind(token(attempt.reserve))
+                    .bind(&store.instance)
+                    .execute(&store.pool)
+                    .await;
+                match taken.map(|done| done.last_insert_id()) {
+                    Ok(0) => {}
+                    Ok(token) => {
+                        let acquired = Attempted::Acquired { token, count: 1 };
+                        return (Ok(acquired), Some(()));
+                    }
+                    Err(e) => {
+                        // Rolled back by InnoDB: it changed nothing, and the procedure
+                        // below is sent (and retried) instead.
+                        let e = MySqlError::from(e);
+                        if !e.rolled_back() {
+                            return (Err(e), Some(()));
+                        }
+                    }
+                }
+            }
             let make = || match attempt.kind {
                 Kind::Exclusive => sqlx::query_scalar(&sql.acquire)
                     .bind(&*key.name)
@@ -175,6 +246,29 @@ impl Store for MySqlStore {
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, MySqlError>> {
         Box::pin(async move {
+            if release.kind == Kind::Exclusive
+                && release.successor.is_none()
+                && release.only_token.is_none()
+            {
+                let freed = sqlx::query(&self.sql.release_last)
+                    .bind(release.issued.map(token))
+                    .bind(&*key.name)
+                    .bind(release.holder.as_str())
+                    .bind(release.release_id)
+                    .bind(&key.channel)
+                    .execute(&self.pool)
+                    .await;
+                match freed {
+                    Ok(done) if done.rows_affected() == 1 => return Ok(Released::Freed),
+                    Ok(_) => {}
+                    Err(e) => {
+                        let e = MySqlError::from(e);
+                        if !e.rolled_back() {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
             let make = || match release.kind {
                 Kind::Exclusive => sqlx::query_scalar(&self.sql.release)
                     .bind(&*key.name)

@@ -214,11 +214,15 @@ impl Task {
                 Err(e) => return Err(format!("park failed: {e}")),
             }
             *proven = true;
-            let channels = sqlx::query_scalar::<_, String>(&woken)
+            // VARBINARY: bytes, which are the channel's ASCII name.
+            let channels = sqlx::query_scalar::<_, Vec<u8>>(&woken)
                 .bind(id)
                 .fetch_all(&mut *conn);
             let channels = match timeout(self.config.command_timeout, channels).await {
-                Ok(Ok(channels)) => channels,
+                Ok(Ok(channels)) => channels
+                    .into_iter()
+                    .map(|c| String::from_utf8_lossy(&c).into_owned())
+                    .collect::<Vec<_>>(),
                 // A KILL QUERY that came meanwhile: look again.
                 Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => continue,
                 Ok(Err(e)) => return Err(format!("reading wake-ups failed: {e}")),

@@ -314,9 +314,16 @@ pub async fn backend_in(namespace: &str) -> tower_lock::MySqlBackend {
 
 /// The builder of [`backend_in`], to set more before building.
 pub fn builder(namespace: &str) -> tower_lock::MySqlBackendBuilder {
-    tower_lock::MySqlBackend::builder(shared().url())
-        .namespace(namespace)
+    builder_on(&shared().url()).namespace(namespace)
+}
+
+/// A builder for the database at `url`, migrating it, with a connect timeout that only
+/// catches hangs: on a loaded machine (the tests of a binary start their backends at once,
+/// on two cores) a new connection has been seen to take over the default second.
+pub fn builder_on(url: &str) -> tower_lock::MySqlBackendBuilder {
+    tower_lock::MySqlBackend::builder(url)
         .migrate()
+        .connect_timeout(Duration::from_secs(10))
 }
 
 /// A database of its own on [`shared`] (empty: no lock tables); its URL, as root.
