@@ -89,17 +89,23 @@ impl Statements {
                  waiter = IF(@tl_free AND waiter = ?, NULL, waiter)"
             ),
             acquire: format!("CALL {table}_acquire(?, ?, ?, ?, ?, ?, ?)"),
-            // The holder's only hold, nobody reading, no waiter registered anywhere:
-            // freed, and nobody to wake; as {table}_release's last path.
+            // The holder's only hold, nobody reading, no instance waiting and no waiter
+            // registered anywhere: freed, and nobody to wake; as {table}_release's last
+            // path. A waiting instance marks the row itself (`waiter`), which this
+            // statement reads under its row lock. The look-up of registered waiters names
+            // the row, so that it runs once the row is locked and sees every registration
+            // committed before (not at the statement's start, as a constant would).
             release_last: format!(
                 "UPDATE {table} \
                  SET token = IFNULL(?, token), fence = GREATEST(fence, token), owner = NULL, \
                      count = 0, expires = NULL, undone = NULL, touched = UTC_TIMESTAMP(6) \
                  WHERE name = ? AND owner = ? AND count = 1 \
                      AND expires > UTC_TIMESTAMP(6) AND readers = 0 \
+                     AND (waiter IS NULL OR waiter_until <= UTC_TIMESTAMP(6)) \
                      AND LOCATE(CONCAT(CHAR(10), ?, CHAR(10)), \
                          CONCAT(CHAR(10), IFNULL(undone, ''))) = 0 \
-                     AND NOT EXISTS (SELECT 1 FROM {table}_waiters WHERE channel = ?)"
+                     AND NOT EXISTS (SELECT 1 FROM {table}_waiters w \
+                         WHERE w.channel = ? AND {table}.readers = 0)"
             ),
             release: format!("CALL {table}_release(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
             renew: format!("CALL {table}_renew(?)"),

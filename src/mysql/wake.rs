@@ -4,7 +4,9 @@
 //! The connection registers `(channel, CONNECTION_ID())` in the waiters table for every key
 //! with waiters in this process (through the command pool, so that registering does not
 //! disturb the park), then parks in one statement:
-//! `SELECT IF(EXISTS(<a row of this connection marked woken>), 0, SLEEP(n))`. A release that
+//! `SELECT IF(EXISTS(<a row of this connection marked woken>), 0, GET_LOCK(gate, n))`, on a
+//! named lock that a second connection of the backend (the gate) holds for as long as it
+//! lives. A release that
 //! frees a key with waiters marks their rows woken once it has committed, then sends
 //! `KILL QUERY` to their connections (`tower_lock_wake` in schema.sql): a park that was
 //! running is interrupted, and one that starts later finds its rows woken, so no wake-up
@@ -122,11 +124,24 @@ impl Task {
                 _ = shutdown.cancelled() => return,
                 c = timeout(self.config.connect_timeout, MySqlConnection::connect_with(&options)) => c,
             };
+            // The gate: a second connection holding the named lock the first parks on.
+            let connected = match connected {
+                Ok(Ok(conn)) => {
+                    let gate = MySqlConnection::connect_with(&options);
+                    match timeout(self.config.connect_timeout, gate).await {
+                        Ok(Ok(gate)) => Ok(Ok((conn, gate))),
+                        Ok(Err(e)) => Ok(Err(e)),
+                        Err(e) => Err(e),
+                    }
+                }
+                Ok(Err(e)) => Ok(Err(e)),
+                Err(e) => Err(e),
+            };
             match connected {
-                Ok(Ok(mut conn)) => {
+                Ok(Ok((mut conn, mut gate))) => {
                     let mut proven = false;
                     let ended = self
-                        .serve(&mut conn, &mut last_id, &shutdown, &mut proven)
+                        .serve((&mut conn, &mut gate), &mut last_id, &shutdown, &mut proven)
                         .await;
                     self.wakeups.disconnected();
                     if proven {
@@ -152,7 +167,7 @@ impl Task {
     /// replaced. Sets `proven` once the connection registered and parked.
     async fn serve(
         &self,
-        conn: &mut MySqlConnection,
+        (conn, gate): (&mut MySqlConnection, &mut MySqlConnection),
         last_id: &mut Option<u64>,
         shutdown: &CancellationToken,
         proven: &mut bool,
@@ -178,22 +193,38 @@ impl Task {
                 .execute(&mut *conn),
         )
         .await?;
+        let gate_name = format!("tower-lock gate {id}");
+        let held = self
+            .bounded(
+                "gate",
+                sqlx::query_scalar::<_, Option<i64>>("SELECT GET_LOCK(?, 0)")
+                    .bind(&gate_name)
+                    .fetch_one(&mut *gate),
+            )
+            .await?;
+        if held != Some(1) {
+            return Err("the gate's named lock is taken".to_owned());
+        }
         self.wakeups.connected();
         tracing::debug!(id, "lock wake connection up");
         self.recheck.raise("the wake connection was (re)opened");
+        // GET_LOCK on the gate's lock, not SLEEP: MariaDB interrupts a SLEEP through one
+        // mutex that every SLEEP shares, and gives up after a few tries when it is busy (the
+        // SLEEP then runs to its end), while a lock wait has a mutex of its own.
         let park = format!(
             "SELECT IF(EXISTS(SELECT 1 FROM {waiters} WHERE conn = ? AND woken = 1), 0, \
-             SLEEP(?))"
+             GET_LOCK(?, ?))"
         );
         let woken = format!("SELECT channel FROM {waiters} WHERE conn = ? AND woken = 1");
         let park_bound = self.config.park + self.config.command_timeout;
         loop {
             self.reconcile(id).await?;
             let ended = {
-                let parked = sqlx::query(&park)
+                let parked = sqlx::query_scalar::<_, Option<i64>>(&park)
                     .bind(id)
+                    .bind(&gate_name)
                     .bind(self.config.park.as_secs_f64())
-                    .execute(&mut *conn);
+                    .fetch_one(&mut *conn);
                 tokio::pin!(parked);
                 let deadline = Instant::now() + park_bound;
                 loop {
@@ -209,6 +240,8 @@ impl Task {
                 }
             };
             match ended {
+                // The gate is gone (its connection dropped): the park would not wait.
+                Ok(Some(1)) => return Err("the gate's connection was lost".to_owned()),
                 Ok(_) => {}
                 Err(e) if number(&e) == Some(INTERRUPTED) => {}
                 Err(e) => return Err(format!("park failed: {e}")),
