@@ -144,8 +144,8 @@ impl MySqlBackendBuilder {
         self
     }
 
-    /// How long the wake connection's park lasts at most (default 2 s): its one statement
-    /// per interval is its ping, so a half-open connection is noticed within this plus
+    /// How long the wake connection's park lasts at most (default 2 s, at least 1 s): its
+    /// one statement per interval is its ping, so a half-open connection is noticed within this plus
     /// the command timeout, and its waiters are woken.
     pub fn wake_ping_interval(mut self, interval: Duration) -> Self {
         self.ping_interval = interval;
@@ -260,8 +260,9 @@ impl MySqlBackendBuilder {
         if self.fence_ttl < Duration::from_secs(1) {
             return refuse("fence_ttl", "it must be at least one second");
         }
-        if self.ping_interval < Duration::from_millis(10) {
-            return refuse("wake_ping_interval", "it must be at least 10 ms");
+        // MySQL's GET_LOCK takes whole seconds.
+        if self.ping_interval < Duration::from_secs(1) {
+            return refuse("wake_ping_interval", "it must be at least one second");
         }
         Ok(())
     }

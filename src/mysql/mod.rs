@@ -55,7 +55,8 @@ use crate::lock::inspect::LockInfo;
 /// transaction stays open while a lock is held, so a held lock never pins a pooled
 /// connection, unlike `GET_LOCK`, which is bound to its session.
 ///
-/// Waiting polls nothing. Each backend keeps one wake connection parked in a `SLEEP` and
+/// Waiting polls nothing. Each backend keeps one wake connection parked (waiting for a
+/// named lock that a second connection of the backend holds) and
 /// registered in `tower_lock_waiters` for the keys its tasks wait for; a release that
 /// frees such a key marks the rows woken and cuts the parked statements short with
 /// `KILL QUERY`. Every instance must therefore connect as the same MySQL user (or one

@@ -16,9 +16,9 @@
 -- happened (see each procedure).
 --
 -- Waiters: each backend parks one connection (its wake connection) in
--- SELECT ... SLEEP(n) and registers (channel, CONNECTION_ID()) in tower_lock_waiters for
+-- SELECT ... GET_LOCK(gate, n), a named lock its second connection holds, and registers (channel, CONNECTION_ID()) in tower_lock_waiters for
 -- the keys it waits for. A release that frees a name with waiters marks their rows woken
--- once it has committed and cuts their connections' SLEEP short with KILL QUERY (see
+-- once it has committed and cuts their connections' wait short with KILL QUERY (see
 -- tower_lock_wake): the waiting costs no statements, and the uncontended path no more
 -- than the look-up of the name's waiters inside the CALL.
 
@@ -79,7 +79,7 @@ DROP PROCEDURE IF EXISTS tower_lock_schema_version //
 CREATE PROCEDURE tower_lock_schema_version() SQL SECURITY INVOKER
 SELECT 1 //
 
--- Marks the waiters of p_channel woken and cuts their wake connections' SLEEP short.
+-- Marks the waiters of p_channel woken and cuts their wake connections' park short.
 -- Called after the release's COMMIT: a wake connection that looks after this finds its
 -- row woken, one that is parked already is interrupted. Only rows not woken yet are
 -- interrupted: a row still marked has a KILL on its way or being read, and a KILL waits
