@@ -7,7 +7,8 @@
 //!
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
-//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres` and `metrics`; a table runs when
+//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql` and
+//! `metrics`; a table runs when
 //! its name contains one of the arguments, and every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -22,8 +23,14 @@ mod family;
 #[path = "parts/sweep.rs"]
 mod sweep;
 
+#[path = "parts/sql.rs"]
+mod sql;
+
 #[path = "parts/postgres.rs"]
 mod postgres;
+
+#[path = "parts/mysql.rs"]
+mod mysql;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
@@ -38,7 +45,7 @@ use axum::routing::post;
 use redis::aio::MultiplexedConnection;
 use support::RedisServer;
 use tower::ServiceExt;
-use tower_lock::{LockLayer, PostgresBackend, RedisBackend};
+use tower_lock::{LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend};
 
 /// Counts live heap bytes, to report the memory one waiter costs.
 struct CountingAlloc;
@@ -138,6 +145,9 @@ async fn run() -> String {
     if wanted.has("postgres") {
         out += &postgres::postgres(&server, Duration::from_secs_f64(secs)).await;
     }
+    if wanted.has("mysql") {
+        out += &mysql::mysql(&server, Duration::from_secs_f64(secs)).await;
+    }
     // Last: it installs the process's metrics recorder, which every later figure would pay.
     if wanted.has("metrics") {
         out += &metrics_cost().await;
@@ -212,22 +222,14 @@ async fn uncontended(server: &RedisServer) -> String {
         Percentiles::of(locks),
     );
     let mut out = String::from("### Uncontended acquire + release\n\n");
-    out += "| | p50 | p99 |\n|---|---|---|\n";
-    for (name, latency) in [
+    out += &latency_table(&[
         ("Redis PING round trip", &ping),
         (
             "two EVALSHA of `return 1` (the floor of one script per step)",
             &script,
         ),
         ("tower-lock `try_once` + `release`", &lock),
-    ] {
-        let _ = writeln!(
-            out,
-            "| {name} | {} | {} |",
-            us(latency.p50),
-            us(latency.p99)
-        );
-    }
+    ]);
     let _ = writeln!(
         out,
         "\nRound trips per acquire + release (p50 / PING p50): **{:.2}** (target <= 2.5); \
@@ -249,6 +251,7 @@ enum Contender {
     Rslock(rslock::LockManager),
     SetNx(MultiplexedConnection),
     Postgres(PostgresBackend),
+    MySql(MySqlBackend),
 }
 
 /// Compare-and-delete for the SET NX peer: the usual release of a SET NX lock.
@@ -266,18 +269,9 @@ impl Contender {
                 shared.critical(section).await;
                 drop(guard);
             }
-            Contender::TowerLock(backend) => {
-                let guard = backend.lock(HOT_KEY).lease(LEASE).wait(WAIT).await.unwrap();
-                waits.push(t.elapsed());
-                shared.critical(section).await;
-                guard.release().await.unwrap();
-            }
-            Contender::Postgres(backend) => {
-                let guard = backend.lock(HOT_KEY).lease(LEASE).wait(WAIT).await.unwrap();
-                waits.push(t.elapsed());
-                shared.critical(section).await;
-                guard.release().await.unwrap();
-            }
+            Contender::TowerLock(backend) => tower_round(backend, t, section, shared, waits).await,
+            Contender::Postgres(backend) => tower_round(backend, t, section, shared, waits).await,
+            Contender::MySql(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::Rslock(manager) => {
                 let guard = manager.acquire(HOT_KEY.as_bytes(), LEASE).await.unwrap();
                 waits.push(t.elapsed());
@@ -312,6 +306,20 @@ impl Contender {
             }
         }
     }
+}
+
+/// One round of tower-lock on any store (`t`: when the round started).
+async fn tower_round(
+    backend: &impl LockBackend,
+    t: Instant,
+    section: Duration,
+    shared: &Shared,
+    waits: &mut Vec<Duration>,
+) {
+    let guard = backend.lock(HOT_KEY).lease(LEASE).wait(WAIT).await.unwrap();
+    waits.push(t.elapsed());
+    shared.critical(section).await;
+    guard.release().await.unwrap();
 }
 
 /// The state the critical sections guard: a read-modify-write that loses updates unless
@@ -401,7 +409,10 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
 
 impl HotRun {
     fn new(name: &'static str, instances: Vec<Contender>) -> Self {
-        let on_redis = !matches!(instances[0], Contender::Mutex(_) | Contender::Postgres(_));
+        let on_redis = !matches!(
+            instances[0],
+            Contender::Mutex(_) | Contender::Postgres(_) | Contender::MySql(_)
+        );
         HotRun {
             name,
             instances,
@@ -840,6 +851,20 @@ impl Percentiles {
             max: samples.last().copied().unwrap_or_default(),
         }
     }
+}
+
+/// A `| | p50 | p99 |` table with a row per named latency.
+fn latency_table(rows: &[(&str, &Percentiles)]) -> String {
+    let mut out = String::from("| | p50 | p99 |\n|---|---|---|\n");
+    for (name, latency) in rows {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} |",
+            us(latency.p50),
+            us(latency.p99)
+        );
+    }
+    out
 }
 
 fn us(d: Duration) -> String {

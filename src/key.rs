@@ -289,6 +289,17 @@ pub(crate) fn namespaced(namespace: &str, key: &str) -> String {
     out
 }
 
+/// A stable 64-bit FNV-1a hash of `name`, the same in every process and build (instances
+/// of several versions share a store): the SQL stores' short channel names.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn fnv1a(name: &str) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    name.bytes().fold(OFFSET, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(PRIME)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,8 +38,9 @@
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
-//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`) and
-//!   [`MemoryBackend`]: where locks live ([`LockBackend`]).
+//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
+//!   `MySqlBackend` (feature `mysql`) and [`MemoryBackend`]: where locks live
+//!   ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
 //!   does the same on the layer).
@@ -67,6 +68,11 @@
     feature = "postgres",
     doc = "- [PostgreSQL](guide::postgres): the PostgreSQL store, its schema, rights and failures."
 )]
+#![cfg_attr(
+    feature = "mysql",
+    doc = "- [MySQL and MariaDB](guide::mysql): the MySQL store, its schema, how waiters are \
+           woken without polling, users and `KILL`, MySQL 8 and MariaDB, failures."
+)]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
@@ -92,6 +98,10 @@
 //! The `postgres` feature (off by default) adds `PostgresBackend`: the same locks in a
 //! table of a PostgreSQL database, through sqlx, waiters woken by `LISTEN`/`NOTIFY`.
 //!
+//! The `mysql` feature (off by default) adds `MySqlBackend`: the same locks in InnoDB
+//! tables of a MySQL 8 or MariaDB database, through sqlx, waiters woken by a parked
+//! connection that a release interrupts.
+//!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
 //! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace, route and kind of
@@ -115,6 +125,8 @@ mod key;
 mod layer;
 mod lock;
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod redis;
@@ -151,6 +163,9 @@ pub use crate::lock::{
     MAX_DURATION,
 };
 pub use crate::memory::MemoryBackend;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
@@ -176,7 +191,8 @@ pub mod guide {
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
                  [performance]: crate::guide::performance\n",
-                postgres_link!()
+                postgres_link!(),
+                mysql_link!()
             )
         };
     }
@@ -195,6 +211,23 @@ pub mod guide {
     macro_rules! postgres_link {
         () => {
             "[postgres]: https://docs.rs/tower-lock/latest/tower_lock/guide/postgres/index.html\n"
+        };
+    }
+
+    /// The MySQL guide is a page here only with the `mysql` feature; without it, links to
+    /// it go to the documentation built with every feature.
+    #[cfg(feature = "mysql")]
+    macro_rules! mysql_link {
+        () => {
+            "[mysql]: crate::guide::mysql\n"
+        };
+    }
+
+    /// See the `mysql` feature's form above.
+    #[cfg(not(feature = "mysql"))]
+    macro_rules! mysql_link {
+        () => {
+            "[mysql]: https://docs.rs/tower-lock/latest/tower_lock/guide/mysql/index.html\n"
         };
     }
 
@@ -239,6 +272,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/postgres.md")]
     pub mod postgres {}
+
+    #[cfg(feature = "mysql")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/mysql.md")]
+    pub mod mysql {}
 }
 
 /// The README's examples, compiled and run as doctests.

@@ -1,7 +1,7 @@
 //! The operator calls, `inspect` and `force_release` (and their semaphore forms), written
 //! once and run against every store with three instances each: a throwaway redis-server
-//! (three backends, as three processes), the binary's PostgreSQL (three backends in a
-//! namespace of the test's own) and one `MemoryBackend` (three clones).
+//! (three backends, as three processes), the binary's PostgreSQL and MariaDB (three
+//! backends in a namespace of the test's own) and one `MemoryBackend` (three clones).
 //!
 //! The promise tested for a force-release: the holder sees `lost()` before its next
 //! renewal could have told it (a third of its lease; at once in memory), a waiter gets the
@@ -18,7 +18,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 use tower_lock::{
-    HeldLock, KeyError, LockBackend, LockError, LockGuard, LockMode, MemoryBackend,
+    HeldLock, KeyError, LockBackend, LockError, LockGuard, LockMode, MemoryBackend, MySqlBackend,
     PostgresBackend, RedisBackend,
 };
 
@@ -53,20 +53,29 @@ impl Instance for RedisBackend {
     }
 }
 
-impl Instance for PostgresBackend {
-    const LOST_AT_ONCE: bool = false;
+/// The SQL stores: the waiter listens (PostgreSQL) or is registered for wake-ups
+/// (MySQL) once its connection is up.
+macro_rules! sql_instance {
+    ($backend:ty) => {
+        impl Instance for $backend {
+            const LOST_AT_ONCE: bool = false;
 
-    fn waiting(&self) -> impl Future<Output = ()> + Send {
-        let backend = self.clone();
-        async move {
-            support::eventually("the waiter listens", || async {
-                let stats = backend.stats();
-                stats.channels_with_waiters > 0 && stats.subscriber_connected
-            })
-            .await;
+            fn waiting(&self) -> impl Future<Output = ()> + Send {
+                let backend = self.clone();
+                async move {
+                    support::eventually("the waiter listens", || async {
+                        let stats = backend.stats();
+                        stats.channels_with_waiters > 0 && stats.subscriber_connected
+                    })
+                    .await;
+                }
+            }
         }
-    }
+    };
 }
+
+sql_instance!(PostgresBackend);
+sql_instance!(MySqlBackend);
 
 impl Instance for MemoryBackend {
     const LOST_AT_ONCE: bool = true;
@@ -77,7 +86,8 @@ impl Instance for MemoryBackend {
     }
 }
 
-/// Runs each body once per store: `on_redis::NAME`, `in_memory::NAME`, `on_postgres::NAME`.
+/// Runs each body once per store: `on_redis::NAME`, `in_memory::NAME`, `on_postgres::NAME`,
+/// `on_mariadb::NAME`.
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
         mod on_redis {
@@ -115,6 +125,21 @@ macro_rules! for_each_store {
                         postgres::backend_in(&namespace).await,
                         postgres::backend_in(&namespace).await,
                         postgres::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+        mod on_mariadb {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use crate::support::mariadb;
+                    let namespace = mariadb::fresh_namespace();
+                    let b = [
+                        mariadb::backend_in(&namespace).await,
+                        mariadb::backend_in(&namespace).await,
+                        mariadb::backend_in(&namespace).await,
                     ];
                     super::$name(b).await;
                 }

@@ -17,8 +17,8 @@ use tower_lock::{HeldLock, LockBackend, LockError, LockLayer};
 const HANG: Duration = Duration::from_secs(10);
 
 /// Runs each named body once per backend: `redis::NAME` on a throwaway redis-server,
-/// `memory::NAME` on a fresh `MemoryBackend`, `postgres::NAME` on the binary's shared
-/// PostgreSQL in a namespace of its own.
+/// `memory::NAME` on a fresh `MemoryBackend`, `postgres::NAME` and `mariadb::NAME` on the
+/// binary's shared PostgreSQL and MariaDB in a namespace of their own.
 macro_rules! for_each_backend {
     ($($name:ident),* $(,)?) => {
         mod redis {
@@ -43,6 +43,14 @@ macro_rules! for_each_backend {
                 #[tokio::test]
                 async fn $name() {
                     super::$name(crate::support::postgres::backend().await).await;
+                }
+            )*
+        }
+        mod mariadb {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::mariadb::backend().await).await;
                 }
             )*
         }

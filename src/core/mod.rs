@@ -21,6 +21,8 @@ pub(crate) mod acquire;
 mod call;
 mod handoff;
 mod hold;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod janitor;
 pub(crate) mod observe;
 pub(crate) mod queue;
 pub(crate) mod recheck;

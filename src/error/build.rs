@@ -123,8 +123,12 @@ pub enum BuildError {
     },
     /// The database lacks the lock table and its functions (`found: None`), or has another
     /// version of them: run the SQL file the message names, or build with `migrate()`
-    /// (PostgreSQL).
+    /// (PostgreSQL, MySQL).
     Schema {
+        /// The backend's type, whose `schema_sql(table)` prints the SQL to run.
+        backend: &'static str,
+        /// The crate's SQL file for the default table.
+        file: &'static str,
         /// The lock table's name.
         table: String,
         /// The version the database has, if any.
@@ -222,21 +226,27 @@ impl fmt::Display for BuildError {
                 write!(f, "the server at {addr} did not load the lock scripts")
             }
             BuildError::Schema {
-                table, found: None, ..
+                backend,
+                file,
+                table,
+                found: None,
+                ..
             } => write!(
                 f,
-                "the database has no lock table `{table}` (or not its functions): run the \
-                 SQL of `PostgresBackend::schema_sql(\"{table}\")` (the crate's \
-                 src/postgres/schema.sql for the default table), or build with `migrate()`"
+                "the database has no lock table `{table}` (or not its routines): run the \
+                 SQL of `{backend}::schema_sql(\"{table}\")` (the crate's {file} for the \
+                 default table), or build with `migrate()`"
             ),
             BuildError::Schema {
+                backend,
                 table,
                 found: Some(found),
                 expected,
+                ..
             } => write!(
                 f,
                 "the lock table `{table}` is at schema version {found}, this crate needs \
-                 {expected}: run the SQL of `PostgresBackend::schema_sql(\"{table}\")`, or \
+                 {expected}: run the SQL of `{backend}::schema_sql(\"{table}\")`, or \
                  build with `migrate()`"
             ),
             BuildError::ReadOnly { reason } => {

@@ -1,19 +1,14 @@
-//! The janitor: deletes the rows of names that nobody has used for the fence retention,
-//! so that keys that come and go leave a bounded table behind.
+//! The janitor's sweep call on PostgreSQL (see `core::janitor`).
 
 use std::time::Duration;
 
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::core::janitor;
 use crate::core::runtime::{Daemon, Spawner};
 
-/// Rows deleted by one statement: a sweep of many stale names is a series of short
-/// statements, not one long one.
-const SWEEP_BATCH: i32 = 1000;
-
-/// Starts the janitor: every `fence_ttl / 4` (between 1 s and 5 min) it deletes the names
-/// free and unused for `fence_ttl`, so a released name is gone within 1.25 fence TTLs.
+/// Starts the janitor with the `sweep` statement (`SELECT {table}_sweep($1, $2)`).
 pub(crate) fn spawn(
     pool: PgPool,
     sweep: String,
@@ -21,33 +16,17 @@ pub(crate) fn spawn(
     shutdown: CancellationToken,
     spawner: &Spawner,
 ) -> Daemon {
-    let interval = (fence_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
-    let keep_ms = i64::try_from(fence_ttl.as_millis()).unwrap_or(i64::MAX);
-    let start = move |shutdown: CancellationToken| {
+    let call: janitor::Sweep = Box::new(move |keep_ms, limit| {
         let (pool, sweep) = (pool.clone(), sweep.clone());
-        async move {
-            let mut ticks = tokio::time::interval(interval);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = ticks.tick() => {}
-                }
-                loop {
-                    let swept = sqlx::query_scalar::<_, i32>(&sweep)
-                        .bind(keep_ms)
-                        .bind(SWEEP_BATCH)
-                        .fetch_one(&pool)
-                        .await;
-                    match swept {
-                        Ok(n) if n == SWEEP_BATCH => continue,
-                        Ok(n) => tracing::trace!(rows = n, "lock table swept"),
-                        Err(error) => tracing::debug!(%error, "lock table sweep failed"),
-                    }
-                    break;
-                }
-            }
-        }
-    };
-    Daemon::spawn(start, spawner, shutdown)
+        Box::pin(async move {
+            sqlx::query_scalar::<_, i32>(&sweep)
+                .bind(keep_ms)
+                .bind(limit)
+                .fetch_one(&pool)
+                .await
+                .map(i64::from)
+                .map_err(|e| e.to_string())
+        })
+    });
+    janitor::spawn(call, fence_ttl, shutdown, spawner)
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::{namespaced, validate};
+use crate::key::{fnv1a, namespaced, validate};
 
 /// The names that belong to one user key: the row's name (`namespace:{key}`, or
 /// `namespace:{key}:permits` for the key's semaphore, a primitive of its own) and the
@@ -61,12 +61,7 @@ pub(crate) fn admin_channel(namespace: &str) -> String {
 /// The channel of the row `name` (see [`PgKey::channel`]): a stable hash, the same in
 /// every process and build, since instances of several versions share a table.
 fn channel(name: &str) -> String {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    let hash = name.bytes().fold(OFFSET, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(PRIME)
-    });
-    format!("tl_{hash:016x}")
+    format!("tl_{:016x}", fnv1a(name))
 }
 
 #[cfg(test)]

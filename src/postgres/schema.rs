@@ -67,6 +67,8 @@ pub(crate) async fn check(
         Err(e) => return Err(Err(e)),
     };
     Err(Ok(BuildError::Schema {
+        backend: "PostgresBackend",
+        file: "src/postgres/schema.sql",
         table: table.to_owned(),
         found,
         expected: SCHEMA_VERSION,

@@ -7,6 +7,7 @@ pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
 pub mod history;
+pub mod mariadb;
 pub mod netns;
 pub mod postgres;
 pub mod proxy;
@@ -619,6 +620,21 @@ macro_rules! for_each_store {
                         postgres::backend_in(&namespace).await,
                         postgres::backend_in(&namespace).await,
                         postgres::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+        mod on_mariadb {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use $crate::support::mariadb;
+                    let namespace = mariadb::fresh_namespace();
+                    let b = [
+                        mariadb::backend_in(&namespace).await,
+                        mariadb::backend_in(&namespace).await,
+                        mariadb::backend_in(&namespace).await,
                     ];
                     super::$name(b).await;
                 }

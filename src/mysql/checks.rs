@@ -1,0 +1,162 @@
+//! What `build()` checks of the server before the backend relies on it, and the errors
+//! that name what is wrong.
+
+use std::io;
+
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
+
+use super::error::number;
+use super::store::{MySqlStore, reply};
+use super::wake::may_kill;
+use crate::error::{BuildError, ConnectFailure};
+use crate::key::namespaced;
+
+/// Refuses a server that takes no writes from most users: a replica (`read_only`, which
+/// replicas set) would fail every acquisition.
+pub(super) async fn refuse_read_only(
+    pool: &MySqlPool,
+    options: &MySqlConnectOptions,
+) -> Result<(), BuildError> {
+    let read_only = sqlx::query_scalar::<_, i64>("SELECT @@GLOBAL.read_only")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| connect_failure(e, options))?;
+    if read_only != 0 {
+        return Err(BuildError::ReadOnly {
+            reason: "read_only is on (a replica?): give the primary's URL",
+        });
+    }
+    Ok(())
+}
+
+/// Takes and gives back a lock on a probe name, so that a user without the rights the
+/// procedures need is refused now rather than on every request, then deletes its row; and
+/// checks that the user may interrupt its own connections (`KILL QUERY`), which every
+/// release that wakes a waiter does.
+pub(super) async fn probe(
+    store: &MySqlStore,
+    options: &MySqlConnectOptions,
+) -> Result<(), BuildError> {
+    let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
+    let name = namespaced(&store.namespace, &probe);
+    let table = &store.table;
+    let refused = |e: sqlx::Error| call_failure(e, options, table);
+    let acquire = || {
+        sqlx::query_scalar(&store.sql.acquire)
+            .bind(&name)
+            .bind("probe")
+            .bind(1000)
+            .bind(0)
+            .bind(0)
+            .bind(false)
+            .bind("")
+    };
+    let release = || {
+        sqlx::query_scalar(&store.sql.release)
+            .bind(&name)
+            .bind("probe")
+            .bind("probe#0")
+            .bind(1000)
+            .bind("tl_probe")
+            .bind(None::<i64>)
+            .bind(false)
+            .bind(None::<&str>)
+            .bind(0)
+            .bind(false)
+            .bind(None::<i64>)
+            .bind(0)
+            .bind("")
+    };
+    for call in [&acquire as &dyn Fn() -> _, &release] {
+        reply(&store.pool, call).await.map_err(|e| match e {
+            super::error::MySqlError::Sqlx(e) => refused(e),
+            unexpected => connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options),
+        })?;
+    }
+    sqlx::query(&format!("DELETE FROM {table} WHERE name = ?"))
+        .bind(&name)
+        .execute(&store.pool)
+        .await
+        .map_err(refused)?;
+    let killed = may_kill(&store.pool, options)
+        .await
+        .map_err(|e| connect_failure(e, options))?;
+    killed.map_err(|e| BuildError::Rights {
+        user: options.get_username().to_owned(),
+        addr: addr(options),
+        right: "interrupt its own connections with KILL QUERY (a release wakes waiters so; \
+                every instance must use one user, or have CONNECTION ADMIN)"
+            .to_owned(),
+        source: Box::new(e),
+    })
+}
+
+/// The build error for a failed call to the lock tables or procedures: a user without the
+/// rights to use them, a server that refuses writes, or a failed connection.
+pub(super) fn call_failure(
+    e: sqlx::Error,
+    options: &MySqlConnectOptions,
+    table: &str,
+) -> BuildError {
+    match number(&e) {
+        // Access denied to a table, a column or a routine.
+        Some(1142 | 1143 | 1370) => BuildError::Rights {
+            user: options.get_username().to_owned(),
+            addr: addr(options),
+            right: format!("use the lock table `{table}` and its procedures"),
+            source: Box::new(e),
+        },
+        // The server runs with read_only (or is in read-only mode).
+        Some(1290 | 1836 | 1792) => BuildError::ReadOnly {
+            reason: "the server refuses writes (read_only is on: a replica?)",
+        },
+        _ => connect_failure(e, options),
+    }
+}
+
+/// Where `options` connect, as errors name it: `host:port`.
+pub(super) fn addr(options: &MySqlConnectOptions) -> String {
+    format!("{}:{}", options.get_host(), options.get_port())
+}
+
+/// The build error for a failed connection or call, naming the server and the kind of
+/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
+pub(super) fn connect_failure(e: sqlx::Error, options: &MySqlConnectOptions) -> BuildError {
+    let addr = addr(options);
+    let failure = match &e {
+        // Access denied for user (1045), to a database (1044).
+        sqlx::Error::Database(_) if matches!(number(&e), Some(1045 | 1044)) => {
+            return BuildError::Auth {
+                user: options.get_username().to_owned(),
+                addr,
+                source: Box::new(e),
+            };
+        }
+        sqlx::Error::Tls(_) => {
+            return BuildError::Tls {
+                reason: "could not set up TLS",
+                addr: Some(addr),
+                certificate: None,
+                source: Some(Box::new(e)),
+            };
+        }
+        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
+        sqlx::Error::Io(io) => match io.kind() {
+            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
+            // getaddrinfo's failures come as uncategorized I/O errors.
+            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
+            _ => ConnectFailure::Other,
+        },
+        _ => ConnectFailure::Other,
+    };
+    BuildError::Connect {
+        addr,
+        failure,
+        source: Box::new(e),
+    }
+}

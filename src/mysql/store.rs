@@ -1,0 +1,438 @@
+//! The MySQL store: the core's primitive calls as one `CALL` each of the crate's stored
+//! procedures (schema.sql), with waiters woken through the wake connection.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::mysql::{MySql, MySqlArguments, MySqlPool};
+use sqlx::query::QueryScalar;
+
+use super::error::MySqlError;
+use super::keys::MySqlKey;
+use super::wake::WakeConnection;
+use crate::core::runtime::Daemon;
+use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
+use crate::core::wakeups::Waiter;
+use crate::core::watchdog::Due;
+use crate::error::{KeyError, LockError};
+use crate::lock::inspect::{LockInfo, Primitive};
+use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+
+/// How many times a call that InnoDB rolled back (a deadlock's victim, a lock wait that
+/// timed out) is sent again before its error is returned: it changed nothing.
+const ROLLBACK_RETRIES: usize = 3;
+
+/// Locks in one MySQL database, in the table (and its procedures) named `table`.
+pub(crate) struct MySqlStore {
+    pub(crate) pool: MySqlPool,
+    pub(crate) sql: Statements,
+    pub(crate) wake: WakeConnection,
+    /// Deletes the rows of names unused for the fence retention.
+    pub(crate) janitor: Daemon,
+    pub(crate) namespace: String,
+    pub(crate) table: String,
+    pub(crate) max_key_len: usize,
+    /// This backend's instance id: a run of its holders ends by freeing the lock when
+    /// another instance waits for it.
+    pub(crate) instance: String,
+    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
+    pub(crate) admin_channel: String,
+}
+
+/// The statements of the lock protocol, for the table's procedures.
+///
+/// The common cases, a free lock taken and a lone hold freed with nobody waiting, are
+/// single plain statements (`acquire_free`, `release_last`): a `CALL` runs several
+/// statements on the server, each with its own overhead. When one finds its case does not
+/// apply it changes nothing, and the procedure that covers every case runs next.
+pub(crate) struct Statements {
+    acquire_free: String,
+    pub(crate) acquire: String,
+    release_last: String,
+    pub(crate) release: String,
+    renew: String,
+    shared_acquire: String,
+    permit_acquire: String,
+    holder_release: String,
+    remaining: String,
+    withdraw: String,
+    inspect: String,
+    force_release: String,
+    pub(crate) sweep: String,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &str) -> Self {
+        // Microseconds since the epoch on the server's clock: the tokens' floor.
+        let clock = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))";
+        Statements {
+            // A new name, or a free row not left to another waiting instance; as
+            // {table}_acquire's path for them. The token comes back as the statement's
+            // LAST_INSERT_ID; 0 when the lock was not free (nothing changed). `@tl_free`
+            // keeps the condition as the row was: later assignments see earlier ones.
+            acquire_free: format!(
+                "INSERT INTO {table} (name, owner, count, expires, token, fence, touched) \
+                 VALUES (?, ?, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+                     LAST_INSERT_ID({clock}), {clock} + ?, UTC_TIMESTAMP(6)) \
+                 ON DUPLICATE KEY UPDATE \
+                 token = IF(@tl_free := ((owner IS NULL OR expires <= UTC_TIMESTAMP(6)) \
+                         AND readers = 0 AND writers = 0 AND NOT (? AND waiter IS NOT NULL \
+                         AND waiter <> ? AND waiter_until > UTC_TIMESTAMP(6))), \
+                     LAST_INSERT_ID(GREATEST(fence + 1, {clock})), \
+                     token + LAST_INSERT_ID(0)), \
+                 fence = IF(@tl_free, token + ?, fence), \
+                 owner = IF(@tl_free, VALUES(owner), owner), \
+                 count = IF(@tl_free, 1, count), \
+                 expires = IF(@tl_free, VALUES(expires), expires), \
+                 undone = IF(@tl_free, NULL, undone), \
+                 touched = IF(@tl_free, VALUES(touched), touched), \
+                 waiter = IF(@tl_free AND waiter = ?, NULL, waiter)"
+            ),
+            acquire: format!("CALL {table}_acquire(?, ?, ?, ?, ?, ?, ?)"),
+            // The holder's only hold, nobody reading, no instance waiting and no waiter
+            // registered anywhere: freed, and nobody to wake; as {table}_release's last
+            // path. A waiting instance marks the row itself (`waiter`), which this
+            // statement reads under its row lock. The look-up of registered waiters names
+            // the row, so that it runs once the row is locked and sees every registration
+            // committed before (not at the statement's start, as a constant would).
+            release_last: format!(
+                "UPDATE {table} \
+                 SET token = IFNULL(?, token), fence = GREATEST(fence, token), owner = NULL, \
+                     count = 0, expires = NULL, undone = NULL, touched = UTC_TIMESTAMP(6) \
+                 WHERE name = ? AND owner = ? AND count = 1 \
+                     AND expires > UTC_TIMESTAMP(6) AND readers = 0 \
+                     AND (waiter IS NULL OR waiter_until <= UTC_TIMESTAMP(6)) \
+                     AND LOCATE(CONCAT(CHAR(10), ?, CHAR(10)), \
+                         CONCAT(CHAR(10), IFNULL(undone, ''))) = 0 \
+                     AND NOT EXISTS (SELECT 1 FROM {table}_waiters w \
+                         WHERE w.channel = ? AND {table}.readers = 0)"
+            ),
+            release: format!("CALL {table}_release(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+            renew: format!("CALL {table}_renew(?)"),
+            shared_acquire: format!("CALL {table}_shared_acquire(?, ?, ?, ?)"),
+            permit_acquire: format!("CALL {table}_permit_acquire(?, ?, ?, ?)"),
+            holder_release: format!("CALL {table}_holder_release(?, ?, ?, ?, ?, ?)"),
+            remaining: format!(
+                "SELECT CAST(GREATEST(0, CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), \
+                 expires) / 1000)) AS SIGNED) FROM {table} \
+                 WHERE name = ? AND owner IS NOT NULL"
+            ),
+            withdraw: format!("CALL {table}_withdraw(?, ?, ?, ?)"),
+            inspect: format!("CALL {table}_inspect(?, ?)"),
+            force_release: format!("CALL {table}_force_release(?, ?, ?, ?)"),
+            sweep: format!("CALL {table}_sweep(?, ?)"),
+        }
+    }
+}
+
+/// `d` in whole milliseconds, as the procedures take leases and waits: at least 1 and at
+/// most [`MAX_DURATION`].
+fn millis(d: Duration) -> i64 {
+    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+/// A token as the procedures' `BIGINT`: tokens are microseconds of the server clock plus
+/// a count, far below `i64::MAX`.
+fn token(t: u64) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
+}
+
+type Call<'q> = QueryScalar<'q, MySql, String, MySqlArguments>;
+
+/// Runs the procedure call `make` builds and reads its reply (integers joined by commas),
+/// sending it again when InnoDB rolled it back.
+pub(crate) async fn reply<'q>(
+    pool: &MySqlPool,
+    make: impl Fn() -> Call<'q>,
+) -> Result<Vec<i64>, MySqlError> {
+    let mut retries = 0;
+    loop {
+        let error = match make().fetch_all(pool).await {
+            Ok(rows) => return parse(rows.first().map(String::as_str)),
+            Err(e) => MySqlError::from(e),
+        };
+        if !error.rolled_back() || retries == ROLLBACK_RETRIES {
+            return Err(error);
+        }
+        retries += 1;
+        tracing::debug!(%error, "lock call rolled back by InnoDB, sending it again");
+    }
+}
+
+/// Reads a reply such as `1,1790000000000000,1`.
+fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
+    reply
+        .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
+        .ok_or(MySqlError::Unexpected("lock"))
+}
+
+impl Store for MySqlStore {
+    type Key = MySqlKey;
+    type Error = MySqlError;
+    // A call is one CALL, its transaction committed inside: a release after one of unknown
+    // outcome needs no particular connection.
+    type Sent = ();
+
+    fn key(&self, user: String, kind: Kind) -> Result<MySqlKey, KeyError> {
+        let semaphore = matches!(kind, Kind::Permit(_));
+        MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)
+    }
+
+    fn attempt(
+        self: &Arc<Self>,
+        key: &Arc<MySqlKey>,
+        attempt: Attempt,
+    ) -> BoxFuture<'static, Sent<Self>> {
+        // Runs again on this caller's runtime if the one it ran on is gone.
+        self.janitor.ensure_running();
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let lease = millis(attempt.lease);
+            let holder = attempt.holder.as_str();
+            let sql = &store.sql;
+            if attempt.kind == Kind::Exclusive {
+                let taken = sqlx::query(&sql.acquire_free)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(lease.saturating_mul(1000))
+                    .bind(token(attempt.reserve))
+                    .bind(attempt.yielding.is_some())
+                    .bind(&store.instance)
+                    .bind(token(attempt.reserve))
+                    .bind(&store.instance)
+                    .execute(&store.pool)
+                    .await;
+                match taken.map(|done| done.last_insert_id()) {
+                    Ok(0) => {}
+                    Ok(token) => {
+                        let acquired = Attempted::Acquired { token, count: 1 };
+                        return (Ok(acquired), Some(()));
+                    }
+                    Err(e) => {
+                        // Rolled back by InnoDB: it changed nothing, and the procedure
+                        // below is sent (and retried) instead.
+                        let e = MySqlError::from(e);
+                        if !e.rolled_back() {
+                            return (Err(e), Some(()));
+                        }
+                    }
+                }
+            }
+            let make = || match attempt.kind {
+                Kind::Exclusive => sqlx::query_scalar(&sql.acquire)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(lease)
+                    .bind(attempt.waits.map_or(0, millis))
+                    .bind(token(attempt.reserve))
+                    .bind(attempt.yielding.is_some())
+                    .bind(&store.instance),
+                Kind::Shared => sqlx::query_scalar(&sql.shared_acquire)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(attempt.owner.as_str())
+                    .bind(lease),
+                Kind::Permit(permits) => sqlx::query_scalar(&sql.permit_acquire)
+                    .bind(&*key.name)
+                    .bind(holder)
+                    .bind(lease)
+                    .bind(i32::try_from(permits).unwrap_or(i32::MAX)),
+            };
+            let attempted = reply(&store.pool, make).await.and_then(|reply| {
+                Attempted::from_reply(&reply).ok_or(MySqlError::Unexpected("acquire"))
+            });
+            (attempted, Some(()))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a MySqlKey,
+        release: &'a Release<'a>,
+    ) -> BoxFuture<'a, Result<Released, MySqlError>> {
+        Box::pin(async move {
+            if release.kind == Kind::Exclusive
+                && release.successor.is_none()
+                && release.only_token.is_none()
+            {
+                let freed = sqlx::query(&self.sql.release_last)
+                    .bind(release.issued.map(token))
+                    .bind(&*key.name)
+                    .bind(release.holder.as_str())
+                    .bind(release.release_id)
+                    .bind(&key.channel)
+                    .execute(&self.pool)
+                    .await;
+                match freed {
+                    Ok(done) if done.rows_affected() == 1 => return Ok(Released::Freed),
+                    Ok(_) => {}
+                    Err(e) => {
+                        let e = MySqlError::from(e);
+                        if !e.rolled_back() {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+            let make = || match release.kind {
+                Kind::Exclusive => sqlx::query_scalar(&self.sql.release)
+                    .bind(&*key.name)
+                    .bind(release.holder.as_str())
+                    .bind(release.release_id)
+                    .bind(millis(release.lease))
+                    .bind(&key.channel)
+                    .bind(release.only_token.map(token))
+                    .bind(release.may_have_run)
+                    .bind(release.successor.map(|s| s.owner.as_str()))
+                    .bind(release.successor.map_or(0, |s| millis(s.lease)))
+                    .bind(release.run_spent)
+                    .bind(release.issued.map(token))
+                    .bind(token(release.reserve))
+                    .bind(&self.instance),
+                Kind::Shared | Kind::Permit(_) => sqlx::query_scalar(&self.sql.holder_release)
+                    .bind(&*key.name)
+                    .bind(release.holder.as_str())
+                    .bind(release.release_id)
+                    .bind(millis(release.lease))
+                    .bind(&key.channel)
+                    .bind(release.only_token.map(token)),
+            };
+            let reply = reply(&self.pool, make).await?;
+            Released::from_reply(&reply).ok_or(MySqlError::Unexpected("release"))
+        })
+    }
+
+    fn release_after<'a>(
+        &'a self,
+        key: &'a MySqlKey,
+        release: &'a Release<'a>,
+        (): (),
+    ) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.release(key, release).await.is_ok() })
+    }
+
+    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, MySqlError>> {
+        Box::pin(async move {
+            // [name, holder, lease]; a lease of 0 only checks.
+            let holds: Vec<serde_json::Value> = batch
+                .iter()
+                .map(|d| {
+                    let lease = if d.renew { millis(d.lease) } else { 0 };
+                    serde_json::json!([&*d.key.0, d.key.1.as_str(), lease])
+                })
+                .collect();
+            let holds = serde_json::Value::Array(holds).to_string();
+            let held = sqlx::query_scalar::<_, i64>(&self.sql.renew)
+                .bind(holds)
+                .fetch_all(&self.pool)
+                .await?;
+            if held.len() != batch.len() {
+                return Err(MySqlError::Unexpected("renew"));
+            }
+            Ok(held.into_iter().map(|h| h == 1).collect())
+        })
+    }
+
+    fn subscribe(&self, key: &MySqlKey) -> Waiter {
+        self.wake.register(&key.channel)
+    }
+
+    fn remaining(self: &Arc<Self>, key: &Arc<MySqlKey>) -> BoxFuture<'static, Option<Duration>> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
+                .bind(&*key.name)
+                .fetch_optional(&store.pool)
+                .await
+                .ok()??;
+            u64::try_from(ms).ok().map(Duration::from_millis)
+        })
+    }
+
+    fn inspect(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let store = self.clone();
+        Box::pin(async move { store.operator(&store.sql.inspect, user, of, false).await })
+    }
+
+    fn force_release(
+        self: &Arc<Self>,
+        user: String,
+        of: Primitive,
+    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            let freed = store
+                .operator(&store.sql.force_release, user, of, true)
+                .await?;
+            if !freed.is_free() {
+                tracing::info!(
+                    key = %freed.key,
+                    mode = ?freed.mode,
+                    holders = freed.holders,
+                    "lock force-released"
+                );
+            }
+            Ok(freed)
+        })
+    }
+
+    fn withdraw_writer(
+        self: &Arc<Self>,
+        key: &Arc<MySqlKey>,
+        holder: LockOwner,
+        wake: bool,
+    ) -> BoxFuture<'static, ()> {
+        let (store, key) = (self.clone(), key.clone());
+        Box::pin(async move {
+            let withdrawn = sqlx::query(&store.sql.withdraw)
+                .bind(&*key.name)
+                .bind(holder.as_str())
+                .bind(&key.channel)
+                .bind(wake)
+                .execute(&store.pool);
+            if let Err(error) = withdrawn.await {
+                // Its registration runs out with the wait it was made for.
+                tracing::debug!(key = %key.name, %error, "could not withdraw a waiting writer");
+            }
+        })
+    }
+}
+
+impl MySqlStore {
+    /// Runs an operator's call (`inspect` or `force_release`) on `user`'s lock or semaphore.
+    async fn operator(
+        &self,
+        statement: &str,
+        user: String,
+        of: Primitive,
+        announced: bool,
+    ) -> Result<LockInfo, LockError> {
+        let semaphore = of == Primitive::Semaphore;
+        let key = MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
+        let context = if announced {
+            "force_release"
+        } else {
+            "inspect"
+        };
+        let make = || {
+            let call = sqlx::query_scalar(statement)
+                .bind(&*key.name)
+                .bind(semaphore);
+            if announced {
+                call.bind(&key.channel).bind(&self.admin_channel)
+            } else {
+                call
+            }
+        };
+        let reply = reply(&self.pool, make)
+            .await
+            .map_err(|e| LockError::backend(context, e))?;
+        LockInfo::from_reply(key.user().to_owned(), &reply)
+            .ok_or_else(|| LockError::backend(context, MySqlError::Unexpected(context)))
+    }
+}

@@ -1,0 +1,359 @@
+//! One wake connection per backend: MySQL has no `LISTEN`, so waiting is a parked
+//! statement that a release cuts short.
+//!
+//! The connection registers `(channel, CONNECTION_ID())` in the waiters table for every key
+//! with waiters in this process (through the command pool, so that registering does not
+//! disturb the park), then parks in one statement:
+//! `SELECT IF(EXISTS(<a row of this connection marked woken>), 0, GET_LOCK(gate, n))`, on a
+//! named lock that a second connection of the backend (the gate) holds for as long as it
+//! lives. A release that
+//! frees a key with waiters marks their rows woken once it has committed, then sends
+//! `KILL QUERY` to their connections (`tower_lock_wake` in schema.sql): a park that was
+//! running is interrupted, and one that starts later finds its rows woken, so no wake-up
+//! falls between the check and the sleep. The woken connection reads and clears its woken
+//! rows, wakes those keys' waiters through the core, and parks again. Waiting costs no
+//! statement at all; the park's end every `n` seconds is the connection's ping.
+//!
+//! A connection that drops has missed what happened meanwhile: every waiter is woken, the
+//! rows of the old connection are deleted and the channels registered anew under the new
+//! one (whose confirmation wakes them once more).
+
+use std::time::Duration;
+
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool};
+use sqlx::{Connection, Executor};
+use tokio::time::{Instant, timeout};
+use tokio_util::sync::CancellationToken;
+
+use super::error::{INTERRUPTED, number};
+use crate::core::recheck::Recheck;
+use crate::core::runtime::{Daemon, Spawner};
+use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+
+/// Settings of the wake connection.
+#[derive(Debug, Clone)]
+pub(crate) struct WakeConfig {
+    /// The waiters table.
+    pub(crate) waiters: String,
+    /// The namespace's admin channel, registered on every connection: a force-release
+    /// woken there re-checks every held lock.
+    pub(crate) admin_channel: String,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) command_timeout: Duration,
+    /// How long one park lasts at most: the connection's ping interval.
+    pub(crate) park: Duration,
+    pub(crate) max_backoff: Duration,
+}
+
+/// Handle to the backend's wake connection task.
+pub(crate) struct WakeConnection {
+    wakeups: Wakeups,
+    task: Daemon,
+}
+
+/// What the task works with: the command pool (registrations) and the options its own
+/// connection is opened with.
+pub(crate) struct Links {
+    pub(crate) pool: MySqlPool,
+    pub(crate) options: MySqlConnectOptions,
+    pub(crate) wakeups: Wakeups,
+}
+
+impl WakeConnection {
+    /// Starts the task; it stops when `shutdown` is cancelled. Every (re)connect raises
+    /// `recheck`: a server that restarted may have lost recent writes.
+    pub(crate) fn spawn(
+        links: Links,
+        config: WakeConfig,
+        recheck: Recheck,
+        shutdown: CancellationToken,
+        spawner: &Spawner,
+    ) -> Self {
+        let wakeups = links.wakeups.clone();
+        let start = move |shutdown| {
+            let (pool, options) = (links.pool.clone(), links.options.clone());
+            let (wakeups, config, recheck) =
+                (links.wakeups.clone(), config.clone(), recheck.clone());
+            async move {
+                let task = Task {
+                    wakeups,
+                    pool,
+                    config,
+                    recheck,
+                };
+                task.run(options, shutdown).await;
+            }
+        };
+        let task = Daemon::spawn(start, spawner, shutdown);
+        WakeConnection { wakeups, task }
+    }
+
+    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
+    pub(crate) fn register(&self, channel: &str) -> Waiter {
+        // A waiter on another runtime than the one the task ran on.
+        self.task.ensure_running();
+        self.wakeups.register(channel)
+    }
+
+    /// The waiters and the connection's state.
+    pub(crate) fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+}
+
+struct Task {
+    wakeups: Wakeups,
+    pool: MySqlPool,
+    config: WakeConfig,
+    recheck: Recheck,
+}
+
+/// Why a connection is given up.
+type Lost = String;
+
+impl Task {
+    /// Connects, serves, and reconnects with capped exponential backoff until shut down.
+    async fn run(&self, options: MySqlConnectOptions, shutdown: CancellationToken) {
+        // However the task ends, even dropped with its runtime, every waiter tries again.
+        let _disconnected = Disconnected(&self.wakeups);
+        let initial_backoff = Duration::from_millis(20);
+        let mut backoff = initial_backoff;
+        let mut last_id = None;
+        while !shutdown.is_cancelled() {
+            let connected = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                c = timeout(self.config.connect_timeout, MySqlConnection::connect_with(&options)) => c,
+            };
+            // The gate: a second connection holding the named lock the first parks on.
+            let connected = match connected {
+                Ok(Ok(conn)) => {
+                    let gate = MySqlConnection::connect_with(&options);
+                    match timeout(self.config.connect_timeout, gate).await {
+                        Ok(Ok(gate)) => Ok(Ok((conn, gate))),
+                        Ok(Err(e)) => Ok(Err(e)),
+                        Err(e) => Err(e),
+                    }
+                }
+                Ok(Err(e)) => Ok(Err(e)),
+                Err(e) => Err(e),
+            };
+            match connected {
+                Ok(Ok((mut conn, mut gate))) => {
+                    let mut proven = false;
+                    let ended = self
+                        .serve((&mut conn, &mut gate), &mut last_id, &shutdown, &mut proven)
+                        .await;
+                    self.wakeups.disconnected();
+                    if proven {
+                        backoff = initial_backoff;
+                    }
+                    match ended {
+                        Ok(()) => return,
+                        Err(reason) => tracing::warn!(%reason, "lock wake connection lost"),
+                    }
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "lock wake connection cannot connect"),
+                Err(_) => tracing::warn!("lock wake connection connect timed out"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.config.max_backoff);
+        }
+    }
+
+    /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be
+    /// replaced. Sets `proven` once the connection registered and parked.
+    async fn serve(
+        &self,
+        (conn, gate): (&mut MySqlConnection, &mut MySqlConnection),
+        last_id: &mut Option<u64>,
+        shutdown: &CancellationToken,
+        proven: &mut bool,
+    ) -> Result<(), Lost> {
+        let waiters = &self.config.waiters;
+        let id = self
+            .bounded(
+                "connection id",
+                sqlx::query_scalar::<_, u64>("SELECT CONNECTION_ID()").fetch_one(&mut *conn),
+            )
+            .await?;
+        if let Some(old) = last_id.replace(id) {
+            let forget = format!("DELETE FROM {waiters} WHERE conn = ?");
+            self.bounded("forget", sqlx::query(&forget).bind(old).execute(&mut *conn))
+                .await?;
+        }
+        let admin = format!("INSERT IGNORE INTO {waiters} (channel, conn) VALUES (?, ?)");
+        self.bounded(
+            "register",
+            sqlx::query(&admin)
+                .bind(&self.config.admin_channel)
+                .bind(id)
+                .execute(&mut *conn),
+        )
+        .await?;
+        let gate_name = format!("tower-lock gate {id}");
+        let held = self
+            .bounded(
+                "gate",
+                sqlx::query_scalar::<_, Option<i64>>("SELECT GET_LOCK(?, 0)")
+                    .bind(&gate_name)
+                    .fetch_one(&mut *gate),
+            )
+            .await?;
+        if held != Some(1) {
+            return Err("the gate's named lock is taken".to_owned());
+        }
+        self.wakeups.connected();
+        tracing::debug!(id, "lock wake connection up");
+        self.recheck.raise("the wake connection was (re)opened");
+        // GET_LOCK on the gate's lock, not SLEEP: MariaDB interrupts a SLEEP through one
+        // mutex that every SLEEP shares, and gives up after a few tries when it is busy (the
+        // SLEEP then runs to its end), while a lock wait has a mutex of its own.
+        let park = format!(
+            "SELECT IF(EXISTS(SELECT 1 FROM {waiters} WHERE conn = ? AND woken = 1), 0, \
+             GET_LOCK(?, ?))"
+        );
+        let woken = format!("SELECT channel FROM {waiters} WHERE conn = ? AND woken = 1");
+        let park_bound = self.config.park + self.config.command_timeout;
+        loop {
+            self.reconcile(id).await?;
+            let ended = {
+                let parked = sqlx::query_scalar::<_, Option<i64>>(&park)
+                    .bind(id)
+                    .bind(&gate_name)
+                    .bind(self.config.park.as_secs_f64())
+                    .fetch_one(&mut *conn);
+                tokio::pin!(parked);
+                let deadline = Instant::now() + park_bound;
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        // Registered through the pool while the park goes on.
+                        _ = self.wakeups.changed() => self.reconcile(id).await?,
+                        ended = &mut parked => break ended,
+                        _ = tokio::time::sleep_until(deadline) => {
+                            return Err("the park outlived its bound".to_owned());
+                        }
+                    }
+                }
+            };
+            match ended {
+                // The gate is gone (its connection dropped): the park would not wait.
+                Ok(Some(1)) => return Err("the gate's connection was lost".to_owned()),
+                Ok(_) => {}
+                Err(e) if number(&e) == Some(INTERRUPTED) => {}
+                Err(e) => return Err(format!("park failed: {e}")),
+            }
+            *proven = true;
+            // VARBINARY: bytes, which are the channel's ASCII name.
+            let channels = sqlx::query_scalar::<_, Vec<u8>>(&woken)
+                .bind(id)
+                .fetch_all(&mut *conn);
+            let channels = match timeout(self.config.command_timeout, channels).await {
+                Ok(Ok(channels)) => channels
+                    .into_iter()
+                    .map(|c| String::from_utf8_lossy(&c).into_owned())
+                    .collect::<Vec<_>>(),
+                // A KILL QUERY that came meanwhile: look again.
+                Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => continue,
+                Ok(Err(e)) => return Err(format!("reading wake-ups failed: {e}")),
+                Err(_) => return Err("reading wake-ups timed out".to_owned()),
+            };
+            if channels.is_empty() {
+                continue;
+            }
+            // Cleared before the waiters try again: a release after this marks them anew.
+            let clear = format!(
+                "UPDATE {waiters} SET woken = 0 WHERE conn = ? AND channel IN ({})",
+                placeholders(channels.len())
+            );
+            let cleared = channels
+                .iter()
+                .fold(sqlx::query(&clear).bind(id), |q, c| q.bind(c))
+                .execute(&mut *conn);
+            match timeout(self.config.command_timeout, cleared).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => continue,
+                Ok(Err(e)) => return Err(format!("clearing wake-ups failed: {e}")),
+                Err(_) => return Err("clearing wake-ups timed out".to_owned()),
+            }
+            for channel in &channels {
+                if *channel == self.config.admin_channel {
+                    self.recheck
+                        .raise("a lock of the namespace was force-released");
+                } else {
+                    self.wakeups.registry().wake_channel(channel);
+                }
+            }
+        }
+    }
+
+    /// Brings the waiters table's rows of connection `id` in line with the registry.
+    async fn reconcile(&self, id: u64) -> Result<(), Lost> {
+        let waiters = &self.config.waiters;
+        loop {
+            let (register, forget) = self.wakeups.registry().changes();
+            if register.is_empty() && forget.is_empty() {
+                self.wakeups.report_subscriptions();
+                return Ok(());
+            }
+            if !forget.is_empty() {
+                let delete = format!(
+                    "DELETE FROM {waiters} WHERE conn = ? AND channel IN ({})",
+                    placeholders(forget.len())
+                );
+                let query = forget
+                    .iter()
+                    .fold(sqlx::query(&delete).bind(id), |q, c| q.bind(c));
+                self.bounded("forget", self.pool.execute(query)).await?;
+            }
+            if !register.is_empty() {
+                let insert = format!(
+                    "INSERT IGNORE INTO {waiters} (channel, conn) VALUES {}",
+                    vec!["(?, ?)"; register.len()].join(", ")
+                );
+                let query = register
+                    .iter()
+                    .fold(sqlx::query(&insert), |q, c| q.bind(c).bind(id));
+                self.bounded("register", self.pool.execute(query)).await?;
+                self.wakeups.registry().confirmed(register);
+            }
+        }
+    }
+
+    /// `call` within the command timeout.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, Lost> {
+        match timeout(self.config.command_timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(format!("{what} failed: {e}")),
+            Err(_) => Err(format!("{what} timed out")),
+        }
+    }
+}
+
+/// `?, ?, ...`: `n` placeholders.
+fn placeholders(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+/// Whether this connection's user may interrupt another of its connections, as every
+/// release must to wake a waiter: `KILL QUERY` on a second, idle connection. `Err` with the
+/// server's refusal when not; a failure to connect is passed on as it is.
+pub(crate) async fn may_kill(
+    pool: &MySqlPool,
+    options: &MySqlConnectOptions,
+) -> Result<Result<(), sqlx::Error>, sqlx::Error> {
+    let mut other = MySqlConnection::connect_with(options).await?;
+    let id = sqlx::query_scalar::<_, u64>("SELECT CONNECTION_ID()")
+        .fetch_one(&mut other)
+        .await?;
+    let killed = sqlx::query(&format!("KILL QUERY {id}")).execute(pool).await;
+    drop(other.close().await);
+    Ok(killed.map(drop))
+}

@@ -1,0 +1,340 @@
+//! A throwaway MariaDB: `mariadb-install-db` and `mariadbd` in a temp dir, on a free
+//! loopback port with its socket in that dir, stopped when dropped (SIGTERM, then SIGKILL
+//! if it is not gone within [`STOP_BOUND`]). Nothing here touches a MariaDB it did not
+//! start: the machine's own (on 3306) is never used, and `--no-defaults` keeps the
+//! machine's option files out. As root (CI), both programs run with `--user=root`.
+//!
+//! Grants are kept (no `--skip-grant-tables`), so that tests can create users without
+//! rights and see `build()` refuse them.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// How long a stopped server gets to shut down before it is killed.
+const STOP_BOUND: Duration = Duration::from_secs(10);
+/// Ports tried: between picking a free port and `mariadbd` binding it, another process
+/// may take it.
+const ATTEMPTS: usize = 10;
+
+/// A `mariadbd` this process started and owns; its data is gone when it is dropped.
+pub struct MariaDbServer {
+    child: Option<Child>,
+    port: u16,
+    /// A reaper, and with it the write end of its stdin (see [`shared`]).
+    reaper: Option<Child>,
+    // Removed after the server is stopped (fields drop after `Drop::drop`).
+    dir: tempfile::TempDir,
+}
+
+impl MariaDbServer {
+    /// Installs a data directory, starts a server on it and waits until it accepts
+    /// connections; panics with the cause if it cannot (MariaDB not installed, ...).
+    pub fn start() -> Self {
+        Self::try_start().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_start() -> Result<Self, String> {
+        let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
+        let out = Command::new(program("mariadb-install-db"))
+            .args(["--no-defaults", "--skip-test-db"])
+            .args(as_root())
+            .arg("--auth-root-authentication-method=normal")
+            .arg(format!("--datadir={}", dir.path().join("data").display()))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                format!(
+                    "could not run mariadb-install-db ({e}): install MariaDB (Debian/Ubuntu: \
+                     apt-get install mariadb-server)"
+                )
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "mariadb-install-db failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let mut server = MariaDbServer {
+            child: None,
+            port: 0,
+            reaper: None,
+            dir,
+        };
+        for _ in 0..ATTEMPTS {
+            if server.spawn(free_port()?)? {
+                server.client("CREATE DATABASE test")?;
+                return Ok(server);
+            }
+        }
+        Err(format!(
+            "mariadbd did not start ({ATTEMPTS} ports tried); its log ends: {}",
+            server.log().lines().last().unwrap_or("(nothing)")
+        ))
+    }
+
+    /// Runs `mariadbd` on `port`; false if it exited before it was ready (the port was
+    /// taken).
+    fn spawn(&mut self, port: u16) -> Result<bool, String> {
+        let dir = self.dir.path();
+        let child = Command::new(program("mariadbd"))
+            .args(["--no-defaults", "--bind-address=127.0.0.1"])
+            .args(as_root())
+            .arg(format!("--port={port}"))
+            .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(format!("--socket={}", dir.join("sock").display()))
+            .arg(format!("--pid-file={}", dir.join("mariadbd.pid").display()))
+            .arg(format!(
+                "--log-error={}",
+                dir.join("mariadbd.log").display()
+            ))
+            // Throwaway data: nothing needs to survive a crash.
+            .args(["--innodb-flush-log-at-trx-commit=2", "--sync-binlog=0"])
+            .args(["--skip-name-resolve", "--max-connections=500"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("could not run mariadbd: {e}"))?;
+        self.port = port;
+        self.child = Some(child);
+        self.wait_until_ready()
+    }
+
+    /// Runs `sql` with the `mariadb` client, as root.
+    pub fn client(&self, sql: &str) -> Result<(), String> {
+        let out = Command::new("mariadb")
+            .args(["--no-defaults", "-uroot", "-h127.0.0.1"])
+            .arg(format!("-P{}", self.port))
+            .args(["-e", sql])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("could not run the mariadb client: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{sql}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Waits until this server's log says it is ready for connections on its port, so
+    /// another server that won the port race cannot be mistaken for it.
+    fn wait_until_ready(&mut self) -> Result<bool, String> {
+        let ready = "ready for connections.\nVersion: ";
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let port = format!("port: {}", self.port);
+        let before = self.log().len();
+        while Instant::now() < deadline {
+            let Some(child) = self.child.as_mut() else {
+                return Ok(false);
+            };
+            if let Ok(Some(_)) = child.try_wait() {
+                self.child = None;
+                return Ok(false);
+            }
+            let log = self.log();
+            let new = log.get(before..).unwrap_or_default();
+            if new.contains(ready) && new.contains(&port) {
+                return Ok(true);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err("mariadbd did not become ready within 60 s".to_owned())
+    }
+
+    /// Stops the server (clients are cut off) and starts it again on the same port and
+    /// data, waiting until it accepts connections.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.start_again();
+    }
+
+    /// Starts a server stopped with [`stop`](Self::stop) again, on the same port and data.
+    pub fn start_again(&mut self) {
+        assert!(
+            self.spawn(self.port).expect("mariadbd runs again"),
+            "mariadbd did not start again on port {}",
+            self.port
+        );
+    }
+
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mariadbd.log")).unwrap_or_default()
+    }
+
+    /// A connection of the test's own, as root.
+    pub async fn conn(&self) -> sqlx::MySqlConnection {
+        use sqlx::Connection;
+        sqlx::MySqlConnection::connect(&self.url())
+            .await
+            .expect("connect to the test MariaDB")
+    }
+
+    /// Runs `statement` as root (text protocol: any statement).
+    pub async fn execute(&self, statement: &str) {
+        use sqlx::Executor;
+        self.conn()
+            .await
+            .execute(sqlx::raw_sql(statement))
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+
+    /// A global status counter (`SHOW GLOBAL STATUS LIKE name`).
+    pub async fn status(&self, name: &str) -> u64 {
+        let show = format!("SHOW GLOBAL STATUS LIKE '{name}'");
+        let (_, value) = sqlx::query_as::<_, (String, String)>(&show)
+            .fetch_one(&mut self.conn().await)
+            .await
+            .expect("global status");
+        value.parse().expect("a counter")
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `mysql://root@127.0.0.1:PORT/test` (the `test` database, created at start).
+    pub fn url(&self) -> String {
+        self.url_as("root", "")
+    }
+
+    /// The URL of `user` with `password`, on the `test` database.
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!("mysql://{user}:{password}@127.0.0.1:{}/test", self.port)
+    }
+
+    /// A fast shutdown (SIGTERM: clients are cut off), then SIGKILL if it is not gone
+    /// within [`STOP_BOUND`]; returns once it is gone.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + STOP_BOUND;
+        while Instant::now() < deadline {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Hands this server to a reaper that stops it and removes its files once this process
+    /// has exited (its end of the reaper's stdin closes then): for a server in a `static`,
+    /// which is never dropped.
+    fn reap_at_exit(&mut self) {
+        let (Some(child), dir) = (&self.child, self.dir.path()) else {
+            return;
+        };
+        let reaper = Command::new("sh")
+            .args([
+                "-c",
+                "cat >/dev/null; kill -TERM \"$1\"; \
+                 while kill -0 \"$1\" 2>/dev/null; do sleep 0.1; done; rm -rf \"$2\"",
+                "reaper",
+                &child.id().to_string(),
+            ])
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the reaper of the shared MariaDB starts");
+        self.reaper = Some(reaper);
+    }
+}
+
+impl Drop for MariaDbServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `name` on `PATH`, else in `/usr/sbin` (where Debian puts `mariadbd`, off a plain user's
+/// `PATH`).
+fn program(name: &str) -> std::path::PathBuf {
+    let sbin = std::path::Path::new("/usr/sbin").join(name);
+    let on_path = std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .any(|dir| dir.join(name).is_file());
+    if on_path || !sbin.is_file() {
+        name.into()
+    } else {
+        sbin
+    }
+}
+
+/// `--user=root` when this process runs as root: the server refuses root without it.
+fn as_root() -> Option<&'static str> {
+    let uid = Command::new("id").arg("-u").output().ok()?;
+    (String::from_utf8_lossy(&uid.stdout).trim() == "0").then_some("--user=root")
+}
+
+fn free_port() -> Result<u16, String> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("free port: {e}"))
+}
+
+/// The server this test binary's MariaDB tests share: started by the first test that asks, and stopped (its files removed) when the binary exits. Tests
+/// keep apart by namespace.
+pub fn shared() -> &'static MariaDbServer {
+    static SERVER: OnceLock<MariaDbServer> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let mut server = MariaDbServer::start();
+        server.reap_at_exit();
+        server
+    })
+}
+
+/// A backend on [`shared`] in its own namespace (`test-` and a fresh id), creating the lock
+/// tables if needed.
+pub async fn backend() -> tower_lock::MySqlBackend {
+    backend_in(&fresh_namespace()).await
+}
+
+/// A backend on [`shared`] in `namespace`: several of them are instances of one service.
+pub async fn backend_in(namespace: &str) -> tower_lock::MySqlBackend {
+    builder(namespace)
+        .build()
+        .await
+        .expect("backend connects to the test MariaDB")
+}
+
+/// The builder of [`backend_in`], to set more before building.
+pub fn builder(namespace: &str) -> tower_lock::MySqlBackendBuilder {
+    builder_on(&shared().url()).namespace(namespace)
+}
+
+/// A builder for the database at `url`, migrating it, with a connect timeout that only
+/// catches hangs: on a loaded machine (the tests of a binary start their backends at once,
+/// on two cores) a new connection has been seen to take over the default second.
+pub fn builder_on(url: &str) -> tower_lock::MySqlBackendBuilder {
+    tower_lock::MySqlBackend::builder(url)
+        .migrate()
+        .connect_timeout(Duration::from_secs(10))
+}
+
+/// A database of its own on [`shared`] (empty: no lock tables); its URL, as root.
+pub async fn fresh_database() -> String {
+    let server = shared();
+    let name = format!("db_{}", uuid::Uuid::new_v4().simple());
+    server.execute(&format!("CREATE DATABASE {name}")).await;
+    server.url().replace("/test", &format!("/{name}"))
+}
+
+/// A namespace no other test uses.
+pub fn fresh_namespace() -> String {
+    format!("test-{}", uuid::Uuid::new_v4().simple())
+}
