@@ -10,6 +10,7 @@ pub mod history;
 pub mod netns;
 pub mod postgres;
 pub mod proxy;
+pub mod quorum;
 pub mod replica;
 pub mod sentinel;
 pub mod tls;
@@ -95,6 +96,11 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The server process's id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn url(&self) -> String {
@@ -571,7 +577,8 @@ pub async fn timed_build(
 
 /// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
 /// gets three backends of one throwaway redis-server (three processes, as far as the locks
-/// can tell: each has its own owners, queue and connections), `in_memory::NAME` three
+/// can tell: each has its own owners, queue and connections), `on_quorum::NAME` three
+/// backends of the binary's five-master quorum in a namespace of the test's own, `in_memory::NAME` three
 /// clones of one `MemoryBackend`, `on_postgres::NAME` three backends of the binary's
 /// shared PostgreSQL in a namespace of the test's own. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
 #[macro_export]
@@ -587,6 +594,18 @@ macro_rules! for_each_store {
                         server.backend().await,
                         server.backend().await,
                     ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+        mod on_quorum {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let quorum = $crate::support::quorum::shared();
+                    let _turn = quorum.shared_turn().await;
+                    let b: [tower_lock::RedisBackend; 3] =
+                        quorum.backends(3).await.try_into().expect("three backends");
                     super::$name(b).await;
                 }
             )*

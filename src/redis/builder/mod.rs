@@ -5,6 +5,7 @@ mod checks;
 mod cluster_checks;
 mod coverage;
 mod diagnose;
+mod quorum;
 
 use std::time::Duration;
 
@@ -57,6 +58,8 @@ enum Target {
     },
     /// The seed nodes of a Redis Cluster.
     Cluster(Vec<String>),
+    /// The independent masters of a quorum (RedLock).
+    Quorum(Vec<String>),
 }
 
 impl RedisBackendBuilder {
@@ -72,7 +75,14 @@ impl RedisBackendBuilder {
         Self::with_target(Target::Cluster(nodes))
     }
 
+    pub(super) fn new_quorum(urls: Vec<String>) -> Self {
+        Self::with_target(Target::Quorum(urls))
+    }
+
     fn with_target(target: Target) -> Self {
+        // A quorum's masters restart independently: the guard is what keeps a lock that
+        // a restarted master forgot from being granted again (see `RedisBackend::quorum`).
+        let restart_guard = matches!(target, Target::Quorum(_));
         RedisBackendBuilder {
             target,
             pool_size: 4,
@@ -88,7 +98,7 @@ impl RedisBackendBuilder {
             max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
             tls: TlsSettings::default(),
             allow_eviction: false,
-            restart_guard: false,
+            restart_guard,
             max_lease: DEFAULT_LEASE,
             sync_replicas: None,
             master_username: None,
