@@ -414,6 +414,29 @@ pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
     send(client, post_request(addr, path)).await
 }
 
+/// `n` buyers, each a task that POSTs /buy to one of `addrs` in turn: the flash sale.
+pub fn buy_all(addrs: &[SocketAddr], n: usize) -> Vec<tokio::task::JoinHandle<u16>> {
+    let client = http_client();
+    (0..n)
+        .map(|i| {
+            let (client, addr) = (client.clone(), addrs[i % addrs.len()]);
+            tokio::spawn(async move { post(&client, addr, "/buy").await.status })
+        })
+        .collect()
+}
+
+/// Waits (a minute at most each) for every buyer of [`buy_all`] and asserts each was
+/// served.
+pub async fn all_served(buyers: Vec<tokio::task::JoinHandle<u16>>) {
+    for buyer in buyers {
+        let status = tokio::time::timeout(Duration::from_secs(60), buyer)
+            .await
+            .expect("served")
+            .expect("no panic");
+        assert_eq!(status, 200);
+    }
+}
+
 /// A POST request to `path` on `addr`, to add headers to before [`send`].
 pub fn request(addr: SocketAddr, path: &str) -> http::request::Builder {
     http::Request::post(format!("http://{addr}{path}"))

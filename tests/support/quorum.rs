@@ -43,6 +43,25 @@ pub fn shared() -> &'static Quorum {
     })
 }
 
+/// The only turn on the quorum (see [`Quorum::exclusive`]).
+pub struct Exclusive<'a> {
+    quorum: &'a Quorum,
+    _turn: tokio::sync::RwLockWriteGuard<'a, ()>,
+}
+
+impl Drop for Exclusive<'_> {
+    fn drop(&mut self) {
+        let down: Vec<usize> = (self.quorum.servers().iter())
+            .enumerate()
+            .filter(|(_, (server, _))| server.pid().is_none())
+            .map(|(i, _)| i)
+            .collect();
+        for i in down {
+            self.quorum.restart(i);
+        }
+    }
+}
+
 /// A process that kills `server` once this test binary has exited (the end of its stdin
 /// closes then): a server in a `static` is never dropped.
 fn reaper(server: &RedisServer) -> Option<Child> {
@@ -100,11 +119,15 @@ impl Quorum {
     }
 
     /// Waits for the only turn (a test that kills or restarts masters), once every master
-    /// grants.
-    pub async fn exclusive(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
+    /// grants. Masters left down when the turn ends (a test failed half-way) are started
+    /// again.
+    pub async fn exclusive(&self) -> Exclusive<'_> {
         let turn = self.turn.write().await;
         self.past_guards().await;
-        turn
+        Exclusive {
+            quorum: self,
+            _turn: turn,
+        }
     }
 
     /// The servers, to kill, pause or restart one.

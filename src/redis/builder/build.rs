@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::checks::ServerChecks;
 use super::coverage;
 use super::diagnose::{Peer, diagnose};
+use super::quorum::refuse_non_master;
 use super::{RedisBackendBuilder, Target};
 use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
@@ -149,6 +150,9 @@ impl RedisBackendBuilder {
         pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| peer.failure(e))?;
+        if self.quorum_master {
+            refuse_non_master(pool, &peer.addr).await?;
+        }
         if !topology.is_cluster() {
             refuse_cluster_node(pool).await?;
         }

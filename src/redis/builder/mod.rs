@@ -44,6 +44,8 @@ pub struct RedisBackendBuilder {
     /// The master's credentials when they differ from the first sentinel URL's.
     master_username: Option<String>,
     master_password: Option<String>,
+    /// This builds one master of a quorum (see quorum.rs).
+    quorum_master: bool,
 }
 
 /// Where the backend's Redis is, as the user gave it.
@@ -103,6 +105,7 @@ impl RedisBackendBuilder {
             sync_replicas: None,
             master_username: None,
             master_password: None,
+            quorum_master: false,
         }
     }
 
