@@ -285,6 +285,9 @@ impl RedisBackendBuilder {
     /// replica that had not yet received a lock; see [`sync_replicas`](Self::sync_replicas)).
     /// Every backend of the namespace must turn it on, with the same `max_lease`. Fencing
     /// tokens remain the safety net.
+    ///
+    /// On for a [`RedisBackend::quorum`], where a master that restarted empty would
+    /// otherwise help a second holder to a majority.
     pub fn restart_guard(mut self) -> Self {
         self.restart_guard = true;
         self
