@@ -7,7 +7,8 @@
 //!
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
-//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres` and `metrics`; a table runs when
+//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `quorum` and
+//! `metrics`; a table runs when
 //! its name contains one of the arguments, and every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -24,6 +25,9 @@ mod sweep;
 
 #[path = "parts/postgres.rs"]
 mod postgres;
+
+#[path = "parts/quorum.rs"]
+mod quorum;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
@@ -137,6 +141,9 @@ async fn run() -> String {
     }
     if wanted.has("postgres") {
         out += &postgres::postgres(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("quorum") {
+        out += &quorum::quorum(Duration::from_secs_f64(secs)).await;
     }
     // Last: it installs the process's metrics recorder, which every later figure would pay.
     if wanted.has("metrics") {

@@ -220,10 +220,13 @@ impl Waiter {
         if self.also.is_empty() {
             return self.notify.notified().await;
         }
-        let all = std::iter::once(self)
-            .chain(&self.also)
-            .map(|w| Box::pin(w.notify.notified()));
-        futures_util::future::select_all(all).await;
+        let all = || std::iter::once(self).chain(&self.also);
+        futures_util::future::select_all(all().map(|w| Box::pin(w.notify.notified()))).await;
+        // One try answers every wake-up that came before it: a release on N stores wakes
+        // once, not N times.
+        for waiter in all() {
+            let _ = futures_util::FutureExt::now_or_never(waiter.notify.notified());
+        }
     }
 
     /// One waiter woken by whichever of `first` and `rest` is woken first.
