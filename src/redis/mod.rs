@@ -29,7 +29,9 @@ use crate::error::{BuildError, LockError};
 use crate::lock::LockRequest;
 use crate::lock::inspect::LockInfo;
 
-/// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
+/// Distributed locks on Redis: one server, a Sentinel group ([`sentinel`](Self::sentinel)),
+/// a Redis Cluster ([`cluster`](Self::cluster)) or a quorum of independent masters
+/// ([`quorum`](Self::quorum), RedLock).
 /// Cheap to clone; clones share connections.
 ///
 /// Create one per process with [`connect`](Self::connect) or [`builder`](Self::builder)

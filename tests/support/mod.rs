@@ -433,7 +433,7 @@ pub async fn all_served(buyers: Vec<tokio::task::JoinHandle<u16>>) {
             .await
             .expect("served")
             .expect("no panic");
-        assert_eq!(status, 200);
+        assert_eq!(status, 200, "a buyer was not served");
     }
 }
 

@@ -90,7 +90,7 @@ impl Quorum {
         RedisBackend::quorum(&self.urls)
             .namespace(super::postgres::fresh_namespace())
             .max_lease(MAX_LEASE)
-            .command_timeout(Duration::from_secs(1))
+            .command_timeout(Duration::from_secs(2))
             .connect_timeout(Duration::from_millis(500))
     }
 

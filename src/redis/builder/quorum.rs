@@ -57,7 +57,7 @@ impl RedisBackendBuilder {
         let store = QuorumStore {
             masters,
             lead,
-            master_timeout: self.command_timeout / 3,
+            master_timeout: self.command_timeout / 2,
         };
         Ok(RedisBackend {
             inner: Inner::Quorum(Core::new(store, parts)),

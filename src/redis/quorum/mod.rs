@@ -38,7 +38,7 @@ pub(crate) struct QuorumStore {
     /// settings (namespace, key length, guard, fence TTL) every master shares.
     pub(crate) lead: Arc<RedisStore>,
     /// How long one master may take to answer one call before the quorum decides without
-    /// it (a third of the command timeout: an acquisition makes two calls, and undoes).
+    /// it (half the command timeout: an acquisition makes two calls in a row).
     pub(crate) master_timeout: Duration,
 }
 
