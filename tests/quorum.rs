@@ -62,23 +62,37 @@ async fn build_refuses_too_few_masters_a_replica_a_cluster_node_and_one_server_t
     support::assert_says(&node_error, &[&node_addr, "Redis Cluster"]);
 }
 
-/// What the shop's instances share: the stock in a separate Redis (the application's
-/// database), what was sold, and who is inside the critical section.
+/// What the shop's instances share: the stock and the sales in a separate Redis (the
+/// application's database), and who is inside the critical section.
 #[derive(Clone)]
 pub struct Shop {
     db: redis::aio::MultiplexedConnection,
+    /// Sales made so far (the database's list of sales is the record).
     pub sold: Arc<AtomicU64>,
     inside: Arc<AtomicUsize>,
-    /// Each sale's fencing token, in the order of the sales.
-    pub tokens: Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+/// One handler inside the critical section; leaves it when dropped (also when the layer
+/// drops a handler whose lock was lost).
+struct Inside(Arc<AtomicUsize>);
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Shop {
     pub async fn open(db: &RedisServer, stock: i64) -> Self {
         let mut conn = db.conn().await;
-        let _: () = redis::cmd("SET")
+        let _: () = redis::pipe()
+            .cmd("SET")
             .arg("stock")
             .arg(stock)
+            .ignore()
+            .cmd("DEL")
+            .arg("sales")
+            .ignore()
             .query_async(&mut conn)
             .await
             .expect("stock");
@@ -86,18 +100,19 @@ impl Shop {
             db: conn,
             sold: Arc::default(),
             inside: Arc::default(),
-            tokens: Arc::default(),
         }
     }
 
     /// Serves one instance of the shop on `backend`: POST /buy reads the stock, yields,
-    /// and writes it back less one, as a careless handler would.
+    /// and writes it back less one, as a careless handler would (the write and the sale's
+    /// record, its fencing token, in one transaction).
     pub async fn serve(&self, backend: RedisBackend) -> SocketAddr {
         async fn buy(
             State(shop): State<Shop>,
             axum::Extension(held): axum::Extension<HeldLock>,
         ) -> &'static str {
             let others = shop.inside.fetch_add(1, Ordering::SeqCst);
+            let _inside = Inside(shop.inside.clone());
             assert_eq!(others, 0, "two holders of the stock's lock at once");
             let mut db = shop.db.clone();
             let stock: i64 = redis::cmd("GET")
@@ -105,25 +120,25 @@ impl Shop {
                 .query_async(&mut db)
                 .await
                 .expect("read");
-            let sold = if stock > 0 {
-                tokio::task::yield_now().await;
-                let _: () = redis::cmd("SET")
-                    .arg("stock")
-                    .arg(stock - 1)
-                    .query_async(&mut db)
-                    .await
-                    .expect("write");
-                shop.sold.fetch_add(1, Ordering::SeqCst);
-                shop.tokens
-                    .lock()
-                    .expect("tokens")
-                    .push(held.fencing_token());
-                "sold"
-            } else {
-                "sold out"
-            };
-            shop.inside.fetch_sub(1, Ordering::SeqCst);
-            sold
+            if stock <= 0 {
+                return "sold out";
+            }
+            tokio::task::yield_now().await;
+            let _: () = redis::pipe()
+                .atomic()
+                .cmd("SET")
+                .arg("stock")
+                .arg(stock - 1)
+                .ignore()
+                .cmd("RPUSH")
+                .arg("sales")
+                .arg(held.fencing_token())
+                .ignore()
+                .query_async(&mut db)
+                .await
+                .expect("write");
+            shop.sold.fetch_add(1, Ordering::SeqCst);
+            "sold"
         }
         let app = Router::new()
             .route("/buy", post(buy))
@@ -135,21 +150,29 @@ impl Shop {
         support::serve(app).await
     }
 
-    /// What is left of the stock.
-    pub async fn left(&self) -> i64 {
-        redis::cmd("GET")
+    /// What is left of the stock, and the fencing token of each sale in order.
+    pub async fn state(&self) -> (i64, Vec<u64>) {
+        let (left, sales): (i64, Vec<u64>) = redis::pipe()
+            .cmd("GET")
             .arg("stock")
+            .cmd("LRANGE")
+            .arg("sales")
+            .arg(0)
+            .arg(-1)
             .query_async(&mut self.db.clone())
             .await
-            .expect("stock")
+            .expect("stock and sales");
+        (left, sales)
     }
 
-    /// Asserts the sales' tokens strictly increase.
-    pub fn assert_tokens_increase(&self) {
-        let tokens = self.tokens.lock().expect("tokens");
+    /// Asserts that `stock` was sold exactly, once per sale recorded, under strictly
+    /// increasing fencing tokens.
+    pub async fn assert_sold_out(&self, stock: i64) {
+        let (left, sales) = self.state().await;
+        assert_eq!((left, sales.len()), (0, stock as usize), "{sales:?}");
         assert!(
-            tokens.windows(2).all(|w| w[0] < w[1]),
-            "fencing tokens strictly increase: {tokens:?}"
+            sales.windows(2).all(|w| w[0] < w[1]),
+            "fencing tokens strictly increase: {sales:?}"
         );
     }
 }
@@ -166,11 +189,7 @@ async fn three_instances_sell_exactly_the_stock() {
         addrs.push(shop.serve(backend).await);
     }
     support::all_served(support::buy_all(&addrs, 90)).await;
-    assert_eq!(
-        (shop.sold.load(Ordering::SeqCst), shop.left().await),
-        (STOCK as u64, 0)
-    );
-    shop.assert_tokens_increase();
+    shop.assert_sold_out(STOCK).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,37 +197,10 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     let quorum = quorum::shared();
     let _turn = quorum.exclusive().await;
     let backends = quorum.backends(3).await;
-    // A holder that never renews and never ends on its own: the lock hash written on every
-    // master by hand, so that the only script calls are the waiters'.
+    // A holder that never renews and never ends on its own, so that the only script calls
+    // are the waiters'.
     let lock = format!("{}:{{k}}", backends[0].namespace());
-    let servers: Vec<redis::Client> = quorum
-        .urls()
-        .iter()
-        .map(|u| redis::Client::open(u.as_str()).expect("url"))
-        .collect();
-    let mut conns = Vec::new();
-    for client in &servers {
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect");
-        let _: () = redis::pipe()
-            .cmd("HSET")
-            .arg(&lock)
-            .arg("someone")
-            .arg(1)
-            .arg("token")
-            .arg(1)
-            .ignore()
-            .cmd("PEXPIRE")
-            .arg(&lock)
-            .arg(60_000)
-            .ignore()
-            .query_async(&mut conn)
-            .await
-            .expect("hold by hand");
-        conns.push(conn);
-    }
+    let mut conns = hold_by_hand(quorum, &lock).await;
     let calls = || {
         let conns = conns.clone();
         async move {
@@ -238,21 +230,7 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
         })
         .collect();
     let channel = format!("{lock}:released");
-    for conn in &conns {
-        support::eventually("every instance listens on every master", || {
-            let (mut conn, channel) = (conn.clone(), channel.clone());
-            async move {
-                let (_, n): (String, i64) = redis::cmd("PUBSUB")
-                    .arg("NUMSUB")
-                    .arg(&channel)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("NUMSUB");
-                n == 3
-            }
-        })
-        .await;
-    }
+    listening(&conns, &channel, 3).await;
     // Each waiter tries again once per confirmed subscription at most: let those settle.
     let mut settled = calls().await;
     loop {
@@ -294,5 +272,96 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
             .expect("no panic")
             .expect("acquired once released");
         assert!(token > 1);
+    }
+}
+
+/// Holds the lock hash `lock` on every master by hand, for a minute, for an owner that no
+/// backend has; returns a connection to each master.
+async fn hold_by_hand(
+    quorum: &quorum::Quorum,
+    lock: &str,
+) -> Vec<redis::aio::MultiplexedConnection> {
+    let mut conns = Vec::new();
+    for url in quorum.urls() {
+        let mut conn = redis::Client::open(url.as_str())
+            .expect("url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect");
+        let _: () = redis::pipe()
+            .cmd("HSET")
+            .arg(lock)
+            .arg("someone")
+            .arg(1)
+            .arg("token")
+            .arg(1)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(lock)
+            .arg(60_000)
+            .ignore()
+            .query_async(&mut conn)
+            .await
+            .expect("hold by hand");
+        conns.push(conn);
+    }
+    conns
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_tries_again_when_one_masters_subscriber_reconnects() {
+    let quorum = quorum::shared();
+    let _turn = quorum.exclusive().await;
+    let backend = quorum.builder().build().await.expect("backend");
+    let lock = format!("{}:{{k}}", backend.namespace());
+    let mut conns = hold_by_hand(quorum, &lock).await;
+    let waiter = {
+        let backend = backend.clone();
+        tokio::spawn(async move { backend.lock("k").wait(Duration::from_secs(30)).await })
+    };
+    let channel = format!("{lock}:released");
+    listening(&conns, &channel, 1).await;
+    // Freed without a release message, as a message lost while a subscriber was down is:
+    // only the reconnect of one master's subscriber tells the waiter to try again (the hold
+    // by hand had a minute to run).
+    for conn in &mut conns {
+        let _: () = redis::cmd("DEL")
+            .arg(&lock)
+            .query_async(conn)
+            .await
+            .expect("DEL");
+    }
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut conns[2])
+        .await
+        .expect("CLIENT KILL TYPE pubsub");
+    assert!(killed >= 1);
+    let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("woken by the reconnect, not by the minute's end")
+        .expect("no panic")
+        .expect("acquired");
+    guard.release().await.expect("released");
+}
+
+/// Waits until `n` connections subscribe to `channel` on every master of `conns`.
+async fn listening(conns: &[redis::aio::MultiplexedConnection], channel: &str, n: i64) {
+    for conn in conns {
+        support::eventually("every instance listens on every master", || {
+            let mut conn = conn.clone();
+            async move {
+                let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
+                    .arg("NUMSUB")
+                    .arg(channel)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("NUMSUB");
+                subscribers == n
+            }
+        })
+        .await;
     }
 }
