@@ -49,6 +49,8 @@
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`FencedStore`]: a store in the lock's Redis that refuses writes with stale tokens.
+//! - [`IdempotencyLayer`]: `Idempotency-Key` on top of the lock: the first request runs,
+//!   retries get its stored response, 409 while it runs, 422 for a different request.
 //! - [`response`]: the status codes and problem+json bodies of rejections.
 //!
 //! # Guides
@@ -67,6 +69,8 @@
 )]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
+//! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
+//!   is stored and for how long, crashes.
 //! - [Metrics](guide::metrics): the `metrics` feature, its metrics and labels.
 //! - [Reliability](guide::reliability): the fault tests and the Jepsen test.
 //! - [Performance](guide::performance): the benchmark and how to read it.
@@ -106,6 +110,7 @@ mod backend;
 mod core;
 mod error;
 mod extract;
+mod idempotency;
 mod key;
 mod layer;
 mod lock;
@@ -128,6 +133,11 @@ pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockE
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
+pub use crate::idempotency::{
+    DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_RETENTION, IdempotencyBackend,
+    IdempotencyBody, IdempotencyError, IdempotencyFuture, IdempotencyLayer, IdempotencyService,
+    InnerBody, idempotency_rejection,
+};
 pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
 pub use crate::layer::body::ResponseBody;
 pub use crate::layer::future::ResponseFuture;
@@ -162,6 +172,7 @@ pub mod guide {
                  [settings]: crate::guide::settings\n\
                  [deployments]: crate::guide::deployments\n\
                  [fencing]: crate::guide::fencing\n\
+                 [idempotency]: crate::guide::idempotency\n\
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
                  [performance]: crate::guide::performance\n",
@@ -206,6 +217,10 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/fencing.md")]
     pub mod fencing {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/idempotency.md")]
+    pub mod idempotency {}
 
     #[doc = links!()]
     #[doc = include_str!("../docs/metrics.md")]

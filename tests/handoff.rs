@@ -224,9 +224,10 @@ async fn a_second_instance_is_served_within_a_quantum_of_a_local_stream() {
     // Runs end by their count on any machine that does eight handoffs within seconds (one
     // ended earlier by time only lowers the counts). The time bound is also how long the
     // local stream leaves the key to the remote task after a run: long enough for a remote
-    // task slowed by a loaded machine, short enough for the case where it took and released
-    // the key between two tries of the local contender while Redis still counted its
-    // subscription, which the contender cannot tell from a remote task still to come.
+    // task slowed by a loaded machine, short enough for a remote task that gave up (its
+    // subscription still counted, though it will not take the key). One that took and
+    // released the key between two tries of the local contender ends the yield at once
+    // (the fencing counter moved: tests/yielding.rs).
     let local = RedisBackend::builder(server.url())
         .max_local_handoffs(QUANTUM)
         .max_local_handoff_time(Duration::from_secs(5))

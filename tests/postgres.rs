@@ -255,6 +255,8 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     let holder = instance().await;
     let waiting = [instance().await, instance().await];
     let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let acquisitions = || server.log().matches("_acquire(").count();
+    let built = acquisitions();
     let waiters: Vec<_> = (0..10)
         .map(|i| {
             let backend = waiting[i % 2].clone();
@@ -272,7 +274,12 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
         })
         .await;
     }
-    let acquisitions = || server.log().matches("_acquire(").count();
+    // Each instance's contender tried, listened and tried again: two attempts each, in a
+    // log the server writes behind the statements it runs.
+    support::eventually("both contenders' attempts are logged", || async {
+        acquisitions() >= built + 4
+    })
+    .await;
     let before = acquisitions();
     // Far longer than any polling interval, far shorter than the lease (30 s): a waiter
     // that wakes in this window was not woken by the lock.

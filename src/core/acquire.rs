@@ -181,8 +181,9 @@ impl<S: Store> Core<S> {
         let mut pttl = None;
         // A slot passed on by a release that ended this process's run skips the first try
         // (see below): the other instances, woken by that release, go first.
-        if !slot.as_ref().is_some_and(Slot::yielded) {
-            match self.attempt(c, (reserve(), false)).await? {
+        let yielded = slot.as_ref().and_then(Slot::yielded);
+        if yielded.is_none() {
+            match self.attempt(c, (reserve(), None)).await? {
                 Outcome::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
                 Outcome::Held(p) => pttl = p,
                 Outcome::LeftToOthers => {}
@@ -208,22 +209,26 @@ impl<S: Store> Core<S> {
         // one when the subscription is confirmed, so the next attempt follows either way.
         let waiter = self.store.subscribe(&c.key);
         // The release that ended this process's run woke the other instances: until one of
-        // them takes the key, or for at most a run's time (they may have given up), this
-        // task does not take the key while anyone else is subscribed to its channel.
-        let mut yield_until = slot
-            .as_ref()
-            .is_some_and(Slot::yielded)
-            .then(|| (Instant::now() + self.settings.max_local_handoff_time).min(deadline));
+        // them takes the key (this task finds it held, or the store finds the fencing
+        // counter moved past the value that release left), or for at most a run's time
+        // (they may have given up), this task does not take the key while the store sees
+        // another instance wait for it.
+        let mut yield_until = yielded.map(|fence| {
+            let until = (Instant::now() + self.settings.max_local_handoff_time).min(deadline);
+            (until, fence)
+        });
         loop {
             let mut nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
-            if let Some(until) = yield_until.filter(|until| Instant::now() < *until) {
+            if let Some((until, _)) = yield_until.filter(|(until, _)| Instant::now() < *until) {
                 nap = nap.min(until);
             }
             tokio::select! {
                 _ = waiter.woken() => {}
                 _ = sleep_until(nap) => {}
             }
-            let yielding = yield_until.is_some_and(|until| Instant::now() < until);
+            let yielding = yield_until
+                .filter(|(until, _)| Instant::now() < *until)
+                .map(|(_, fence)| fence);
             match self.attempt(c, (reserve(), yielding)).await? {
                 Outcome::Acquired(taken) => {
                     drop(waiter);
@@ -267,11 +272,12 @@ impl<S: Store> Core<S> {
 
     /// Makes one attempt.
     /// `reserve`: tokens to reserve for a run in memory; `yielding`: the key is left to
-    /// other instances that wait for it (see [`Attempt::yielding`]).
+    /// other instances that wait for it until its fencing counter passes this value (see
+    /// [`Attempt::yielding`]).
     async fn attempt(
         self: &Arc<Self>,
         c: &Contender<S>,
-        (reserve, yielding): (u64, bool),
+        (reserve, yielding): (u64, Option<u64>),
     ) -> Result<Outcome, LockError> {
         let command_timeout = self.settings.command_timeout;
         let budget = match c.deadline {

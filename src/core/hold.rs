@@ -91,9 +91,15 @@ impl<S: Store> Hold<S> {
             run_spent,
             may_have_run: self.may_have_run(),
             only_token: None,
-            issued: (Some(self.run.last) != self.token).then_some(self.run.last),
+            issued: self.issued(),
             reserve: self.core.reserve(),
         }
+    }
+
+    /// The last token issued in memory under this hold, if holders of this process got it
+    /// there after the one that took it in the store.
+    fn issued(&self) -> Option<u64> {
+        (Some(self.run.last) != self.token).then_some(self.run.last)
     }
 
     /// Undoes an attempt whose outcome is unknown. The release goes behind the attempt on
@@ -247,8 +253,11 @@ impl<S: Store> Hold<S> {
                 Ok(())
             }
             Released::Freed => {
+                // The counter stays at the run's reserved block, or goes back to the last
+                // token issued in memory (see `release`).
+                let fence = self.issued().unwrap_or(self.run.reserved);
                 if let Some(slot) = self.slot.as_mut() {
-                    slot.yield_to_others();
+                    slot.yield_to_others(fence);
                 }
                 Ok(())
             }

@@ -191,8 +191,10 @@ pub(crate) struct Attempt {
     /// Fencing tokens to reserve above a new hold's own for a run of holders in memory.
     pub(crate) reserve: u64,
     /// Leave a free key to other instances that wait for it: this process just released
-    /// it to let them go first.
-    pub(crate) yielding: bool,
+    /// it to let them go first, leaving its fencing counter at this value. A store stops
+    /// yielding once the counter is past it (another instance took the key since), even if
+    /// its sign that others wait (a subscription, a registered waiter) is still there.
+    pub(crate) yielding: Option<u64>,
     /// A number this backend never used before: the attempt's id, so that a store that
     /// runs a call twice takes one hold, and the id of the release that gives back a hold
     /// the store must undo itself (`holder@serial`, `holder#serial`).

@@ -156,9 +156,26 @@ pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
             "The lock service could not be reached. Retry later.".to_owned(),
         ),
     };
-    let status = error.status();
+    problem(
+        error.status(),
+        &format!("{TYPE_BASE}{variant}"),
+        title,
+        &detail,
+        error.retry_after(),
+    )
+}
+
+/// A problem+json response (RFC 9457) of `status`, with a `Retry-After` header when
+/// `retry_after` is known: the rejections of this crate's layers.
+pub(crate) fn problem(
+    status: StatusCode,
+    type_url: &str,
+    title: &str,
+    detail: &str,
+    retry_after: Option<Duration>,
+) -> Response<Full<Bytes>> {
     let body = serde_json::json!({
-        "type": format!("{TYPE_BASE}{variant}"),
+        "type": type_url,
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
@@ -167,7 +184,7 @@ pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
     *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-    if let Some(retry_after) = error.retry_after() {
+    if let Some(retry_after) = retry_after {
         headers.insert(
             header::RETRY_AFTER,
             HeaderValue::from(retry_after_secs(retry_after)),

@@ -28,6 +28,7 @@
 
 mod hold;
 mod inspect;
+mod records;
 mod rw;
 mod semaphore;
 mod wait;
@@ -95,6 +96,8 @@ struct State {
     semaphores: HashMap<Arc<str>, Semaphore>,
     /// The last exclusive token of recently written keys, for their shared holds.
     fences: Fences,
+    /// Idempotency records, beside the locks they were stored under.
+    records: records::Stored,
 }
 
 /// How an acquisition may wait: until `deadline` (`None`: not at all), with at most
@@ -189,6 +192,12 @@ impl MemoryBackend {
         let locks = state.keys.values().filter(|k| k.is_held()).count();
         let semaphores = state.semaphores.values().filter(|s| s.is_held()).count();
         locks + semaphores
+    }
+
+    /// How many idempotency records are kept right now (see
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer)): none outlives its retention.
+    pub fn idempotency_records(&self) -> usize {
+        self.inner.state().records.live()
     }
 }
 

@@ -152,7 +152,7 @@ impl Store for PgStore {
                     .bind(lease)
                     .bind(token(attempt.reserve))
                     .bind(&store.instance)
-                    .bind(attempt.yielding)
+                    .bind(attempt.yielding.is_some())
                     .fetch_optional(&store.pool)
                     .await;
                 match taken {
@@ -174,7 +174,7 @@ impl Store for PgStore {
                     .bind(lease)
                     .bind(attempt.waits.map_or(0, millis))
                     .bind(token(attempt.reserve))
-                    .bind(attempt.yielding)
+                    .bind(attempt.yielding.is_some())
                     .bind(&store.instance),
                 Kind::Shared => sqlx::query_scalar::<_, Vec<i64>>(&store.sql.shared_acquire)
                     .bind(&*key.name)

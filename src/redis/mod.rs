@@ -10,6 +10,7 @@ mod inspect;
 mod keys;
 mod pubsub;
 mod quorum;
+mod records;
 mod replay;
 mod replicas;
 mod run_id;
@@ -314,6 +315,15 @@ impl RedisBackend {
         match &self.inner {
             Inner::Single(core) => &core.store.namespace,
             Inner::Quorum(core) => &core.store.lead.namespace,
+        }
+    }
+
+    /// The store of the backend's deployment, or of a quorum's first master (where a quorum
+    /// keeps idempotency records for now: on that master alone, not on a majority).
+    fn lead(&self) -> &Arc<RedisStore> {
+        match &self.inner {
+            Inner::Single(core) => &core.store,
+            Inner::Quorum(core) => &core.store.lead,
         }
     }
 

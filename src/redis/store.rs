@@ -284,14 +284,15 @@ impl RedisStore {
                     .arg(guard)
                     .arg(attempt_id)
                     .arg(waits);
-                if attempt.reserve > 0 || attempt.yielding {
+                if attempt.reserve > 0 || attempt.yielding.is_some() {
                     invocation.arg(attempt.reserve);
                 }
-                if attempt.yielding {
+                if let Some(fence) = attempt.yielding {
                     invocation
                         .arg(1)
                         .arg(&key.channel)
-                        .arg(u8::from(scripts.sharded));
+                        .arg(u8::from(scripts.sharded))
+                        .arg(fence);
                 }
                 invocation
             }

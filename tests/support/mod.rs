@@ -598,14 +598,10 @@ pub async fn timed_build(
     built
 }
 
-/// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
-/// gets three backends of one throwaway redis-server (three processes, as far as the locks
-/// can tell: each has its own owners, queue and connections), `on_quorum::NAME` three
-/// backends of the binary's five-master quorum in a namespace of the test's own, `in_memory::NAME` three
-/// clones of one `MemoryBackend`, `on_postgres::NAME` three backends of the binary's
-/// shared PostgreSQL in a namespace of the test's own. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
+/// [`for_each_store!`] without PostgreSQL: for what only Redis and `MemoryBackend` offer
+/// (idempotency records).
 #[macro_export]
-macro_rules! for_each_store {
+macro_rules! on_redis_and_memory {
     ($($name:ident),* $(,)?) => {
         mod on_redis {
             $(
@@ -621,6 +617,29 @@ macro_rules! for_each_store {
                 }
             )*
         }
+        mod in_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let b = tower_lock::MemoryBackend::new();
+                    super::$name([b.clone(), b.clone(), b]).await;
+                }
+            )*
+        }
+    };
+}
+
+/// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
+/// gets three backends of one throwaway redis-server (three processes, as far as the locks
+/// can tell: each has its own owners, queue and connections), `on_quorum::NAME` three
+/// backends of the binary's five-master quorum in a namespace of the test's own,
+/// `in_memory::NAME` three clones of one `MemoryBackend`, `on_postgres::NAME` three
+/// backends of the binary's shared PostgreSQL in a namespace of the test's own. A body is
+/// `async fn NAME<B: LockBackend>(b: [B; 3])`.
+#[macro_export]
+macro_rules! for_each_store {
+    ($($name:ident),* $(,)?) => {
+        $crate::on_redis_and_memory!($($name),*);
         mod on_quorum {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -630,15 +649,6 @@ macro_rules! for_each_store {
                     let b: [tower_lock::RedisBackend; 3] =
                         quorum.backends(3).await.try_into().expect("three backends");
                     super::$name(b).await;
-                }
-            )*
-        }
-        mod in_memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let b = tower_lock::MemoryBackend::new();
-                    super::$name([b.clone(), b.clone(), b]).await;
                 }
             )*
         }
@@ -663,12 +673,18 @@ macro_rules! for_each_store {
 /// Sends an empty `method` request to `path` through `app` (no socket) and reads the whole
 /// reply; a reply that takes over 10 s fails the test.
 pub async fn call(app: &Router, method: http::Method, path: &str) -> Reply {
-    use tower::ServiceExt;
     let request = http::Request::builder()
         .method(method)
         .uri(path)
         .body(axum::body::Body::empty())
         .expect("request");
+    oneshot(app, request).await
+}
+
+/// Sends `request` through `app` (no socket) and reads the whole reply; a reply that takes
+/// over 10 s fails the test.
+pub async fn oneshot(app: &Router, request: http::Request<axum::body::Body>) -> Reply {
+    use tower::ServiceExt;
     let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(request))
         .await
         .expect("a reply within 10 s")

@@ -246,8 +246,9 @@ pub(crate) struct Slot {
     key: Arc<str>,
     epoch: u64,
     /// Whether the next task should let other instances go first: set when the lock was
-    /// released for real to end a handoff streak.
-    yielded: bool,
+    /// released for real to end a handoff streak, to the value that release left the
+    /// key's fencing counter at (see [`yielded`](Self::yielded)).
+    yielded: Option<u64>,
     /// The task picked to receive the slot, taken out of the queue for a handoff.
     successor: Option<Successor>,
     /// Whether dropping this slot passes it on (false once it went along with a
@@ -261,7 +262,7 @@ impl Slot {
             shared,
             key,
             epoch,
-            yielded: false,
+            yielded: None,
             successor: None,
             passes_on: true,
         }
@@ -274,10 +275,12 @@ impl Slot {
             .is_some_and(|q| q.epoch == self.epoch && !q.waiting.is_empty())
     }
 
-    /// True when this slot came from a release that ended a handoff streak: its task
+    /// Set when this slot came from a release that ended a handoff streak: its task
     /// should wait for a release message before its first attempt, so that the other
-    /// instances, which got that message, get the lock first.
-    pub(crate) fn yielded(&self) -> bool {
+    /// instances, which got that message, get the lock first. The value is the fencing
+    /// counter that release left: once the counter is past it, another instance took the
+    /// key, and the yield is over.
+    pub(crate) fn yielded(&self) -> Option<u64> {
         self.yielded
     }
 
@@ -335,9 +338,10 @@ impl Slot {
 
     /// Marks a real release as the end of a handoff streak (see
     /// [`yielded`](Self::yielded)), if a successor was waiting for a handoff. A task that
-    /// queued only after the release was decided contends at once.
-    pub(crate) fn yield_to_others(&mut self) {
-        self.yielded = self.successor.is_some();
+    /// queued only after the release was decided contends at once. `fence`: the value the
+    /// release left the key's fencing counter at.
+    pub(crate) fn yield_to_others(&mut self, fence: u64) {
+        self.yielded = self.successor.is_some().then_some(fence);
     }
 
     /// A hook for the watchdog: when the lock held with this slot is found lost, the slot
@@ -351,7 +355,7 @@ impl Slot {
                 // Re-entries of the lost hold count no more; the next holder takes the key
                 // in the store under its own owner.
                 queue.nested = 0;
-                pass_on(&shared, &mut keys, &key, None, false);
+                pass_on(&shared, &mut keys, &key, None, None);
             }
         }
     }
@@ -380,7 +384,7 @@ impl Drop for Slot {
                     let epoch = self.shared.next_id();
                     let queue = KeyQueue::new(successor.claim.owner.clone(), epoch);
                     keys.insert(self.key.clone(), queue);
-                    pass_on(&self.shared, &mut keys, &self.key, Some(successor), false);
+                    pass_on(&self.shared, &mut keys, &self.key, Some(successor), None);
                 }
             }
         }
@@ -394,7 +398,7 @@ fn pass_on(
     keys: &mut HashMap<Arc<str>, KeyQueue>,
     key: &Arc<str>,
     mut candidate: Option<Successor>,
-    yielded: bool,
+    yielded: Option<u64>,
 ) {
     loop {
         let Some(queue) = keys.get_mut(key) else {

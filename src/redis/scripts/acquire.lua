@@ -23,7 +23,10 @@
 -- ARGV[8]  "1" when this process just released the key for real to let other instances
 --          go first: it does not take the key while anyone else is subscribed to the
 --          key's channel ARGV[9] (on sharded pub/sub when ARGV[10] is "1"), and gets
---          {5} (may be left off: "0")
+--          {5} (may be left off: "0"), unless the fencing counter is past ARGV[11], the
+--          value that release left it at: another instance took the key since, so the
+--          yield is over, and a subscription still counted (its waiter was served and its
+--          unsubscription lags, or it is yielding too) no longer keeps the key idle
 --
 -- Returns {5} when a yielding acquisition leaves the free key to others (ARGV[8]),
 -- {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
@@ -85,7 +88,7 @@ end
 if ARGV[8] == '1' then
   local others = redis.call('pubsub', ARGV[10] == '1' and 'shardnumsub' or 'numsub', ARGV[9])[2]
   -- This process's own subscription counts one.
-  if others > 1 then
+  if others > 1 and (tonumber(redis.call('get', KEYS[2]) or '0') or 0) <= tonumber(ARGV[11]) then
     return {5}
   end
 end

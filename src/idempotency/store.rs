@@ -1,0 +1,68 @@
+//! The seam between the idempotency layer and a store of records: two calls a backend
+//! answers beside its locks.
+//!
+//! The layer takes the key's lock through the backend's ordinary acquisition (the core's
+//! queue, watchdog and release on every exit path), so a store adds only the record:
+//!
+//! - [`fetch`](Records::fetch): the record stored for a key, if any. Read before the lock
+//!   is taken (a completed key is replayed without touching its lock, so retries of a
+//!   finished request never contend) and again once it is held (the first request may
+//!   have finished between the two).
+//! - [`store`](Records::store): writes the record, with its retention, only if the hold
+//!   that ran the handler still holds the key, in one atomic step: a lock lost while the
+//!   handler ran stores nothing. The hold is then released as any other.
+//!
+//! Storing strictly before releasing is what makes the two reads enough: whoever takes
+//! the lock after the first holder released it finds the record.
+
+use std::sync::Arc;
+
+use crate::backend::LockBackend;
+
+/// A backend that keeps idempotency records beside its locks, for
+/// [`IdempotencyLayer`](crate::IdempotencyLayer): [`RedisBackend`](crate::RedisBackend)
+/// (the record in the lock's hash slot, expired by Redis) and
+/// [`MemoryBackend`](crate::MemoryBackend). The PostgreSQL store has no records yet.
+///
+/// Sealed, as [`LockBackend`] is.
+pub trait IdempotencyBackend: LockBackend + sealed::Sealed {}
+
+pub(crate) use self::sealed::{Records, Sealed as RecordsOf};
+
+mod sealed {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use crate::error::LockError;
+    use crate::lock::{BoxFuture, HeldLock};
+
+    /// Implemented by this crate's backends only (see
+    /// [`IdempotencyBackend`](super::IdempotencyBackend)).
+    pub trait Sealed {
+        /// The backend's records, shared by every clone of it.
+        fn records(&self) -> std::sync::Arc<dyn Records>;
+    }
+
+    /// A store of idempotency records (see the module docs for what each call
+    /// guarantees). Keys are the lock keys the layer takes, already validated by it.
+    pub trait Records: Send + Sync + 'static {
+        /// The record stored for `key`'s lock, if any (an expired one is none).
+        fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>>;
+
+        /// Stores `record` for `key` for `retention` if `held`, the hold on `key`'s lock
+        /// that ran the handler, still holds it; returns whether it stored it.
+        fn store(
+            &self,
+            key: String,
+            held: HeldLock,
+            record: Bytes,
+            retention: Duration,
+        ) -> BoxFuture<'static, Result<bool, LockError>>;
+    }
+}
+
+/// The records of `backend`.
+pub(crate) fn records_of(backend: &impl IdempotencyBackend) -> Arc<dyn Records> {
+    backend.records()
+}
