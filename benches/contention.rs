@@ -7,9 +7,9 @@
 //!
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
-//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql` and
-//! `metrics`; a table runs when
-//! its name contains one of the arguments, and every table runs when none is given.
+//! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql`,
+//! `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
+//! every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -31,6 +31,8 @@ mod postgres;
 
 #[path = "parts/mysql.rs"]
 mod mysql;
+#[path = "parts/quorum.rs"]
+mod quorum;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
@@ -147,6 +149,9 @@ async fn run() -> String {
     }
     if wanted.has("mysql") {
         out += &mysql::mysql(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("quorum") {
+        out += &quorum::quorum(Duration::from_secs_f64(secs)).await;
     }
     // Last: it installs the process's metrics recorder, which every later figure would pay.
     if wanted.has("metrics") {

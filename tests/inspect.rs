@@ -86,8 +86,8 @@ impl Instance for MemoryBackend {
     }
 }
 
-/// Runs each body once per store: `on_redis::NAME`, `in_memory::NAME`, `on_postgres::NAME`,
-/// `on_mariadb::NAME`.
+/// Runs each body once per store: `on_redis::NAME`, `on_quorum::NAME` (the binary's
+/// five-master quorum), `in_memory::NAME`, `on_postgres::NAME`, `on_mariadb::NAME`.
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
         mod on_redis {
@@ -102,6 +102,18 @@ macro_rules! for_each_store {
                     ];
                     super::$name(b).await;
                     assert!(server.keys().await.iter().all(|k| k.ends_with(":fence")));
+                }
+            )*
+        }
+        mod on_quorum {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let quorum = crate::support::quorum::shared();
+                    let _turn = quorum.shared_turn().await;
+                    let b: [tower_lock::RedisBackend; 3] =
+                        quorum.backends(3).await.try_into().expect("three backends");
+                    super::$name(b).await;
                 }
             )*
         }

@@ -233,20 +233,7 @@ async fn three_instances_sell_exactly_the_stock() {
         let backend = postgres::backend_in(&namespace).await;
         addrs.push(support::serve(shop(backend, db.clone(), sold.clone())).await);
     }
-    let client = support::http_client();
-    let buyers: Vec<_> = (0..BUYERS)
-        .map(|i| {
-            let (client, addr) = (client.clone(), addrs[i % 3]);
-            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
-        })
-        .collect();
-    for buyer in buyers {
-        let status = tokio::time::timeout(Duration::from_secs(60), buyer)
-            .await
-            .expect("served")
-            .expect("no panic");
-        assert_eq!(status, 200);
-    }
+    support::all_served(support::buy_all(&addrs, BUYERS)).await;
     let left: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
         .fetch_one(&db)
         .await

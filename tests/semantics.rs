@@ -17,6 +17,7 @@ use tower_lock::{HeldLock, LockBackend, LockError, LockLayer};
 const HANG: Duration = Duration::from_secs(10);
 
 /// Runs each named body once per backend: `redis::NAME` on a throwaway redis-server,
+/// `quorum::NAME` on the binary's five-master quorum in a namespace of its own,
 /// `memory::NAME` on a fresh `MemoryBackend`, `postgres::NAME` and `mariadb::NAME` on the
 /// binary's shared PostgreSQL and MariaDB in a namespace of their own.
 macro_rules! for_each_backend {
@@ -27,6 +28,17 @@ macro_rules! for_each_backend {
                 async fn $name() {
                     let server = crate::support::RedisServer::start();
                     super::$name(server.backend().await).await;
+                }
+            )*
+        }
+        mod quorum {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let quorum = crate::support::quorum::shared();
+                    let _turn = quorum.shared_turn().await;
+                    let b = quorum.builder().build().await.expect("quorum backend");
+                    super::$name(b).await;
                 }
             )*
         }

@@ -141,6 +141,7 @@ impl Wakeups {
             channel: channel.to_owned(),
             id,
             notify,
+            also: Vec::new(),
         }
     }
 
@@ -200,20 +201,38 @@ impl Drop for Disconnected<'_> {
     }
 }
 
-/// One task waiting for a release on one channel. Dropping it (including when the waiting
-/// future is cancelled) deregisters it, and gives the channel up if it was the last.
+/// One task waiting for a release on one channel (or on several stores' channels at once,
+/// see [`any`](Self::any)). Dropping it (including when the waiting future is cancelled)
+/// deregisters it, and gives the channel up if it was the last.
 pub(crate) struct Waiter {
     wakeups: Wakeups,
     channel: String,
     id: u64,
     notify: Arc<Notify>,
+    /// Further registrations whose wake-ups count as this one's (a quorum of stores).
+    also: Vec<Waiter>,
 }
 
 impl Waiter {
     /// Resolves when the lock may have been freed (or the subscription came up); the caller
     /// must then try again, as a wakeup is a hint, not a handoff.
     pub(crate) async fn woken(&self) {
-        self.notify.notified().await;
+        if self.also.is_empty() {
+            return self.notify.notified().await;
+        }
+        let all = || std::iter::once(self).chain(&self.also);
+        futures_util::future::select_all(all().map(|w| Box::pin(w.notify.notified()))).await;
+        // One try answers every wake-up that came before it: a release on N stores wakes
+        // once, not N times.
+        for waiter in all() {
+            let _ = futures_util::FutureExt::now_or_never(waiter.notify.notified());
+        }
+    }
+
+    /// One waiter woken by whichever of `first` and `rest` is woken first.
+    pub(crate) fn any(mut first: Waiter, rest: impl IntoIterator<Item = Waiter>) -> Waiter {
+        first.also.extend(rest);
+        first
     }
 }
 

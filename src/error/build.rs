@@ -142,6 +142,15 @@ pub enum BuildError {
         /// Which, in words.
         reason: &'static str,
     },
+    /// A URL given to [`RedisBackend::quorum`](crate::RedisBackend::quorum) names no
+    /// independent master: a replica, a node of a Redis Cluster, or the same server as
+    /// another URL of the quorum (its `run_id`); or there are fewer than three URLs.
+    Quorum {
+        /// The server refused (empty when the quorum as a whole was).
+        addr: String,
+        /// Why, in words.
+        reason: &'static str,
+    },
 }
 
 /// What went wrong opening a connection ([`BuildError::Connect`]).
@@ -197,7 +206,8 @@ impl BuildError {
             | BuildError::Url { .. }
             | BuildError::Sentinel { .. }
             | BuildError::Schema { .. }
-            | BuildError::ReadOnly { .. } => {}
+            | BuildError::ReadOnly { .. }
+            | BuildError::Quorum { .. } => {}
         }
         self
     }
@@ -251,6 +261,12 @@ impl fmt::Display for BuildError {
             ),
             BuildError::ReadOnly { reason } => {
                 write!(f, "the server takes no writes: {reason}")
+            }
+            BuildError::Quorum { addr, reason } if addr.is_empty() => {
+                write!(f, "invalid quorum: {reason}")
+            }
+            BuildError::Quorum { addr, reason } => {
+                write!(f, "the quorum's master at {addr} is refused: {reason}")
             }
             BuildError::Auth { user, addr, .. } => {
                 write!(
@@ -354,7 +370,8 @@ impl StdError for BuildError {
             | BuildError::Setting { .. }
             | BuildError::Eviction { .. }
             | BuildError::Schema { .. }
-            | BuildError::ReadOnly { .. } => None,
+            | BuildError::ReadOnly { .. }
+            | BuildError::Quorum { .. } => None,
             BuildError::Url { source }
             | BuildError::Connect { source, .. }
             | BuildError::Scripts { source, .. }

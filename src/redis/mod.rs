@@ -9,6 +9,7 @@ mod fence;
 mod inspect;
 mod keys;
 mod pubsub;
+mod quorum;
 mod records;
 mod replay;
 mod replicas;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 
 pub use self::builder::RedisBackendBuilder;
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
+use self::quorum::QuorumStore;
 use self::store::RedisStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
@@ -28,7 +30,9 @@ use crate::error::{BuildError, LockError};
 use crate::lock::LockRequest;
 use crate::lock::inspect::LockInfo;
 
-/// Distributed locks on Redis: one server or a Redis Cluster ([`cluster`](Self::cluster)).
+/// Distributed locks on Redis: one server, a Sentinel group ([`sentinel`](Self::sentinel)),
+/// a Redis Cluster ([`cluster`](Self::cluster)) or a quorum of independent masters
+/// ([`quorum`](Self::quorum), RedLock).
 /// Cheap to clone; clones share connections.
 ///
 /// Create one per process with [`connect`](Self::connect) or [`builder`](Self::builder)
@@ -76,7 +80,14 @@ use crate::lock::inspect::LockInfo;
 /// holder with its own owner and fencing token).
 #[derive(Clone)]
 pub struct RedisBackend {
-    inner: Arc<Core<RedisStore>>,
+    inner: Inner,
+}
+
+/// The core over one deployment, or over a quorum of masters.
+#[derive(Clone)]
+enum Inner {
+    Single(Arc<Core<RedisStore>>),
+    Quorum(Arc<Core<QuorumStore>>),
 }
 
 impl RedisBackend {
@@ -111,6 +122,63 @@ impl RedisBackend {
     pub fn cluster(nodes: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
         let nodes = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
         RedisBackendBuilder::new_cluster(nodes)
+    }
+
+    /// Starts configuring a backend on a quorum of independent Redis masters (RedLock):
+    /// `masters` are the URLs of at least three single servers, each with its own TLS
+    /// (`rediss://`) and ACL user, as [`builder`](Self::builder) takes one. A lock is held
+    /// while a majority of them hold it, so losing a minority of the masters (down,
+    /// restarted empty, cut off) loses no lock and stops no acquisition.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_lock::BuildError> {
+    /// let backend = tower_lock::RedisBackend::quorum([
+    ///     "redis://10.0.0.1:6379",
+    ///     "redis://10.0.0.2:6379",
+    ///     "redis://10.0.0.3:6379",
+    /// ])
+    /// .max_lease(std::time::Duration::from_secs(30))
+    /// .build()
+    /// .await?;
+    /// # drop(backend);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// - **Acquire**: the same script runs on every master at once under one owner; the
+    ///   lock is granted when a majority granted it within its validity: the lease, less
+    ///   the time the calls took, less a clock-drift allowance of 1% of the lease plus 2 ms
+    ///   (the Redlock algorithm). Otherwise what was taken is given back at once. Contenders
+    ///   that split the masters between them give back, and try again after a random delay
+    ///   of up to 10 ms. Re-entry, shared holds, permits and
+    ///   [`lock_many`](Self::lock_many) follow the same rule.
+    /// - **Fencing tokens** strictly increase across the quorum: a grant's token is the
+    ///   highest its majority issued, written back to that majority before the grant is
+    ///   returned; any two majorities share a master (the argument, and what breaks it, are
+    ///   in the fencing guide).
+    /// - **Renewal** goes to every master; a hold is lost when fewer than a majority
+    ///   confirm it. **Release** goes to every master.
+    /// - **The [restart guard](RedisBackendBuilder::restart_guard) is on**: a master that
+    ///   started less than one [`max_lease`](RedisBackendBuilder::max_lease) ago grants
+    ///   nothing, so one restarted empty cannot help a second holder to a majority while
+    ///   the first runs. Set `max_lease` to the longest lease of the namespace. Tokens and
+    ///   leases assume the masters' clocks run at about the same rate (drift within the
+    ///   allowance above) and never jump; a holder paused past its validity is stopped by
+    ///   fencing only.
+    /// - **Waiting** subscribes the key's channel on every master and tries again on a
+    ///   release on any of them, when the holder's validity runs out, or when any master's
+    ///   subscriber reconnects. Handoffs in memory between tasks of one backend
+    ///   ([`max_local_handoffs`](RedisBackendBuilder::max_local_handoffs)) are off.
+    /// - **Errors**: with fewer than a majority of the masters answering, acquisitions,
+    ///   releases and renewals fail (503 from the layer), with how many answered.
+    ///
+    /// `build` refuses fewer than three URLs, a URL whose server is a replica or a node of
+    /// a Redis Cluster, and two URLs of one server (by its `run_id`), with
+    /// [`BuildError::Quorum`] naming the URL's address; each master is checked as
+    /// [`build`](RedisBackendBuilder::build) checks a single server.
+    pub fn quorum(masters: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
+        let urls = masters.into_iter().map(|u| u.as_ref().to_owned()).collect();
+        RedisBackendBuilder::new_quorum(urls)
     }
 
     /// Starts configuring a backend for the master that Redis Sentinel names `master_name`.
@@ -234,21 +302,52 @@ impl RedisBackend {
     }
 
     /// A snapshot of the backend's connections and bookkeeping.
+    /// On a quorum, the subscriber is the first master's.
     pub fn stats(&self) -> BackendStats {
-        self.inner.stats(self.inner.store.subscriber.wakeups())
+        match &self.inner {
+            Inner::Single(core) => core.stats(core.store.subscriber.wakeups()),
+            Inner::Quorum(core) => core.stats(core.store.lead.subscriber.wakeups()),
+        }
     }
 
     /// The namespace that prefixes every Redis key of this backend.
     pub fn namespace(&self) -> &str {
-        &self.inner.store.namespace
+        match &self.inner {
+            Inner::Single(core) => &core.store.namespace,
+            Inner::Quorum(core) => &core.store.lead.namespace,
+        }
+    }
+
+    /// The store of the backend's deployment, or of a quorum's first master (where a quorum
+    /// keeps idempotency records for now: on that master alone, not on a majority).
+    fn lead(&self) -> &Arc<RedisStore> {
+        match &self.inner {
+            Inner::Single(core) => &core.store,
+            Inner::Quorum(core) => &core.store.lead,
+        }
+    }
+
+    /// The store of each Redis deployment the backend writes to: one, or each master of a
+    /// quorum.
+    fn stores(&self) -> &[Arc<RedisStore>] {
+        match &self.inner {
+            Inner::Single(core) => std::slice::from_ref(&core.store),
+            Inner::Quorum(core) => &core.store.masters,
+        }
     }
 }
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
-            .field("namespace", &self.inner.store.namespace)
-            .field("instance", &self.inner.owners.instance())
+            .field("namespace", &self.namespace())
+            .field(
+                "instance",
+                &match &self.inner {
+                    Inner::Single(core) => core.owners.instance(),
+                    Inner::Quorum(core) => core.owners.instance(),
+                },
+            )
             .finish_non_exhaustive()
     }
 }
@@ -268,7 +367,10 @@ impl std::error::Error for UnexpectedReply {}
 
 impl Sealed for RedisBackend {
     fn store(&self) -> Arc<dyn Backend> {
-        self.inner.clone()
+        match &self.inner {
+            Inner::Single(core) => core.clone(),
+            Inner::Quorum(core) => core.clone(),
+        }
     }
 }
 

@@ -28,7 +28,7 @@ impl IdempotencyBackend for RedisBackend {}
 
 impl RedisBackend {
     fn lock_key(&self, key: String) -> Result<LockKey, LockError> {
-        let store = &self.inner.store;
+        let store = self.lead();
         Ok(LockKey::new(&store.namespace, key, store.max_key_len)?)
     }
 }
@@ -37,7 +37,7 @@ impl Records for RedisBackend {
     fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
         let backend = self.clone();
         Box::pin(async move {
-            let store = &backend.inner.store;
+            let store = backend.lead();
             let mut get = redis::cmd("GET");
             get.arg(record_key(&backend.lock_key(key)?));
             let reply = timeout(
@@ -60,7 +60,7 @@ impl Records for RedisBackend {
     ) -> BoxFuture<'static, Result<bool, LockError>> {
         let backend = self.clone();
         Box::pin(async move {
-            let store = &backend.inner.store;
+            let store = backend.lead();
             let key = backend.lock_key(key)?;
             let mut invocation = STORE.key(&*key.lock);
             invocation

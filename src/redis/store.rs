@@ -342,7 +342,12 @@ impl RedisStore {
 
     /// Gives back what `attempt` took, on the connection it ran on; the connection back
     /// when that failed.
-    async fn undo(&self, key: &LockKey, attempt: &Attempt, mut conn: Conn) -> Result<(), Conn> {
+    pub(crate) async fn undo(
+        &self,
+        key: &LockKey,
+        attempt: &Attempt,
+        mut conn: Conn,
+    ) -> Result<(), Conn> {
         let release_id = format!("{}#{}", attempt.holder.as_str(), attempt.serial);
         let release = Release {
             holder: &attempt.holder,

@@ -11,6 +11,7 @@ pub mod mariadb;
 pub mod netns;
 pub mod postgres;
 pub mod proxy;
+pub mod quorum;
 pub mod replica;
 pub mod sentinel;
 pub mod tls;
@@ -96,6 +97,11 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The server process's id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn url(&self) -> String {
@@ -409,6 +415,29 @@ pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str) -> Reply {
     send(client, post_request(addr, path)).await
 }
 
+/// `n` buyers, each a task that POSTs /buy to one of `addrs` in turn: the flash sale.
+pub fn buy_all(addrs: &[SocketAddr], n: usize) -> Vec<tokio::task::JoinHandle<u16>> {
+    let client = http_client();
+    (0..n)
+        .map(|i| {
+            let (client, addr) = (client.clone(), addrs[i % addrs.len()]);
+            tokio::spawn(async move { post(&client, addr, "/buy").await.status })
+        })
+        .collect()
+}
+
+/// Waits (a minute at most each) for every buyer of [`buy_all`] and asserts each was
+/// served.
+pub async fn all_served(buyers: Vec<tokio::task::JoinHandle<u16>>) {
+    for buyer in buyers {
+        let status = tokio::time::timeout(Duration::from_secs(60), buyer)
+            .await
+            .expect("served")
+            .expect("no panic");
+        assert_eq!(status, 200, "a buyer was not served");
+    }
+}
+
 /// A POST request to `path` on `addr`, to add headers to before [`send`].
 pub fn request(addr: SocketAddr, path: &str) -> http::request::Builder {
     http::Request::post(format!("http://{addr}{path}"))
@@ -603,13 +632,27 @@ macro_rules! on_redis_and_memory {
 
 /// Runs each named test body once per store, with three instances of it: `on_redis::NAME`
 /// gets three backends of one throwaway redis-server (three processes, as far as the locks
-/// can tell: each has its own owners, queue and connections), `in_memory::NAME` three
-/// clones of one `MemoryBackend`, `on_postgres::NAME` three backends of the binary's
-/// shared PostgreSQL in a namespace of the test's own. A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
+/// can tell: each has its own owners, queue and connections), `on_quorum::NAME` three
+/// backends of the binary's five-master quorum in a namespace of the test's own,
+/// `in_memory::NAME` three clones of one `MemoryBackend`, `on_postgres::NAME` three
+/// backends of the binary's shared PostgreSQL in a namespace of the test's own. A body is
+/// `async fn NAME<B: LockBackend>(b: [B; 3])`.
 #[macro_export]
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
         $crate::on_redis_and_memory!($($name),*);
+        mod on_quorum {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let quorum = $crate::support::quorum::shared();
+                    let _turn = quorum.shared_turn().await;
+                    let b: [tower_lock::RedisBackend; 3] =
+                        quorum.backends(3).await.try_into().expect("three backends");
+                    super::$name(b).await;
+                }
+            )*
+        }
         mod on_postgres {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,13 +7,13 @@ use std::time::Duration;
 use super::checks::ServerChecks;
 use super::coverage;
 use super::diagnose::{Peer, diagnose};
+use super::quorum::refuse_non_master;
 use super::{RedisBackendBuilder, Target};
 use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
 use crate::core::{Core, Parts, Settings};
 use crate::error::BuildError;
 use crate::key::validate_namespace;
-use crate::redis::RedisBackend;
 use crate::redis::connection::cluster::ClusterNodes;
 use crate::redis::connection::pool::{Pool, RedisCause};
 use crate::redis::connection::sentinel::{MasterAuth, SentinelGroup};
@@ -24,6 +24,7 @@ use crate::redis::replay::{ReplayConfig, Replays};
 use crate::redis::run_id::ServerIdentity;
 use crate::redis::scripts::Scripts;
 use crate::redis::store::RedisStore;
+use crate::redis::{Inner, RedisBackend};
 
 impl RedisBackendBuilder {
     /// Connects and starts the backend's tasks. Must be called inside a Tokio runtime.
@@ -57,17 +58,34 @@ impl RedisBackendBuilder {
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
         validate_namespace(&self.namespace)?;
         self.validate_settings()?;
-        let (topology, peer) = self.topology().await?;
-        let metrics = Namespace::new(&self.namespace);
-        let parts = Parts::new(
+        if let Target::Quorum(urls) = &self.target {
+            let urls = urls.clone();
+            return self.build_quorum(urls).await;
+        }
+        let parts = self.parts(self.max_local_handoffs);
+        let store = self.store(&parts).await?;
+        Ok(RedisBackend {
+            inner: Inner::Single(Core::new(store, parts)),
+        })
+    }
+
+    /// The parts of a backend's core, with `max_local_handoffs`.
+    pub(super) fn parts(&self, max_local_handoffs: u32) -> Parts {
+        Parts::new(
             Settings {
                 command_timeout: self.command_timeout,
-                max_local_handoffs: self.max_local_handoffs,
+                max_local_handoffs,
                 max_local_handoff_time: self.max_local_handoff_time,
                 max_key_len: self.max_key_len,
             },
-            metrics.clone(),
-        );
+            Namespace::new(&self.namespace),
+        )
+    }
+
+    /// Connects to one deployment (a server, a Sentinel group, a cluster), checks it and
+    /// starts its subscriber: the store of a backend, or one master of a quorum.
+    pub(super) async fn store(&self, parts: &Parts) -> Result<RedisStore, BuildError> {
+        let (topology, peer) = self.topology().await?;
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
         let server = ServerIdentity::new(parts.recheck.clone());
         let pool = Pool::new(
@@ -82,7 +100,7 @@ impl RedisBackendBuilder {
         }
         telemetry::describe_metrics();
         let subscriber = Subscriber::spawn(
-            (topology, Wakeups::new(metrics)),
+            (topology, Wakeups::new(parts.metrics.clone())),
             SubscriberConfig {
                 connect_timeout: self.connect_timeout,
                 command_timeout: self.command_timeout,
@@ -107,20 +125,17 @@ impl RedisBackendBuilder {
             };
             Replays::spawn(config, parts.shutdown.clone(), &parts.runtime)
         });
-        let store = RedisStore {
+        Ok(RedisStore {
             pool,
             scripts,
             subscriber,
             replays,
-            namespace: self.namespace,
+            namespace: self.namespace.clone(),
             max_key_len: self.max_key_len,
             command_timeout: self.command_timeout,
             fence_ttl: self.fence_ttl,
             restart_guard: self.restart_guard.then_some(self.max_lease),
             sync_replicas: self.sync_replicas,
-        };
-        Ok(RedisBackend {
-            inner: Core::new(store, parts),
         })
     }
 }
@@ -135,6 +150,9 @@ impl RedisBackendBuilder {
         pool.query_each_primary::<String>(&redis::cmd("PING"))
             .await
             .map_err(|e| peer.failure(e))?;
+        if self.quorum_master {
+            refuse_non_master(pool, &peer.addr).await?;
+        }
         if !topology.is_cluster() {
             refuse_cluster_node(pool).await?;
         }
@@ -198,6 +216,13 @@ impl RedisBackendBuilder {
                 let client = self.tls.client(url)?;
                 let peer = peer_of(client.get_connection_info(), None);
                 (Topology::Server(client), peer)
+            }
+            // Each master of a quorum is built as a single server (see quorum.rs).
+            Target::Quorum(_) => {
+                return Err(BuildError::Setting {
+                    name: "RedisBackend::quorum",
+                    reason: "a quorum's masters are connected one by one",
+                });
             }
             Target::Cluster(nodes) => {
                 self.tls.check_cluster(nodes)?;

@@ -5,6 +5,7 @@ mod checks;
 mod cluster_checks;
 mod coverage;
 mod diagnose;
+mod quorum;
 
 use std::time::Duration;
 
@@ -43,6 +44,8 @@ pub struct RedisBackendBuilder {
     /// The master's credentials when they differ from the first sentinel URL's.
     master_username: Option<String>,
     master_password: Option<String>,
+    /// This builds one master of a quorum (see quorum.rs).
+    quorum_master: bool,
 }
 
 /// Where the backend's Redis is, as the user gave it.
@@ -57,6 +60,8 @@ enum Target {
     },
     /// The seed nodes of a Redis Cluster.
     Cluster(Vec<String>),
+    /// The independent masters of a quorum (RedLock).
+    Quorum(Vec<String>),
 }
 
 impl RedisBackendBuilder {
@@ -72,7 +77,14 @@ impl RedisBackendBuilder {
         Self::with_target(Target::Cluster(nodes))
     }
 
+    pub(super) fn new_quorum(urls: Vec<String>) -> Self {
+        Self::with_target(Target::Quorum(urls))
+    }
+
     fn with_target(target: Target) -> Self {
+        // A quorum's masters restart independently: the guard is what keeps a lock that
+        // a restarted master forgot from being granted again (see `RedisBackend::quorum`).
+        let restart_guard = matches!(target, Target::Quorum(_));
         RedisBackendBuilder {
             target,
             pool_size: 4,
@@ -88,11 +100,12 @@ impl RedisBackendBuilder {
             max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
             tls: TlsSettings::default(),
             allow_eviction: false,
-            restart_guard: false,
+            restart_guard,
             max_lease: DEFAULT_LEASE,
             sync_replicas: None,
             master_username: None,
             master_password: None,
+            quorum_master: false,
         }
     }
 
@@ -272,6 +285,9 @@ impl RedisBackendBuilder {
     /// replica that had not yet received a lock; see [`sync_replicas`](Self::sync_replicas)).
     /// Every backend of the namespace must turn it on, with the same `max_lease`. Fencing
     /// tokens remain the safety net.
+    ///
+    /// On for a [`RedisBackend::quorum`], where a master that restarted empty would
+    /// otherwise help a second holder to a majority.
     pub fn restart_guard(mut self) -> Self {
         self.restart_guard = true;
         self

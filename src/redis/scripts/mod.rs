@@ -31,6 +31,9 @@ pub(crate) struct Scripts {
     /// build: a user that may lock need not be allowed these).
     pub(crate) inspect: Script,
     pub(crate) force_release: Script,
+    /// A quorum grant's token written back to the granting masters (needs no right that
+    /// the acquire script does not).
+    pub(crate) quorum_token: Script,
     /// Whether releases publish on sharded pub/sub (`SPUBLISH`, a Redis Cluster) rather
     /// than `PUBLISH`, which a cluster broadcasts to every node (Redisson #3349) and which
     /// Redis before 7 needs.
@@ -66,6 +69,7 @@ impl Scripts {
             permit_release: Script::new(source!("permit_release.lua")),
             inspect: Script::new(INSPECT),
             force_release: Script::new(FORCE_RELEASE),
+            quorum_token: Script::new(include_str!("quorum_token.lua")),
             sharded,
         }
     }

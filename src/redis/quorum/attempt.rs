@@ -1,0 +1,259 @@
+//! One acquisition attempt on a quorum: the same script on every master at once, under one
+//! holder; granted when a majority granted within the lease's validity (the Redlock
+//! algorithm), otherwise every partial hold is given back at once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+use tokio::time::{sleep, timeout_at};
+
+use super::QuorumStore;
+use super::error::{MasterFailure, QuorumError};
+use crate::core::store::{Attempt, Attempted, Failure, Sent, Store};
+use crate::lock::Kind;
+use crate::redis::connection::pool::Conn;
+use crate::redis::keys::LockKey;
+use crate::redis::store::RedisStore;
+
+/// The clock-drift allowance of a lease (the Redlock paper's): 1% of it plus 2 ms, taken off
+/// its validity, as the masters' clocks may run apart by that much while it lasts.
+pub(crate) fn drift(lease: Duration) -> Duration {
+    lease / 100 + Duration::from_millis(2)
+}
+
+/// What the masters answered to one attempt, sorted.
+#[derive(Default)]
+struct Tally {
+    /// (master, token, count) of each grant.
+    granted: Vec<(usize, u64, u64)>,
+    /// How long each master that refused said the key stays held there.
+    held: Vec<Option<Duration>>,
+    queued: bool,
+    left_to_others: bool,
+    upgrade_refused: bool,
+    failures: Vec<MasterFailure>,
+    /// What each master's call went out on, by the master's index.
+    conns: Vec<(usize, Conn)>,
+    /// Masters that did not answer in time: their calls go on, and are given back.
+    late: Vec<(usize, JoinHandle<Sent<RedisStore>>)>,
+}
+
+impl QuorumStore {
+    /// See the module docs.
+    pub(super) async fn attempt_all(
+        self: Arc<Self>,
+        key: Arc<LockKey>,
+        attempt: Attempt,
+    ) -> Sent<Self> {
+        let sent_at = Instant::now();
+        let mut tally = self.tally(&key, &attempt).await;
+        let need = self.majority();
+        if tally.granted.len() >= need && !tally.upgrade_refused {
+            // Calls still under way may grant too: a hold on more masters than a majority is
+            // released and renewed with the others.
+            drop(tally.late);
+            return match self.grant(&key, &attempt, &tally.granted, sent_at).await {
+                Ok(attempted) => {
+                    if tally.queued {
+                        // Registered as a waiting writer where shared holders kept it out:
+                        // it waits no more, and must not keep new shared holds out there.
+                        self.withdraw_writer(&key, attempt.holder.clone(), false)
+                            .await;
+                    }
+                    (Ok(attempted), None)
+                }
+                Err(e) => {
+                    let undone = self.undo_all(&key, &attempt, tally.conns).await;
+                    (Err(e), Some(undone))
+                }
+            };
+        }
+        let split = !tally.granted.is_empty();
+        let answered = tally.granted.len() + tally.held.len() + usize::from(tally.left_to_others);
+        let answered = answered + usize::from(tally.upgrade_refused);
+        let late = std::mem::take(&mut tally.late);
+        self.undo_late(&key, &attempt, late);
+        let undone = self.undo_all(&key, &attempt, tally.conns).await;
+        if tally.upgrade_refused {
+            return (Ok(Attempted::UpgradeRefused), Some(undone));
+        }
+        if answered < need {
+            let error = QuorumError::no_majority(answered, self.masters.len(), tally.failures);
+            return (Err(error), Some(undone));
+        }
+        if split {
+            // Contenders that split the masters between them all give back and try again
+            // when woken by each other's release: a random delay first, so that one of them
+            // goes first (Redlock's retry after a random delay).
+            sleep(split_backoff()).await;
+        }
+        let attempted = if tally.left_to_others {
+            Attempted::LeftToOthers
+        } else {
+            Attempted::Held {
+                left: free_on_majority(tally.held, need - tally.granted.len()),
+                queued: tally.queued,
+            }
+        };
+        (Ok(attempted), Some(undone))
+    }
+
+    /// The attempt on every master, each within the time for one master.
+    async fn tally(&self, key: &Arc<LockKey>, attempt: &Attempt) -> Tally {
+        let calls: Vec<_> = self
+            .masters
+            .iter()
+            .map(|master| tokio::spawn(master.attempt(key, copy(attempt))))
+            .collect();
+        let deadline = tokio::time::Instant::now() + self.master_timeout;
+        let mut tally = Tally::default();
+        for (i, mut call) in calls.into_iter().enumerate() {
+            let (reply, conn) = match timeout_at(deadline, &mut call).await {
+                Ok(Ok(sent)) => sent,
+                // The call's task panicked or was cancelled: nothing to give back.
+                Ok(Err(_)) => continue,
+                Err(_) => {
+                    tally.failures.push(MasterFailure::TimedOut);
+                    tally.late.push((i, call));
+                    continue;
+                }
+            };
+            let may_have_run = match reply {
+                Ok(Attempted::Acquired { token, count }) => {
+                    tally.granted.push((i, token, count));
+                    true
+                }
+                Ok(Attempted::Held { left, queued }) => {
+                    tally.held.push(left);
+                    tally.queued |= queued;
+                    false
+                }
+                Ok(Attempted::LeftToOthers) => {
+                    tally.left_to_others = true;
+                    false
+                }
+                Ok(Attempted::UpgradeRefused) => {
+                    tally.upgrade_refused = true;
+                    false
+                }
+                Err(e) => {
+                    let may_have_run = e.may_have_run();
+                    tally.failures.push(MasterFailure::Failed(e));
+                    may_have_run
+                }
+            };
+            if let (true, Some(conn)) = (may_have_run, conn) {
+                tally.conns.push((i, conn));
+            }
+        }
+        tally
+    }
+
+    /// The grant a majority gave: its token (written back for a new hold) and count, if
+    /// it came within the lease's validity.
+    async fn grant(
+        &self,
+        key: &LockKey,
+        attempt: &Attempt,
+        granted: &[(usize, u64, u64)],
+        sent_at: Instant,
+    ) -> Result<Attempted, QuorumError> {
+        let count = granted.iter().map(|g| g.2).max().unwrap_or(1);
+        let token = if count > 1 {
+            // A re-entry keeps the outer hold's token, which its majority share.
+            granted.iter().filter(|g| g.2 > 1).map(|g| g.1).max()
+        } else {
+            granted.iter().map(|g| g.1).max()
+        }
+        .unwrap_or_default();
+        let mut answered_at = Instant::now();
+        if count == 1 && attempt.kind != Kind::Shared {
+            let masters: Vec<usize> = granted.iter().map(|g| g.0).collect();
+            let holder = (&attempt.holder, attempt.kind);
+            let (confirmed, at) = self.write_back(key, holder, token, &masters).await;
+            if !confirmed {
+                return Err(QuorumError::no_majority(0, self.masters.len(), []));
+            }
+            answered_at = at;
+        }
+        let lease = self.lease(attempt.lease);
+        let elapsed = answered_at.duration_since(sent_at);
+        let validity = lease.saturating_sub(drift(lease));
+        if elapsed >= validity {
+            return Err(QuorumError::TooSlow { elapsed, validity });
+        }
+        Ok(Attempted::Acquired { token, count })
+    }
+
+    /// Gives back what the attempt may have taken on each of `conns`, on the same
+    /// connection; returns those where that failed (the core undoes them behind).
+    async fn undo_all(
+        &self,
+        key: &LockKey,
+        attempt: &Attempt,
+        conns: Vec<(usize, Conn)>,
+    ) -> Vec<(usize, Conn)> {
+        let undos = conns.into_iter().filter_map(|(i, conn)| {
+            let master = self.masters.get(i)?;
+            Some(async move { master.undo(key, attempt, conn).await.err().map(|c| (i, c)) })
+        });
+        futures_util::future::join_all(undos)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Gives back, once they answer, what the calls that answered too late took.
+    fn undo_late(
+        self: &Arc<Self>,
+        key: &Arc<LockKey>,
+        attempt: &Attempt,
+        late: Vec<(usize, JoinHandle<Sent<RedisStore>>)>,
+    ) {
+        for (i, call) in late {
+            let Some(master) = self.masters.get(i).cloned() else {
+                continue;
+            };
+            let (key, attempt) = (key.clone(), copy(attempt));
+            tokio::spawn(async move {
+                if let Ok((reply, Some(conn))) = call.await {
+                    if matches!(reply, Ok(Attempted::Acquired { .. })) || reply.is_err() {
+                        // Not settled, or a hold nobody takes: it runs out with its lease
+                        // if this fails too.
+                        let _ = master.undo(&key, &attempt, conn).await;
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// When a majority of the masters will be free: when the `more`-th of those holding the
+/// key lets it go (`None`: not known).
+fn free_on_majority(mut held: Vec<Option<Duration>>, more: usize) -> Option<Duration> {
+    // Unknown ends last.
+    held.sort_by_key(|left| left.map_or((1, Duration::ZERO), |l| (0, l)));
+    held.get(more.checked_sub(1)?).copied().flatten()
+}
+
+/// A random delay of up to 10 ms.
+fn split_backoff() -> Duration {
+    let random = uuid::Uuid::new_v4().as_u128();
+    Duration::from_micros(u64::try_from(random % 10_000).unwrap_or(0))
+}
+
+/// The same attempt, for another master.
+fn copy(attempt: &Attempt) -> Attempt {
+    Attempt {
+        holder: attempt.holder.clone(),
+        owner: attempt.owner.clone(),
+        kind: attempt.kind,
+        lease: attempt.lease,
+        waits: attempt.waits,
+        reserve: attempt.reserve,
+        yielding: attempt.yielding,
+        serial: attempt.serial,
+    }
+}
