@@ -58,6 +58,7 @@ impl RedisBackendBuilder {
             masters,
             lead,
             master_timeout: self.command_timeout / 2,
+            permits: Default::default(),
         };
         Ok(RedisBackend {
             inner: Inner::Quorum(Core::new(store, parts)),

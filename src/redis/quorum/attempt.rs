@@ -48,7 +48,7 @@ impl QuorumStore {
     ) -> Sent<Self> {
         let sent_at = Instant::now();
         let mut tally = self.tally(&key, &attempt).await;
-        let need = self.majority();
+        let need = self.needed(attempt.kind);
         if tally.granted.len() >= need && !tally.upgrade_refused {
             // Calls still under way may grant too: a hold on more masters than a majority is
             // released and renewed with the others.
@@ -182,6 +182,11 @@ impl QuorumStore {
         let validity = lease.saturating_sub(drift(lease));
         if elapsed >= validity {
             return Err(QuorumError::TooSlow { elapsed, validity });
+        }
+        if count == 1 && matches!(attempt.kind, Kind::Permit(_)) {
+            let need = self.needed(attempt.kind);
+            self.permits()
+                .insert((key.lock.clone(), attempt.holder.clone()), need);
         }
         Ok(Attempted::Acquired { token, count })
     }

@@ -30,7 +30,8 @@ use crate::redis::scripts::millis;
 
 impl QuorumStore {
     /// Writes `token` back to the masters of `granted` (their indices) for `holder`'s hold
-    /// of `kind`: whether a majority confirmed while still holding the key, and when the
+    /// of `kind`: whether as many as its grant needs confirmed while still holding the key,
+    /// and when the
     /// last answer came.
     pub(super) async fn write_back(
         &self,
@@ -59,6 +60,6 @@ impl QuorumStore {
             });
         let replies = join_all(calls).await;
         let confirmed = replies.iter().filter(|r| matches!(r, Ok(Ok(1)))).count();
-        (confirmed >= self.majority(), Instant::now())
+        (confirmed >= self.needed(kind), Instant::now())
     }
 }

@@ -13,7 +13,8 @@ pub(crate) mod error;
 mod fencing;
 mod operator;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -40,12 +41,30 @@ pub(crate) struct QuorumStore {
     /// How long one master may take to answer one call before the quorum decides without
     /// it (half the command timeout: an acquisition makes two calls in a row).
     pub(crate) master_timeout: Duration,
+    /// How many masters must keep each permit hold for its renewal to count (see
+    /// [`QuorumStore::needed`]): set at its grant, dropped at its release.
+    pub(crate) permits: Mutex<HashMap<(Arc<str>, LockOwner), usize>>,
 }
 
 impl QuorumStore {
     /// How many masters make a majority.
     pub(crate) fn majority(&self) -> usize {
         self.masters.len() / 2 + 1
+    }
+
+    /// How many of the `N` masters must grant (and keep) a hold of `kind`. A majority for
+    /// a lock or a shared hold: any two majorities share a master, which refuses one of
+    /// two writers. Not for a semaphore of `n` permits, whose masters each admit `n`
+    /// holders: `n + 1` holders granted by `q` masters each take `(n + 1) * q` places of
+    /// the `N * n` there are, so `q` must exceed `N * n / (n + 1)` (seen with a majority:
+    /// four holders inside a semaphore of three on five masters).
+    pub(crate) fn needed(&self, kind: Kind) -> usize {
+        needed(self.masters.len(), kind)
+    }
+
+    fn permits(&self) -> MutexGuard<'_, HashMap<(Arc<str>, LockOwner), usize>> {
+        // Inserts and removes cannot panic half-way: a poisoned map is consistent.
+        self.permits.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs `call` on every master at once, each bounded by the time for one master: the
@@ -124,6 +143,10 @@ impl Store for QuorumStore {
             // Released on every master that answered (a retry is recognised by the others):
             // an outer hold that remains anywhere remains.
             let released = self.of_majority(replies)?;
+            if matches!(release.kind, Kind::Permit(_)) && !released.contains(&Released::Remains) {
+                self.permits()
+                    .remove(&(key.lock.clone(), release.holder.clone()));
+            }
             Ok(if released.contains(&Released::Remains) {
                 Released::Remains
             } else if released.contains(&Released::Freed) {
@@ -154,11 +177,15 @@ impl Store for QuorumStore {
         Box::pin(async move {
             let replies = self.each(|master| master.renew(batch)).await;
             let renewed = self.of_majority(replies)?;
-            // Held where a majority of all the masters still hold it.
-            Ok((0..batch.len())
-                .map(|i| {
+            // Held where as many masters as its grant needed still hold it.
+            let permits = self.permits();
+            Ok(batch
+                .iter()
+                .enumerate()
+                .map(|(i, due)| {
                     let holding = renewed.iter().filter(|r| r.get(i) == Some(&true)).count();
-                    holding >= self.majority()
+                    let need = permits.get(&due.key).copied();
+                    holding >= need.unwrap_or_else(|| self.majority())
                 })
                 .collect())
         })
@@ -219,5 +246,44 @@ impl Store for QuorumStore {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
         Box::pin(self.clone().snapshot(user, of, true))
+    }
+}
+
+/// See [`QuorumStore::needed`].
+fn needed(masters: usize, kind: Kind) -> usize {
+    match kind {
+        Kind::Permit(n) => {
+            let n = usize::try_from(n.max(1)).unwrap_or(usize::MAX);
+            (masters.saturating_mul(n) / n.saturating_add(1) + 1).min(masters)
+        }
+        Kind::Exclusive | Kind::Shared => masters / 2 + 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_needs_a_majority_and_a_semaphore_more_as_its_permits_grow() {
+        assert_eq!(needed(5, Kind::Exclusive), 3);
+        assert_eq!(needed(5, Kind::Shared), 3);
+        assert_eq!(needed(5, Kind::Permit(1)), 3);
+        assert_eq!(needed(5, Kind::Permit(3)), 4);
+        assert_eq!(needed(5, Kind::Permit(100)), 5);
+        assert_eq!(needed(3, Kind::Permit(2)), 3);
+    }
+
+    #[test]
+    fn no_n_plus_one_permit_holders_fit_on_the_masters_places() {
+        for masters in 3..=9 {
+            for n in 1..=12u32 {
+                let q = needed(masters, Kind::Permit(n));
+                let n = n as usize;
+                assert!(q <= masters);
+                // n + 1 holders on q masters each need more places than N masters of n.
+                assert!((n + 1) * q > masters * n, "N={masters} n={n} q={q}");
+            }
+        }
     }
 }
