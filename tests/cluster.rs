@@ -588,16 +588,24 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
     cluster.kill(victim);
     let killed = Instant::now();
     let served_after_kill = |o: &Outcome| o.item == 0 && o.status == 200 && o.sent > killed;
-    let deadline = killed + Duration::from_secs(30);
+    // Redis promotes the replica in a few node timeouts (1 s here); the bound only catches
+    // a shard that never serves again, and says what the nodes thought then.
+    let deadline = killed + Duration::from_secs(90);
     while !outcomes
         .lock()
         .expect("outcomes")
         .iter()
         .any(served_after_kill)
     {
+        if Instant::now() >= deadline {
+            for port in cluster.live() {
+                let nodes = cluster.run(port, &["CLUSTER", "NODES"]);
+                eprintln!("CLUSTER NODES of {port} after killing {victim}:\n{nodes}");
+            }
+        }
         assert!(
             Instant::now() < deadline,
-            "the killed shard serves again within 30 s"
+            "the killed shard serves again within 90 s"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
