@@ -16,7 +16,7 @@ use crate::lock::{BoxFuture, HeldLock};
 
 /// Stores a record while its writer holds the key (see record_store.lua).
 static STORE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/record_store.lua")));
+    LazyLock::new(|| Script::new(include_str!("scripts/writes/record_store.lua")));
 
 impl RecordsOf for RedisBackend {
     fn records(&self) -> Arc<dyn Records> {

@@ -76,7 +76,9 @@ async fn memory_records_expire_after_their_retention_and_nothing_else_stays() {
 async fn the_redis_record_script_stores_only_under_the_hold_that_ran_the_handler() {
     let server = RedisServer::start();
     let mut conn = server.conn().await;
-    let script = redis::Script::new(include_str!("../../src/redis/scripts/record_store.lua"));
+    let script = redis::Script::new(include_str!(
+        "../../src/redis/scripts/writes/record_store.lua"
+    ));
     let mut store = async |token: u64| -> i64 {
         script
             .key("lock")

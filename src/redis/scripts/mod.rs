@@ -2,10 +2,14 @@
 //!
 //! `redis::Script` sends EVALSHA and, on NOSCRIPT (a restarted or flushed server), loads
 //! the script and retries once, so a script is shipped over the wire only when needed.
-//! Lua has no includes: the helpers the scripts share (`lease.lua`: extend a lease, never
-//! shorten it; `token.lua`: the next fencing token; `guard.lua`: the restart guard;
-//! `holders.lua`: holders with a lease of their own; `snapshot.lua`: what an operator sees
-//! of a key) are prepended at compile time.
+//!
+//! The scripts by what they do: `lock/` (acquire, release, renew), `shared/` (read
+//! holds), `permits/` (semaphores), `operator/` (inspect, force-release), `writes/` (writes
+//! guarded by a hold's token: `FencedStore`, idempotency records, a quorum's token
+//! write-back), and `helpers/`. Lua has no includes: the helpers the scripts share
+//! (`lease.lua`: extend a lease, never shorten it; `token.lua`: the next fencing token;
+//! `guard.lua`: the restart guard; `holders.lua`: holders with a lease of their own;
+//! `snapshot.lua`: what an operator sees of a key) are prepended at compile time.
 
 pub(crate) mod release_call;
 
@@ -43,18 +47,20 @@ pub(crate) struct Scripts {
 /// A script's source: the shared helpers, then its own files.
 macro_rules! source {
     ($($file:literal),+) => {
-        concat!(include_str!("lease.lua"), include_str!("holders.lua"), $(include_str!($file)),+)
+        concat!(include_str!("helpers/lease.lua"), include_str!("helpers/holders.lua"), $(include_str!($file)),+)
     };
 }
 
 /// The sources of the scripts the build-time checks run, kept to name the command on the
 /// line an ACL refusal points at.
-pub(crate) const ACQUIRE: &str = source!("token.lua", "guard.lua", "acquire.lua");
-pub(crate) const RELEASE: &str = source!("token.lua", "release.lua");
-pub(crate) const RENEW: &str = source!("renew.lua");
+pub(crate) const ACQUIRE: &str =
+    source!("helpers/token.lua", "helpers/guard.lua", "lock/acquire.lua");
+pub(crate) const RELEASE: &str = source!("helpers/token.lua", "lock/release.lua");
+pub(crate) const RENEW: &str = source!("lock/renew.lua");
 /// The operator's scripts, kept to name the command of a refusal when they are called.
-pub(crate) const INSPECT: &str = source!("snapshot.lua", "inspect.lua");
-pub(crate) const FORCE_RELEASE: &str = source!("snapshot.lua", "force_release.lua");
+pub(crate) const INSPECT: &str = source!("helpers/snapshot.lua", "operator/inspect.lua");
+pub(crate) const FORCE_RELEASE: &str =
+    source!("helpers/snapshot.lua", "operator/force_release.lua");
 
 impl Scripts {
     pub(crate) fn new(sharded: bool) -> Self {
@@ -62,14 +68,18 @@ impl Scripts {
             acquire: Script::new(ACQUIRE),
             release: Script::new(RELEASE),
             renew: Script::new(RENEW),
-            fence: Script::new(include_str!("fence.lua")),
-            shared_acquire: Script::new(source!("guard.lua", "shared_acquire.lua")),
-            shared_release: Script::new(source!("shared_release.lua")),
-            permit_acquire: Script::new(source!("token.lua", "guard.lua", "permit_acquire.lua")),
-            permit_release: Script::new(source!("permit_release.lua")),
+            fence: Script::new(include_str!("writes/fence.lua")),
+            shared_acquire: Script::new(source!("helpers/guard.lua", "shared/shared_acquire.lua")),
+            shared_release: Script::new(source!("shared/shared_release.lua")),
+            permit_acquire: Script::new(source!(
+                "helpers/token.lua",
+                "helpers/guard.lua",
+                "permits/permit_acquire.lua"
+            )),
+            permit_release: Script::new(source!("permits/permit_release.lua")),
             inspect: Script::new(INSPECT),
             force_release: Script::new(FORCE_RELEASE),
-            quorum_token: Script::new(include_str!("quorum_token.lua")),
+            quorum_token: Script::new(include_str!("writes/quorum_token.lua")),
             sharded,
         }
     }
