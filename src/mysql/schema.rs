@@ -92,8 +92,7 @@ pub(crate) async fn migrate(pool: &MySqlPool, table: &str) -> Result<(), sqlx::E
     // Another instance may have migrated while this one waited for the named lock.
     if !matches!(version(&mut *conn, table).await, Ok(Some(SCHEMA_VERSION))) {
         for statement in statements(&sql) {
-            // CREATE PROCEDURE is not a statement the server prepares: sent as text.
-            if let Err(e) = conn.execute(sqlx::raw_sql(&statement)).await {
+            if let Err(e) = run_ddl(conn, &statement).await {
                 done = Err(e);
                 break;
             }
@@ -104,6 +103,35 @@ pub(crate) async fn migrate(pool: &MySqlPool, table: &str) -> Result<(), sqlx::E
         .execute(&mut *conn)
         .await?;
     done
+}
+
+/// How often one migration statement is tried when InnoDB picks it as a deadlock victim.
+const DDL_TRIES: usize = 5;
+
+/// Runs one statement of the shipped SQL, again when InnoDB rolled it back as a deadlock
+/// victim or after a lock-wait timeout: DDL takes row locks in the data dictionary and the
+/// persistent statistics tables, so a `CREATE TABLE` can lose to the DDL or statistics
+/// update of another database on the same server ("try restarting transaction"). Every
+/// statement is idempotent (`IF NOT EXISTS`, a `DROP` before each `CREATE PROCEDURE`).
+async fn run_ddl(conn: &mut sqlx::MySqlConnection, statement: &str) -> Result<(), sqlx::Error> {
+    let mut tries = 1;
+    loop {
+        // CREATE PROCEDURE is not a statement the server prepares: sent as text.
+        match conn.execute(sqlx::raw_sql(statement)).await {
+            Ok(_) => return Ok(()),
+            Err(e)
+                if tries < DDL_TRIES
+                    && matches!(
+                        super::error::number(&e),
+                        Some(super::error::DEADLOCK | super::error::LOCK_WAIT_TIMEOUT)
+                    ) =>
+            {
+                tracing::debug!(error = %e, tries, "a migration statement is tried again");
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// The database's schema version; `None` without the procedures or tables.
