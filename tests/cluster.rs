@@ -317,17 +317,19 @@ async fn buy(
     Path(item): Path<String>,
     Extension(lock): Extension<HeldLock>,
     headers: HeaderMap,
-) -> StatusCode {
-    let unavailable = StatusCode::SERVICE_UNAVAILABLE;
-    let Ok(stock) = shop
+) -> (StatusCode, String) {
+    let unavailable =
+        |e: redis::RedisError| (StatusCode::SERVICE_UNAVAILABLE, format!("shop: {e}"));
+    let stock = match shop
         .redis
         .hget::<_, _, Option<i64>>(shop_key(&item), "stock")
         .await
-    else {
-        return unavailable;
+    {
+        Ok(stock) => stock,
+        Err(e) => return unavailable(e),
     };
     if stock.unwrap_or(0) <= 0 {
-        return StatusCode::GONE;
+        return (StatusCode::GONE, String::new());
     }
     tokio::time::sleep(Duration::from_millis(2)).await;
     let buyer = headers
@@ -352,10 +354,10 @@ async fn buy(
             let mut wait = redis::cmd("WAIT");
             wait.arg(1).arg(200);
             let _ = shop.redis.route_command(wait, routing).await;
-            StatusCode::OK
+            (StatusCode::OK, String::new())
         }
-        Ok(_) => StatusCode::CONFLICT,
-        Err(_) => unavailable,
+        Ok(_) => (StatusCode::CONFLICT, String::new()),
+        Err(e) => unavailable(e),
     }
 }
 
@@ -523,6 +525,8 @@ struct Outcome {
     item: usize,
     buyer: String,
     status: u16,
+    /// The reply's body: says whether a 503 came from the layer or the shop's own Redis.
+    body: String,
     sent: Instant,
     done: Instant,
 }
@@ -567,12 +571,13 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
                     .body(Default::default())
                     .expect("request");
                 let sent = Instant::now();
-                let status = send(&client, req).await.status;
+                let reply = send(&client, req).await;
                 let done = Instant::now();
                 outcomes.lock().expect("outcomes").push(Outcome {
                     item,
                     buyer,
-                    status,
+                    status: reply.status,
+                    body: reply.body,
                     sent,
                     done,
                 });
@@ -601,6 +606,17 @@ async fn a_killed_primary_stops_only_its_shard_until_its_replica_takes_over(
             for port in cluster.live() {
                 let nodes = cluster.run(port, &["CLUSTER", "NODES"]);
                 eprintln!("CLUSTER NODES of {port} after killing {victim}:\n{nodes}");
+            }
+            let outcomes = outcomes.lock().expect("outcomes");
+            let last = outcomes.iter().rev().filter(|o| o.item == 0).take(6);
+            for o in last {
+                eprintln!(
+                    "{} {} after {:?}: {}",
+                    o.buyer,
+                    o.status,
+                    o.sent - killed,
+                    o.body
+                );
             }
         }
         assert!(
