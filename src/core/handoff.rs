@@ -11,10 +11,14 @@
 //! holders of the run share the hold's `lost` signal: when the watchdog finds it lost, the
 //! current holder sees it and the queue moves on to the store.
 //!
-//! A run ends after `max_local_handoffs` handoffs or `max_local_handoff_time`, when its
-//! block of tokens is used up, or when the hold is not confirmed: the release then goes to
-//! the store, which frees the key if other instances wait for it, else hands it to the
-//! next task under a new hold.
+//! A run serves the tasks that were queued for the key when it began, each once, in the
+//! order they queued: the next task, if it queued after the run began, waits for the next
+//! run, so that no task waits for more than one turn of every other (a fixed quantum would
+//! let one instance's late arrivals go first again and again while another instance
+//! waits). A run also ends after `max_local_handoffs` handoffs or
+//! `max_local_handoff_time`, when its block of tokens is used up, or when the hold is not
+//! confirmed: the release then goes to the store, which frees the key if other instances
+//! wait for it, else hands it to the next task under a new hold.
 
 use tokio::time::Instant;
 
@@ -33,9 +37,9 @@ pub(crate) struct Granted {
     pub(super) reserved: u64,
     /// When the acquisition or handoff that granted it was sent.
     pub(super) sent_at: Instant,
-    /// The run of this process's holders it goes on with (its start and handoffs so far),
-    /// when a handoff through the store granted it before the run's quantum was spent.
-    pub(super) continues: Option<(Instant, u32)>,
+    /// The run of this process's holders it goes on with, when a handoff through the store
+    /// granted it before the run was over.
+    pub(super) continues: Option<Run>,
 }
 
 /// The holders of this process taking turns under one hold in the store: the first took it
@@ -49,16 +53,30 @@ pub(super) struct Run {
     /// The last fencing token issued, and the highest one the store reserved for the run.
     pub(super) last: u64,
     pub(super) reserved: u64,
+    /// Where the key's line in this process ended when the run began (see
+    /// [`Slot::line_end`](super::queue::Slot::line_end)): the run serves only the tasks
+    /// queued before it, each once, so that a task never waits for more than one turn of
+    /// every other task, here or in another instance.
+    pub(super) line_end: u64,
 }
 
 impl Run {
-    pub(super) fn new(granted: Granted) -> Self {
-        let (started, handoffs) = granted.continues.unwrap_or((granted.sent_at, 0));
-        Run {
-            started,
-            handoffs,
-            last: granted.token,
-            reserved: granted.reserved.max(granted.token),
+    /// The run a grant begins (or goes on with); `line_end`: where the key's line ends
+    /// now, for a run that begins.
+    pub(super) fn new(granted: Granted, line_end: u64) -> Self {
+        match granted.continues {
+            Some(run) => Run {
+                last: granted.token,
+                reserved: granted.reserved.max(granted.token),
+                ..run
+            },
+            None => Run {
+                started: granted.sent_at,
+                handoffs: 0,
+                last: granted.token,
+                reserved: granted.reserved.max(granted.token),
+                line_end,
+            },
         }
     }
 }
@@ -91,7 +109,7 @@ impl<S: Store> WatchedHold<S> {
         let fits = hold
             .reserve_successor()
             .is_some_and(|claim| claim.lease == hold.lease && claim.renew == self.renew);
-        if !fits {
+        if !fits || hold.run_spent() {
             return Err(self);
         }
         let Some(slot) = hold.slot.take() else {

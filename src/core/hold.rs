@@ -59,12 +59,15 @@ impl<S: Store> Hold<S> {
             lease,
             slot,
             may_have_run: false,
-            run: Run::new(Granted {
-                token: token.unwrap_or(0),
-                reserved: 0,
-                sent_at: Instant::now(),
-                continues: None,
-            }),
+            run: Run::new(
+                Granted {
+                    token: token.unwrap_or(0),
+                    reserved: 0,
+                    sent_at: Instant::now(),
+                    continues: None,
+                },
+                0,
+            ),
             token,
             reentry: None,
         }
@@ -205,12 +208,17 @@ impl<S: Store> Hold<S> {
         self.slot.as_mut()?.reserve_successor().cloned()
     }
 
-    /// Whether the run of this process's holders under this hold has had its quantum: as
-    /// many handoffs as allowed, or as long. Its release then lets other instances in if
+    /// Whether the run of this process's holders under this hold is over: the reserved
+    /// successor queued after the run began (every task queued before it had its turn), or
+    /// as many handoffs as allowed, or as long. Its release then lets other instances in if
     /// they wait.
     pub(super) fn run_spent(&self) -> bool {
         let settings = &self.core.settings;
-        self.run.handoffs >= settings.max_local_handoffs
+        let served_its_line = self.slot.as_ref().is_some_and(|slot| {
+            slot.has_successor() && !slot.successor_queued_before(self.run.line_end)
+        });
+        served_its_line
+            || self.run.handoffs >= settings.max_local_handoffs
             || self.run.started.elapsed() >= settings.max_local_handoff_time
     }
 
@@ -238,8 +246,10 @@ impl<S: Store> Hold<S> {
                         token,
                         reserved: token.saturating_add(self.core.reserve()),
                         sent_at,
-                        continues: (!run_spent)
-                            .then(|| (self.run.started, self.run.handoffs.saturating_add(1))),
+                        continues: (!run_spent).then(|| Run {
+                            handoffs: self.run.handoffs.saturating_add(1),
+                            ..self.run
+                        }),
                     };
                     let guard = self.core.guard(
                         self.key.clone(),

@@ -39,7 +39,8 @@ impl<S: Store> Core<S> {
             slot,
             Some(granted.token),
         );
-        hold.run = Run::new(granted);
+        let line_end = hold.slot.as_ref().map_or(0, Slot::line_end);
+        hold.run = Run::new(granted, line_end);
         hold.reentry = reentry;
         let (lost, generation) = self.watchdog.register(
             hold.key.lock().clone(),

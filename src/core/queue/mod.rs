@@ -284,6 +284,23 @@ impl Slot {
         self.yielded
     }
 
+    /// Where the key's line ends now: every task queued from here on gets a ticket at or
+    /// above it (tickets are drawn from one counter, in the order tasks queue).
+    pub(crate) fn line_end(&self) -> u64 {
+        self.shared.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Whether a successor is reserved.
+    pub(crate) fn has_successor(&self) -> bool {
+        self.successor.is_some()
+    }
+
+    /// Whether the reserved successor was queued before `line_end` (see
+    /// [`line_end`](Self::line_end)).
+    pub(crate) fn successor_queued_before(&self, line_end: u64) -> bool {
+        self.successor.as_ref().is_some_and(|s| s.id < line_end)
+    }
+
     /// Takes the next queued task out of line as the successor of this slot's hold and
     /// returns its claim. Whatever becomes of the release, the successor gets the slot.
     pub(crate) fn reserve_successor(&mut self) -> Option<&Claim> {

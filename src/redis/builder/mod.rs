@@ -194,7 +194,8 @@ impl RedisBackendBuilder {
     /// re-entry) and a fencing token of its own, taken from a block reserved in Redis when
     /// the hold was taken. This happens only while the hold is confirmed: its last
     /// acquisition or renewal was acknowledged less than half a lease ago (less a margin
-    /// for clock drift). After `max` handoffs, or
+    /// for clock drift). A run serves the tasks that were queued when it began, each once:
+    /// after the last of them, or after `max` handoffs, or
     /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
     /// release goes to Redis: if another instance waits for the key (is subscribed to its
     /// channel), the lock is released for real and the other instances go first;
