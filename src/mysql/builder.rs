@@ -9,7 +9,6 @@ use sqlx::{Connection, Executor};
 use tokio::time::timeout;
 
 use super::checks::{call_failure, connect_failure, probe, refuse_read_only};
-use super::keys::admin_channel;
 use super::store::{MySqlStore, Statements};
 use super::wake::{Links, WakeConfig, WakeConnection};
 use super::{MySqlBackend, janitor, schema};
@@ -21,6 +20,7 @@ use crate::core::{
 };
 use crate::error::BuildError;
 use crate::key::validate_namespace;
+use crate::sql::admin_channel;
 
 /// Configures a [`MySqlBackend`]; created by [`MySqlBackend::builder`] or
 /// [`MySqlBackend::from_pool`].

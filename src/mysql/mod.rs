@@ -7,7 +7,6 @@ mod builder;
 mod checks;
 mod error;
 mod janitor;
-mod keys;
 mod schema;
 mod store;
 mod wake;

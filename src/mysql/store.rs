@@ -8,7 +8,6 @@ use sqlx::mysql::{MySql, MySqlArguments, MySqlPool};
 use sqlx::query::QueryScalar;
 
 use super::error::MySqlError;
-use super::keys::MySqlKey;
 use super::wake::WakeConnection;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
@@ -16,7 +15,8 @@ use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::{KeyError, LockError};
 use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+use crate::lock::{BoxFuture, Kind, LockOwner};
+use crate::sql::{SqlKey, millis, token};
 
 /// How many times a call that InnoDB rolled back (a deadlock's victim, a lock wait that
 /// timed out) is sent again before its error is returned: it changed nothing.
@@ -35,7 +35,7 @@ pub(crate) struct MySqlStore {
     /// This backend's instance id: a run of its holders ends by freeing the lock when
     /// another instance waits for it.
     pub(crate) instance: String,
-    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
+    /// Where force-releases are announced (see [`admin_channel`](crate::sql::admin_channel)).
     pub(crate) admin_channel: String,
 }
 
@@ -125,19 +125,6 @@ impl Statements {
     }
 }
 
-/// `d` in whole milliseconds, as the procedures take leases and waits: at least 1 and at
-/// most [`MAX_DURATION`].
-fn millis(d: Duration) -> i64 {
-    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
-
-/// A token as the procedures' `BIGINT`: tokens are microseconds of the server clock plus
-/// a count, far below `i64::MAX`.
-fn token(t: u64) -> i64 {
-    i64::try_from(t).unwrap_or(i64::MAX)
-}
-
 type Call<'q> = QueryScalar<'q, MySql, String, MySqlArguments>;
 
 /// Runs the procedure call `make` builds and reads its reply (integers joined by commas),
@@ -164,24 +151,24 @@ pub(crate) async fn reply<'q>(
 fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
     reply
         .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
-        .ok_or(MySqlError::Unexpected("lock"))
+        .ok_or(MySqlError::unexpected("lock"))
 }
 
 impl Store for MySqlStore {
-    type Key = MySqlKey;
+    type Key = SqlKey;
     type Error = MySqlError;
     // A call is one CALL, its transaction committed inside: a release after one of unknown
     // outcome needs no particular connection.
     type Sent = ();
 
-    fn key(&self, user: String, kind: Kind) -> Result<MySqlKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<SqlKey, KeyError> {
         let semaphore = matches!(kind, Kind::Permit(_));
-        MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)
+        SqlKey::new::<MySql>(&self.namespace, user, self.max_key_len, semaphore)
     }
 
     fn attempt(
         self: &Arc<Self>,
-        key: &Arc<MySqlKey>,
+        key: &Arc<SqlKey>,
         attempt: Attempt,
     ) -> BoxFuture<'static, Sent<Self>> {
         // Runs again on this caller's runtime if the one it ran on is gone.
@@ -240,7 +227,7 @@ impl Store for MySqlStore {
                     .bind(i32::try_from(permits).unwrap_or(i32::MAX)),
             };
             let attempted = reply(&store.pool, make).await.and_then(|reply| {
-                Attempted::from_reply(&reply).ok_or(MySqlError::Unexpected("acquire"))
+                Attempted::from_reply(&reply).ok_or(MySqlError::unexpected("acquire"))
             });
             (attempted, Some(()))
         })
@@ -248,7 +235,7 @@ impl Store for MySqlStore {
 
     fn release<'a>(
         &'a self,
-        key: &'a MySqlKey,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, MySqlError>> {
         Box::pin(async move {
@@ -299,13 +286,13 @@ impl Store for MySqlStore {
                     .bind(release.only_token.map(token)),
             };
             let reply = reply(&self.pool, make).await?;
-            Released::from_reply(&reply).ok_or(MySqlError::Unexpected("release"))
+            Released::from_reply(&reply).ok_or(MySqlError::unexpected("release"))
         })
     }
 
     fn release_after<'a>(
         &'a self,
-        key: &'a MySqlKey,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
         (): (),
     ) -> BoxFuture<'a, bool> {
@@ -328,17 +315,17 @@ impl Store for MySqlStore {
                 .fetch_all(&self.pool)
                 .await?;
             if held.len() != batch.len() {
-                return Err(MySqlError::Unexpected("renew"));
+                return Err(MySqlError::unexpected("renew"));
             }
             Ok(held.into_iter().map(|h| h == 1).collect())
         })
     }
 
-    fn subscribe(&self, key: &MySqlKey) -> Waiter {
+    fn subscribe(&self, key: &SqlKey) -> Waiter {
         self.wake.register(&key.channel)
     }
 
-    fn remaining(self: &Arc<Self>, key: &Arc<MySqlKey>) -> BoxFuture<'static, Option<Duration>> {
+    fn remaining(self: &Arc<Self>, key: &Arc<SqlKey>) -> BoxFuture<'static, Option<Duration>> {
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
@@ -383,7 +370,7 @@ impl Store for MySqlStore {
 
     fn withdraw_writer(
         self: &Arc<Self>,
-        key: &Arc<MySqlKey>,
+        key: &Arc<SqlKey>,
         holder: LockOwner,
         wake: bool,
     ) -> BoxFuture<'static, ()> {
@@ -413,7 +400,7 @@ impl MySqlStore {
         announced: bool,
     ) -> Result<LockInfo, LockError> {
         let semaphore = of == Primitive::Semaphore;
-        let key = MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
+        let key = SqlKey::new::<MySql>(&self.namespace, user, self.max_key_len, semaphore)?;
         let context = if announced {
             "force_release"
         } else {
@@ -433,6 +420,6 @@ impl MySqlStore {
             .await
             .map_err(|e| LockError::backend(context, e))?;
         LockInfo::from_reply(key.user().to_owned(), &reply)
-            .ok_or_else(|| LockError::backend(context, MySqlError::Unexpected(context)))
+            .ok_or_else(|| LockError::backend(context, MySqlError::unexpected(context)))
     }
 }

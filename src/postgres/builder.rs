@@ -9,7 +9,6 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use tokio::time::timeout;
 
 use super::checks::{connect_failure, probe, refuse_read_only};
-use super::keys::admin_channel;
 use super::listen::{ListenConfig, Listener};
 use super::store::{PgStore, Statements};
 use super::{PostgresBackend, janitor, schema};
@@ -21,6 +20,7 @@ use crate::core::{
 };
 use crate::error::BuildError;
 use crate::key::validate_namespace;
+use crate::sql::admin_channel;
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::Postgres;
 use sqlx::postgres::PgPool;
 
 use super::error::PgError;
-use super::keys::PgKey;
 use super::listen::Listener;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
@@ -15,7 +15,8 @@ use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::{KeyError, LockError};
 use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+use crate::lock::{BoxFuture, Kind, LockOwner};
+use crate::sql::{SqlKey, millis, token};
 
 /// Locks in one PostgreSQL database, in the table (and its functions) named `table`.
 pub(crate) struct PgStore {
@@ -30,7 +31,7 @@ pub(crate) struct PgStore {
     /// This backend's instance id: a run of its holders ends by freeing the lock when
     /// another instance waits for it.
     pub(crate) instance: String,
-    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
+    /// Where force-releases are announced (see [`admin_channel`](crate::sql::admin_channel)).
     pub(crate) admin_channel: String,
 }
 
@@ -109,34 +110,21 @@ impl Statements {
     }
 }
 
-/// `d` in whole milliseconds, as the functions take leases and waits: at least 1 and at
-/// most [`MAX_DURATION`].
-fn millis(d: Duration) -> i64 {
-    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
-
-/// A token as the functions' `bigint`: tokens are microseconds of the server clock plus a
-/// count, far below `i64::MAX`.
-fn token(t: u64) -> i64 {
-    i64::try_from(t).unwrap_or(i64::MAX)
-}
-
 impl Store for PgStore {
-    type Key = PgKey;
+    type Key = SqlKey;
     type Error = PgError;
     // A call is one autocommitted statement: a release after one of unknown outcome needs
     // no particular connection.
     type Sent = ();
 
-    fn key(&self, user: String, kind: Kind) -> Result<PgKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<SqlKey, KeyError> {
         let semaphore = matches!(kind, Kind::Permit(_));
-        PgKey::new(&self.namespace, user, self.max_key_len, semaphore)
+        SqlKey::new::<Postgres>(&self.namespace, user, self.max_key_len, semaphore)
     }
 
     fn attempt(
         self: &Arc<Self>,
-        key: &Arc<PgKey>,
+        key: &Arc<SqlKey>,
         attempt: Attempt,
     ) -> BoxFuture<'static, Sent<Self>> {
         // Runs again on this caller's runtime if the one it ran on is gone.
@@ -193,14 +181,14 @@ impl Store for PgStore {
                 Ok(reply) => reply,
                 Err(e) => return (Err(PgError::from(e)), Some(())),
             };
-            let attempted = Attempted::from_reply(&reply).ok_or(PgError::Unexpected("acquire"));
+            let attempted = Attempted::from_reply(&reply).ok_or(PgError::unexpected("acquire"));
             (attempted, Some(()))
         })
     }
 
     fn release<'a>(
         &'a self,
-        key: &'a PgKey,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, PgError>> {
         Box::pin(async move {
@@ -246,13 +234,13 @@ impl Store for PgStore {
                 }
             };
             let reply = call.fetch_one(&self.pool).await?;
-            Released::from_reply(&reply).ok_or(PgError::Unexpected("release"))
+            Released::from_reply(&reply).ok_or(PgError::unexpected("release"))
         })
     }
 
     fn release_after<'a>(
         &'a self,
-        key: &'a PgKey,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
         (): (),
     ) -> BoxFuture<'a, bool> {
@@ -275,17 +263,17 @@ impl Store for PgStore {
                 .fetch_one(&self.pool)
                 .await?;
             if held.len() != batch.len() {
-                return Err(PgError::Unexpected("renew"));
+                return Err(PgError::unexpected("renew"));
             }
             Ok(held)
         })
     }
 
-    fn subscribe(&self, key: &PgKey) -> Waiter {
+    fn subscribe(&self, key: &SqlKey) -> Waiter {
         self.listener.register(&key.channel)
     }
 
-    fn remaining(self: &Arc<Self>, key: &Arc<PgKey>) -> BoxFuture<'static, Option<Duration>> {
+    fn remaining(self: &Arc<Self>, key: &Arc<SqlKey>) -> BoxFuture<'static, Option<Duration>> {
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
@@ -330,7 +318,7 @@ impl Store for PgStore {
 
     fn withdraw_writer(
         self: &Arc<Self>,
-        key: &Arc<PgKey>,
+        key: &Arc<SqlKey>,
         holder: LockOwner,
         wake: bool,
     ) -> BoxFuture<'static, ()> {
@@ -360,7 +348,7 @@ impl PgStore {
         announced: bool,
     ) -> Result<LockInfo, LockError> {
         let semaphore = of == Primitive::Semaphore;
-        let key = PgKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
+        let key = SqlKey::new::<Postgres>(&self.namespace, user, self.max_key_len, semaphore)?;
         let context = if announced {
             "force_release"
         } else {
@@ -377,6 +365,6 @@ impl PgStore {
             .await
             .map_err(|e| LockError::backend(context, PgError::from(e)))?;
         LockInfo::from_reply(key.user().to_owned(), &reply)
-            .ok_or_else(|| LockError::backend(context, PgError::Unexpected(context)))
+            .ok_or_else(|| LockError::backend(context, PgError::unexpected(context)))
     }
 }
