@@ -12,7 +12,7 @@ mod keys;
 
 use std::time::Duration;
 
-pub(crate) use self::build::connect_failure;
+pub(crate) use self::build::{Config, connect_failure};
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
 use crate::lock::MAX_DURATION;
