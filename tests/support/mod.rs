@@ -10,6 +10,7 @@ pub mod history;
 pub mod mariadb;
 pub mod netns;
 pub mod postgres;
+pub mod process;
 pub mod proxy;
 pub mod quorum;
 pub mod replica;
