@@ -133,16 +133,19 @@ impl PostgresBackendBuilder {
     }
 
     /// Bounds consecutive handoffs within this process under one hold in the table
-    /// (default [`DEFAULT_MAX_LOCAL_HANDOFFS`](crate::DEFAULT_MAX_LOCAL_HANDOFFS)); 0 turns
-    /// handoff in memory off. See
+    /// (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff in memory off. See
     /// [`RedisBackendBuilder::max_local_handoffs`](crate::RedisBackendBuilder::max_local_handoffs).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFFS`]: crate::DEFAULT_MAX_LOCAL_HANDOFFS
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
         self.config.max_local_handoffs = max;
         self
     }
 
     /// Bounds the time this process's tasks take turns under one hold in the table
-    /// (default [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`](crate::DEFAULT_MAX_LOCAL_HANDOFF_TIME)).
+    /// (default [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]: crate::DEFAULT_MAX_LOCAL_HANDOFF_TIME
     pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
         self.config.max_local_handoff_time = time;
         self
