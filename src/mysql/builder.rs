@@ -8,13 +8,12 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Executor, MySql};
 
 use super::checks::{call_failure, probe, refuse_read_only};
-use super::store::{MySqlStore, Statements};
 use super::wake::{Links, WakeConfig, WakeConnection};
 use super::{MySqlBackend, janitor, schema};
 use crate::core::Core;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{Config, admin_channel};
+use crate::sql::{Calls, Config, SqlStore, admin_channel};
 
 /// Configures a [`MySqlBackend`]; created by [`MySqlBackend::builder`] or
 /// [`MySqlBackend::from_pool`].
@@ -189,7 +188,7 @@ impl MySqlBackendBuilder {
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let sql = Statements::new(&self.config.table);
+        let sql = MySql::statements(&self.config.table);
         let janitor = janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
@@ -197,7 +196,7 @@ impl MySqlBackendBuilder {
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let store = MySqlStore {
+        let store = SqlStore {
             pool,
             sql,
             wake,

@@ -9,12 +9,11 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use super::checks::{connect_failure, probe, refuse_read_only};
 use super::listen::{ListenConfig, Listener};
-use super::store::{PgStore, Statements};
 use super::{PostgresBackend, janitor, schema};
 use crate::core::Core;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{Config, admin_channel};
+use crate::sql::{Calls, Config, SqlStore, admin_channel};
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";
@@ -191,7 +190,7 @@ impl PostgresBackendBuilder {
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let sql = Statements::new(&self.config.table);
+        let sql = Postgres::statements(&self.config.table);
         let janitor = janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
@@ -199,10 +198,10 @@ impl PostgresBackendBuilder {
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let store = PgStore {
+        let store = SqlStore {
             pool,
             sql,
-            listener,
+            wake: listener,
             janitor,
             instance: parts.owners.instance().to_owned(),
             admin_channel: admin_channel(&self.config.namespace),

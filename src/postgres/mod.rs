@@ -106,7 +106,7 @@ impl PostgresBackend {
 
     /// A snapshot of the backend's listening connection and bookkeeping.
     pub fn stats(&self) -> BackendStats {
-        self.inner.stats(self.inner.store.listener.wakeups())
+        self.inner.stats(self.inner.store.wake.wakeups())
     }
 
     /// The namespace that prefixes every lock name of this backend.

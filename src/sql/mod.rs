@@ -9,12 +9,14 @@
 mod build;
 mod error;
 mod keys;
+mod store;
 
 use std::time::Duration;
 
 pub(crate) use self::build::{Config, connect_failure};
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
+pub(crate) use self::store::{Calls, SqlSent, SqlStore, Statements};
 use crate::lock::MAX_DURATION;
 
 /// What the shared SQL code needs to know of one server.
