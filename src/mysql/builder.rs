@@ -9,11 +9,11 @@ use sqlx::{Executor, MySql};
 
 use super::checks::{call_failure, probe, refuse_read_only};
 use super::wake::{Links, WakeConfig, WakeConnection};
-use super::{MySqlBackend, janitor, schema};
+use super::{MySqlBackend, schema};
 use crate::core::Core;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{Calls, Config, SqlStore, admin_channel};
+use crate::sql::{self, Calls, Config, SqlStore, admin_channel};
 
 /// Configures a [`MySqlBackend`]; created by [`MySqlBackend::builder`] or
 /// [`MySqlBackend::from_pool`].
@@ -189,7 +189,7 @@ impl MySqlBackendBuilder {
             &parts.runtime,
         );
         let sql = MySql::statements(&self.config.table);
-        let janitor = janitor::spawn(
+        let janitor = sql::janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
             self.config.fence_ttl,

@@ -6,7 +6,6 @@
 mod builder;
 mod checks;
 mod error;
-mod janitor;
 mod schema;
 mod store;
 mod wake;

@@ -268,6 +268,22 @@ impl Calls for MySql {
         })
     }
 
+    fn sweep(
+        pool: MySqlPool,
+        sweep: String,
+        keep_ms: i64,
+        limit: i32,
+    ) -> BoxFuture<'static, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            let gone = sqlx::query_scalar::<_, i64>(&sweep)
+                .bind(keep_ms)
+                .bind(limit)
+                .fetch_all(&pool)
+                .await?;
+            Ok(gone.first().copied().unwrap_or(0))
+        })
+    }
+
     fn operator<'a>(
         store: &'a MySqlStore,
         statement: &'a str,

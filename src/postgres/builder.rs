@@ -9,11 +9,11 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use super::checks::{connect_failure, probe, refuse_read_only};
 use super::listen::{ListenConfig, Listener};
-use super::{PostgresBackend, janitor, schema};
+use super::{PostgresBackend, schema};
 use crate::core::Core;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{Calls, Config, SqlStore, admin_channel};
+use crate::sql::{self, Calls, Config, SqlStore, admin_channel};
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";
@@ -191,7 +191,7 @@ impl PostgresBackendBuilder {
             &parts.runtime,
         );
         let sql = Postgres::statements(&self.config.table);
-        let janitor = janitor::spawn(
+        let janitor = sql::janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
             self.config.fence_ttl,

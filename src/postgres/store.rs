@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use sqlx::Postgres;
+use sqlx::postgres::PgPool;
 
 use super::error::PgError;
 use super::listen::Listener;
@@ -211,6 +212,22 @@ impl Calls for Postgres {
                 return Err(PgError::unexpected("renew"));
             }
             Ok(held)
+        })
+    }
+
+    fn sweep(
+        pool: PgPool,
+        sweep: String,
+        keep_ms: i64,
+        limit: i32,
+    ) -> BoxFuture<'static, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar::<_, i32>(&sweep)
+                .bind(keep_ms)
+                .bind(limit)
+                .fetch_one(&pool)
+                .await
+                .map(i64::from)
         })
     }
 

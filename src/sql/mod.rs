@@ -8,6 +8,7 @@
 
 mod build;
 mod error;
+pub(crate) mod janitor;
 mod keys;
 mod store;
 

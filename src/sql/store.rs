@@ -95,6 +95,15 @@ pub(crate) trait Calls: Dialect {
         batch: &'a [Due],
     ) -> BoxFuture<'a, Result<Vec<bool>, SqlError<Self>>>;
 
+    /// One sweep of the janitor: the `sweep` statement with `(keep_ms, limit)`, to how many
+    /// names went.
+    fn sweep(
+        pool: sqlx::Pool<Self>,
+        sweep: String,
+        keep_ms: i64,
+        limit: i32,
+    ) -> BoxFuture<'static, Result<i64, sqlx::Error>>;
+
     /// An operator's `statement` (`inspect`, or `force_release` when `announced`, which
     /// also takes the key's channel and the admin channel) on `key`: its reply's integers.
     fn operator<'a>(
