@@ -130,6 +130,8 @@ mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod redis;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql;
 
 pub use crate::layer::response;
 pub use crate::lock::policy;

@@ -13,6 +13,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::routing::post;
 use support::mariadb::{self, MariaDbServer, fresh_database};
+use support::sql;
 use tower_lock::{BuildError, LockLayer, MySqlBackend};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
@@ -131,65 +132,16 @@ async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_ser
 
 #[tokio::test]
 async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them() {
-    const NAMES: usize = 10_000;
     let url = fresh_database().await;
-    let fence_ttl = Duration::from_secs(1);
     let backend = mariadb::builder_on(&url)
-        .fence_ttl(fence_ttl)
+        .fence_ttl(Duration::from_secs(1))
         .build()
         .await
         .expect("backend");
-    let tasks: Vec<_> = (0..8)
-        .map(|t| {
-            let backend = backend.clone();
-            tokio::spawn(async move {
-                for i in (t..NAMES).step_by(8) {
-                    let guard = backend.lock(format!("name-{i}")).try_once().await;
-                    guard
-                        .expect("uncontended")
-                        .release()
-                        .await
-                        .expect("release");
-                }
-            })
-        })
-        .collect();
-    let mut permits = Vec::new();
-    for i in 0..10 {
-        permits.push(backend.lock(format!("sem-{i}")).permits(2).try_once().await);
-    }
-    for task in tasks {
-        task.await.expect("no panic");
-    }
-    for permit in permits {
-        permit
-            .expect("a free permit")
-            .release()
-            .await
-            .expect("release");
-    }
-    // What the fencing design keeps: one row per name used within the fence TTL, nothing
-    // of its holders.
-    assert_eq!(rows(&url, "tower_lock_holders").await, 0);
-    // The janitor runs every second (a quarter of the TTL, at least a second): generous.
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while rows(&url, "tower_lock").await > 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    sql::names_leave_rows_only_until_the_janitor_sweeps_them(backend, async |table| {
+        rows(&url, table).await
     })
-    .await
-    .expect("the janitor deletes every name unused for the fence TTL");
-    // Tokens go on increasing without the counters: the clock floors them.
-    let token = backend
-        .lock("name-0")
-        .try_once()
-        .await
-        .expect("free")
-        .fencing_token();
-    assert!(
-        token > 1_000_000_000_000_000,
-        "a clock-floored token: {token}"
-    );
+    .await;
 }
 
 /// One instance's shop: POST /buy sells one item of the stock kept in MariaDB, read and
@@ -244,20 +196,7 @@ async fn three_instances_sell_exactly_the_stock() {
             .expect("backend");
         addrs.push(support::serve(shop(backend, db.clone(), sold.clone())).await);
     }
-    let client = support::http_client();
-    let buyers: Vec<_> = (0..BUYERS)
-        .map(|i| {
-            let (client, addr) = (client.clone(), addrs[i % 3]);
-            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
-        })
-        .collect();
-    for buyer in buyers {
-        let status = tokio::time::timeout(Duration::from_secs(60), buyer)
-            .await
-            .expect("served")
-            .expect("no panic");
-        assert_eq!(status, 200);
-    }
+    support::all_served(support::buy_all(&addrs, BUYERS)).await;
     let left: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
         .fetch_one(&db)
         .await

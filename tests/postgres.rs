@@ -12,6 +12,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::routing::post;
 use support::postgres::{self, PostgresServer};
+use support::sql;
 use tower_lock::{BuildError, LockLayer, PathParams, PostgresBackend};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
@@ -123,66 +124,17 @@ async fn build_refuses_an_older_schema_a_user_without_rights_a_read_only_session
 
 #[tokio::test]
 async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them() {
-    const NAMES: usize = 10_000;
     let server = PostgresServer::start();
-    let fence_ttl = Duration::from_secs(1);
     let backend = PostgresBackend::builder(server.url())
         .migrate()
-        .fence_ttl(fence_ttl)
+        .fence_ttl(Duration::from_secs(1))
         .build()
         .await
         .expect("backend");
-    let tasks: Vec<_> = (0..8)
-        .map(|t| {
-            let backend = backend.clone();
-            tokio::spawn(async move {
-                for i in (t..NAMES).step_by(8) {
-                    let guard = backend.lock(format!("name-{i}")).try_once().await;
-                    guard
-                        .expect("uncontended")
-                        .release()
-                        .await
-                        .expect("release");
-                }
-            })
-        })
-        .collect();
-    let mut permits = Vec::new();
-    for i in 0..10 {
-        permits.push(backend.lock(format!("sem-{i}")).permits(2).try_once().await);
-    }
-    for task in tasks {
-        task.await.expect("no panic");
-    }
-    for permit in permits {
-        permit
-            .expect("a free permit")
-            .release()
-            .await
-            .expect("release");
-    }
-    // What the fencing design keeps: one row per name used within the fence TTL, nothing
-    // of its holders.
-    assert_eq!(rows(&server, "tower_lock_holders").await, 0);
-    // The janitor runs every second (a quarter of the TTL, at least a second): generous.
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while rows(&server, "tower_lock").await > 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    sql::names_leave_rows_only_until_the_janitor_sweeps_them(backend, async |table| {
+        rows(&server, table).await
     })
-    .await
-    .expect("the janitor deletes every name unused for the fence TTL");
-    // Tokens go on increasing without the counters: the clock floors them.
-    let token = backend
-        .lock("name-0")
-        .try_once()
-        .await
-        .expect("free")
-        .fencing_token();
-    assert!(
-        token > 1_000_000_000_000_000,
-        "a clock-floored token: {token}"
-    );
+    .await;
 }
 
 /// One instance's shop: POST /buy sells one item of the stock kept in PostgreSQL, read and

@@ -1,126 +1,32 @@
 //! PostgreSQL faults: a holder process killed with -9, the listening connection
-//! terminated while requests wait, the server restarted mid-run, the pool exhausted.
+//! terminated while requests wait, the server restarted mid-run, the pool exhausted. The
+//! bodies are shared with mysql_faults.rs (tests/support/sql.rs).
 
 mod support;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
-
-use axum::Router;
-use axum::extract::{Request, State};
-use axum::routing::post;
-use support::child::{self, ChildProcess};
+use support::child;
 use support::postgres::{self, PostgresServer};
-use tokio::task::JoinHandle;
-use tower_lock::{LockError, LockGuard, LockLayer, PostgresBackend};
+use support::sql;
+use tower_lock::PostgresBackend;
 
-/// Generous bound on anything that should happen at once: catches hangs only.
-const HANG: Duration = Duration::from_secs(20);
-/// The child holder's lease.
-const CHILD_LEASE: Duration = Duration::from_secs(2);
 const URL: &str = "TOWER_LOCK_TEST_POSTGRES_URL";
 
 #[tokio::test]
 #[ignore = "entry point of the child processes that the tests spawn"]
 async fn child_process() {
     if child::role().as_deref() == Some("holder") {
-        let backend = PostgresBackend::connect(&child::setting(URL))
-            .await
-            .expect("backend");
-        let guard = backend
-            .lock("shared")
-            .lease(CHILD_LEASE)
-            .try_once()
-            .await
-            .expect("uncontended");
-        child::report(&format!("held {}", guard.fencing_token()));
-        std::future::pending::<()>().await;
+        sql::hold_until_killed::<PostgresServer>(URL).await;
     }
-}
-
-async fn scalar<T>(server: &PostgresServer, sql: &str) -> T
-where
-    T: Send + Unpin + for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
-{
-    sqlx::query_scalar(sql)
-        .fetch_one(&mut server.conn().await)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
 #[tokio::test]
 async fn a_holder_killed_with_sigkill_loses_its_lock_at_its_expiry_and_no_sooner() {
     let server = PostgresServer::start();
-    let backend = PostgresBackend::builder(server.url())
-        .migrate()
-        .build()
-        .await
-        .expect("backend");
-    let mut holder = ChildProcess::spawn("child_process", "holder", &[(URL, server.url())]);
-    let report = holder
-        .next_report()
-        .await
-        .expect("the child reports its lock");
-    let killed_token: u64 = report
-        .strip_prefix("held ")
-        .and_then(|t| t.parse().ok())
-        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
-    let lease_end: f64 = scalar(
-        &server,
-        "SELECT extract(epoch FROM expires)::float8 FROM tower_lock WHERE name LIKE '%{shared}'",
+    sql::holder_killed_loses_its_lock_at_its_expiry_and_no_sooner::<PostgresServer>(
+        server.url(),
+        URL,
     )
     .await;
-    holder.kill().await;
-
-    let guard = backend
-        .lock("shared")
-        .wait(CHILD_LEASE + HANG)
-        .await
-        .expect("the lease frees the dead holder's lock");
-    // Taken on the server's clock no sooner than the dead holder's lease ended there.
-    let taken_at: f64 = scalar(
-        &server,
-        "SELECT extract(epoch FROM touched)::float8 FROM tower_lock WHERE name LIKE '%{shared}'",
-    )
-    .await;
-    assert!(
-        taken_at >= lease_end,
-        "taken at {taken_at}, before the lease's end {lease_end}"
-    );
-    assert!(guard.fencing_token() > killed_token);
-}
-
-fn path_key(req: &Request) -> Option<String> {
-    req.uri().path().strip_prefix("/lock/").map(str::to_owned)
-}
-
-async fn serve_locked(backend: PostgresBackend, wait: Duration) -> SocketAddr {
-    let app = Router::new()
-        .route("/lock/{key}", post(|| async { "done" }))
-        .route_layer(LockLayer::new(backend, path_key).wait(wait));
-    support::serve(app).await
-}
-
-fn spawn_post(addr: SocketAddr, path: String) -> JoinHandle<u16> {
-    tokio::spawn(async move {
-        support::post(&support::http_client(), addr, &path)
-            .await
-            .status
-    })
-}
-
-async fn statuses(requests: Vec<JoinHandle<u16>>) -> Vec<u16> {
-    let mut statuses = Vec::new();
-    for request in requests {
-        let status = tokio::time::timeout(HANG, request)
-            .await
-            .expect("answered (no hang)")
-            .expect("no panic");
-        statuses.push(status);
-    }
-    statuses
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,114 +35,17 @@ async fn the_listener_terminated_while_requests_wait_all_are_served_after_the_re
     let namespace = postgres::fresh_namespace();
     let holders = postgres::backend_in(&namespace).await;
     let waiting = postgres::backend_in(&namespace).await;
-    // Waits far below the holders' lease: a waiter that is served was woken by the release
-    // (or the listen after the reconnect), not by the lease running out.
-    let addr = serve_locked(waiting.clone(), Duration::from_secs(15)).await;
-    let keys = ["a", "b", "c", "d", "e"];
-    for listening_before_release in [false, true] {
-        let mut held: Vec<LockGuard> = Vec::new();
-        let mut requests = Vec::new();
-        for key in keys {
-            let guard = holders.lock(key).lease(Duration::from_secs(60)).try_once();
-            held.push(guard.await.expect("uncontended"));
-            requests.extend((0..3).map(|_| spawn_post(addr, format!("/lock/{key}"))));
-        }
-        let listening = |n| {
-            let waiting = waiting.clone();
-            async move {
-                let stats = waiting.stats();
-                stats.channels_with_waiters == n && stats.local_waiters == 2 * n
-            }
-        };
-        support::eventually("every key's waiters listen", || listening(keys.len())).await;
-        let connections = waiting.stats().subscriber_connections_made;
-        assert!(server.terminate("tower-lock listener").await >= 1);
-        if listening_before_release {
-            support::eventually("the listener reconnected", || async {
-                let stats = waiting.stats();
-                stats.subscriber_connected && stats.subscriber_connections_made > connections
-            })
-            .await;
-        }
-        for guard in held {
-            guard.release().await.expect("release");
-        }
-        assert_eq!(statuses(requests).await, [200; 15]);
-    }
+    let terminate = async || assert!(server.terminate("tower-lock listener").await >= 1);
+    sql::wake_connection_cut_while_requests_wait_all_are_served_after_the_release::<
+        PostgresServer,
+    >(holders, waiting, terminate)
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_restarted_mid_run_answers_503_then_serves_with_no_double_hold() {
-    let mut server = PostgresServer::start();
-    // Three instances whose handler counts who is inside: two at once is a double hold.
-    let inside = Arc::new(AtomicU64::new(0));
-    let overlaps = Arc::new(AtomicU64::new(0));
-    let mut addrs = Vec::new();
-    for _ in 0..3 {
-        let backend = PostgresBackend::builder(server.url())
-            .migrate()
-            .build()
-            .await
-            .expect("backend");
-        let app = Router::new()
-            .route(
-                "/lock/{key}",
-                post(|State((inside, overlaps)): State<(Arc<AtomicU64>, Arc<AtomicU64>)>| async move {
-                    if inside.fetch_add(1, Ordering::SeqCst) > 0 {
-                        overlaps.fetch_add(1, Ordering::SeqCst);
-                    }
-                    tokio::task::yield_now().await;
-                    inside.fetch_sub(1, Ordering::SeqCst);
-                    "done"
-                }),
-            )
-            .route_layer(LockLayer::new(backend, path_key).wait(Duration::from_secs(2)))
-            .with_state((inside.clone(), overlaps.clone()));
-        addrs.push(support::serve(app).await);
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let served = Arc::new(AtomicU64::new(0));
-    let clients: Vec<_> = (0..6)
-        .map(|i| {
-            let (stop, served, addr) = (stop.clone(), served.clone(), addrs[i % 3]);
-            tokio::spawn(async move {
-                let client = support::http_client();
-                while !stop.load(Ordering::Relaxed) {
-                    let reply = support::post(&client, addr, "/lock/hot").await;
-                    assert!([200, 503].contains(&reply.status), "{reply:?}");
-                    if reply.status == 200 {
-                        served.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
-    let until_served = |n: u64| {
-        let served = served.clone();
-        async move {
-            tokio::time::timeout(HANG, async {
-                while served.load(Ordering::Relaxed) < n {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await
-            .expect("requests are served");
-        }
-    };
-    until_served(50).await;
-    server.stop();
-    // Down: every request fails closed.
-    let reply = support::post(&support::http_client(), addrs[0], "/lock/other").await;
-    assert_eq!(reply.status, 503, "{reply:?}");
-    assert!(reply.headers.contains_key("retry-after"));
-    server.start_again();
-    let before = served.load(Ordering::Relaxed);
-    until_served(before + 50).await;
-    stop.store(true, Ordering::Relaxed);
-    for client in clients {
-        client.await.expect("no panic");
-    }
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "no two holders at once");
+    sql::server_restarted_mid_run_answers_503_then_serves_with_no_double_hold::<PostgresServer>()
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,21 +62,5 @@ async fn an_exhausted_pool_answers_503_within_the_wait_and_recovers() {
         .build()
         .await
         .expect("backend on the application's pool");
-    let addr = serve_locked(backend.clone(), Duration::from_millis(500)).await;
-    let taken = pool.acquire().await.expect("the pool's only connection");
-    let reply = tokio::time::timeout(
-        HANG,
-        support::post(&support::http_client(), addr, "/lock/k"),
-    )
-    .await
-    .expect("answered within the wait, not the pool's own 30 s");
-    assert_eq!(reply.status, 503, "{reply:?}");
-    assert!(reply.headers.contains_key("retry-after"));
-    drop(taken);
-    let reply = support::post(&support::http_client(), addr, "/lock/k").await;
-    assert_eq!(reply.status, 200, "{reply:?}");
-    assert!(matches!(
-        backend.lock("k").try_once().await.map(drop),
-        Ok(()) | Err(LockError::Contended { .. })
-    ));
+    sql::exhausted_pool_answers_503_within_the_wait_and_recovers(backend, pool).await;
 }

@@ -28,6 +28,8 @@ mod throwaway;
 #[allow(dead_code)]
 #[path = "../../tests/support/postgres.rs"]
 mod postgres;
+#[path = "../../tests/support/process.rs"]
+mod process;
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -23,6 +23,7 @@ mod handoff;
 mod hold;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod janitor;
+mod methods;
 pub(crate) mod observe;
 pub(crate) mod queue;
 pub(crate) mod recheck;
@@ -38,6 +39,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use self::methods::lock_backend_methods;
 use self::observe::OwnerIds;
 use self::queue::Queues;
 use self::recheck::Recheck;

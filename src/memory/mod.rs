@@ -136,53 +136,12 @@ impl MemoryBackend {
         }
     }
 
-    /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
-        LockBackend::lock(self, key)
-    }
-
-    /// Starts building an acquisition of every key of `keys` at once, all or none (see
-    /// [`ManyLockRequest`](crate::ManyLockRequest)).
-    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        LockBackend::lock_many(self, keys)
-    }
-
-    /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]).
-    pub fn inspect(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect(self, key)
-    }
-
-    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
-    pub fn inspect_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect_permits(self, key)
-    }
-
-    /// Frees `key`'s lock whatever holds it; its holders see `lost()` at once (see
-    /// [`LockBackend::force_release`]).
-    pub fn force_release(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release(self, key)
-    }
-
-    /// Frees every permit of `key`'s semaphore (see
-    /// [`LockBackend::force_release_permits`]).
-    pub fn force_release_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release_permits(self, key)
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]).
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it; its holders see `lost()` at once (see
+        /// [`LockBackend::force_release`]).
+        fn force_release;
     }
 
     /// How many keys are held right now: locked, held shared, or with a permit taken

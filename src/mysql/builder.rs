@@ -4,23 +4,16 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection, Executor};
-use tokio::time::timeout;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{Executor, MySql};
 
-use super::checks::{call_failure, connect_failure, probe, refuse_read_only};
-use super::keys::admin_channel;
-use super::store::{MySqlStore, Statements};
+use super::checks::{call_failure, probe, refuse_read_only};
 use super::wake::{Links, WakeConfig, WakeConnection};
-use super::{MySqlBackend, janitor, schema};
-use crate::core::telemetry::{self, Namespace};
+use super::{MySqlBackend, schema};
+use crate::core::Core;
 use crate::core::wakeups::Wakeups;
-use crate::core::{
-    Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
-};
 use crate::error::BuildError;
-use crate::key::validate_namespace;
+use crate::sql::{self, Calls, Config, SqlStore, admin_channel};
 
 /// Configures a [`MySqlBackend`]; created by [`MySqlBackend::builder`] or
 /// [`MySqlBackend::from_pool`].
@@ -28,18 +21,7 @@ use crate::key::validate_namespace;
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct MySqlBackendBuilder {
     target: Target,
-    table: String,
-    migrate: bool,
-    pool_size: u32,
-    namespace: String,
-    max_key_len: usize,
-    connect_timeout: Duration,
-    command_timeout: Duration,
-    fence_ttl: Duration,
-    ping_interval: Duration,
-    max_backoff: Duration,
-    max_local_handoffs: u32,
-    max_local_handoff_time: Duration,
+    config: Config,
 }
 
 #[derive(Debug, Clone)]
@@ -60,18 +42,11 @@ impl MySqlBackendBuilder {
     fn with_target(target: Target) -> Self {
         MySqlBackendBuilder {
             target,
-            table: schema::DEFAULT_TABLE.to_owned(),
-            migrate: false,
-            pool_size: 8,
-            namespace: "tower-lock".to_owned(),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_secs(1),
-            fence_ttl: Duration::from_secs(60 * 60),
-            ping_interval: Duration::from_secs(2),
-            max_backoff: Duration::from_secs(2),
-            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
-            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
+            config: Config::new(
+                schema::DEFAULT_TABLE,
+                Duration::from_secs(60 * 60),
+                Duration::from_secs(2),
+            ),
         }
     }
 
@@ -82,7 +57,7 @@ impl MySqlBackendBuilder {
     /// [`MySqlBackend::schema_sql`]): for deployments where the application's database
     /// user may not create tables or routines.
     pub fn migrate(mut self) -> Self {
-        self.migrate = true;
+        self.config.migrate = true;
         self
     }
 
@@ -90,7 +65,7 @@ impl MySqlBackendBuilder {
     /// named after it (`tower_lock_acquire`, `tower_lock_holders`, `tower_lock_waiters`,
     /// ...). A lower-case identifier of at most 48 bytes, in the URL's database.
     pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
+        self.config.table = table.into();
         self
     }
 
@@ -101,7 +76,7 @@ impl MySqlBackendBuilder {
     ///
     /// [`from_pool`]: super::MySqlBackend::from_pool
     pub fn pool_size(mut self, size: u32) -> Self {
-        self.pool_size = size.max(1);
+        self.config.pool_size = size.max(1);
         self
     }
 
@@ -109,7 +84,7 @@ impl MySqlBackendBuilder {
     /// locks must not contend with each other use different namespaces. Must not contain
     /// `{`, `}` or control characters.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
+        self.config.namespace = namespace.into();
         self
     }
 
@@ -117,13 +92,13 @@ impl MySqlBackendBuilder {
     /// 400, never truncated. A key whose escaped row name does not fit the table's
     /// 2800-byte name column is refused too.
     pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
+        self.config.max_key_len = len;
         self
     }
 
     /// How long to wait for a connection, new or from the pool (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.config.connect_timeout = timeout;
         self
     }
 
@@ -131,7 +106,7 @@ impl MySqlBackendBuilder {
     /// row lock at most this long, rounded up to whole seconds
     /// (`innodb_lock_wait_timeout`); a call that timed out so is sent again.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+        self.config.command_timeout = timeout;
         self
     }
 
@@ -140,7 +115,7 @@ impl MySqlBackendBuilder {
     /// Tokens never fall below the server clock in microseconds, so after that the clock
     /// alone keeps them increasing, provided it never steps back by more than this.
     pub fn fence_ttl(mut self, ttl: Duration) -> Self {
-        self.fence_ttl = ttl;
+        self.config.fence_ttl = ttl;
         self
     }
 
@@ -148,22 +123,26 @@ impl MySqlBackendBuilder {
     /// one statement per interval is its ping, so a half-open connection is noticed within this plus
     /// the command timeout, and its waiters are woken.
     pub fn wake_ping_interval(mut self, interval: Duration) -> Self {
-        self.ping_interval = interval;
+        self.config.ping_interval = interval;
         self
     }
 
     /// Bounds consecutive handoffs within this process under one hold in the table
     /// (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff in memory off. See
     /// [`RedisBackendBuilder::max_local_handoffs`](crate::RedisBackendBuilder::max_local_handoffs).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFFS`]: crate::DEFAULT_MAX_LOCAL_HANDOFFS
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
-        self.max_local_handoffs = max;
+        self.config.max_local_handoffs = max;
         self
     }
 
     /// Bounds the time this process's tasks take turns under one hold in the table
     /// (default [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]: crate::DEFAULT_MAX_LOCAL_HANDOFF_TIME
     pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
-        self.max_local_handoff_time = time;
+        self.config.max_local_handoff_time = time;
         self
     }
 
@@ -181,26 +160,16 @@ impl MySqlBackendBuilder {
         self.validate()?;
         let (pool, options) = self.pool().await?;
         refuse_read_only(&pool, &options).await?;
-        if self.migrate {
-            schema::migrate(&pool, &self.table)
+        if self.config.migrate {
+            schema::migrate(&pool, &self.config.table)
                 .await
-                .map_err(|e| call_failure(e, &options, &self.table))?;
+                .map_err(|e| call_failure(e, &options, &self.config.table))?;
         } else {
-            schema::check(&pool, &self.table)
+            schema::check(&pool, &self.config.table)
                 .await
-                .map_err(|e| e.unwrap_or_else(|e| call_failure(e, &options, &self.table)))?;
+                .map_err(|e| e.unwrap_or_else(|e| call_failure(e, &options, &self.config.table)))?;
         }
-        let metrics = Namespace::new(&self.namespace);
-        telemetry::describe_metrics();
-        let parts = Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                max_local_handoffs: self.max_local_handoffs,
-                max_local_handoff_time: self.max_local_handoff_time,
-                max_key_len: self.max_key_len,
-            },
-            metrics.clone(),
-        );
+        let (parts, metrics) = self.config.parts();
         let wake = WakeConnection::spawn(
             Links {
                 pool: pool.clone(),
@@ -208,35 +177,35 @@ impl MySqlBackendBuilder {
                 wakeups: Wakeups::new(metrics),
             },
             WakeConfig {
-                waiters: format!("{}_waiters", self.table),
-                admin_channel: admin_channel(&self.namespace),
-                connect_timeout: self.connect_timeout,
-                command_timeout: self.command_timeout,
-                park: self.ping_interval,
-                max_backoff: self.max_backoff,
+                waiters: format!("{}_waiters", self.config.table),
+                admin_channel: admin_channel(&self.config.namespace),
+                connect_timeout: self.config.connect_timeout,
+                command_timeout: self.config.command_timeout,
+                park: self.config.ping_interval,
+                max_backoff: self.config.max_backoff,
             },
             parts.recheck.clone(),
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let sql = Statements::new(&self.table);
-        let janitor = janitor::spawn(
+        let sql = MySql::statements(&self.config.table);
+        let janitor = sql::janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
-            self.fence_ttl,
+            self.config.fence_ttl,
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let store = MySqlStore {
+        let store = SqlStore {
             pool,
             sql,
             wake,
             janitor,
             instance: parts.owners.instance().to_owned(),
-            admin_channel: admin_channel(&self.namespace),
-            namespace: self.namespace,
-            table: self.table,
-            max_key_len: self.max_key_len,
+            admin_channel: admin_channel(&self.config.namespace),
+            namespace: self.config.namespace,
+            table: self.config.table,
+            max_key_len: self.config.max_key_len,
         };
         probe(&store, &options).await?;
         Ok(MySqlBackend {
@@ -245,24 +214,13 @@ impl MySqlBackendBuilder {
     }
 
     fn validate(&self) -> Result<(), BuildError> {
-        validate_namespace(&self.namespace)?;
-        schema::sql(&self.table)?;
-        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
-        }
-        if self.fence_ttl < Duration::from_secs(1) {
-            return refuse("fence_ttl", "it must be at least one second");
-        }
+        self.config.validate(schema::sql)?;
         // MySQL's GET_LOCK takes whole seconds.
-        if self.ping_interval < Duration::from_secs(1) {
-            return refuse("wake_ping_interval", "it must be at least one second");
+        if self.config.ping_interval < Duration::from_secs(1) {
+            return Err(BuildError::Setting {
+                name: "wake_ping_interval",
+                reason: "it must be at least one second",
+            });
         }
         Ok(())
     }
@@ -276,11 +234,16 @@ impl MySqlBackendBuilder {
                     source: Box::new(e),
                 })?;
                 // A row lock is waited for no longer than a call may take (whole seconds).
-                let lock_wait = self.command_timeout.as_millis().div_ceil(1000).max(1);
+                let lock_wait = self
+                    .config
+                    .command_timeout
+                    .as_millis()
+                    .div_ceil(1000)
+                    .max(1);
                 let set = format!("SET SESSION innodb_lock_wait_timeout = {lock_wait}");
                 let pool = MySqlPoolOptions::new()
-                    .max_connections(self.pool_size)
-                    .acquire_timeout(self.connect_timeout)
+                    .max_connections(self.config.pool_size)
+                    .acquire_timeout(self.config.connect_timeout)
                     // A statement on a dead connection fails and is retried; a ping before
                     // every call would double the round trips.
                     .test_before_acquire(false)
@@ -293,18 +256,7 @@ impl MySqlBackendBuilder {
             }
             Target::Pool(pool) => (pool.clone(), (*pool.connect_options()).clone()),
         };
-        // One connection of its own proves the server and the credentials, with the cause
-        // when it cannot (a pool only says that it timed out).
-        match timeout(
-            self.connect_timeout,
-            MySqlConnection::connect_with(&options),
-        )
-        .await
-        {
-            Ok(Ok(conn)) => drop(conn.close().await),
-            Ok(Err(e)) => return Err(connect_failure(e, &options)),
-            Err(_) => return Err(connect_failure(sqlx::Error::PoolTimedOut, &options)),
-        }
+        self.config.prove::<MySql>(&options).await?;
         Ok((pool, options))
     }
 }

@@ -1,15 +1,15 @@
 //! What `build()` checks of the server before the backend relies on it, and the errors
 //! that name what is wrong.
 
-use std::io;
-
+use sqlx::MySql;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 
 use super::error::number;
 use super::store::{MySqlStore, reply};
 use super::wake::may_kill;
-use crate::error::{BuildError, ConnectFailure};
+use crate::error::BuildError;
 use crate::key::namespaced;
+use crate::sql::{self, Dialect};
 
 /// Refuses a server that takes no writes from most users: a replica (`read_only`, which
 /// replicas set) would fail every acquisition.
@@ -68,10 +68,14 @@ pub(super) async fn probe(
             .bind("")
     };
     for call in [&acquire as &dyn Fn() -> _, &release] {
-        reply(&store.pool, call).await.map_err(|e| match e {
-            super::error::MySqlError::Sqlx(e) => refused(e),
-            unexpected => connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options),
-        })?;
+        reply(&store.pool, call)
+            .await
+            .map_err(|e| match e.into_sqlx() {
+                Ok(e) => refused(e),
+                Err(unexpected) => {
+                    connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options)
+                }
+            })?;
     }
     sqlx::query(&format!("DELETE FROM {table} WHERE name = ?"))
         .bind(&name)
@@ -83,7 +87,7 @@ pub(super) async fn probe(
         .map_err(|e| connect_failure(e, options))?;
     killed.map_err(|e| BuildError::Rights {
         user: options.get_username().to_owned(),
-        addr: addr(options),
+        addr: MySql::addr(options),
         right: "interrupt its own connections with KILL QUERY (a release wakes waiters so; \
                 every instance must use one user, or have CONNECTION ADMIN)"
             .to_owned(),
@@ -102,7 +106,7 @@ pub(super) fn call_failure(
         // Access denied to a table, a column or a routine.
         Some(1142 | 1143 | 1370) => BuildError::Rights {
             user: options.get_username().to_owned(),
-            addr: addr(options),
+            addr: MySql::addr(options),
             right: format!("use the lock table `{table}` and its procedures"),
             source: Box::new(e),
         },
@@ -114,49 +118,7 @@ pub(super) fn call_failure(
     }
 }
 
-/// Where `options` connect, as errors name it: `host:port`.
-pub(super) fn addr(options: &MySqlConnectOptions) -> String {
-    format!("{}:{}", options.get_host(), options.get_port())
-}
-
-/// The build error for a failed connection or call, naming the server and the kind of
-/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
+/// The build error for a failed connection or call (see [`sql::connect_failure`]).
 pub(super) fn connect_failure(e: sqlx::Error, options: &MySqlConnectOptions) -> BuildError {
-    let addr = addr(options);
-    let failure = match &e {
-        // Access denied for user (1045), to a database (1044).
-        sqlx::Error::Database(_) if matches!(number(&e), Some(1045 | 1044)) => {
-            return BuildError::Auth {
-                user: options.get_username().to_owned(),
-                addr,
-                source: Box::new(e),
-            };
-        }
-        sqlx::Error::Tls(_) => {
-            return BuildError::Tls {
-                reason: "could not set up TLS",
-                addr: Some(addr),
-                certificate: None,
-                source: Some(Box::new(e)),
-            };
-        }
-        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
-        sqlx::Error::Io(io) => match io.kind() {
-            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
-            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
-            io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
-            // getaddrinfo's failures come as uncategorized I/O errors.
-            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
-            _ => ConnectFailure::Other,
-        },
-        _ => ConnectFailure::Other,
-    };
-    BuildError::Connect {
-        addr,
-        failure,
-        source: Box::new(e),
-    }
+    sql::connect_failure::<MySql>(e, options)
 }

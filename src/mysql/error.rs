@@ -1,10 +1,10 @@
-//! Why a MySQL call failed, and what that means for the core.
+//! What MySQL's errors mean, and the rest of what the shared SQL code needs to know of
+//! MySQL (see [`Dialect`]).
 
-use std::fmt;
+use sqlx::MySql;
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError};
 
-use sqlx::mysql::MySqlDatabaseError;
-
-use crate::core::store::Failure;
+use crate::sql::{Dialect, SqlError};
 
 /// InnoDB chose this transaction as a deadlock's victim and rolled it back.
 pub(crate) const DEADLOCK: u16 = 1213;
@@ -15,43 +15,7 @@ pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 pub(crate) const INTERRUPTED: u16 = 1317;
 
 /// Why a call to the lock procedures failed.
-#[derive(Debug)]
-pub(crate) enum MySqlError {
-    /// sqlx's error: no connection from the pool, the transport, or the server's refusal.
-    Sqlx(sqlx::Error),
-    /// A procedure answered with something it never returns.
-    Unexpected(&'static str),
-}
-
-impl From<sqlx::Error> for MySqlError {
-    fn from(e: sqlx::Error) -> Self {
-        MySqlError::Sqlx(e)
-    }
-}
-
-impl fmt::Display for MySqlError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            // The cause is the source.
-            MySqlError::Sqlx(sqlx::Error::PoolTimedOut) => {
-                f.write_str("no MySQL connection came within the connect timeout")
-            }
-            MySqlError::Sqlx(_) => f.write_str("MySQL call failed"),
-            MySqlError::Unexpected(procedure) => {
-                write!(f, "unexpected reply from the {procedure} procedure")
-            }
-        }
-    }
-}
-
-impl std::error::Error for MySqlError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            MySqlError::Sqlx(sqlx::Error::PoolTimedOut) | MySqlError::Unexpected(_) => None,
-            MySqlError::Sqlx(e) => Some(e),
-        }
-    }
-}
+pub(crate) type MySqlError = SqlError<MySql>;
 
 /// The server's error number, when it refused a call.
 pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
@@ -67,50 +31,49 @@ impl MySqlError {
     /// InnoDB rolled the call's transaction back (a deadlock, a lock wait timeout): it
     /// changed nothing, and running it again is safe.
     pub(crate) fn rolled_back(&self) -> bool {
-        match self {
-            MySqlError::Sqlx(e) => matches!(number(e), Some(DEADLOCK | LOCK_WAIT_TIMEOUT)),
-            MySqlError::Unexpected(_) => false,
-        }
+        self.sqlx()
+            .is_some_and(|e| matches!(number(e), Some(DEADLOCK | LOCK_WAIT_TIMEOUT)))
     }
 }
 
-impl Failure for MySqlError {
-    fn may_have_run(&self) -> bool {
-        // A call whose connection failed may have committed before the reply was lost; a
-        // reply that cannot be read came from a procedure that ran.
-        matches!(
-            self,
-            MySqlError::Sqlx(sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
-                | MySqlError::Unexpected(_)
-        )
+impl Dialect for MySql {
+    const SERVER: &'static str = "MySQL";
+    const ROUTINE: &'static str = "procedure";
+    /// `VARBINARY(2800)`: with the holder, the holders' primary key stays within InnoDB's
+    /// 3072-byte limit.
+    const MAX_NAME_LEN: Option<usize> = Some(2800);
+
+    fn transient_refusal(e: &sqlx::Error) -> bool {
+        number(e).is_some_and(|n| {
+            // Deadlocks and lock waits, too many connections, the server shutting down, a
+            // connection or statement killed, and a read-only server (a replica, until a
+            // failover makes a primary of it).
+            matches!(
+                n,
+                DEADLOCK
+                    | LOCK_WAIT_TIMEOUT
+                    | INTERRUPTED
+                    | 1040
+                    | 1053
+                    | 1927
+                    | 1969
+                    | 1290
+                    | 1792
+                    | 1836
+            )
+        })
     }
 
-    fn is_transient(&self) -> bool {
-        match self {
-            MySqlError::Sqlx(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)) => true,
-            MySqlError::Sqlx(e) => number(e).is_some_and(|n| {
-                // Deadlocks and lock waits, too many connections, the server shutting
-                // down, a connection or statement killed, and a read-only server (a
-                // replica, until a failover makes a primary of it).
-                matches!(
-                    n,
-                    DEADLOCK
-                        | LOCK_WAIT_TIMEOUT
-                        | INTERRUPTED
-                        | 1040
-                        | 1053
-                        | 1927
-                        | 1969
-                        | 1290
-                        | 1792
-                        | 1836
-                )
-            }),
-            MySqlError::Unexpected(_) => false,
-        }
+    fn auth_refusal(e: &sqlx::Error) -> bool {
+        // Access denied for user (1045), to a database (1044).
+        matches!(number(e), Some(1045 | 1044))
     }
 
-    fn is_foreign(&self) -> bool {
-        false
+    fn addr(options: &MySqlConnectOptions) -> String {
+        format!("{}:{}", options.get_host(), options.get_port())
+    }
+
+    fn user(options: &MySqlConnectOptions) -> &str {
+        options.get_username()
     }
 }

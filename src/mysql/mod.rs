@@ -6,8 +6,6 @@
 mod builder;
 mod checks;
 mod error;
-mod janitor;
-mod keys;
 mod schema;
 mod store;
 mod wake;
@@ -19,9 +17,7 @@ pub use self::builder::MySqlBackendBuilder;
 use self::store::MySqlStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::{BuildError, LockError};
-use crate::lock::LockRequest;
-use crate::lock::inspect::LockInfo;
+use crate::error::BuildError;
 
 /// Distributed locks in MySQL 8 or MariaDB 10.6+ (feature `mysql`). Cheap to clone;
 /// clones share connections.
@@ -67,6 +63,8 @@ use crate::lock::inspect::LockInfo;
 ///
 /// Tokens are `BIGINT`s, strictly increasing per name: above the name's counter and never
 /// below the server clock in microseconds, so they survive the row's deletion.
+///
+/// [`LockRequest`]: crate::LockRequest
 #[derive(Clone)]
 pub struct MySqlBackend {
     inner: Arc<Core<MySqlStore>>,
@@ -100,56 +98,15 @@ impl MySqlBackend {
         schema::sql(table)
     }
 
-    /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
-        LockBackend::lock(self, key)
-    }
-
-    /// Starts building an acquisition of every key of `keys` at once, all or none (see
-    /// [`ManyLockRequest`](crate::ManyLockRequest)).
-    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        LockBackend::lock_many(self, keys)
-    }
-
-    /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
-    /// reached (see [`LockBackend::inspect`]). One call; changes nothing.
-    pub fn inspect(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect(self, key)
-    }
-
-    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
-    pub fn inspect_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect_permits(self, key)
-    }
-
-    /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
-    /// round trip or two through the namespace's admin channel, which every backend's wake
-    /// connection is registered on, at the latest at its next renewal (see
-    /// [`LockBackend::force_release`]). Returns what was freed.
-    pub fn force_release(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release(self, key)
-    }
-
-    /// Frees every permit of `key`'s semaphore (see
-    /// [`LockBackend::force_release_permits`]).
-    pub fn force_release_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release_permits(self, key)
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
+        /// reached (see [`LockBackend::inspect`]). One call; changes nothing.
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
+        /// round trip or two through the namespace's admin channel, which every backend's wake
+        /// connection is registered on, at the latest at its next renewal (see
+        /// [`LockBackend::force_release`]). Returns what was freed.
+        fn force_release;
     }
 
     /// A snapshot of the backend's wake connection and bookkeeping.

@@ -1,68 +1,62 @@
-//! The MySQL store: the core's primitive calls as one `CALL` each of the crate's stored
+//! The MySQL store's own calls (see [`Calls`]): one `CALL` each of the crate's stored
 //! procedures (schema.sql), with waiters woken through the wake connection.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use sqlx::mysql::{MySql, MySqlArguments, MySqlPool};
 use sqlx::query::QueryScalar;
 
 use super::error::MySqlError;
-use super::keys::MySqlKey;
 use super::wake::WakeConnection;
-use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
+use crate::core::store::{Attempt, Attempted, Release, Released};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
-use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+use crate::lock::{BoxFuture, Kind};
+use crate::sql::{Calls, SqlKey, SqlSent, SqlStore, Statements, millis, token};
 
 /// How many times a call that InnoDB rolled back (a deadlock's victim, a lock wait that
 /// timed out) is sent again before its error is returned: it changed nothing.
 const ROLLBACK_RETRIES: usize = 3;
 
-/// Locks in one MySQL database, in the table (and its procedures) named `table`.
-pub(crate) struct MySqlStore {
-    pub(crate) pool: MySqlPool,
-    pub(crate) sql: Statements,
-    pub(crate) wake: WakeConnection,
-    /// Deletes the rows of names unused for the fence retention.
-    pub(crate) janitor: Daemon,
-    pub(crate) namespace: String,
-    pub(crate) table: String,
-    pub(crate) max_key_len: usize,
-    /// This backend's instance id: a run of its holders ends by freeing the lock when
-    /// another instance waits for it.
-    pub(crate) instance: String,
-    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
-    pub(crate) admin_channel: String,
+/// Locks in one MySQL database.
+pub(crate) type MySqlStore = SqlStore<MySql>;
+
+type Call<'q> = QueryScalar<'q, MySql, String, MySqlArguments>;
+
+/// Runs the procedure call `make` builds and reads its reply (integers joined by commas),
+/// sending it again when InnoDB rolled it back.
+pub(crate) async fn reply<'q>(
+    pool: &MySqlPool,
+    make: impl Fn() -> Call<'q>,
+) -> Result<Vec<i64>, MySqlError> {
+    let mut retries = 0;
+    loop {
+        let error = match make().fetch_all(pool).await {
+            Ok(rows) => return parse(rows.first().map(String::as_str)),
+            Err(e) => MySqlError::from(e),
+        };
+        if !error.rolled_back() || retries == ROLLBACK_RETRIES {
+            return Err(error);
+        }
+        retries += 1;
+        tracing::debug!(%error, "lock call rolled back by InnoDB, sending it again");
+    }
 }
 
-/// The statements of the lock protocol, for the table's procedures.
-///
-/// The common cases, a free lock taken and a lone hold freed with nobody waiting, are
-/// single plain statements (`acquire_free`, `release_last`): a `CALL` runs several
-/// statements on the server, each with its own overhead. When one finds its case does not
-/// apply it changes nothing, and the procedure that covers every case runs next.
-pub(crate) struct Statements {
-    acquire_free: String,
-    pub(crate) acquire: String,
-    release_last: String,
-    pub(crate) release: String,
-    renew: String,
-    shared_acquire: String,
-    permit_acquire: String,
-    holder_release: String,
-    remaining: String,
-    withdraw: String,
-    inspect: String,
-    force_release: String,
-    pub(crate) sweep: String,
+/// Reads a reply such as `1,1790000000000000,1`.
+fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
+    reply
+        .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
+        .ok_or(MySqlError::unexpected("lock"))
 }
 
-impl Statements {
-    pub(crate) fn new(table: &str) -> Self {
+impl Calls for MySql {
+    type Wake = WakeConnection;
+
+    fn statements(table: &str) -> Statements {
+        // The plain statements cover the common cases (a lone hold freed: with nobody
+        // waiting): a `CALL` runs several statements on the server, each with its own
+        // overhead.
         // Microseconds since the epoch on the server's clock: the tokens' floor.
         let clock = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))";
         Statements {
@@ -123,70 +117,16 @@ impl Statements {
             sweep: format!("CALL {table}_sweep(?, ?)"),
         }
     }
-}
 
-/// `d` in whole milliseconds, as the procedures take leases and waits: at least 1 and at
-/// most [`MAX_DURATION`].
-fn millis(d: Duration) -> i64 {
-    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
-
-/// A token as the procedures' `BIGINT`: tokens are microseconds of the server clock plus
-/// a count, far below `i64::MAX`.
-fn token(t: u64) -> i64 {
-    i64::try_from(t).unwrap_or(i64::MAX)
-}
-
-type Call<'q> = QueryScalar<'q, MySql, String, MySqlArguments>;
-
-/// Runs the procedure call `make` builds and reads its reply (integers joined by commas),
-/// sending it again when InnoDB rolled it back.
-pub(crate) async fn reply<'q>(
-    pool: &MySqlPool,
-    make: impl Fn() -> Call<'q>,
-) -> Result<Vec<i64>, MySqlError> {
-    let mut retries = 0;
-    loop {
-        let error = match make().fetch_all(pool).await {
-            Ok(rows) => return parse(rows.first().map(String::as_str)),
-            Err(e) => MySqlError::from(e),
-        };
-        if !error.rolled_back() || retries == ROLLBACK_RETRIES {
-            return Err(error);
-        }
-        retries += 1;
-        tracing::debug!(%error, "lock call rolled back by InnoDB, sending it again");
-    }
-}
-
-/// Reads a reply such as `1,1790000000000000,1`.
-fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
-    reply
-        .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
-        .ok_or(MySqlError::Unexpected("lock"))
-}
-
-impl Store for MySqlStore {
-    type Key = MySqlKey;
-    type Error = MySqlError;
-    // A call is one CALL, its transaction committed inside: a release after one of unknown
-    // outcome needs no particular connection.
-    type Sent = ();
-
-    fn key(&self, user: String, kind: Kind) -> Result<MySqlKey, KeyError> {
-        let semaphore = matches!(kind, Kind::Permit(_));
-        MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)
+    fn register(wake: &WakeConnection, channel: &str) -> Waiter {
+        wake.register(channel)
     }
 
     fn attempt(
-        self: &Arc<Self>,
-        key: &Arc<MySqlKey>,
+        store: Arc<MySqlStore>,
+        key: Arc<SqlKey>,
         attempt: Attempt,
-    ) -> BoxFuture<'static, Sent<Self>> {
-        // Runs again on this caller's runtime if the one it ran on is gone.
-        self.janitor.ensure_running();
-        let (store, key) = (self.clone(), key.clone());
+    ) -> BoxFuture<'static, SqlSent<Self>> {
         Box::pin(async move {
             let lease = millis(attempt.lease);
             let holder = attempt.holder.as_str();
@@ -240,15 +180,15 @@ impl Store for MySqlStore {
                     .bind(i32::try_from(permits).unwrap_or(i32::MAX)),
             };
             let attempted = reply(&store.pool, make).await.and_then(|reply| {
-                Attempted::from_reply(&reply).ok_or(MySqlError::Unexpected("acquire"))
+                Attempted::from_reply(&reply).ok_or(MySqlError::unexpected("acquire"))
             });
             (attempted, Some(()))
         })
     }
 
     fn release<'a>(
-        &'a self,
-        key: &'a MySqlKey,
+        store: &'a MySqlStore,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, MySqlError>> {
         Box::pin(async move {
@@ -256,13 +196,13 @@ impl Store for MySqlStore {
                 && release.successor.is_none()
                 && release.only_token.is_none()
             {
-                let freed = sqlx::query(&self.sql.release_last)
+                let freed = sqlx::query(&store.sql.release_last)
                     .bind(release.issued.map(token))
                     .bind(&*key.name)
                     .bind(release.holder.as_str())
                     .bind(release.release_id)
                     .bind(&key.channel)
-                    .execute(&self.pool)
+                    .execute(&store.pool)
                     .await;
                 match freed {
                     Ok(done) if done.rows_affected() == 1 => return Ok(Released::Freed),
@@ -276,7 +216,7 @@ impl Store for MySqlStore {
                 }
             }
             let make = || match release.kind {
-                Kind::Exclusive => sqlx::query_scalar(&self.sql.release)
+                Kind::Exclusive => sqlx::query_scalar(&store.sql.release)
                     .bind(&*key.name)
                     .bind(release.holder.as_str())
                     .bind(release.release_id)
@@ -289,8 +229,8 @@ impl Store for MySqlStore {
                     .bind(release.run_spent)
                     .bind(release.issued.map(token))
                     .bind(token(release.reserve))
-                    .bind(&self.instance),
-                Kind::Shared | Kind::Permit(_) => sqlx::query_scalar(&self.sql.holder_release)
+                    .bind(&store.instance),
+                Kind::Shared | Kind::Permit(_) => sqlx::query_scalar(&store.sql.holder_release)
                     .bind(&*key.name)
                     .bind(release.holder.as_str())
                     .bind(release.release_id)
@@ -298,21 +238,15 @@ impl Store for MySqlStore {
                     .bind(&key.channel)
                     .bind(release.only_token.map(token)),
             };
-            let reply = reply(&self.pool, make).await?;
-            Released::from_reply(&reply).ok_or(MySqlError::Unexpected("release"))
+            let reply = reply(&store.pool, make).await?;
+            Released::from_reply(&reply).ok_or(MySqlError::unexpected("release"))
         })
     }
 
-    fn release_after<'a>(
-        &'a self,
-        key: &'a MySqlKey,
-        release: &'a Release<'a>,
-        (): (),
-    ) -> BoxFuture<'a, bool> {
-        Box::pin(async move { self.release(key, release).await.is_ok() })
-    }
-
-    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, MySqlError>> {
+    fn renew<'a>(
+        store: &'a MySqlStore,
+        batch: &'a [Due],
+    ) -> BoxFuture<'a, Result<Vec<bool>, MySqlError>> {
         Box::pin(async move {
             // [name, holder, lease]; a lease of 0 only checks.
             let holds: Vec<serde_json::Value> = batch
@@ -323,116 +257,52 @@ impl Store for MySqlStore {
                 })
                 .collect();
             let holds = serde_json::Value::Array(holds).to_string();
-            let held = sqlx::query_scalar::<_, i64>(&self.sql.renew)
+            let held = sqlx::query_scalar::<_, i64>(&store.sql.renew)
                 .bind(holds)
-                .fetch_all(&self.pool)
+                .fetch_all(&store.pool)
                 .await?;
             if held.len() != batch.len() {
-                return Err(MySqlError::Unexpected("renew"));
+                return Err(MySqlError::unexpected("renew"));
             }
             Ok(held.into_iter().map(|h| h == 1).collect())
         })
     }
 
-    fn subscribe(&self, key: &MySqlKey) -> Waiter {
-        self.wake.register(&key.channel)
-    }
-
-    fn remaining(self: &Arc<Self>, key: &Arc<MySqlKey>) -> BoxFuture<'static, Option<Duration>> {
-        let (store, key) = (self.clone(), key.clone());
+    fn sweep(
+        pool: MySqlPool,
+        sweep: String,
+        keep_ms: i64,
+        limit: i32,
+    ) -> BoxFuture<'static, Result<i64, sqlx::Error>> {
         Box::pin(async move {
-            let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
-                .bind(&*key.name)
-                .fetch_optional(&store.pool)
-                .await
-                .ok()??;
-            u64::try_from(ms).ok().map(Duration::from_millis)
-        })
-    }
-
-    fn inspect(
-        self: &Arc<Self>,
-        user: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let store = self.clone();
-        Box::pin(async move { store.operator(&store.sql.inspect, user, of, false).await })
-    }
-
-    fn force_release(
-        self: &Arc<Self>,
-        user: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let store = self.clone();
-        Box::pin(async move {
-            let freed = store
-                .operator(&store.sql.force_release, user, of, true)
+            let gone = sqlx::query_scalar::<_, i64>(&sweep)
+                .bind(keep_ms)
+                .bind(limit)
+                .fetch_all(&pool)
                 .await?;
-            if !freed.is_free() {
-                tracing::info!(
-                    key = %freed.key,
-                    mode = ?freed.mode,
-                    holders = freed.holders,
-                    "lock force-released"
-                );
-            }
-            Ok(freed)
+            Ok(gone.first().copied().unwrap_or(0))
         })
     }
 
-    fn withdraw_writer(
-        self: &Arc<Self>,
-        key: &Arc<MySqlKey>,
-        holder: LockOwner,
-        wake: bool,
-    ) -> BoxFuture<'static, ()> {
-        let (store, key) = (self.clone(), key.clone());
-        Box::pin(async move {
-            let withdrawn = sqlx::query(&store.sql.withdraw)
-                .bind(&*key.name)
-                .bind(holder.as_str())
-                .bind(&key.channel)
-                .bind(wake)
-                .execute(&store.pool);
-            if let Err(error) = withdrawn.await {
-                // Its registration runs out with the wait it was made for.
-                tracing::debug!(key = %key.name, %error, "could not withdraw a waiting writer");
-            }
-        })
-    }
-}
-
-impl MySqlStore {
-    /// Runs an operator's call (`inspect` or `force_release`) on `user`'s lock or semaphore.
-    async fn operator(
-        &self,
-        statement: &str,
-        user: String,
-        of: Primitive,
+    fn operator<'a>(
+        store: &'a MySqlStore,
+        statement: &'a str,
+        key: &'a SqlKey,
+        semaphore: bool,
         announced: bool,
-    ) -> Result<LockInfo, LockError> {
-        let semaphore = of == Primitive::Semaphore;
-        let key = MySqlKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
-        let context = if announced {
-            "force_release"
-        } else {
-            "inspect"
-        };
-        let make = || {
-            let call = sqlx::query_scalar(statement)
-                .bind(&*key.name)
-                .bind(semaphore);
-            if announced {
-                call.bind(&key.channel).bind(&self.admin_channel)
-            } else {
-                call
-            }
-        };
-        let reply = reply(&self.pool, make)
-            .await
-            .map_err(|e| LockError::backend(context, e))?;
-        LockInfo::from_reply(key.user().to_owned(), &reply)
-            .ok_or_else(|| LockError::backend(context, MySqlError::Unexpected(context)))
+    ) -> BoxFuture<'a, Result<Vec<i64>, MySqlError>> {
+        Box::pin(async move {
+            let make = || {
+                let call = sqlx::query_scalar(statement)
+                    .bind(&*key.name)
+                    .bind(semaphore);
+                if announced {
+                    call.bind(&key.channel).bind(&store.admin_channel)
+                } else {
+                    call
+                }
+            };
+            reply(&store.pool, make).await
+        })
     }
 }

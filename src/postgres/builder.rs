@@ -4,23 +4,16 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::Connection;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
-use tokio::time::timeout;
+use sqlx::Postgres;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use super::checks::{connect_failure, probe, refuse_read_only};
-use super::keys::admin_channel;
 use super::listen::{ListenConfig, Listener};
-use super::store::{PgStore, Statements};
-use super::{PostgresBackend, janitor, schema};
-use crate::core::telemetry::{self, Namespace};
+use super::{PostgresBackend, schema};
+use crate::core::Core;
 use crate::core::wakeups::Wakeups;
-use crate::core::{
-    Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
-};
 use crate::error::BuildError;
-use crate::key::validate_namespace;
+use crate::sql::{self, Calls, Config, SqlStore, admin_channel};
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";
@@ -34,18 +27,7 @@ const LISTENER_NAME: &str = "tower-lock listener";
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct PostgresBackendBuilder {
     target: Target,
-    table: String,
-    migrate: bool,
-    pool_size: u32,
-    namespace: String,
-    max_key_len: usize,
-    connect_timeout: Duration,
-    command_timeout: Duration,
-    fence_ttl: Duration,
-    ping_interval: Duration,
-    max_backoff: Duration,
-    max_local_handoffs: u32,
-    max_local_handoff_time: Duration,
+    config: Config,
 }
 
 #[derive(Debug, Clone)]
@@ -66,18 +48,11 @@ impl PostgresBackendBuilder {
     fn with_target(target: Target) -> Self {
         PostgresBackendBuilder {
             target,
-            table: schema::DEFAULT_TABLE.to_owned(),
-            migrate: false,
-            pool_size: 8,
-            namespace: "tower-lock".to_owned(),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_secs(1),
-            fence_ttl: Duration::from_secs(10 * 60),
-            ping_interval: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(2),
-            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
-            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
+            config: Config::new(
+                schema::DEFAULT_TABLE,
+                Duration::from_secs(10 * 60),
+                Duration::from_secs(1),
+            ),
         }
     }
 
@@ -88,7 +63,7 @@ impl PostgresBackendBuilder {
     /// [`PostgresBackend::schema_sql`]): for deployments where the application's database
     /// user may not create tables.
     pub fn migrate(mut self) -> Self {
-        self.migrate = true;
+        self.config.migrate = true;
         self
     }
 
@@ -97,7 +72,7 @@ impl PostgresBackendBuilder {
     /// identifier of at most 48 bytes; put it in a schema with the connection's
     /// `search_path`.
     pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
+        self.config.table = table.into();
         self
     }
 
@@ -107,7 +82,7 @@ impl PostgresBackendBuilder {
     ///
     /// [`from_pool`]: super::PostgresBackend::from_pool
     pub fn pool_size(mut self, size: u32) -> Self {
-        self.pool_size = size.max(1);
+        self.config.pool_size = size.max(1);
         self
     }
 
@@ -115,28 +90,28 @@ impl PostgresBackendBuilder {
     /// locks must not contend with each other use different namespaces. Must not contain
     /// `{`, `}` or control characters.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
+        self.config.namespace = namespace.into();
         self
     }
 
     /// The longest key accepted, in bytes (default 1024); longer keys are refused with
     /// 400, never truncated.
     pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
+        self.config.max_key_len = len;
         self
     }
 
     /// How long to wait for a connection, new or from the pool (default 1 s). A pool that
     /// stays exhausted this long fails the call: 503 from the layer.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.config.connect_timeout = timeout;
         self
     }
 
     /// How long one call may take (default 1 s). The server cancels a statement that runs
     /// past twice this long (`statement_timeout`), so none outlives its caller by much.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+        self.config.command_timeout = timeout;
         self
     }
 
@@ -145,29 +120,33 @@ impl PostgresBackendBuilder {
     /// Tokens never fall below the server clock in microseconds, so after that the clock
     /// alone keeps them increasing, provided it never steps back by more than this.
     pub fn fence_ttl(mut self, ttl: Duration) -> Self {
-        self.fence_ttl = ttl;
+        self.config.fence_ttl = ttl;
         self
     }
 
     /// How often the listening connection is pinged (default 1 s): a half-open connection
     /// is noticed within this plus the command timeout, and its waiters are woken.
     pub fn listener_ping_interval(mut self, interval: Duration) -> Self {
-        self.ping_interval = interval;
+        self.config.ping_interval = interval;
         self
     }
 
     /// Bounds consecutive handoffs within this process under one hold in the table
     /// (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff in memory off. See
     /// [`RedisBackendBuilder::max_local_handoffs`](crate::RedisBackendBuilder::max_local_handoffs).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFFS`]: crate::DEFAULT_MAX_LOCAL_HANDOFFS
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
-        self.max_local_handoffs = max;
+        self.config.max_local_handoffs = max;
         self
     }
 
     /// Bounds the time this process's tasks take turns under one hold in the table
     /// (default [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]).
+    ///
+    /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]: crate::DEFAULT_MAX_LOCAL_HANDOFF_TIME
     pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
-        self.max_local_handoff_time = time;
+        self.config.max_local_handoff_time = time;
         self
     }
 
@@ -181,64 +160,54 @@ impl PostgresBackendBuilder {
     /// not allowed to use them (a probe acquisition and release, which leave nothing
     /// behind, must pass).
     pub async fn build(self) -> Result<PostgresBackend, BuildError> {
-        self.validate()?;
+        self.config.validate(schema::sql)?;
         let (pool, options) = self.pool().await?;
         refuse_read_only(&pool, &options).await?;
-        if self.migrate {
-            schema::migrate(&pool, &self.table)
+        if self.config.migrate {
+            schema::migrate(&pool, &self.config.table)
                 .await
                 .map_err(|e| connect_failure(e, &options))?;
         } else {
-            schema::check(&pool, &self.table)
+            schema::check(&pool, &self.config.table)
                 .await
                 .map_err(|e| e.unwrap_or_else(|e| connect_failure(e, &options)))?;
         }
-        let metrics = Namespace::new(&self.namespace);
-        telemetry::describe_metrics();
-        let parts = Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                max_local_handoffs: self.max_local_handoffs,
-                max_local_handoff_time: self.max_local_handoff_time,
-                max_key_len: self.max_key_len,
-            },
-            metrics.clone(),
-        );
+        let (parts, metrics) = self.config.parts();
         let listen_pool = PgPoolOptions::new()
             .max_connections(1)
-            .acquire_timeout(self.connect_timeout)
+            .acquire_timeout(self.config.connect_timeout)
             .connect_lazy_with(options.clone().application_name(LISTENER_NAME));
         let listener = Listener::spawn(
             (listen_pool, Wakeups::new(metrics)),
             ListenConfig {
-                admin_channel: admin_channel(&self.namespace),
-                connect_timeout: self.connect_timeout,
-                command_timeout: self.command_timeout,
-                ping_interval: self.ping_interval,
-                max_backoff: self.max_backoff,
+                admin_channel: admin_channel(&self.config.namespace),
+                connect_timeout: self.config.connect_timeout,
+                command_timeout: self.config.command_timeout,
+                ping_interval: self.config.ping_interval,
+                max_backoff: self.config.max_backoff,
             },
             parts.recheck.clone(),
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let sql = Statements::new(&self.table);
-        let janitor = janitor::spawn(
+        let sql = Postgres::statements(&self.config.table);
+        let janitor = sql::janitor::spawn(
             pool.clone(),
             sql.sweep.clone(),
-            self.fence_ttl,
+            self.config.fence_ttl,
             parts.shutdown.clone(),
             &parts.runtime,
         );
-        let store = PgStore {
+        let store = SqlStore {
             pool,
             sql,
-            listener,
+            wake: listener,
             janitor,
             instance: parts.owners.instance().to_owned(),
-            admin_channel: admin_channel(&self.namespace),
-            namespace: self.namespace,
-            table: self.table,
-            max_key_len: self.max_key_len,
+            admin_channel: admin_channel(&self.config.namespace),
+            namespace: self.config.namespace,
+            table: self.config.table,
+            max_key_len: self.config.max_key_len,
         };
         probe(&store, &options).await?;
         Ok(PostgresBackend {
@@ -246,29 +215,11 @@ impl PostgresBackendBuilder {
         })
     }
 
-    fn validate(&self) -> Result<(), BuildError> {
-        validate_namespace(&self.namespace)?;
-        schema::sql(&self.table)?;
-        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
-        }
-        if self.fence_ttl < Duration::from_secs(1) {
-            return refuse("fence_ttl", "it must be at least one second");
-        }
-        Ok(())
-    }
-
     /// The command pool, connected (the first connection proves the server and the
     /// credentials), and the options the listener connects with.
     async fn pool(&self) -> Result<(PgPool, PgConnectOptions), BuildError> {
         let statement_timeout = self
+            .config
             .command_timeout
             .saturating_mul(2)
             .as_millis()
@@ -285,8 +236,8 @@ impl PostgresBackendBuilder {
                     options = options.application_name(APPLICATION_NAME);
                 }
                 let pool = PgPoolOptions::new()
-                    .max_connections(self.pool_size)
-                    .acquire_timeout(self.connect_timeout)
+                    .max_connections(self.config.pool_size)
+                    .acquire_timeout(self.config.connect_timeout)
                     // A statement on a dead connection fails and is retried; a ping before
                     // every call would double the round trips.
                     .test_before_acquire(false)
@@ -295,13 +246,7 @@ impl PostgresBackendBuilder {
             }
             Target::Pool(pool) => (pool.clone(), (*pool.connect_options()).clone()),
         };
-        // One connection of its own proves the server and the credentials, with the cause
-        // when it cannot (a pool only says that it timed out).
-        match timeout(self.connect_timeout, PgConnection::connect_with(&options)).await {
-            Ok(Ok(conn)) => drop(conn.close().await),
-            Ok(Err(e)) => return Err(connect_failure(e, &options)),
-            Err(_) => return Err(connect_failure(sqlx::Error::PoolTimedOut, &options)),
-        }
+        self.config.prove::<Postgres>(&options).await?;
         Ok((pool, options))
     }
 }

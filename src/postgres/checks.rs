@@ -1,13 +1,13 @@
 //! What `build()` checks of the server before the backend relies on it, and the errors
 //! that name what is wrong.
 
-use std::io;
-
+use sqlx::Postgres;
 use sqlx::postgres::{PgConnectOptions, PgPool};
 
 use super::store::PgStore;
-use crate::error::{BuildError, ConnectFailure};
+use crate::error::BuildError;
 use crate::key::namespaced;
+use crate::sql::{self, Dialect};
 
 /// Refuses a server that takes no writes: every acquisition would fail.
 pub(super) async fn refuse_read_only(
@@ -57,7 +57,7 @@ pub(super) async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result
                 sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
                     BuildError::Rights {
                         user: options.get_username().to_owned(),
-                        addr: addr(options),
+                        addr: Postgres::addr(options),
                         right: format!("use the lock table `{table}` and its functions ({db})"),
                         source: Box::new(e),
                     }
@@ -68,48 +68,7 @@ pub(super) async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result
     Ok(())
 }
 
-/// Where `options` connect, as errors name it: `host:port` (or the socket directory).
-pub(super) fn addr(options: &PgConnectOptions) -> String {
-    format!("{}:{}", options.get_host(), options.get_port())
-}
-
-/// The build error for a failed connection or call, naming the server and the kind of
-/// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
+/// The build error for a failed connection or call (see [`sql::connect_failure`]).
 pub(super) fn connect_failure(e: sqlx::Error, options: &PgConnectOptions) -> BuildError {
-    let addr = addr(options);
-    let failure = match &e {
-        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("28P01" | "28000")) => {
-            return BuildError::Auth {
-                user: options.get_username().to_owned(),
-                addr,
-                source: Box::new(e),
-            };
-        }
-        sqlx::Error::Tls(_) => {
-            return BuildError::Tls {
-                reason: "could not set up TLS",
-                addr: Some(addr),
-                certificate: None,
-                source: Some(Box::new(e)),
-            };
-        }
-        sqlx::Error::PoolTimedOut => ConnectFailure::TimedOut,
-        sqlx::Error::Io(io) => match io.kind() {
-            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
-            io::ErrorKind::TimedOut => ConnectFailure::TimedOut,
-            io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed,
-            // getaddrinfo's failures come as uncategorized I/O errors.
-            _ if io.to_string().contains("lookup") => ConnectFailure::UnknownHost,
-            _ => ConnectFailure::Other,
-        },
-        _ => ConnectFailure::Other,
-    };
-    BuildError::Connect {
-        addr,
-        failure,
-        source: Box::new(e),
-    }
+    sql::connect_failure::<Postgres>(e, options)
 }

@@ -6,8 +6,6 @@
 mod builder;
 mod checks;
 mod error;
-mod janitor;
-mod keys;
 mod listen;
 mod schema;
 mod store;
@@ -19,9 +17,7 @@ pub use self::builder::PostgresBackendBuilder;
 use self::store::PgStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::{BuildError, LockError};
-use crate::lock::LockRequest;
-use crate::lock::inspect::LockInfo;
+use crate::error::BuildError;
 
 /// Distributed locks in PostgreSQL (feature `postgres`). Cheap to clone; clones share
 /// connections.
@@ -62,6 +58,8 @@ use crate::lock::inspect::LockInfo;
 ///
 /// Tokens are `bigint`s, strictly increasing per name: above the name's counter and never
 /// below the server clock in microseconds, so they survive the row's deletion.
+///
+/// [`LockRequest`]: crate::LockRequest
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Core<PgStore>>,
@@ -94,61 +92,20 @@ impl PostgresBackend {
         schema::sql(table)
     }
 
-    /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
-        LockBackend::lock(self, key)
-    }
-
-    /// Starts building an acquisition of every key of `keys` at once, all or none (see
-    /// [`ManyLockRequest`](crate::ManyLockRequest)).
-    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        LockBackend::lock_many(self, keys)
-    }
-
-    /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
-    /// reached (see [`LockBackend::inspect`]). One statement; changes nothing.
-    pub fn inspect(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect(self, key)
-    }
-
-    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
-    pub fn inspect_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect_permits(self, key)
-    }
-
-    /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
-    /// round trip or two through the namespace's admin channel, which every backend
-    /// listens to, at the latest at its next renewal (see
-    /// [`LockBackend::force_release`]). Returns what was freed.
-    pub fn force_release(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release(self, key)
-    }
-
-    /// Frees every permit of `key`'s semaphore (see
-    /// [`LockBackend::force_release_permits`]).
-    pub fn force_release_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release_permits(self, key)
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
+        /// reached (see [`LockBackend::inspect`]). One statement; changes nothing.
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
+        /// round trip or two through the namespace's admin channel, which every backend
+        /// listens to, at the latest at its next renewal (see
+        /// [`LockBackend::force_release`]). Returns what was freed.
+        fn force_release;
     }
 
     /// A snapshot of the backend's listening connection and bookkeeping.
     pub fn stats(&self) -> BackendStats {
-        self.inner.stats(self.inner.store.listener.wakeups())
+        self.inner.stats(self.inner.store.wake.wakeups())
     }
 
     /// The namespace that prefixes every lock name of this backend.

@@ -1,63 +1,28 @@
-//! The PostgreSQL store: the core's primitive calls as one statement each, calling the
+//! The PostgreSQL store's own calls (see [`Calls`]): one statement each, calling the
 //! crate's SQL functions (schema.sql), with waiters woken by the listener.
 
 use std::sync::Arc;
-use std::time::Duration;
 
+use sqlx::Postgres;
 use sqlx::postgres::PgPool;
 
 use super::error::PgError;
-use super::keys::PgKey;
 use super::listen::Listener;
-use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
+use crate::core::store::{Attempt, Attempted, Release, Released};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
-use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner, MAX_DURATION};
+use crate::lock::{BoxFuture, Kind};
+use crate::sql::{Calls, SqlKey, SqlSent, SqlStore, Statements, millis, token};
 
-/// Locks in one PostgreSQL database, in the table (and its functions) named `table`.
-pub(crate) struct PgStore {
-    pub(crate) pool: PgPool,
-    pub(crate) sql: Statements,
-    pub(crate) listener: Listener,
-    /// Deletes the rows of names unused for the fence retention.
-    pub(crate) janitor: Daemon,
-    pub(crate) namespace: String,
-    pub(crate) table: String,
-    pub(crate) max_key_len: usize,
-    /// This backend's instance id: a run of its holders ends by freeing the lock when
-    /// another instance waits for it.
-    pub(crate) instance: String,
-    /// Where force-releases are announced (see [`admin_channel`](super::keys::admin_channel)).
-    pub(crate) admin_channel: String,
-}
+/// Locks in one PostgreSQL database.
+pub(crate) type PgStore = SqlStore<Postgres>;
 
-/// The statements of the lock protocol, for the table's functions.
-///
-/// The common cases, a free lock taken and a lone hold freed, are single plain statements
-/// (`acquire_free`, `release_last`): a PL/pgSQL call costs several times their server
-/// time. When one finds its case does not apply it changes nothing, and the function that
-/// covers every case runs next.
-pub(crate) struct Statements {
-    acquire_free: String,
-    acquire: String,
-    release_last: String,
-    release: String,
-    renew: String,
-    shared_acquire: String,
-    permit_acquire: String,
-    holder_release: String,
-    remaining: String,
-    withdraw: String,
-    inspect: String,
-    force_release: String,
-    pub(crate) sweep: String,
-}
+impl Calls for Postgres {
+    type Wake = Listener;
 
-impl Statements {
-    pub(crate) fn new(table: &str) -> Self {
+    fn statements(table: &str) -> Statements {
+        // The plain statements cover the common cases: a PL/pgSQL call costs several times
+        // their server time.
         Statements {
             // A new name, or a free row not left to another waiting instance; as
             // {table}_acquire's path for them.
@@ -107,41 +72,16 @@ impl Statements {
             sweep: format!("SELECT {table}_sweep($1, $2)"),
         }
     }
-}
 
-/// `d` in whole milliseconds, as the functions take leases and waits: at least 1 and at
-/// most [`MAX_DURATION`].
-fn millis(d: Duration) -> i64 {
-    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
-
-/// A token as the functions' `bigint`: tokens are microseconds of the server clock plus a
-/// count, far below `i64::MAX`.
-fn token(t: u64) -> i64 {
-    i64::try_from(t).unwrap_or(i64::MAX)
-}
-
-impl Store for PgStore {
-    type Key = PgKey;
-    type Error = PgError;
-    // A call is one autocommitted statement: a release after one of unknown outcome needs
-    // no particular connection.
-    type Sent = ();
-
-    fn key(&self, user: String, kind: Kind) -> Result<PgKey, KeyError> {
-        let semaphore = matches!(kind, Kind::Permit(_));
-        PgKey::new(&self.namespace, user, self.max_key_len, semaphore)
+    fn register(wake: &Listener, channel: &str) -> Waiter {
+        wake.register(channel)
     }
 
     fn attempt(
-        self: &Arc<Self>,
-        key: &Arc<PgKey>,
+        store: Arc<PgStore>,
+        key: Arc<SqlKey>,
         attempt: Attempt,
-    ) -> BoxFuture<'static, Sent<Self>> {
-        // Runs again on this caller's runtime if the one it ran on is gone.
-        self.janitor.ensure_running();
-        let (store, key) = (self.clone(), key.clone());
+    ) -> BoxFuture<'static, SqlSent<Self>> {
         Box::pin(async move {
             let lease = millis(attempt.lease);
             let holder = attempt.holder.as_str();
@@ -193,14 +133,14 @@ impl Store for PgStore {
                 Ok(reply) => reply,
                 Err(e) => return (Err(PgError::from(e)), Some(())),
             };
-            let attempted = Attempted::from_reply(&reply).ok_or(PgError::Unexpected("acquire"));
+            let attempted = Attempted::from_reply(&reply).ok_or(PgError::unexpected("acquire"));
             (attempted, Some(()))
         })
     }
 
     fn release<'a>(
-        &'a self,
-        key: &'a PgKey,
+        store: &'a PgStore,
+        key: &'a SqlKey,
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, PgError>> {
         Box::pin(async move {
@@ -208,20 +148,20 @@ impl Store for PgStore {
                 && release.successor.is_none()
                 && release.only_token.is_none()
             {
-                let freed = sqlx::query_scalar::<_, i64>(&self.sql.release_last)
+                let freed = sqlx::query_scalar::<_, i64>(&store.sql.release_last)
                     .bind(&*key.name)
                     .bind(release.holder.as_str())
                     .bind(release.issued.map(token))
                     .bind(release.release_id)
                     .bind(&key.channel)
-                    .fetch_one(&self.pool)
+                    .fetch_one(&store.pool)
                     .await?;
                 if freed == 1 {
                     return Ok(Released::Freed);
                 }
             }
             let call = match release.kind {
-                Kind::Exclusive => sqlx::query_scalar::<_, Vec<i64>>(&self.sql.release)
+                Kind::Exclusive => sqlx::query_scalar::<_, Vec<i64>>(&store.sql.release)
                     .bind(&*key.name)
                     .bind(release.holder.as_str())
                     .bind(release.release_id)
@@ -234,9 +174,9 @@ impl Store for PgStore {
                     .bind(release.run_spent)
                     .bind(release.issued.map(token))
                     .bind(token(release.reserve))
-                    .bind(&self.instance),
+                    .bind(&store.instance),
                 Kind::Shared | Kind::Permit(_) => {
-                    sqlx::query_scalar::<_, Vec<i64>>(&self.sql.holder_release)
+                    sqlx::query_scalar::<_, Vec<i64>>(&store.sql.holder_release)
                         .bind(&*key.name)
                         .bind(release.holder.as_str())
                         .bind(release.release_id)
@@ -245,21 +185,15 @@ impl Store for PgStore {
                         .bind(release.only_token.map(token))
                 }
             };
-            let reply = call.fetch_one(&self.pool).await?;
-            Released::from_reply(&reply).ok_or(PgError::Unexpected("release"))
+            let reply = call.fetch_one(&store.pool).await?;
+            Released::from_reply(&reply).ok_or(PgError::unexpected("release"))
         })
     }
 
-    fn release_after<'a>(
-        &'a self,
-        key: &'a PgKey,
-        release: &'a Release<'a>,
-        (): (),
-    ) -> BoxFuture<'a, bool> {
-        Box::pin(async move { self.release(key, release).await.is_ok() })
-    }
-
-    fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, PgError>> {
+    fn renew<'a>(
+        store: &'a PgStore,
+        batch: &'a [Due],
+    ) -> BoxFuture<'a, Result<Vec<bool>, PgError>> {
         Box::pin(async move {
             let names: Vec<&str> = batch.iter().map(|d| &*d.key.0).collect();
             let holders: Vec<&str> = batch.iter().map(|d| d.key.1.as_str()).collect();
@@ -268,115 +202,50 @@ impl Store for PgStore {
                 .iter()
                 .map(|d| if d.renew { millis(d.lease) } else { 0 })
                 .collect();
-            let held = sqlx::query_scalar::<_, Vec<bool>>(&self.sql.renew)
+            let held = sqlx::query_scalar::<_, Vec<bool>>(&store.sql.renew)
                 .bind(names)
                 .bind(holders)
                 .bind(leases)
-                .fetch_one(&self.pool)
+                .fetch_one(&store.pool)
                 .await?;
             if held.len() != batch.len() {
-                return Err(PgError::Unexpected("renew"));
+                return Err(PgError::unexpected("renew"));
             }
             Ok(held)
         })
     }
 
-    fn subscribe(&self, key: &PgKey) -> Waiter {
-        self.listener.register(&key.channel)
-    }
-
-    fn remaining(self: &Arc<Self>, key: &Arc<PgKey>) -> BoxFuture<'static, Option<Duration>> {
-        let (store, key) = (self.clone(), key.clone());
+    fn sweep(
+        pool: PgPool,
+        sweep: String,
+        keep_ms: i64,
+        limit: i32,
+    ) -> BoxFuture<'static, Result<i64, sqlx::Error>> {
         Box::pin(async move {
-            let ms = sqlx::query_scalar::<_, i64>(&store.sql.remaining)
-                .bind(&*key.name)
-                .fetch_optional(&store.pool)
+            sqlx::query_scalar::<_, i32>(&sweep)
+                .bind(keep_ms)
+                .bind(limit)
+                .fetch_one(&pool)
                 .await
-                .ok()??;
-            u64::try_from(ms).ok().map(Duration::from_millis)
+                .map(i64::from)
         })
     }
 
-    fn inspect(
-        self: &Arc<Self>,
-        user: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let store = self.clone();
-        Box::pin(async move { store.operator(&store.sql.inspect, user, of, false).await })
-    }
-
-    fn force_release(
-        self: &Arc<Self>,
-        user: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let store = self.clone();
-        Box::pin(async move {
-            let freed = store
-                .operator(&store.sql.force_release, user, of, true)
-                .await?;
-            if !freed.is_free() {
-                tracing::info!(
-                    key = %freed.key,
-                    mode = ?freed.mode,
-                    holders = freed.holders,
-                    "lock force-released"
-                );
-            }
-            Ok(freed)
-        })
-    }
-
-    fn withdraw_writer(
-        self: &Arc<Self>,
-        key: &Arc<PgKey>,
-        holder: LockOwner,
-        wake: bool,
-    ) -> BoxFuture<'static, ()> {
-        let (store, key) = (self.clone(), key.clone());
-        Box::pin(async move {
-            let withdrawn = sqlx::query(&store.sql.withdraw)
-                .bind(&*key.name)
-                .bind(holder.as_str())
-                .bind(&key.channel)
-                .bind(wake)
-                .execute(&store.pool);
-            if let Err(error) = withdrawn.await {
-                // Its registration runs out with the wait it was made for.
-                tracing::debug!(key = %key.name, %error, "could not withdraw a waiting writer");
-            }
-        })
-    }
-}
-
-impl PgStore {
-    /// Runs an operator's call (`inspect` or `force_release`) on `user`'s lock or semaphore.
-    async fn operator(
-        &self,
-        statement: &str,
-        user: String,
-        of: Primitive,
+    fn operator<'a>(
+        store: &'a PgStore,
+        statement: &'a str,
+        key: &'a SqlKey,
+        semaphore: bool,
         announced: bool,
-    ) -> Result<LockInfo, LockError> {
-        let semaphore = of == Primitive::Semaphore;
-        let key = PgKey::new(&self.namespace, user, self.max_key_len, semaphore)?;
-        let context = if announced {
-            "force_release"
-        } else {
-            "inspect"
-        };
-        let mut call = sqlx::query_scalar::<_, Vec<i64>>(statement)
-            .bind(&*key.name)
-            .bind(semaphore);
-        if announced {
-            call = call.bind(&key.channel).bind(&self.admin_channel);
-        }
-        let reply = call
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| LockError::backend(context, PgError::from(e)))?;
-        LockInfo::from_reply(key.user().to_owned(), &reply)
-            .ok_or_else(|| LockError::backend(context, PgError::Unexpected(context)))
+    ) -> BoxFuture<'a, Result<Vec<i64>, PgError>> {
+        Box::pin(async move {
+            let mut call = sqlx::query_scalar::<_, Vec<i64>>(statement)
+                .bind(&*key.name)
+                .bind(semaphore);
+            if announced {
+                call = call.bind(&key.channel).bind(&store.admin_channel);
+            }
+            Ok(call.fetch_one(&store.pool).await?)
+        })
     }
 }

@@ -26,9 +26,7 @@ use self::quorum::QuorumStore;
 use self::store::RedisStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::{BuildError, LockError};
-use crate::lock::LockRequest;
-use crate::lock::inspect::LockInfo;
+use crate::error::BuildError;
 
 /// Distributed locks on Redis: one server, a Sentinel group ([`sentinel`](Self::sentinel)),
 /// a Redis Cluster ([`cluster`](Self::cluster)) or a quorum of independent masters
@@ -250,55 +248,14 @@ impl RedisBackend {
         RedisBackendBuilder::sentinel(urls, master_name.to_owned())
     }
 
-    /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
-        LockBackend::lock(self, key)
-    }
-
-    /// Starts building an acquisition of every key of `keys` at once, all or none (see
-    /// [`ManyLockRequest`](crate::ManyLockRequest)).
-    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        LockBackend::lock_many(self, keys)
-    }
-
-    /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
-    /// reached (see [`LockBackend::inspect`]). One script call; changes nothing.
-    pub fn inspect(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect(self, key)
-    }
-
-    /// A snapshot of `key`'s semaphore (see [`LockBackend::inspect_permits`]).
-    pub fn inspect_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect_permits(self, key)
-    }
-
-    /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
-    /// round trip or two, at the latest at its next renewal (see
-    /// [`LockBackend::force_release`]). Returns what was freed.
-    pub fn force_release(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release(self, key)
-    }
-
-    /// Frees every permit of `key`'s semaphore (see
-    /// [`LockBackend::force_release_permits`]).
-    pub fn force_release_permits(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release_permits(self, key)
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
+        /// reached (see [`LockBackend::inspect`]). One script call; changes nothing.
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
+        /// round trip or two, at the latest at its next renewal (see
+        /// [`LockBackend::force_release`]). Returns what was freed.
+        fn force_release;
     }
 
     /// A snapshot of the backend's connections and bookkeeping.

@@ -1,19 +1,18 @@
 //! A throwaway MariaDB: `mariadb-install-db` and `mariadbd` in a temp dir, on a free
 //! loopback port with its socket in that dir, stopped when dropped (SIGTERM, then SIGKILL
-//! if it is not gone within [`STOP_BOUND`]). Nothing here touches a MariaDB it did not
-//! start: the machine's own (on 3306) is never used, and `--no-defaults` keeps the
-//! machine's option files out. As root (CI), both programs run with `--user=root`.
+//! if it is not gone within [`STOP_BOUND`](process::STOP_BOUND)). Nothing here touches a
+//! MariaDB it did not start: the machine's own (on 3306) is never used, and
+//! `--no-defaults` keeps the machine's option files out. As root (CI), both programs run with `--user=root`.
 //!
 //! Grants are kept (no `--skip-grant-tables`), so that tests can create users without
 //! rights and see `build()` refuse them.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// How long a stopped server gets to shut down before it is killed.
-const STOP_BOUND: Duration = Duration::from_secs(10);
+use super::process::{self, free_port};
+
 /// Ports tried: between picking a free port and `mariadbd` binding it, another process
 /// may take it.
 const ATTEMPTS: usize = 10;
@@ -209,23 +208,9 @@ impl MariaDbServer {
     }
 
     /// A fast shutdown (SIGTERM: clients are cut off), then SIGKILL if it is not gone
-    /// within [`STOP_BOUND`]; returns once it is gone.
+    /// within [`STOP_BOUND`](process::STOP_BOUND); returns once it is gone.
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + STOP_BOUND;
-        while Instant::now() < deadline {
-            if !matches!(child.try_wait(), Ok(None)) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
+        process::stop(&mut self.child, "TERM");
     }
 
     /// Hands this server to a reaper that stops it and removes its files once this process
@@ -235,21 +220,7 @@ impl MariaDbServer {
         let (Some(child), dir) = (&self.child, self.dir.path()) else {
             return;
         };
-        let reaper = Command::new("sh")
-            .args([
-                "-c",
-                "cat >/dev/null; kill -TERM \"$1\"; \
-                 while kill -0 \"$1\" 2>/dev/null; do sleep 0.1; done; rm -rf \"$2\"",
-                "reaper",
-                &child.id().to_string(),
-            ])
-            .arg(dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the reaper of the shared MariaDB starts");
-        self.reaper = Some(reaper);
+        self.reaper = Some(process::reaper(child, dir, "TERM", "MariaDB"));
     }
 }
 
@@ -278,13 +249,6 @@ fn program(name: &str) -> std::path::PathBuf {
 fn as_root() -> Option<&'static str> {
     let uid = Command::new("id").arg("-u").output().ok()?;
     (String::from_utf8_lossy(&uid.stdout).trim() == "0").then_some("--user=root")
-}
-
-fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("free port: {e}"))
 }
 
 /// The server this test binary's MariaDB tests share: started by the first test that asks, and stopped (its files removed) when the binary exits. Tests

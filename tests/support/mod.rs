@@ -10,10 +10,12 @@ pub mod history;
 pub mod mariadb;
 pub mod netns;
 pub mod postgres;
+pub mod process;
 pub mod proxy;
 pub mod quorum;
 pub mod replica;
 pub mod sentinel;
+pub mod sql;
 pub mod tls;
 pub mod tls_sentinel;
 

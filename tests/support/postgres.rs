@@ -1,16 +1,16 @@
 //! A throwaway PostgreSQL: `initdb` and `postgres` in a temp dir, on a free loopback port
 //! with its socket in that dir, stopped when dropped (SIGINT, a fast shutdown; SIGKILL if
-//! it is not gone within [`STOP_BOUND`]). Nothing here touches a PostgreSQL it did not
-//! start: the machine's own (on 5432) is never used.
+//! it is not gone within [`STOP_BOUND`](process::STOP_BOUND)). Nothing here touches a
+//! PostgreSQL it did not start: the machine's own (on 5432) is never used.
 //!
 //! initdb refuses to run as root, and CI runs as root: then both programs run as the
 //! unprivileged `postgres` user (the uid and gid set on the child, which is the postmaster
 //! itself, so that it is the process signalled), and the temp dir is handed to that user.
 //!
-//! Also used by `examples/fencing_postgres`, which falls back to a throwaway server when no
-//! `DATABASE_URL` is given: errors are returned, [`PostgresServer::start`] panics with them.
+//! Also used by `examples/fencing_postgres` (with process.rs beside it), which falls back to
+//! a throwaway server when no `DATABASE_URL` is given: errors are returned,
+//! [`PostgresServer::start`] panics with them.
 
-use std::net::TcpListener;
 use std::os::unix::fs::chown;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -18,8 +18,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// How long a stopped server gets to shut down before it is killed.
-const STOP_BOUND: Duration = Duration::from_secs(10);
+use super::process::{self, free_port};
+
 /// Ports tried: between picking a free port and `postgres` binding it, another process may
 /// take it.
 const ATTEMPTS: usize = 10;
@@ -256,24 +256,9 @@ impl Drop for PostgresServer {
 
 impl PostgresServer {
     /// A fast shutdown (SIGINT: clients are cut off), then SIGKILL if it is not gone
-    /// within [`STOP_BOUND`]; returns once it is gone.
+    /// within [`STOP_BOUND`](process::STOP_BOUND); returns once it is gone.
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        // SIGINT: a fast shutdown (clients are cut off, nothing is waited for).
-        let _ = Command::new("kill")
-            .args(["-INT", &child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + STOP_BOUND;
-        while Instant::now() < deadline {
-            if !matches!(child.try_wait(), Ok(None)) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
+        process::stop(&mut self.child, "INT");
     }
 }
 
@@ -361,13 +346,6 @@ fn run_as(command: &mut Command, user: Option<(u32, u32)>) -> &mut Command {
     command
 }
 
-fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("free port: {e}"))
-}
-
 /// The server this test binary's PostgreSQL tests share: started by the first test that
 /// asks, and stopped (its files removed) when the binary exits, by a reaper process that
 /// waits for the end of this process's pipe to its stdin. Tests keep apart by namespace.
@@ -414,20 +392,6 @@ impl PostgresServer {
         let (Some(child), dir) = (&self.child, self.dir.path()) else {
             return;
         };
-        let reaper = Command::new("sh")
-            .args([
-                "-c",
-                "cat >/dev/null; kill -INT \"$1\"; \
-                 while kill -0 \"$1\" 2>/dev/null; do sleep 0.1; done; rm -rf \"$2\"",
-                "reaper",
-                &child.id().to_string(),
-            ])
-            .arg(dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the reaper of the shared PostgreSQL starts");
-        self.reaper = Some(reaper);
+        self.reaper = Some(process::reaper(child, dir, "INT", "PostgreSQL"));
     }
 }

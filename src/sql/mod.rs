@@ -1,0 +1,58 @@
+//! What the SQL stores (`postgres`, `mysql`) share: the names of a key's row and channel,
+//! the calls' errors and what they mean to the core, how a failed connection is reported
+//! at build, and how durations and tokens are passed to the crate's SQL.
+//!
+//! What differs between the servers (their error codes, names in messages, the longest
+//! row name) is a [`Dialect`], implemented for sqlx's database types in each store's
+//! module; the SQL text and the wake-up machinery stay with each store.
+
+mod build;
+mod error;
+pub(crate) mod janitor;
+mod keys;
+mod store;
+
+use std::time::Duration;
+
+pub(crate) use self::build::{Config, connect_failure};
+pub(crate) use self::error::SqlError;
+pub(crate) use self::keys::{SqlKey, admin_channel};
+pub(crate) use self::store::{Calls, SqlSent, SqlStore, Statements};
+use crate::lock::MAX_DURATION;
+
+/// What the shared SQL code needs to know of one server.
+pub(crate) trait Dialect: sqlx::Database {
+    /// The server's name in messages (`PostgreSQL`, `MySQL`).
+    const SERVER: &'static str;
+    /// What the crate's SQL routines are called on this server (`function`, `procedure`).
+    const ROUTINE: &'static str;
+    /// The longest row name the lock tables take, when the column has a bound.
+    const MAX_NAME_LEN: Option<usize>;
+
+    /// The server refused a call for a reason a later try may not meet (a deadlock, a lock
+    /// wait, too many connections, a shutdown, a read-only replica). `false` for anything
+    /// but a refusal by the server.
+    fn transient_refusal(e: &sqlx::Error) -> bool;
+
+    /// The server refused the connection's credentials.
+    fn auth_refusal(e: &sqlx::Error) -> bool;
+
+    /// `host:port` of the server the options connect to, as build errors name it.
+    fn addr(options: &<Self::Connection as sqlx::Connection>::Options) -> String;
+
+    /// The user the options connect as.
+    fn user(options: &<Self::Connection as sqlx::Connection>::Options) -> &str;
+}
+
+/// `d` in whole milliseconds, as the SQL routines take leases and waits: at least 1 and
+/// at most [`MAX_DURATION`].
+pub(crate) fn millis(d: Duration) -> i64 {
+    let ms = d.clamp(Duration::from_millis(1), MAX_DURATION).as_millis();
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+/// A token as the tables' `BIGINT`: tokens are microseconds of the server clock plus a
+/// count, far below `i64::MAX`.
+pub(crate) fn token(t: u64) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
+}
