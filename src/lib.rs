@@ -119,6 +119,8 @@
 mod backend;
 mod core;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod extract;
 mod idempotency;
 mod key;
@@ -142,6 +144,9 @@ pub use crate::core::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
 };
 pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use crate::etcd::{EtcdBackend, EtcdBackendBuilder};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
