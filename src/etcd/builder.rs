@@ -55,7 +55,7 @@ impl EtcdBackendBuilder {
         EtcdBackendBuilder {
             endpoints,
             namespace: "tower-lock".to_owned(),
-            lease_ttl: Duration::from_secs(15),
+            lease_ttl: Duration::from_secs(30),
             user: None,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             connect_timeout: Duration::from_secs(2),
@@ -73,11 +73,11 @@ impl EtcdBackendBuilder {
         self
     }
 
-    /// The TTL of the backend's lease in etcd (default 15 s; whole seconds, rounded up, at
+    /// The TTL of the backend's lease in etcd (default 30 s; whole seconds, rounded up, at
     /// least 2 s). Every hold of the backend lives under it: a process that stops (or is
-    /// cut off from etcd) loses its holds at most this long after its last keep-alive. The
-    /// holder's own deadline is two thirds of it (see [`EtcdBackend`]), which is the
-    /// lease every request gets whatever it asks for.
+    /// cut off from etcd) loses its holds at most this long after its last keep-alive. A
+    /// holder's own deadline is half of it from its last renewal, which is the lease every
+    /// request gets whatever it asks for (see [`EtcdBackend`]); renewals come every sixth.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
         self
@@ -171,6 +171,12 @@ impl EtcdBackendBuilder {
             }
             Err(_) => return Err(timed_out(&addr)),
         };
+        let probing = probe(&client, &self.namespace);
+        match timeout(self.connect_timeout, probing).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(self.refused(&addr, e)),
+            Err(_) => return Err(timed_out(&addr)),
+        }
         let listener = Listener::spawn(
             Wakeups::new(metrics),
             WatchConfig {
@@ -229,8 +235,7 @@ impl EtcdBackendBuilder {
         if self.lease_ttl < Duration::from_secs(2) {
             return refuse(
                 "lease_ttl",
-                "it must be at least 2 s (etcd counts leases in whole seconds, and renews \
-                 every third of the holder's part of it)",
+                "it must be at least 2 s (etcd counts leases in whole seconds)",
             );
         }
         self.endpoints.iter().map(|e| endpoint(e)).collect()
@@ -259,7 +264,10 @@ impl EtcdBackendBuilder {
                     .user
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| u.clone()),
-                right: "grant a lease".to_owned(),
+                right: format!(
+                    "read and write the keys under `{}`",
+                    namespace_prefix(&self.namespace)
+                ),
                 addr: addr.to_owned(),
                 source: Box::new(e),
             };
@@ -279,6 +287,24 @@ impl EtcdBackendBuilder {
             source: Box::new(e),
         }
     }
+}
+
+/// Proves the rights the backend needs on the namespace, writing nothing: a transaction
+/// whose condition never holds, with a write in the namespace and a read of it in its
+/// branches
+/// (etcd checks the rights of both branches before it evaluates the condition).
+async fn probe(client: &Client, namespace: &str) -> Result<(), etcd_client::Error> {
+    use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+    let prefix = namespace_prefix(namespace);
+    let probe_key = format!("{prefix}%probe}}");
+    let never = Txn::new()
+        .when([Compare::version(probe_key.clone(), CompareOp::Less, 0)])
+        .and_then([TxnOp::put(probe_key, "", None)])
+        .or_else([TxnOp::get(
+            prefix,
+            Some(GetOptions::new().with_prefix().with_limit(1)),
+        )]);
+    client.kv_client().txn(never).await.map(drop)
 }
 
 fn timed_out(addr: &str) -> BuildError {

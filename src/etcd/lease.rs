@@ -2,13 +2,22 @@
 //! it alive keeps every hold, and losing it loses every hold at once.
 //!
 //! etcd counts a lease from the moment its leader last answered a keep-alive (or granted
-//! it): a lease confirmed by a keep-alive *sent* at `t` lives until `t + ttl` at least. The
-//! backend remembers when the last confirmed keep-alive was sent, and a hold is only ever
-//! put on a lease confirmed within a third of its TTL. The core therefore counts a hold's
-//! lease as two thirds of the TTL from its attempt (see [`Lease::hold_lease`]), and its
-//! watchdog's renewal is one keep-alive answered: a keep-alive stream that stalls
-//! silently confirms nothing, and the core counts the holds lost when their lease passes
-//! unconfirmed.
+//! it): a lease confirmed by a keep-alive *sent* at `c` lives until `c + ttl` at least.
+//! The backend remembers when the last confirmed keep-alive was sent, and works with three
+//! fractions of the TTL:
+//!
+//! - a hold is only put on a lease confirmed within the last sixth of the TTL (else a
+//!   keep-alive goes first): [`Lease::for_hold`];
+//! - the core counts a hold's lease as half the TTL from its attempt or its last renewal
+//!   ([`Lease::hold_lease`]), a renewal being one keep-alive answered, so that every
+//!   holder's deadline falls within two thirds of the TTL after the last confirmation;
+//! - a lease unconfirmed for longer than those two thirds was given up for lost by every
+//!   holder under it, so it is revoked and replaced even if etcd still has it (a
+//!   restarted etcd grants every lease its TTL anew): no key of a hold that its holder
+//!   stopped keeps the lock.
+//!
+//! A keep-alive stream that stalls silently confirms nothing: the core counts the holds
+//! lost when their lease passes unconfirmed, before etcd frees their keys.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -87,17 +96,16 @@ impl Lease {
         self.state().ttl
     }
 
-    /// The lease the core counts for a hold: two thirds of the TTL, since a hold is put
-    /// only on a lease confirmed within the last third of it.
+    /// The lease the core counts for a hold: half the TTL (see the module docs).
     pub(crate) fn hold_lease(&self) -> Duration {
-        self.ttl() * 2 / 3
+        self.ttl() / 2
     }
 
-    /// The lease a new hold goes on: confirmed within a third of its TTL, by a keep-alive
+    /// The lease a new hold goes on: confirmed within a sixth of its TTL, by a keep-alive
     /// now if the last one is older (the keep-alive task fell behind or stalled).
     pub(crate) async fn for_hold(&self) -> Result<i64, EtcdError> {
         let state = *self.state();
-        if state.confirmed.elapsed() < state.ttl / 3 {
+        if state.confirmed.elapsed() < state.ttl / 6 {
             return Ok(state.id);
         }
         match self.keep_alive().await {
@@ -149,8 +157,20 @@ impl Lease {
                 }
             },
         };
-        if ttl <= 0 {
+        let previous = *self.state();
+        // Unconfirmed for longer than two thirds of its TTL, the lease was given up for lost
+        // by every hold under it (see the module docs), even if etcd kept it: it is
+        // revoked, so that no key of a hold its holder stopped keeps the lock.
+        let lapsed =
+            previous.id == id && sent.duration_since(previous.confirmed) > previous.ttl * 2 / 3;
+        if ttl <= 0 || lapsed {
             drop(slot);
+            if lapsed {
+                let revoked = self.client.clone().revoke(id).await;
+                if let Err(error) = revoked {
+                    tracing::debug!(%error, lease = id, "could not revoke a lapsed etcd lease");
+                }
+            }
             self.replace(id).await?;
             return Err(EtcdError::LeaseLost);
         }
@@ -190,7 +210,8 @@ impl Lease {
     }
 }
 
-/// Keeps the lease alive every quarter of its TTL while the backend lives, so that an idle
+/// Keeps the lease alive every eighth of its TTL (more often than a new hold needs it
+/// confirmed) while the backend lives, so that an idle
 /// backend's next hold finds it confirmed; revokes it at shutdown, freeing the backend's
 /// holds at once.
 pub(crate) async fn keep_alive_until_shutdown(
@@ -201,7 +222,7 @@ pub(crate) async fn keep_alive_until_shutdown(
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
-            () = sleep(lease.ttl() / 4) => {}
+            () = sleep(lease.ttl() / 8) => {}
         }
         match timeout(command_timeout, lease.keep_alive()).await {
             Ok(Ok(_)) => {}
