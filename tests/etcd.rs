@@ -512,3 +512,67 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
         failures.load(Ordering::Relaxed)
     );
 }
+
+#[tokio::test]
+async fn force_release_frees_the_key_and_its_holder_sees_lost() {
+    let namespace = etcd::fresh_namespace();
+    let holder = etcd::builder(&namespace)
+        .lease_ttl(Duration::from_secs(3))
+        .build()
+        .await
+        .expect("backend");
+    let operator = etcd::backend_in(&namespace).await;
+    let guard = holder.lock("k").try_once().await.expect("free");
+    let freed = operator.force_release("k").await.expect("force-released");
+    assert_eq!(freed.holders, 1);
+    assert_eq!(freed.fencing_token, Some(guard.fencing_token()));
+    assert!(operator.inspect("k").await.expect("inspect").is_free());
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("the holder sees lost at its next renewal");
+    let next = operator.lock("k").try_once().await.expect("free");
+    assert!(next.fencing_token() > guard.fencing_token());
+}
+
+#[tokio::test]
+async fn several_keys_at_once_and_a_hold_without_watchdog() {
+    let backend = etcd::backend().await;
+    let both = backend
+        .lock_many(["a", "b"])
+        .try_once()
+        .await
+        .expect("both free");
+    assert!(matches!(
+        backend.lock("b").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    both.release().await.expect("released");
+
+    // Its key lives under the backend's lease, renewed for every hold: a hold that asked
+    // for no renewal is reported lost at its deadline, and its key deleted when its guard
+    // goes, rather than kept for as long as the backend lives.
+    let backend = etcd::builder(&etcd::fresh_namespace())
+        .lease_ttl(Duration::from_secs(2))
+        .build()
+        .await
+        .expect("backend");
+    let unrenewed = backend
+        .lock("c")
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("free");
+    let token = unrenewed.fencing_token();
+    tokio::time::timeout(HANG, unrenewed.lost())
+        .await
+        .expect("reported lost");
+    assert!(matches!(
+        unrenewed.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    let next = tokio::time::timeout(HANG, backend.lock("c").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("its key deleted in etcd too");
+    assert!(next.fencing_token() > token);
+}

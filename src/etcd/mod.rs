@@ -72,17 +72,20 @@ use crate::lock::inspect::LockInfo;
 /// counts its re-entries. The fencing token is the key's create revision.
 ///
 /// **The lease is the watchdog.** Each backend grants one lease
-/// ([`lease_ttl`](EtcdBackendBuilder::lease_ttl), 15 s by default) and keeps it alive: a
+/// ([`lease_ttl`](EtcdBackendBuilder::lease_ttl), 30 s by default) and keeps it alive: a
 /// renewal of the backend's holds is one keep-alive answered, which confirms every hold
 /// under the lease at once. When the lease is gone (expired because the process was cut
 /// off or paused, or revoked by an operator) every hold under it is deleted by etcd and
 /// reported [`lost`](crate::HeldLock::lost) to its holder, and the backend grants a new
 /// lease for new holds. A keep-alive stream can stall without failing: a hold counts as
-/// confirmed only by an answered keep-alive, and the holder's deadline is two thirds of
-/// the TTL from the last one (so it stops before etcd frees the key). A request's own
+/// confirmed only by an answered keep-alive, and the holder's deadline is half the TTL
+/// from its acquisition or its last renewal (so it stops before etcd frees the key; a
+/// lease left unconfirmed past every such deadline is revoked and replaced, even if etcd
+/// kept it). A request's own
 /// [`lease`](crate::LockRequest::lease) is replaced by that; a hold taken
-/// [`without_watchdog`](crate::LockRequest::without_watchdog) is ended (and reported lost)
-/// at the watchdog's first check, since the lease it lives under is renewed for all.
+/// [`without_watchdog`](crate::LockRequest::without_watchdog) is reported lost at that
+/// deadline, and its key deleted when its guard goes, since the lease it lives under is
+/// renewed for the backend's other holds.
 ///
 /// Waiters are woken by one watch per backend on the namespace's deletions (no polling);
 /// when the watch breaks, every waiter tries again, and again once it is back. When etcd

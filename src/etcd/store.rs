@@ -184,9 +184,7 @@ impl EtcdStore {
         Err(EtcdError::Contended)
     }
 
-    /// Whether each hold of `batch` is still there under the lease `lease`; a hold without
-    /// renewal is ended (see `EtcdBackend`'s docs: the lease is the backend's, renewed for
-    /// every hold alike) and reported gone.
+    /// Whether each hold of `batch` is still there under the lease `lease`.
     async fn check(&self, batch: &[Due], lease: i64) -> Result<Vec<bool>, EtcdError> {
         let reads: Vec<TxnOp> = batch
             .iter()
@@ -205,21 +203,7 @@ impl EtcdStore {
             let hold = found.kvs().first().filter(|kv| {
                 HoldValue::parse(kv.value()).is_some_and(|v| v.holder == due.key.1.as_str())
             });
-            match hold {
-                Some(kv) if !due.renew => {
-                    let end = Txn::new()
-                        .when([Compare::mod_revision(
-                            kv.key().to_vec(),
-                            CompareOp::Equal,
-                            kv.mod_revision(),
-                        )])
-                        .and_then([TxnOp::delete(kv.key().to_vec(), None)]);
-                    self.kv().txn(end).await?;
-                    held.push(false);
-                }
-                Some(_) => held.push(true),
-                None => held.push(false),
-            }
+            held.push(hold.is_some());
         }
         Ok(held)
     }
@@ -342,6 +326,11 @@ impl Store for EtcdStore {
 
     fn subscribe(&self, key: &EtcdKey) -> Waiter {
         self.listener.register(&key.name)
+    }
+
+    fn releases_lost_holds(&self) -> bool {
+        // The backend's lease outlives a hold that asked for no renewal.
+        true
     }
 
     fn lease(&self, _lease: Duration) -> Duration {
