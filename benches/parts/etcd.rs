@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
-use tower_lock::{EtcdBackend, LockBackend};
+use tower_lock::EtcdBackend;
 
 use super::support::RedisServer;
 use super::support::etcd::EtcdServer;

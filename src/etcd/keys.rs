@@ -63,7 +63,8 @@ pub(crate) fn namespace_prefix(namespace: &str) -> String {
 }
 
 /// A hold's value: the holder's identity, its re-entry count, and the ids of the releases
-/// already applied to it (so that a retried release is recognised), one per line.
+/// already applied to it (so that a retried release is recognised), one per line, with
+/// `%` and line breaks in them escaped (an owner id is the application's to choose).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct HoldValue {
     pub(crate) holder: String,
@@ -84,9 +85,12 @@ impl HoldValue {
     pub(crate) fn parse(value: &[u8]) -> Option<Self> {
         let value = std::str::from_utf8(value).ok()?;
         let mut lines = value.split('\n');
-        let holder = lines.next()?.to_owned();
+        let holder = unescape(lines.next()?)?;
         let count = lines.next()?.parse().ok()?;
-        let released = lines.filter(|l| !l.is_empty()).map(str::to_owned).collect();
+        let released = lines
+            .filter(|l| !l.is_empty())
+            .map(unescape)
+            .collect::<Option<_>>()?;
         Some(HoldValue {
             holder,
             count,
@@ -95,13 +99,37 @@ impl HoldValue {
     }
 
     pub(crate) fn encode(&self) -> String {
-        let mut out = format!("{}\n{}", self.holder, self.count);
+        let mut out = format!("{}\n{}", escape(&self.holder), self.count);
         for id in &self.released {
             out.push('\n');
-            out.push_str(id);
+            out.push_str(&escape(id));
         }
         out
     }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('%', "%25")
+        .replace('\n', "%0A")
+        .replace('\r', "%0D")
+}
+
+fn unescape(s: &str) -> Option<String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let (c, after) = match rest.get(at + 1..at + 3)? {
+            "25" => ('%', at + 3),
+            "0A" => ('\n', at + 3),
+            "0D" => ('\r', at + 3),
+            _ => return None,
+        };
+        out.push(c);
+        rest = &rest[after..];
+    }
+    out.push_str(rest);
+    Some(out)
 }
 
 #[cfg(test)]
@@ -117,9 +145,10 @@ mod tests {
         assert_eq!(lock_of(hold.as_bytes()), Some("ns:{a/b%7D}"));
         assert!(hold.starts_with(&dir(&key.name)));
         assert!(hold.starts_with(&namespace_prefix("ns")));
-        let mut value = HoldValue::new("owner-1");
+        let mut value = HoldValue::new("owner\n1%");
         value.count = 3;
-        value.released.push("owner-1#7".into());
+        value.released.push("owner\n1%#7".into());
+        assert_eq!(value.encode().lines().count(), 3);
         assert_eq!(HoldValue::parse(value.encode().as_bytes()), Some(value));
         assert_eq!(HoldValue::parse(b"no count"), None);
     }
