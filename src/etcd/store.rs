@@ -137,15 +137,41 @@ impl EtcdStore {
 
     /// One release of an exclusive hold: the count down, or the key deleted, compared on
     /// the hold's revision; a release already applied (its id recorded) changes nothing.
+    ///
+    /// The common case, a hold never re-entered under the current lease, is one
+    /// transaction: *if the key holds exactly that, delete it, else read the directory*;
+    /// what it read serves the general path.
     async fn release_exclusive(
         &self,
         key: &EtcdKey,
         release: &Release<'_>,
     ) -> Result<Released, EtcdError> {
         let dir = dir(&key.name);
+        let mine = hold_key(&key.name, self.lease.id());
+        let mut compares = vec![Compare::value(
+            mine.clone(),
+            CompareOp::Equal,
+            HoldValue::new(release.holder.as_str()).encode(),
+        )];
+        if let Some(token) = release.only_token {
+            let revision = i64::try_from(token).unwrap_or(i64::MAX);
+            compares.push(Compare::create_revision(
+                mine.clone(),
+                CompareOp::Equal,
+                revision,
+            ));
+        }
+        let last = Txn::new()
+            .when(compares)
+            .and_then([TxnOp::delete(mine, None)])
+            .or_else([TxnOp::get(dir.clone(), Some(only_hold()))]);
+        let reply = self.kv().txn(last).await?;
+        if reply.succeeded() {
+            return Ok(Released::Freed);
+        }
+        let mut found = first_kv(reply.op_responses());
         for _ in 0..ROUNDS {
-            let reply = self.kv().get(dir.clone(), Some(only_hold())).await?;
-            let Some(held) = reply.kvs().first() else {
+            let Some(held) = found.take() else {
                 return Ok(Released::NotHeld);
             };
             let Some(mut value) = HoldValue::parse(held.value()) else {
@@ -176,10 +202,13 @@ impl EtcdStore {
                     CompareOp::Equal,
                     held.mod_revision(),
                 )])
-                .and_then([op]);
-            if self.kv().txn(swap).await?.succeeded() {
+                .and_then([op])
+                .or_else([TxnOp::get(dir.clone(), Some(only_hold()))]);
+            let reply = self.kv().txn(swap).await?;
+            if reply.succeeded() {
                 return Ok(released);
             }
+            found = first_kv(reply.op_responses());
         }
         Err(EtcdError::Contended)
     }
