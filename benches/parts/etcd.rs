@@ -70,7 +70,7 @@ async fn uncontended(endpoint: &str, backend: &EtcdBackend) -> String {
     let _ = writeln!(
         out,
         "\nRound trips per acquire + release (p50 / `get` p50): **{:.2}** (a transaction to \
-         take the key, a read and a transaction to give it back); one `Txn`: {:.2}\n",
+         take the key and one to give it back); one `Txn`: {:.2}\n",
         lock.p50.as_secs_f64() / get.p50.as_secs_f64(),
         txn.p50.as_secs_f64() / get.p50.as_secs_f64()
     );
