@@ -50,13 +50,16 @@ async fn build_refuses_misconfiguration_naming_the_cause() {
             "{bad}: {refused:?}"
         );
     }
-    let refused = tower_lock::EtcdBackend::builder(["https://127.0.0.1:2379"])
-        .build()
-        .await;
-    let Err(error @ BuildError::Tls { .. }) = &refused else {
-        panic!("TLS is refused, not tried: {refused:?}");
-    };
-    assert!(error.to_string().contains("TLS"), "{error}");
+    for builder in [
+        tower_lock::EtcdBackend::builder(["https://127.0.0.1:2379", "http://127.0.0.1:2380"]),
+        tower_lock::EtcdBackend::builder(["http://127.0.0.1:2379"]).tls_root_cert("pem"),
+    ] {
+        let refused = builder.build().await;
+        let Err(error @ BuildError::Tls { .. }) = &refused else {
+            panic!("refused before anything is contacted: {refused:?}");
+        };
+        assert!(error.to_string().contains("https://"), "{error}");
+    }
 
     let refused = etcd::builder(&etcd::fresh_namespace())
         .lease_ttl(Duration::from_millis(500))
@@ -123,6 +126,47 @@ async fn credentials_etcd_refuses_are_refused_at_build() {
         .expect("the right password");
     let guard = backend.lock("k").try_once().await.expect("a lock");
     guard.release().await.expect("released");
+}
+
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
+    let certs = support::tls::Certs::new();
+    let server = EtcdServer::start_tls(&certs);
+    let endpoint = server.endpoint();
+    assert!(endpoint.starts_with("https://"), "{endpoint}");
+    let backend = etcd::builder_on(std::slice::from_ref(&endpoint))
+        .tls_root_cert(certs.pem("ca.crt"))
+        .tls_client_cert(certs.pem("client.crt"), certs.pem("client.key"))
+        .build()
+        .await
+        .expect("TLS with a client certificate");
+    let guard = backend.lock("k").try_once().await.expect("a lock over TLS");
+    guard.release().await.expect("released");
+
+    // The server wants a client certificate; and a client that does not trust its CA
+    // refuses the server.
+    for builder in [
+        etcd::builder_on(std::slice::from_ref(&endpoint)).tls_root_cert(certs.pem("ca.crt")),
+        etcd::builder_on(std::slice::from_ref(&endpoint))
+            .tls_client_cert(certs.pem("client.crt"), certs.pem("client.key")),
+    ] {
+        let refused = builder
+            .connect_timeout(Duration::from_secs(2))
+            .build()
+            .await;
+        assert!(
+            matches!(refused, Err(BuildError::Connect { .. })),
+            "{refused:?}"
+        );
+    }
+    // Plain HTTP to the TLS port.
+    let plain = endpoint.replace("https://", "http://");
+    let refused = etcd::builder_on(&[plain])
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
 }
 
 #[tokio::test]

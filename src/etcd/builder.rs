@@ -28,6 +28,8 @@ pub struct EtcdBackendBuilder {
     namespace: String,
     lease_ttl: Duration,
     user: Option<(String, String)>,
+    tls_root_cert: Option<Vec<u8>>,
+    tls_client_cert: Option<(Vec<u8>, Vec<u8>)>,
     max_key_len: usize,
     connect_timeout: Duration,
     command_timeout: Duration,
@@ -43,6 +45,8 @@ impl std::fmt::Debug for EtcdBackendBuilder {
             .field("lease_ttl", &self.lease_ttl)
             // Never the password.
             .field("user", &self.user.as_ref().map(|(user, _)| user))
+            .field("tls_root_cert", &self.tls_root_cert.is_some())
+            .field("tls_client_cert", &self.tls_client_cert.is_some())
             .field("max_key_len", &self.max_key_len)
             .field("connect_timeout", &self.connect_timeout)
             .field("command_timeout", &self.command_timeout)
@@ -57,6 +61,8 @@ impl EtcdBackendBuilder {
             namespace: "tower-lock".to_owned(),
             lease_ttl: Duration::from_secs(30),
             user: None,
+            tls_root_cert: None,
+            tls_client_cert: None,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             connect_timeout: Duration::from_secs(2),
             command_timeout: Duration::from_secs(2),
@@ -87,6 +93,30 @@ impl EtcdBackendBuilder {
     /// build when etcd does not accept them.
     pub fn user(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
         self.user = Some((user.into(), password.into()));
+        self
+    }
+
+    /// Trusts the CA certificate `pem` (PEM) for `https://` endpoints instead of the
+    /// system's roots: for a cluster whose certificates a private CA signed.
+    ///
+    /// Needs the crate's `tls` feature (on by default); without it `build` fails with
+    /// [`BuildError::Tls`].
+    pub fn tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_cert = Some(pem.into());
+        self
+    }
+
+    /// Presents the client certificate `cert_pem` (a PEM chain, leaf first) with its private
+    /// key `key_pem` to a cluster that requires one (`--client-cert-auth`).
+    ///
+    /// Needs the crate's `tls` feature (on by default); without it `build` fails with
+    /// [`BuildError::Tls`].
+    pub fn tls_client_cert(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls_client_cert = Some((cert_pem.into(), key_pem.into()));
         self
     }
 
@@ -121,9 +151,10 @@ impl EtcdBackendBuilder {
     /// and a cluster with a leader), and starts the backend's watch and the lease's
     /// keep-alive. Must be called inside a Tokio runtime.
     ///
-    /// Refused with the cause: no endpoint, an endpoint that is not `http://host:port`
-    /// (TLS is not supported yet), unreachable endpoints or no leader in time, credentials
-    /// etcd refuses, a user without the right to grant leases.
+    /// Refused with the cause: no endpoint, an endpoint that is not `http://host:port` or
+    /// `https://host:port` (or a mix of both), certificates for `http://` endpoints,
+    /// unreachable endpoints or no leader in time, a failed TLS handshake, credentials etcd
+    /// refuses, a user without rights on the namespace.
     pub async fn build(self) -> Result<EtcdBackend, BuildError> {
         let endpoints = self.validate()?;
         let addr = endpoints.join(",");
@@ -136,6 +167,9 @@ impl EtcdBackendBuilder {
             .with_require_leader(true);
         if let Some((user, password)) = &self.user {
             options = options.with_user(user.clone(), password.clone());
+        }
+        if endpoints.iter().any(|e| e.starts_with("https://")) {
+            options = self.tls(options)?;
         }
         let connecting = Client::connect(endpoints.clone(), Some(options));
         let client = match timeout(self.connect_timeout, connecting).await {
@@ -238,7 +272,49 @@ impl EtcdBackendBuilder {
                 "it must be at least 2 s (etcd counts leases in whole seconds)",
             );
         }
-        self.endpoints.iter().map(|e| endpoint(e)).collect()
+        let endpoints: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|e| endpoint(e))
+            .collect::<Result<_, _>>()?;
+        let https = endpoints
+            .iter()
+            .filter(|e| e.starts_with("https://"))
+            .count();
+        if https > 0 && https < endpoints.len() {
+            return Err(BuildError::tls_settings(
+                "the etcd endpoints mix http:// and https://: give one scheme for all",
+            ));
+        }
+        if https == 0 && (self.tls_root_cert.is_some() || self.tls_client_cert.is_some()) {
+            return Err(BuildError::tls_settings(
+                "TLS certificates were given for http:// etcd endpoints: use https://",
+            ));
+        }
+        Ok(endpoints)
+    }
+
+    /// `options` with TLS: the root certificate given, else the system's roots, and the
+    /// client certificate if given.
+    #[cfg(feature = "tls")]
+    fn tls(&self, options: ConnectOptions) -> Result<ConnectOptions, BuildError> {
+        use etcd_client::{Certificate, Identity, TlsOptions};
+        let mut tls = match &self.tls_root_cert {
+            Some(pem) => TlsOptions::new().ca_certificate(Certificate::from_pem(pem)),
+            None => TlsOptions::new().with_native_roots(),
+        };
+        if let Some((cert, key)) = &self.tls_client_cert {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        Ok(options.with_tls(tls))
+    }
+
+    /// Without the `tls` feature, `https://` endpoints are refused.
+    #[cfg(not(feature = "tls"))]
+    fn tls(&self, _options: ConnectOptions) -> Result<ConnectOptions, BuildError> {
+        Err(BuildError::tls_settings(
+            "https:// etcd endpoints need the crate's `tls` feature",
+        ))
     }
 
     /// What a failed connect or first call says, as a build error.
@@ -315,9 +391,8 @@ fn timed_out(addr: &str) -> BuildError {
     }
 }
 
-/// An endpoint as `http://host:port`: `host:port` is taken as plain HTTP; `https://` is
-/// refused (TLS is not supported by this backend yet), and so is anything else that is
-/// not a host and a port.
+/// An endpoint as `http://host:port` or `https://host:port`: `host:port` is taken as plain
+/// HTTP; anything else that is not a host and a port is refused.
 fn endpoint(given: &str) -> Result<String, BuildError> {
     let url = if given.contains("://") {
         given.to_owned()
@@ -327,23 +402,18 @@ fn endpoint(given: &str) -> Result<String, BuildError> {
     let uri: http::Uri = url.parse().map_err(|e| BuildError::Url {
         source: Box::new(e),
     })?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(BuildError::tls_settings(
-                "the etcd backend does not support TLS yet: give http:// endpoints",
-            ));
-        }
+    let scheme = match uri.scheme_str() {
+        Some(scheme @ ("http" | "https")) => scheme,
         _ => {
             return Err(BuildError::Url {
                 source: format!("`{given}` is not an etcd endpoint (http://host:port)").into(),
             });
         }
-    }
+    };
     let path_free = matches!(uri.path(), "" | "/") && uri.query().is_none();
     match uri.authority() {
         Some(authority) if authority.port().is_some() && path_free => {
-            Ok(format!("http://{authority}"))
+            Ok(format!("{scheme}://{authority}"))
         }
         _ => Err(BuildError::Url {
             source: format!(

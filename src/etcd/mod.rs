@@ -97,8 +97,8 @@ pub struct EtcdBackend {
 
 impl EtcdBackend {
     /// Starts configuring a backend on the etcd cluster at `endpoints`
-    /// (`http://host:port`, or `host:port`; any member of the cluster will do, and the
-    /// client moves to another when one fails).
+    /// (`http://host:port`, `host:port`, or `https://host:port` with the `tls` feature;
+    /// any member of the cluster will do, and the client moves to another when one fails).
     pub fn builder<I>(endpoints: I) -> EtcdBackendBuilder
     where
         I: IntoIterator,

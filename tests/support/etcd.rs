@@ -18,6 +18,10 @@ pub struct EtcdMember {
     peer_port: u16,
     /// `--initial-cluster` of its cluster.
     cluster: String,
+    /// TLS on the client port (certificate, key, CA for client certificates), with
+    /// `/health` and `/metrics` served in plain HTTP on a port of their own.
+    tls: Option<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)>,
+    metrics_port: Option<u16>,
     // Removed after the member is killed (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
@@ -51,6 +55,28 @@ impl EtcdServer {
         self.0.endpoint()
     }
 
+    /// A one-member cluster whose client port speaks only TLS, with the server
+    /// certificate of `certs` (for `localhost` and `127.0.0.1`), and requires a client
+    /// certificate signed by its CA.
+    pub fn start_tls(certs: &super::tls::Certs) -> Self {
+        let (client_port, peer_port, metrics_port) = (free_port(), free_port(), free_port());
+        let cluster = format!("n1=http://127.0.0.1:{peer_port}");
+        let mut member = EtcdMember::new("n1", client_port, peer_port, cluster);
+        member.tls = Some((
+            certs.path("server.crt"),
+            certs.path("server.key"),
+            certs.path("ca.crt"),
+        ));
+        member.metrics_port = Some(metrics_port);
+        member.spawn().unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            member.wait_until_serving(Duration::from_secs(60)),
+            "etcd with TLS did not start; its log ends: {:.2000}",
+            member.log()
+        );
+        EtcdServer(member)
+    }
+
     /// A counter of etcd's `/metrics` (Prometheus text), summed over the lines of `name`
     /// whose labels contain every one of `labels`.
     pub fn metric(&self, name: &str, labels: &[&str]) -> f64 {
@@ -74,17 +100,39 @@ impl EtcdMember {
             client_port,
             peer_port,
             cluster,
+            tls: None,
+            metrics_port: None,
             dir: tempfile::tempdir().expect("temp dir"),
             reaper: None,
         }
     }
 
+    /// The port `/health` and `/metrics` answer on.
+    fn health_port(&self) -> u16 {
+        self.metrics_port.unwrap_or(self.client_port)
+    }
+
     fn spawn(&mut self) -> Result<(), String> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::File::create(self.dir.path().join("etcd.log"))
             .map_err(|e| format!("etcd log: {e}"))?;
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let (Some((cert, key, ca)), Some(metrics)) = (&self.tls, self.metrics_port) {
+            command
+                .arg("--cert-file")
+                .arg(cert)
+                .arg("--key-file")
+                .arg(key)
+                .arg("--trusted-ca-file")
+                .arg(ca)
+                .arg("--client-cert-auth")
+                .args([
+                    "--listen-metrics-urls",
+                    &format!("http://127.0.0.1:{metrics}"),
+                ]);
+        }
+        let child = command
             .args(["--name", &self.name])
             .arg("--data-dir")
             .arg(self.dir.path().join("data"))
@@ -123,7 +171,7 @@ impl EtcdMember {
                 self.child = None;
                 return false;
             }
-            if http_get(self.client_port, "/health").is_some_and(|b| b.contains("\"true\"")) {
+            if http_get(self.health_port(), "/health").is_some_and(|b| b.contains("\"true\"")) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -137,11 +185,12 @@ impl EtcdMember {
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     pub fn metric(&self, name: &str, labels: &[&str]) -> f64 {
-        let body = http_get(self.client_port, "/metrics").expect("etcd serves /metrics");
+        let body = http_get(self.health_port(), "/metrics").expect("etcd serves /metrics");
         body.lines()
             .filter(|l| !l.starts_with('#'))
             .filter(|l| {
