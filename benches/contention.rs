@@ -8,7 +8,7 @@
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
 //! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql`,
-//! `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
+//! `etcd`, `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
 //! every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -31,6 +31,9 @@ mod postgres;
 
 #[path = "parts/mysql.rs"]
 mod mysql;
+
+#[path = "parts/etcd.rs"]
+mod etcd;
 #[path = "parts/quorum.rs"]
 mod quorum;
 
@@ -47,7 +50,9 @@ use axum::routing::post;
 use redis::aio::MultiplexedConnection;
 use support::RedisServer;
 use tower::ServiceExt;
-use tower_lock::{LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend};
+use tower_lock::{
+    EtcdBackend, LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend,
+};
 
 /// Counts live heap bytes, to report the memory one waiter costs.
 struct CountingAlloc;
@@ -149,6 +154,9 @@ async fn run() -> String {
     }
     if wanted.has("mysql") {
         out += &mysql::mysql(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("etcd") {
+        out += &etcd::etcd(&server, Duration::from_secs_f64(secs)).await;
     }
     if wanted.has("quorum") {
         out += &quorum::quorum(Duration::from_secs_f64(secs)).await;
@@ -257,6 +265,7 @@ enum Contender {
     SetNx(MultiplexedConnection),
     Postgres(PostgresBackend),
     MySql(MySqlBackend),
+    Etcd(EtcdBackend),
 }
 
 /// Compare-and-delete for the SET NX peer: the usual release of a SET NX lock.
@@ -277,6 +286,7 @@ impl Contender {
             Contender::TowerLock(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::Postgres(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::MySql(backend) => tower_round(backend, t, section, shared, waits).await,
+            Contender::Etcd(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::Rslock(manager) => {
                 let guard = manager.acquire(HOT_KEY.as_bytes(), LEASE).await.unwrap();
                 waits.push(t.elapsed());
@@ -416,7 +426,7 @@ impl HotRun {
     fn new(name: &'static str, instances: Vec<Contender>) -> Self {
         let on_redis = !matches!(
             instances[0],
-            Contender::Mutex(_) | Contender::Postgres(_) | Contender::MySql(_)
+            Contender::Mutex(_) | Contender::Postgres(_) | Contender::MySql(_) | Contender::Etcd(_)
         );
         HotRun {
             name,

@@ -39,7 +39,8 @@
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
 //!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
-//!   `MySqlBackend` (feature `mysql`) and [`MemoryBackend`]: where locks live
+//!   `MySqlBackend` (feature `mysql`), `EtcdBackend` (feature `etcd`) and
+//!   [`MemoryBackend`]: where locks live
 //!   ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
 //!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
@@ -73,6 +74,11 @@
     doc = "- [MySQL and MariaDB](guide::mysql): the MySQL store, its schema, how waiters are \
            woken without polling, users and `KILL`, MySQL 8 and MariaDB, failures."
 )]
+#![cfg_attr(
+    feature = "etcd",
+    doc = "- [etcd](guide::etcd): the etcd store, its lease as the watchdog, revisions as \
+           tokens, leader failover."
+)]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
@@ -102,6 +108,10 @@
 //! tables of a MySQL 8 or MariaDB database, through sqlx, waiters woken by a parked
 //! connection that a release interrupts.
 //!
+//! The `etcd` feature (off by default) adds `EtcdBackend`: exclusive locks in an etcd
+//! cluster, through etcd-client (whose build needs `protoc`), every hold under the
+//! backend's lease, tokens from etcd's revisions.
+//!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
 //! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace, route and kind of
@@ -119,6 +129,8 @@
 mod backend;
 mod core;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod extract;
 mod idempotency;
 mod key;
@@ -144,6 +156,9 @@ pub use crate::core::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
 };
 pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use crate::etcd::{EtcdBackend, EtcdBackendBuilder};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
@@ -194,7 +209,8 @@ pub mod guide {
                  [reliability]: crate::guide::reliability\n\
                  [performance]: crate::guide::performance\n",
                 postgres_link!(),
-                mysql_link!()
+                mysql_link!(),
+                etcd_link!()
             )
         };
     }
@@ -230,6 +246,23 @@ pub mod guide {
     macro_rules! mysql_link {
         () => {
             "[mysql]: https://docs.rs/tower-lock/latest/tower_lock/guide/mysql/index.html\n"
+        };
+    }
+
+    /// The etcd guide is a page here only with the `etcd` feature; without it, links to it
+    /// go to the documentation built with every feature.
+    #[cfg(feature = "etcd")]
+    macro_rules! etcd_link {
+        () => {
+            "[etcd]: crate::guide::etcd\n"
+        };
+    }
+
+    /// See the `etcd` feature's form above.
+    #[cfg(not(feature = "etcd"))]
+    macro_rules! etcd_link {
+        () => {
+            "[etcd]: https://docs.rs/tower-lock/latest/tower_lock/guide/etcd/index.html\n"
         };
     }
 
@@ -280,6 +313,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/mysql.md")]
     pub mod mysql {}
+
+    #[cfg(feature = "etcd")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/etcd.md")]
+    pub mod etcd {}
 }
 
 /// The README's examples, compiled and run as doctests.

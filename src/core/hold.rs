@@ -38,6 +38,9 @@ pub(super) struct Hold<S: Store> {
     pub(super) run: Run,
     /// Set for a re-entry of the key by its holder in this process: counted until dropped.
     pub(super) reentry: Option<Reentry>,
+    /// Release only the hold of [`token`](Self::token): a hold found lost that the store
+    /// may still keep (see `Store::releases_lost_holds`), whose owner may hold the key anew.
+    pub(super) only_own_token: bool,
 }
 
 impl<S: Store> Hold<S> {
@@ -70,6 +73,7 @@ impl<S: Store> Hold<S> {
             ),
             token,
             reentry: None,
+            only_own_token: false,
         }
     }
 
@@ -93,7 +97,7 @@ impl<S: Store> Hold<S> {
             successor,
             run_spent,
             may_have_run: self.may_have_run(),
-            only_token: None,
+            only_token: self.token.filter(|_| self.only_own_token),
             issued: self.issued(),
             reserve: self.core.reserve(),
         }

@@ -84,16 +84,23 @@ pub(super) struct WatchedHold<S: Store> {
 impl<S: Store> WatchedHold<S> {
     /// Stops renewal; returns the hold if a release is still owed to the store. A hold known
     /// lost is owed nothing: its owner may hold the key again under a new hold, which a
-    /// release of the old one would take away.
+    /// release of the old one would take away (unless the store may still keep it: then
+    /// its release, of its own token only, runs in the background).
     fn stop(self) -> Result<Hold<S>, LockError> {
         let hold = self.hold;
         hold.core
             .watchdog
             .unregister(hold.key.lock(), &hold.holder, self.generation, self.renew);
         if self.lost.is_cancelled() {
-            return Err(LockError::Lost {
-                key: hold.key.user().to_owned(),
-            });
+            let key = hold.key.user().to_owned();
+            // A store whose holds may outlive their holder's deadline is still owed the
+            // release of this hold, and of this hold only.
+            if hold.core.store.releases_lost_holds() && hold.token.is_some() {
+                let mut hold = hold;
+                hold.only_own_token = true;
+                hold.finish_in_background();
+            }
+            return Err(LockError::Lost { key });
         }
         Ok(hold)
     }

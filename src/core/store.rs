@@ -121,6 +121,15 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         false
     }
 
+    /// Whether a hold its holder was told is lost may still be kept by the store (its
+    /// holds live under one lease for all of them, which outlives a hold that asked for
+    /// no renewal, or whose deadline passed while the lease did not): its release is then
+    /// sent anyway, with `only_token` set to its token so that a newer hold of the same
+    /// owner is left alone.
+    fn releases_lost_holds(&self) -> bool {
+        false
+    }
+
     /// The lease a hold asking for `lease` gets (a store may bound it).
     fn lease(&self, lease: Duration) -> Duration {
         lease

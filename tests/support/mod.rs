@@ -6,6 +6,7 @@
 pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
+pub mod etcd;
 pub mod history;
 pub mod mariadb;
 pub mod netns;
