@@ -39,9 +39,6 @@ pub use self::builder::EtcdBackendBuilder;
 use self::store::EtcdStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::LockError;
-use crate::lock::LockRequest;
-use crate::lock::inspect::LockInfo;
 
 /// Distributed locks in etcd (feature `etcd`, which needs `protoc` to build). Cheap to
 /// clone; clones share the connection and the lease.
@@ -49,7 +46,7 @@ use crate::lock::inspect::LockInfo;
 /// The same exclusive locks as [`RedisBackend`](crate::RedisBackend), for teams that
 /// want a lock that survives the loss of a minority of servers: etcd acknowledges a write
 /// only once a majority of its members have it, so a granted lock is not lost in a
-/// failover. The layer, [`LockRequest`], [`HeldLock`](crate::HeldLock), multi-key locks,
+/// failover. The layer, [`LockRequest`](crate::LockRequest), [`HeldLock`](crate::HeldLock), multi-key locks,
 /// fencing tokens and the errors are the same; shared locks and permits are not supported
 /// yet (refused with 400, naming why).
 ///
@@ -107,38 +104,14 @@ impl EtcdBackend {
         EtcdBackendBuilder::new(endpoints.into_iter().map(Into::into).collect())
     }
 
-    /// Starts building an acquisition of `key` (see [`LockRequest`]).
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest {
-        LockBackend::lock(self, key)
-    }
-
-    /// Starts building an acquisition of every key of `keys` at once, all or none (see
-    /// [`ManyLockRequest`](crate::ManyLockRequest)).
-    pub fn lock_many<I>(&self, keys: I) -> crate::ManyLockRequest
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        LockBackend::lock_many(self, keys)
-    }
-
-    /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]). One read; changes
-    /// nothing. The lease reported is the TTL, the longest the holder may keep it.
-    pub fn inspect(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::inspect(self, key)
-    }
-
-    /// Frees `key`'s lock whatever holds it (see [`LockBackend::force_release`]); the
-    /// holder sees `lost()` at its next renewal, within a third of its lease. The next
-    /// holder's token is above the freed one's (a new key, a new revision).
-    pub fn force_release(
-        &self,
-        key: impl Into<String>,
-    ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
-        LockBackend::force_release(self, key)
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]). One read; changes
+        /// nothing. The lease reported is the TTL, the longest the holder may keep it.
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it (see [`LockBackend::force_release`]); the
+        /// holder sees `lost()` at its next renewal, within a third of its lease. The next
+        /// holder's token is above the freed one's (a new key, a new revision).
+        fn force_release;
     }
 
     /// A snapshot of the backend's watch and bookkeeping.

@@ -1,7 +1,6 @@
 //! A throwaway etcd: one member (or a cluster of three) on free loopback ports with its
 //! data in a temp dir, killed when dropped. Nothing here touches an etcd it did not start.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -233,20 +232,7 @@ impl EtcdMember {
         let (Some(child), dir) = (&self.child, self.dir.path()) else {
             return;
         };
-        let reaper = Command::new("sh")
-            .args([
-                "-c",
-                "cat >/dev/null; kill -KILL \"$1\"; \
-                 while kill -0 \"$1\" 2>/dev/null; do sleep 0.1; done; rm -rf \"$2\"",
-                "reaper",
-                &child.id().to_string(),
-            ])
-            .arg(dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the reaper of the shared etcd starts");
+        let reaper = super::process::reaper(child, dir, "KILL", "etcd");
         self.reaper = Some(reaper);
     }
 }
@@ -319,10 +305,7 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    super::process::free_port().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The etcd this test binary's tests share: started by the first test that asks, and
