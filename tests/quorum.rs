@@ -365,3 +365,85 @@ async fn listening(conns: &[redis::aio::MultiplexedConnection], channel: &str, n
         .await;
     }
 }
+
+/// A grant's token is written back to the masters that granted it: a master whose counter
+/// lagged behind the majority's highest issues above it at the next grant. Two masters
+/// are set far ahead; a grant by all five takes their token; the next grant, by the three
+/// others alone (the two are held by hand), must still be above it, which only the
+/// write-back to those three makes true.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grants_token_is_written_back_so_a_lagging_majority_issues_above_it() {
+    let quorum = quorum::shared();
+    let _turn = quorum.shared_turn().await;
+    let backend = quorum.builder().build().await.expect("backend");
+    let (lock, fence) = {
+        let lock = format!("{}:{{k}}", backend.namespace());
+        let fence = format!("{lock}:fence");
+        (lock, fence)
+    };
+    // Far above any clock-derived token (microseconds since 1970: about 1.8e15).
+    const AHEAD: u64 = 9_000_000_000_000_000;
+    let mut conns = Vec::new();
+    for url in quorum.urls() {
+        conns.push(
+            redis::Client::open(url.as_str())
+                .expect("url")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        );
+    }
+    for conn in &mut conns[..2] {
+        let _: () = redis::cmd("SET")
+            .arg(&fence)
+            .arg(AHEAD)
+            .arg("PX")
+            .arg(600_000)
+            .query_async(conn)
+            .await
+            .expect("SET the counter ahead");
+    }
+    let first = backend.lock("k").try_once().await.expect("granted by all");
+    let first_token = first.fencing_token();
+    assert!(
+        first_token > AHEAD,
+        "the highest of the majority's: {first_token}"
+    );
+    first.release().await.expect("release");
+    // Masters 0 and 1 refuse the next grant: only 2, 3 and 4 grant it.
+    for conn in &mut conns[..2] {
+        let _: () = redis::pipe()
+            .cmd("HSET")
+            .arg(&lock)
+            .arg("someone")
+            .arg(1)
+            .arg("token")
+            .arg(1)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(&lock)
+            .arg(60_000)
+            .ignore()
+            .query_async(conn)
+            .await
+            .expect("hold by hand");
+    }
+    let second = backend
+        .lock("k")
+        .try_once()
+        .await
+        .expect("granted by three");
+    assert!(
+        second.fencing_token() > first_token,
+        "a majority without the two masters ahead issues above the written-back token: {} after {first_token}",
+        second.fencing_token()
+    );
+    second.release().await.expect("release");
+    for conn in &mut conns[..2] {
+        let _: () = redis::cmd("DEL")
+            .arg(&lock)
+            .query_async(conn)
+            .await
+            .expect("DEL");
+    }
+}
