@@ -13,7 +13,7 @@ use axum::extract::{Request, State};
 use axum::routing::post;
 use support::child::{self, ChildProcess};
 use support::etcd::{self, EtcdCluster, EtcdServer};
-use tower_lock::{BuildError, ConnectFailure, KeyError, LockError, LockLayer};
+use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
@@ -176,13 +176,14 @@ async fn shared_locks_and_permits_are_refused_naming_etcd() {
         backend.lock("k").shared().try_once().await,
         backend.lock("k").permits(3).try_once().await,
     ] {
-        let Err(LockError::InvalidKey(KeyError::Malformed { reason })) = &refused else {
-            panic!("refused as a bad request: {refused:?}");
+        let Err(error @ LockError::Unsupported { key, what }) = &refused else {
+            panic!("refused as unsupported: {refused:?}");
         };
-        assert!(
-            reason.contains("etcd") && reason.contains("exclusive"),
-            "{reason}"
-        );
+        assert_eq!(key, "k");
+        assert!(what.contains("etcd") && what.contains("exclusive"), "{what}");
+        // The route's configuration is at fault, not the request.
+        assert_eq!(error.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!error.is_transient());
     }
     // Nothing was left behind: the key is free.
     let free = backend.lock("k").try_once().await.expect("free");

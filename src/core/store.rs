@@ -38,7 +38,7 @@ use std::time::Duration;
 use super::queue::Claim;
 use super::wakeups::Waiter;
 use super::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -62,7 +62,7 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
 
     /// The names of `user`'s lock of `kind` (a semaphore may live apart from the lock),
     /// refusing a key the store cannot hold.
-    fn key(&self, user: String, kind: Kind) -> Result<Self::Key, KeyError>;
+    fn key(&self, user: String, kind: Kind) -> Result<Self::Key, LockError>;
 
     /// One acquisition attempt (see the module docs).
     fn attempt(

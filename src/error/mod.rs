@@ -65,6 +65,15 @@ pub enum LockError {
         /// The user-facing key of the semaphore.
         key: String,
     },
+    /// The backend does not offer this kind of lock (a shared hold or a permit on a store
+    /// that keeps exclusive locks only): the route's configuration is at fault, not the
+    /// request, and retrying does not help.
+    Unsupported {
+        /// The user-facing key that was asked for.
+        key: String,
+        /// What the backend lacks, in its own words.
+        what: &'static str,
+    },
     /// The key was rejected before anything was sent to the store. Displays as the
     /// [`KeyError`] itself.
     InvalidKey(KeyError),
@@ -113,6 +122,7 @@ impl LockError {
             LockError::InvalidKey(_)
             | LockError::NotALock { .. }
             | LockError::UpgradeRefused { .. }
+            | LockError::Unsupported { .. }
             | LockError::ZeroPermits { .. } => None,
         }
     }
@@ -135,6 +145,7 @@ impl LockError {
             LockError::InvalidKey(_)
                 | LockError::NotALock { .. }
                 | LockError::UpgradeRefused { .. }
+                | LockError::Unsupported { .. }
                 | LockError::ZeroPermits { .. }
         )
     }
@@ -159,6 +170,9 @@ impl fmt::Display for LockError {
             ),
             LockError::ZeroPermits { key } => {
                 write!(f, "a semaphore of zero permits was asked of `{key}`")
+            }
+            LockError::Unsupported { key, what } => {
+                write!(f, "lock `{key}` cannot be taken: {what}")
             }
             // Both wrappers are transparent: the inner error is this level, not its source.
             LockError::InvalidKey(e) => e.fmt(f),

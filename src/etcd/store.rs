@@ -17,7 +17,7 @@ use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -293,13 +293,14 @@ impl Store for EtcdStore {
     // A release needs no particular connection.
     type Sent = ();
 
-    fn key(&self, user: String, kind: Kind) -> Result<EtcdKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<EtcdKey, LockError> {
         if kind != Kind::Exclusive {
-            return Err(KeyError::Malformed {
-                reason: EXCLUSIVE_ONLY.to_owned(),
+            return Err(LockError::Unsupported {
+                key: user,
+                what: EXCLUSIVE_ONLY,
             });
         }
-        EtcdKey::new(&self.namespace, user, self.max_key_len)
+        Ok(EtcdKey::new(&self.namespace, user, self.max_key_len)?)
     }
 
     fn attempt(

@@ -31,6 +31,7 @@
 //! | [`InvalidKey`](LockError::InvalidKey) (empty, too long, malformed) | 400 | none |
 //! | [`UpgradeRefused`](LockError::UpgradeRefused) (a shared hold asked for exclusively by its owner) | 500 | none |
 //! | [`ZeroPermits`](LockError::ZeroPermits) (a semaphore of zero permits) | 500 | none |
+//! | [`Unsupported`](LockError::Unsupported) (a shared hold or permit on a store that keeps exclusive locks only) | 500 | none |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and at least 1. The first three say
 //! what the work takes, not how long the holder's lease runs (30 s by default, which a
@@ -66,9 +67,9 @@ impl LockError {
             LockError::Contended { .. } => StatusCode::CONFLICT,
             LockError::PermitsTaken { .. } => StatusCode::TOO_MANY_REQUESTS,
             // The server's own configuration is at fault, not the request.
-            LockError::UpgradeRefused { .. } | LockError::ZeroPermits { .. } => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            LockError::UpgradeRefused { .. }
+            | LockError::ZeroPermits { .. }
+            | LockError::Unsupported { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             LockError::InvalidKey(_) => StatusCode::BAD_REQUEST,
             LockError::TimedOut { .. }
             | LockError::QueueFull { .. }
@@ -124,6 +125,11 @@ pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
             "UpgradeRefused",
             "Lock cannot be upgraded",
             "This request holds the resource's lock shared and the server asked for it exclusively, which would deadlock, so the request was not run. Retrying will not help.".to_owned(),
+        ),
+        LockError::Unsupported { .. } => (
+            "Unsupported",
+            "Lock not supported by the lock service",
+            "The server asked its lock service for a kind of lock it does not offer, so the request was not run. Retrying will not help.".to_owned(),
         ),
         LockError::ZeroPermits { .. } => (
             "ZeroPermits",

@@ -20,7 +20,7 @@ use crate::core::store::{
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -76,11 +76,13 @@ impl Store for RedisStore {
     type Error = CommandError;
     type Sent = Conn;
 
-    fn key(&self, user: String, kind: Kind) -> Result<LockKey, KeyError> {
-        match kind {
-            Kind::Permit(_) => LockKey::semaphore(&self.namespace, user, self.max_key_len),
-            Kind::Exclusive | Kind::Shared => LockKey::new(&self.namespace, user, self.max_key_len),
-        }
+    fn key(&self, user: String, kind: Kind) -> Result<LockKey, LockError> {
+        Ok(match kind {
+            Kind::Permit(_) => LockKey::semaphore(&self.namespace, user, self.max_key_len)?,
+            Kind::Exclusive | Kind::Shared => {
+                LockKey::new(&self.namespace, user, self.max_key_len)?
+            }
+        })
     }
 
     fn attempt(

@@ -13,7 +13,7 @@ use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -131,9 +131,14 @@ where
     // [`SqlSent`]).
     type Sent = ();
 
-    fn key(&self, user: String, kind: Kind) -> Result<SqlKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<SqlKey, LockError> {
         let semaphore = matches!(kind, Kind::Permit(_));
-        SqlKey::new::<D>(&self.namespace, user, self.max_key_len, semaphore)
+        Ok(SqlKey::new::<D>(
+            &self.namespace,
+            user,
+            self.max_key_len,
+            semaphore,
+        )?)
     }
 
     fn attempt(

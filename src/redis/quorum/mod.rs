@@ -27,7 +27,7 @@ use super::store::RedisStore;
 use crate::core::store::{Attempt, Release, Released, Sent, Store};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -120,7 +120,7 @@ impl Store for QuorumStore {
     /// What each master's attempt went out on, by the master's index.
     type Sent = Vec<(usize, Conn)>;
 
-    fn key(&self, user: String, kind: Kind) -> Result<LockKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<LockKey, LockError> {
         // Every master names a key alike.
         self.lead.key(user, kind)
     }
