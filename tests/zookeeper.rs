@@ -1,0 +1,311 @@
+//! ZooKeeper: what `build()` refuses, what the session does for the holds under it,
+//! ZooKeeper down, no polling, a holder killed with SIGKILL, and the oversell test across
+//! three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::routing::post;
+use support::child::{self, ChildProcess};
+use support::zookeeper::{self as zk, ZkServer};
+use tower_lock::{BuildError, ConnectFailure, KeyError, LockError, LockLayer};
+
+/// Generous bound on anything that should happen at once: catches hangs only.
+const HANG: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn build_refuses_misconfiguration_naming_the_cause() {
+    let refused = tower_lock::ZooKeeperBackend::builder("").build().await;
+    let Err(error @ BuildError::Setting { name: "hosts", .. }) = &refused else {
+        panic!("no host is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("host:port"), "{error}");
+    for bad in ["zk-without-port", "127.0.0.1:notaport", ":2181"] {
+        let refused = tower_lock::ZooKeeperBackend::builder(bad).build().await;
+        assert!(
+            matches!(refused, Err(BuildError::Url { .. })),
+            "{bad}: {refused:?}"
+        );
+    }
+    let refused = tower_lock::ZooKeeperBackend::builder("127.0.0.1:2181")
+        .namespace("..")
+        .build()
+        .await;
+    assert!(
+        matches!(refused, Err(BuildError::Namespace { .. })),
+        "{refused:?}"
+    );
+
+    // Nothing listens there.
+    let port = support::process::free_port().expect("a free port");
+    let refused = zk::builder_on(&format!("127.0.0.1:{port}")).build().await;
+    assert!(
+        matches!(
+            refused,
+            Err(BuildError::Connect {
+                failure: ConnectFailure::Refused | ConnectFailure::TimedOut,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+
+    // A chroot that does not exist.
+    let hosts = format!("{}/no/such/chroot", zk::shared().hosts());
+    let refused = zk::builder_on(&hosts).build().await;
+    let Err(error @ BuildError::Setting { name: "hosts", .. }) = &refused else {
+        panic!("a missing chroot is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("chroot"), "{error}");
+}
+
+#[tokio::test]
+async fn shared_locks_and_permits_are_refused_naming_zookeeper() {
+    let backend = zk::backend().await;
+    for refused in [
+        backend.lock("k").shared().try_once().await,
+        backend.lock("k").permits(3).try_once().await,
+    ] {
+        let Err(LockError::InvalidKey(KeyError::Malformed { reason })) = &refused else {
+            panic!("refused as a bad request: {refused:?}");
+        };
+        assert!(
+            reason.contains("ZooKeeper") && reason.contains("exclusive"),
+            "{reason}"
+        );
+    }
+    // Nothing was left behind: the key is free.
+    let free = backend.lock("k").try_once().await.expect("free");
+    free.release().await.expect("released");
+}
+
+/// One instance's shop: POST /buy sells one item of a stock the three instances share,
+/// read and written in two steps with a yield between, as a careless handler would.
+fn shop(
+    backend: tower_lock::ZooKeeperBackend,
+    stock: Arc<AtomicI64>,
+    sold: Arc<AtomicU64>,
+) -> Router {
+    async fn buy(State((stock, sold)): State<(Arc<AtomicI64>, Arc<AtomicU64>)>) -> &'static str {
+        let left = stock.load(Ordering::SeqCst);
+        if left <= 0 {
+            return "sold out";
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        stock.store(left - 1, Ordering::SeqCst);
+        sold.fetch_add(1, Ordering::Relaxed);
+        "sold"
+    }
+    Router::new()
+        .route("/buy", post(buy))
+        .route_layer(
+            LockLayer::new(backend, |_: &Request| Some("stock")).wait(Duration::from_secs(60)),
+        )
+        .with_state((stock, sold))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_sell_exactly_the_stock() {
+    const STOCK: i64 = 50;
+    const BUYERS: usize = 150;
+    let stock = Arc::new(AtomicI64::new(STOCK));
+    let sold = Arc::new(AtomicU64::new(0));
+    let namespace = zk::fresh_namespace();
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let backend = zk::backend_in(&namespace).await;
+        addrs.push(support::serve(shop(backend, stock.clone(), sold.clone())).await);
+    }
+    let client = support::http_client();
+    let buyers: Vec<_> = (0..BUYERS)
+        .map(|i| {
+            let (client, addr) = (client.clone(), addrs[i % 3]);
+            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
+        })
+        .collect();
+    for buyer in buyers {
+        let status = tokio::time::timeout(Duration::from_secs(120), buyer)
+            .await
+            .expect("served")
+            .expect("no panic");
+        assert_eq!(status, 200);
+    }
+    assert_eq!(
+        (sold.load(Ordering::Relaxed), stock.load(Ordering::SeqCst)),
+        (STOCK as u64, 0)
+    );
+}
+
+#[tokio::test]
+async fn fencing_tokens_are_zxids_increasing_across_instances() {
+    let namespace = zk::fresh_namespace();
+    let (a, b) = (
+        zk::backend_in(&namespace).await,
+        zk::backend_in(&namespace).await,
+    );
+    let mut last = 0;
+    for backend in [&a, &b, &a, &b, &b] {
+        let guard = backend.lock("k").try_once().await.expect("free");
+        assert!(
+            guard.fencing_token() > last,
+            "{} after {last}",
+            guard.fencing_token()
+        );
+        last = guard.fencing_token();
+        let info = backend.inspect("k").await.expect("inspect");
+        assert_eq!(info.fencing_token, Some(last));
+        guard.release().await.expect("released");
+    }
+}
+
+const HOSTS: &str = "TOWER_LOCK_TEST_ZOOKEEPER";
+const NAMESPACE: &str = "TOWER_LOCK_TEST_NAMESPACE";
+
+#[tokio::test]
+#[ignore = "entry point of the child processes that the tests spawn"]
+async fn child_process() {
+    if child::role().as_deref() == Some("holder") {
+        let backend = zk::builder_on(&child::setting(HOSTS))
+            .namespace(child::setting(NAMESPACE))
+            .session_timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend");
+        let guard = backend.lock("k").try_once().await.expect("uncontended");
+        child::report(&format!("held {}", guard.fencing_token()));
+        std::future::pending::<()>().await;
+    }
+}
+
+#[tokio::test]
+async fn a_holder_killed_with_sigkill_frees_its_lock_when_its_session_expires() {
+    let namespace = zk::fresh_namespace();
+    let waiter = zk::backend_in(&namespace).await;
+    let settings = [
+        (HOSTS, zk::shared().hosts()),
+        (NAMESPACE, namespace.clone()),
+    ];
+    let mut holder = ChildProcess::spawn("child_process", "holder", &settings);
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    let killed_token: u64 = report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
+    assert!(matches!(
+        waiter.lock("k").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    holder.kill().await;
+    // Its session of 2 s, no longer pinged, expires: ZooKeeper deletes its node and the
+    // watch on it wakes the waiter.
+    let next = tokio::time::timeout(HANG, waiter.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("freed when the killed holder's session expired");
+    assert!(next.fencing_token() > killed_token);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_down_answers_503_holds_are_lost_and_service_resumes() {
+    let mut server = ZkServer::start();
+    let backend = zk::builder_on(&server.hosts())
+        .session_timeout(Duration::from_secs(2))
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("backend");
+    let app = Router::new()
+        .route("/lock/{key}", post(|| async { "locked" }))
+        .route_layer(
+            LockLayer::new(backend.clone(), |req: &Request| {
+                req.uri().path().strip_prefix("/lock/").map(str::to_owned)
+            })
+            .fail_fast(),
+        );
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        200
+    );
+    let held = backend.lock("held").try_once().await.expect("free");
+
+    server.kill();
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        503,
+        "ZooKeeper unreachable: the store's failure"
+    );
+    tokio::time::timeout(HANG, held.lost())
+        .await
+        .expect("a hold whose session cannot be confirmed is lost");
+
+    server.start_again();
+    support::eventually("requests are served again", || async {
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status
+            == 200
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_do_not_poll_while_the_lock_is_held() {
+    // A server of its own: its counters count this test's calls only.
+    let server = ZkServer::start();
+    let instance = || async {
+        zk::builder_on(&server.hosts())
+            // Renewals (a sixth of it apart) and pings fall outside the window below.
+            .session_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("backend")
+    };
+    let holder = instance().await;
+    let waiting = [instance().await, instance().await];
+    let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let waiters: Vec<_> = (0..10)
+        .map(|i| {
+            let backend = waiting[i % 2].clone();
+            tokio::spawn(async move {
+                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
+                guard.release().await
+            })
+        })
+        .collect();
+    for backend in &waiting {
+        support::eventually("the waiters are queued and registered", || async move {
+            let stats = backend.stats();
+            stats.local_waiters == 4 && stats.channels_with_waiters == 1
+        })
+        .await;
+    }
+    // One watch per waiting instance, on the holder's node, whatever its waiters number.
+    support::eventually(
+        "each waiting instance watches the holder's node",
+        || async { server.mntr("zk_watch_count") == 2 },
+    )
+    .await;
+    let watches = server.four("wchc").expect("wchc");
+    assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
+    guard.release().await.expect("release");
+    for waiter in waiters {
+        tokio::time::timeout(HANG, waiter)
+            .await
+            .expect("served")
+            .expect("no panic")
+            .expect("acquired after the release, and released");
+    }
+}
