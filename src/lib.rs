@@ -80,6 +80,11 @@
     doc = "- [etcd](guide::etcd): the etcd store, its lease as the watchdog, revisions as \
            tokens, leader failover."
 )]
+#![cfg_attr(
+    feature = "zookeeper",
+    doc = "- [zookeeper](guide::zookeeper): the ZooKeeper store, Curator's recipe, its \
+           session as the watchdog, zxids as tokens."
+)]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
@@ -329,6 +334,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/etcd.md")]
     pub mod etcd {}
+
+    #[cfg(feature = "zookeeper")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/zookeeper.md")]
+    pub mod zookeeper {}
 }
 
 /// The README's examples, compiled and run as doctests.

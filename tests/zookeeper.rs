@@ -216,6 +216,7 @@ async fn a_holder_killed_with_sigkill_frees_its_lock_when_its_session_expires() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zookeeper_down_answers_503_holds_are_lost_and_service_resumes() {
+    support::init_tracing();
     let mut server = ZkServer::start();
     let backend = zk::builder_on(&server.hosts())
         .session_timeout(Duration::from_secs(2))

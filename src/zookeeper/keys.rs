@@ -108,9 +108,9 @@ mod tests {
 
     #[test]
     fn keys_are_one_segment_under_the_namespace() {
-        let root = root("ns/x").unwrap();
-        assert_eq!(root, "/ns%2Fx");
-        let key = ZkKey::new(&root, "../a/b%".into(), 1024).unwrap();
+        let ns = root("ns/x").unwrap();
+        assert_eq!(ns, "/ns%2Fx");
+        let key = ZkKey::new(&ns, "../a/b%".into(), 1024).unwrap();
         assert_eq!(&*key.path, "/ns%2Fx/{..%2Fa%2Fb%25}");
         assert!(root("..").is_none());
         assert!(matches!(
