@@ -166,10 +166,16 @@ async fn fencing_tokens_are_zxids_increasing_across_instances() {
 
 const HOSTS: &str = "TOWER_LOCK_TEST_ZOOKEEPER";
 const NAMESPACE: &str = "TOWER_LOCK_TEST_NAMESPACE";
+/// `after-pause`: the holder waits for its hold to be lost, then locks again.
+const WAKES: &str = "TOWER_LOCK_TEST_WAKES";
 
 #[tokio::test]
 #[ignore = "entry point of the child processes that the tests spawn"]
 async fn child_process() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     if child::role().as_deref() == Some("holder") {
         let backend = zk::builder_on(&child::setting(HOSTS))
             .namespace(child::setting(NAMESPACE))
@@ -179,8 +185,65 @@ async fn child_process() {
             .expect("backend");
         let guard = backend.lock("k").try_once().await.expect("uncontended");
         child::report(&format!("held {}", guard.fencing_token()));
+        if child::setting(WAKES) == "after-pause" {
+            // Paused past its session's timeout, then resumed.
+            let session = backend.session_id();
+            tokio::time::timeout(HANG, guard.lost())
+                .await
+                .expect("lost fires");
+            child::report("lost");
+            let other = backend
+                .lock("other")
+                .wait(HANG)
+                .await
+                .expect("a new session");
+            let renewed = backend.session_id() != session;
+            child::report(&format!("new session {renewed}"));
+            other.release().await.expect("released");
+            return;
+        }
         std::future::pending::<()>().await;
     }
+}
+
+#[tokio::test]
+async fn an_expired_session_reports_its_holds_lost_and_a_new_session_serves() {
+    let namespace = zk::fresh_namespace();
+    let waiter = zk::backend_in(&namespace).await;
+    let settings = [
+        (HOSTS, zk::shared().hosts()),
+        (NAMESPACE, namespace.clone()),
+        (WAKES, "after-pause".to_owned()),
+    ];
+    let mut holder = ChildProcess::spawn("child_process", "holder", &settings);
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    let paused_token: u64 = report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
+    // The holder's process stops (a GC pause, a frozen VM) with its connection open.
+    holder.pause();
+    // Its session of 2 s expires: ZooKeeper deletes its node and the waiter gets the lock.
+    let next = tokio::time::timeout(HANG, waiter.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("freed when the paused holder's session expired");
+    assert!(next.fencing_token() > paused_token);
+    holder.resume();
+    assert_eq!(holder.next_report().await.as_deref(), Some("lost"));
+    assert_eq!(
+        holder.next_report().await.as_deref(),
+        Some("new session true")
+    );
+    holder.assert_success().await;
+    assert!(
+        !next.is_lost(),
+        "the expired holder's release left the new hold alone"
+    );
+    next.release().await.expect("released");
 }
 
 #[tokio::test]
@@ -190,6 +253,7 @@ async fn a_holder_killed_with_sigkill_frees_its_lock_when_its_session_expires() 
     let settings = [
         (HOSTS, zk::shared().hosts()),
         (NAMESPACE, namespace.clone()),
+        (WAKES, "never".to_owned()),
     ];
     let mut holder = ChildProcess::spawn("child_process", "holder", &settings);
     let report = holder
@@ -277,6 +341,7 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     let holder = instance().await;
     let waiting = [instance().await, instance().await];
     let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let nodes = server.mntr("zk_znode_count");
     let waiters: Vec<_> = (0..10)
         .map(|i| {
             let backend = waiting[i % 2].clone();
@@ -301,6 +366,8 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     .await;
     let watches = server.four("wchc").expect("wchc");
     assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
+    // Waiters leave no node behind (no node per waiter, nothing to clean up).
+    assert_eq!(server.mntr("zk_znode_count"), nodes);
     guard.release().await.expect("release");
     for waiter in waiters {
         tokio::time::timeout(HANG, waiter)
