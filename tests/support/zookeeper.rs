@@ -22,6 +22,8 @@ pub struct ZkServer {
     dir: tempfile::TempDir,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
+    /// In an ensemble: its id and the ensemble's `server.N=` lines.
+    ensemble: Option<(usize, String)>,
 }
 
 impl ZkServer {
@@ -35,6 +37,7 @@ impl ZkServer {
                 port: super::process::free_port().unwrap_or_else(|e| panic!("{e}")),
                 dir: tempfile::tempdir().expect("temp dir"),
                 reaper: None,
+                ensemble: None,
             };
             server.spawn().unwrap_or_else(|e| panic!("{e}"));
             if server.wait_until_serving(Duration::from_secs(60)) {
@@ -47,12 +50,19 @@ impl ZkServer {
 
     fn spawn(&mut self) -> Result<(), String> {
         let dir = self.dir.path();
-        let config = format!(
+        let mut config = format!(
             "tickTime=250\ndataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
              admin.enableServer=false\n4lw.commands.whitelist=*\nforceSync=no\n",
             dir.join("data").display(),
             self.port
         );
+        if let Some((id, servers)) = &self.ensemble {
+            std::fs::create_dir_all(dir.join("data")).map_err(|e| format!("data dir: {e}"))?;
+            std::fs::write(dir.join("data").join("myid"), id.to_string())
+                .map_err(|e| format!("myid: {e}"))?;
+            config.push_str("initLimit=20\nsyncLimit=10\n");
+            config.push_str(servers);
+        }
         std::fs::write(dir.join("zoo.cfg"), config).map_err(|e| format!("zoo.cfg: {e}"))?;
         let log = std::fs::File::create(dir.join("zookeeper.log"))
             .map_err(|e| format!("ZooKeeper log: {e}"))?;
@@ -154,6 +164,61 @@ impl ZkServer {
 impl Drop for ZkServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Three servers on loopback, each in a temp dir of its own, killed when dropped.
+pub struct ZkEnsemble {
+    pub members: Vec<ZkServer>,
+}
+
+impl ZkEnsemble {
+    /// Starts the three and waits until each serves (a quorum has formed).
+    pub fn start() -> Self {
+        let port = || super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
+        let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (port(), port(), port())).collect();
+        let servers: String = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer, election))| {
+                format!("server.{}=127.0.0.1:{peer}:{election}\n", i + 1)
+            })
+            .collect();
+        let mut members: Vec<ZkServer> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(client, _, _))| ZkServer {
+                child: None,
+                port: client,
+                dir: tempfile::tempdir().expect("temp dir"),
+                reaper: None,
+                ensemble: Some((i + 1, servers.clone())),
+            })
+            .collect();
+        for member in &mut members {
+            member.spawn().unwrap_or_else(|e| panic!("{e}"));
+        }
+        for member in &mut members {
+            assert!(
+                member.wait_until_serving(Duration::from_secs(90)),
+                "the ZooKeeper ensemble did not come up; a member logged: {:.2000}",
+                member.log()
+            );
+        }
+        ZkEnsemble { members }
+    }
+
+    /// The connection string of the three.
+    pub fn hosts(&self) -> String {
+        let hosts: Vec<String> = self.members.iter().map(ZkServer::hosts).collect();
+        hosts.join(",")
+    }
+
+    /// The member that leads, if any.
+    pub fn leader(&self) -> Option<usize> {
+        self.members.iter().position(|m| {
+            m.child.is_some() && m.four("srvr").is_some_and(|r| r.contains("Mode: leader"))
+        })
     }
 }
 
