@@ -465,3 +465,32 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
         failures.load(Ordering::Relaxed)
     );
 }
+
+#[tokio::test]
+async fn force_release_frees_the_key_and_its_holders_see_lost() {
+    let namespace = zk::fresh_namespace();
+    let holder = zk::builder_on(&zk::shared().hosts())
+        .namespace(&namespace)
+        .session_timeout(Duration::from_secs(3))
+        .build()
+        .await
+        .expect("backend");
+    let operator = zk::backend_in(&namespace).await;
+    // Two holds, renewed in one call: each is found gone on its own.
+    let guard = holder.lock("k").try_once().await.expect("free");
+    let kept = holder.lock("kept").try_once().await.expect("free");
+    let freed = operator.force_release("k").await.expect("force-released");
+    assert_eq!(freed.holders, 1);
+    assert_eq!(freed.fencing_token, Some(guard.fencing_token()));
+    assert!(operator.inspect("k").await.expect("inspect").is_free());
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("the holder sees lost at its next renewal");
+    assert!(
+        !kept.is_lost(),
+        "the other hold of the same renewal is kept"
+    );
+    let next = operator.lock("k").try_once().await.expect("free");
+    assert!(next.fencing_token() > guard.fencing_token());
+    kept.release().await.expect("released");
+}

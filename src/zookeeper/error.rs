@@ -13,6 +13,8 @@ pub(crate) enum ZkError {
     Client(ClientError),
     /// A node held something this crate never writes.
     Foreign,
+    /// ZooKeeper answered with something it never sends for this call.
+    Unexpected(&'static str),
     /// A hold kept changing under a versioned write (never for long: only this backend's
     /// session writes its own node).
     Contended,
@@ -31,6 +33,7 @@ impl fmt::Display for ZkError {
             ZkError::Client(_) => f.write_str("ZooKeeper call failed"),
             ZkError::Foreign => f.write_str("the lock's node in ZooKeeper holds something else"),
             ZkError::Contended => f.write_str("the hold kept changing during the call"),
+            ZkError::Unexpected(what) => write!(f, "unexpected ZooKeeper reply: {what}"),
         }
     }
 }
@@ -79,7 +82,7 @@ impl Failure for ZkError {
                     | ClientError::NotReadOnly
             ),
             ZkError::Contended => true,
-            ZkError::Foreign => false,
+            ZkError::Foreign | ZkError::Unexpected(_) => false,
         }
     }
 

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError, Stat};
+use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError, MultiReadResult, Stat};
 
 use super::error::ZkError;
 use super::keys::{ZkKey, hold_prefix, lowest};
@@ -22,6 +22,10 @@ use crate::lock::{BoxFuture, Kind, LockOwner};
 /// How many times a call goes round when the lock's node changed under it (a container
 /// deleted between a read and a create, a node gone between a listing and a read).
 const ROUNDS: usize = 16;
+
+/// Holds checked by one renewal call: its two multi-reads stay far below ZooKeeper's
+/// bound on a packet (`jute.maxbuffer`, 1 MiB by default) with keys of the default length.
+const RENEW_BATCH: usize = 100;
 
 /// Locks in one ZooKeeper ensemble, under the namespace's node.
 pub(crate) struct ZkStore {
@@ -238,17 +242,58 @@ impl ZkStore {
         Err(ZkError::Contended)
     }
 
-    /// Whether each hold of `batch` is still this session's node, with its holder.
+    /// Whether each hold of `batch` is still this session's node, with its holder: two
+    /// multi-reads for the whole batch (the locks' children, then this session's nodes).
     async fn check(&self, client: Client, batch: &[Due]) -> Result<Vec<bool>, ZkError> {
         let mine = hold_prefix(client.session_id().0);
-        let mut held = Vec::with_capacity(batch.len());
+        let mut lists = client.new_multi_reader();
         for due in batch {
-            let children = holds(&client, &due.key.0).await?;
-            let ours = match children.iter().find(|c| c.starts_with(&mine)) {
-                Some(name) => read(&client, &child(&due.key.0, name))
-                    .await?
-                    .is_some_and(|(v, _)| v.holder == due.key.1.as_str()),
-                None => false,
+            lists.add_get_children(&due.key.0)?;
+        }
+        let listed = lists.commit().await?;
+        if listed.len() != batch.len() {
+            return Err(ZkError::Unexpected("a renewal listing"));
+        }
+        // For each hold, its node of this session, if the lock has one.
+        let nodes: Vec<Option<String>> = batch
+            .iter()
+            .zip(listed)
+            .map(|(due, listed)| match listed {
+                MultiReadResult::Children { children } => Ok(children
+                    .into_iter()
+                    .find(|c| c.starts_with(&mine))
+                    .map(|name| child(&due.key.0, &name))),
+                MultiReadResult::Error {
+                    err: ClientError::NoNode,
+                } => Ok(None),
+                MultiReadResult::Error { err } => Err(ZkError::from(err)),
+                _ => Err(ZkError::Unexpected("a renewal listing")),
+            })
+            .collect::<Result<_, _>>()?;
+        let mut reads = client.new_multi_reader();
+        for path in nodes.iter().flatten() {
+            reads.add_get_data(path)?;
+        }
+        let mut read = if nodes.iter().any(Option::is_some) {
+            reads.commit().await?.into_iter()
+        } else {
+            Vec::new().into_iter()
+        };
+        let mut held = Vec::with_capacity(batch.len());
+        for (due, node) in batch.iter().zip(&nodes) {
+            let ours = match (node, node.as_ref().and_then(|_| read.next())) {
+                (None, _) => false,
+                (Some(_), Some(MultiReadResult::Data { data, .. })) => {
+                    HoldValue::parse(&data).is_some_and(|v| v.holder == due.key.1.as_str())
+                }
+                (
+                    Some(_),
+                    Some(MultiReadResult::Error {
+                        err: ClientError::NoNode,
+                    }),
+                ) => false,
+                (Some(_), Some(MultiReadResult::Error { err })) => return Err(err.into()),
+                (Some(_), _) => return Err(ZkError::Unexpected("a renewal read")),
             };
             held.push(ours);
         }
@@ -396,6 +441,10 @@ impl Store for ZkStore {
                 checked => checked,
             }
         })
+    }
+
+    fn renewal_calls(&self, due: Vec<Due>) -> Vec<Vec<Due>> {
+        due.chunks(RENEW_BATCH).map(<[Due]>::to_vec).collect()
     }
 
     fn subscribe(&self, key: &ZkKey) -> Waiter {
