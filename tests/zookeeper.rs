@@ -369,6 +369,18 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
     // Waiters leave no node behind (no node per waiter, nothing to clean up).
     assert_eq!(server.mntr("zk_znode_count"), nodes);
+    // An attempt lists the lock's holds: no listing while the lock is held. (Renewals
+    // are multi-reads, counted apart.)
+    let listings = || {
+        server.mntr("zk_response_packet_get_children_cache_hits")
+            + server.mntr("zk_response_packet_get_children_cache_misses")
+    };
+    let before = listings();
+    assert!(before > 0, "the attempts' listings are counted");
+    // Far longer than any polling interval: a listing in this window was not asked for
+    // by the lock.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(listings(), before, "no attempt while the lock is held");
     guard.release().await.expect("release");
     for waiter in waiters {
         tokio::time::timeout(HANG, waiter)
