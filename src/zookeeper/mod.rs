@@ -31,8 +31,10 @@
 mod builder;
 mod error;
 mod keys;
+mod renew;
 mod session;
 mod store;
+mod watch;
 
 use std::fmt;
 use std::sync::Arc;

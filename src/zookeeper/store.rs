@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError, MultiReadResult, Stat};
+use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError, Stat};
 
 use super::error::ZkError;
 use super::keys::{ZkKey, hold_prefix, lowest};
@@ -42,17 +42,17 @@ pub(crate) struct ZkStore {
 }
 
 /// A fencing token from a node's creation zxid (zxids start above zero).
-fn token(stat: &Stat) -> u64 {
+pub(super) fn token(stat: &Stat) -> u64 {
     u64::try_from(stat.czxid).unwrap_or(0)
 }
 
 /// A node's path under the lock's node.
-fn child(lock: &str, name: &str) -> String {
+pub(super) fn child(lock: &str, name: &str) -> String {
     format!("{lock}/{name}")
 }
 
 /// The lock's holds (the children of its node); none when the node is gone.
-async fn holds(client: &Client, lock: &str) -> Result<Vec<String>, ZkError> {
+pub(super) async fn holds(client: &Client, lock: &str) -> Result<Vec<String>, ZkError> {
     match client.get_children(lock).await {
         Ok((children, _)) => Ok(children),
         Err(ClientError::NoNode) => Ok(Vec::new()),
@@ -61,7 +61,10 @@ async fn holds(client: &Client, lock: &str) -> Result<Vec<String>, ZkError> {
 }
 
 /// A hold node's value and stat; `None` when it is gone.
-async fn read(client: &Client, path: &str) -> Result<Option<(HoldValue, Stat)>, ZkError> {
+pub(super) async fn read(
+    client: &Client,
+    path: &str,
+) -> Result<Option<(HoldValue, Stat)>, ZkError> {
     match client.get_data(path).await {
         Ok((data, stat)) => {
             let value = HoldValue::parse(&data).ok_or(ZkError::Foreign)?;
@@ -73,38 +76,6 @@ async fn read(client: &Client, path: &str) -> Result<Option<(HoldValue, Stat)>, 
 }
 
 impl ZkStore {
-    fn guard(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        // A set of strings, updated in single calls: a poisoned lock is still consistent.
-        self.watched.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Watches the hold node `holder` of `lock` for its deletion, which wakes the lock's
-    /// waiters in this process: `false` when the node is already gone. One watch per node:
-    /// a second attempt that finds the same holder relies on the first's.
-    async fn watch(&self, client: &Client, lock: &Arc<str>, holder: &str) -> Result<bool, ZkError> {
-        let path = child(lock, holder);
-        if self.guard().contains(&path) {
-            return Ok(true);
-        }
-        let (stat, watcher) = client.check_and_watch_stat(&path).await?;
-        if stat.is_none() {
-            return Ok(false);
-        }
-        if !self.guard().insert(path.clone()) {
-            return Ok(true);
-        }
-        let (wakeups, lock, watched) = (self.wakeups.clone(), lock.clone(), self.watched.clone());
-        tokio::spawn(async move {
-            // Unwatched when the task ends however (its runtime may go away), so that a
-            // later attempt sets a watch of its own.
-            let _unwatch = Unwatch(watched, path);
-            // Deleted, or the session's end: either way the waiters try again.
-            watcher.changed().await;
-            wakeups.registry().wake_channel(&lock);
-        });
-        Ok(true)
-    }
-
     /// One exclusive attempt (see the module docs of `zookeeper`): re-enters this
     /// session's hold if it is the holder's own, else creates this session's node if the
     /// lock has none and keeps it if it is the lowest; else watches the lowest.
@@ -242,64 +213,6 @@ impl ZkStore {
         Err(ZkError::Contended)
     }
 
-    /// Whether each hold of `batch` is still this session's node, with its holder: two
-    /// multi-reads for the whole batch (the locks' children, then this session's nodes).
-    async fn check(&self, client: Client, batch: &[Due]) -> Result<Vec<bool>, ZkError> {
-        let mine = hold_prefix(client.session_id().0);
-        let mut lists = client.new_multi_reader();
-        for due in batch {
-            lists.add_get_children(&due.key.0)?;
-        }
-        let listed = lists.commit().await?;
-        if listed.len() != batch.len() {
-            return Err(ZkError::Unexpected("a renewal listing"));
-        }
-        // For each hold, its node of this session, if the lock has one.
-        let nodes: Vec<Option<String>> = batch
-            .iter()
-            .zip(listed)
-            .map(|(due, listed)| match listed {
-                MultiReadResult::Children { children } => Ok(children
-                    .into_iter()
-                    .find(|c| c.starts_with(&mine))
-                    .map(|name| child(&due.key.0, &name))),
-                MultiReadResult::Error {
-                    err: ClientError::NoNode,
-                } => Ok(None),
-                MultiReadResult::Error { err } => Err(ZkError::from(err)),
-                _ => Err(ZkError::Unexpected("a renewal listing")),
-            })
-            .collect::<Result<_, _>>()?;
-        let mut reads = client.new_multi_reader();
-        for path in nodes.iter().flatten() {
-            reads.add_get_data(path)?;
-        }
-        let mut read = if nodes.iter().any(Option::is_some) {
-            reads.commit().await?.into_iter()
-        } else {
-            Vec::new().into_iter()
-        };
-        let mut held = Vec::with_capacity(batch.len());
-        for (due, node) in batch.iter().zip(&nodes) {
-            let ours = match (node, node.as_ref().and_then(|_| read.next())) {
-                (None, _) => false,
-                (Some(_), Some(MultiReadResult::Data { data, .. })) => {
-                    HoldValue::parse(&data).is_some_and(|v| v.holder == due.key.1.as_str())
-                }
-                (
-                    Some(_),
-                    Some(MultiReadResult::Error {
-                        err: ClientError::NoNode,
-                    }),
-                ) => false,
-                (Some(_), Some(MultiReadResult::Error { err })) => return Err(err.into()),
-                (Some(_), _) => return Err(ZkError::Unexpected("a renewal read")),
-            };
-            held.push(ours);
-        }
-        Ok(held)
-    }
-
     async fn snapshot(
         &self,
         user: String,
@@ -340,16 +253,6 @@ impl ZkStore {
             lease_remaining: Some(self.session.hold_lease() * 2),
             fencing_token: Some(token(&stat)),
         })
-    }
-}
-
-/// Takes a node off the watched set when its watch's task ends.
-struct Unwatch(Arc<Mutex<HashSet<String>>>, String);
-
-impl Drop for Unwatch {
-    fn drop(&mut self) {
-        let mut watched = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        watched.remove(&self.1);
     }
 }
 
