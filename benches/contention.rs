@@ -8,7 +8,7 @@
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
 //! `uncontended`, `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql`,
-//! `etcd`, `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
+//! `etcd`, `zookeeper`, `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
 //! every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -36,6 +36,8 @@ mod mysql;
 mod etcd;
 #[path = "parts/quorum.rs"]
 mod quorum;
+#[path = "parts/zookeeper.rs"]
+mod zookeeper;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
@@ -52,6 +54,7 @@ use support::RedisServer;
 use tower::ServiceExt;
 use tower_lock::{
     EtcdBackend, LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend,
+    ZooKeeperBackend,
 };
 
 /// Counts live heap bytes, to report the memory one waiter costs.
@@ -157,6 +160,9 @@ async fn run() -> String {
     }
     if wanted.has("etcd") {
         out += &etcd::etcd(&server, Duration::from_secs_f64(secs)).await;
+    }
+    if wanted.has("zookeeper") {
+        out += &zookeeper::zookeeper(&server, Duration::from_secs_f64(secs)).await;
     }
     if wanted.has("quorum") {
         out += &quorum::quorum(Duration::from_secs_f64(secs)).await;
@@ -266,6 +272,7 @@ enum Contender {
     Postgres(PostgresBackend),
     MySql(MySqlBackend),
     Etcd(EtcdBackend),
+    ZooKeeper(ZooKeeperBackend),
 }
 
 /// Compare-and-delete for the SET NX peer: the usual release of a SET NX lock.
@@ -287,6 +294,9 @@ impl Contender {
             Contender::Postgres(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::MySql(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::Etcd(backend) => tower_round(backend, t, section, shared, waits).await,
+            Contender::ZooKeeper(backend) => {
+                tower_round(backend, t, section, shared, waits).await;
+            }
             Contender::Rslock(manager) => {
                 let guard = manager.acquire(HOT_KEY.as_bytes(), LEASE).await.unwrap();
                 waits.push(t.elapsed());
@@ -426,7 +436,11 @@ impl HotRun {
     fn new(name: &'static str, instances: Vec<Contender>) -> Self {
         let on_redis = !matches!(
             instances[0],
-            Contender::Mutex(_) | Contender::Postgres(_) | Contender::MySql(_) | Contender::Etcd(_)
+            Contender::Mutex(_)
+                | Contender::Postgres(_)
+                | Contender::MySql(_)
+                | Contender::Etcd(_)
+                | Contender::ZooKeeper(_)
         );
         HotRun {
             name,

@@ -39,7 +39,8 @@
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
 //! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
 //!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
-//!   `MySqlBackend` (feature `mysql`), `EtcdBackend` (feature `etcd`) and
+//!   `MySqlBackend` (feature `mysql`), `EtcdBackend` (feature `etcd`),
+//!   `ZooKeeperBackend` (feature `zookeeper`) and
 //!   [`MemoryBackend`]: where locks live
 //!   ([`LockBackend`]).
 //! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
@@ -79,6 +80,11 @@
     doc = "- [etcd](guide::etcd): the etcd store, its lease as the watchdog, revisions as \
            tokens, leader failover."
 )]
+#![cfg_attr(
+    feature = "zookeeper",
+    doc = "- [zookeeper](guide::zookeeper): the ZooKeeper store, Curator's recipe, its \
+           session as the watchdog, zxids as tokens."
+)]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
@@ -112,6 +118,10 @@
 //! cluster, through etcd-client (whose build needs `protoc`), every hold under the
 //! backend's lease, tokens from etcd's revisions.
 //!
+//! The `zookeeper` feature (off by default) adds `ZooKeeperBackend`: exclusive locks in a
+//! ZooKeeper ensemble, through zookeeper-client, every hold an ephemeral sequential node
+//! of the backend's session (Curator's recipe), tokens from the nodes' zxids.
+//!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
 //! [`metrics`](https://docs.rs/metrics) facade, labelled by namespace, route and kind of
@@ -144,6 +154,8 @@ mod postgres;
 mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
 
 pub use crate::layer::response;
 pub use crate::lock::policy;
@@ -187,6 +199,9 @@ pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
 pub use crate::redis::{FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder};
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use crate::zookeeper::{ZooKeeperBackend, ZooKeeperBackendBuilder};
 
 /// The guides, also in `docs/` on the repository: each page here is its file, with every
 /// snippet compiled (and, where it needs no server, run) as a doctest.
@@ -319,6 +334,12 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/etcd.md")]
     pub mod etcd {}
+
+    #[cfg(feature = "zookeeper")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+    #[doc = links!()]
+    #[doc = include_str!("../docs/zookeeper.md")]
+    pub mod zookeeper {}
 }
 
 /// The README's examples, compiled and run as doctests.

@@ -117,6 +117,37 @@ on_etcd!(
     a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
 );
 
+/// The bodies that apply to ZooKeeper, `zookeeper::NAME` on the binary's shared ZooKeeper
+/// in a namespace of its own: those of etcd, for the same reasons (exclusive locks only,
+/// every hold under its backend's session).
+macro_rules! on_zookeeper {
+    ($($name:ident),* $(,)?) => {
+        mod zookeeper {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::zookeeper::backend().await).await;
+                }
+            )*
+        }
+    };
+}
+
+on_zookeeper!(
+    fail_fast_route_answers_409_while_another_owner_holds_the_key,
+    waiting_route_is_served_once_the_holder_releases,
+    waiting_route_times_out_with_503_and_retry_after,
+    nested_layers_reenter_under_one_owner,
+    fencing_tokens_strictly_increase_per_key,
+    handler_panic_releases_the_lock,
+    empty_and_oversized_keys_are_400_and_lock_nothing,
+    reentry_counts_up_and_the_last_release_frees_the_key,
+    renewed_hold_outlives_its_lease,
+    local_queue_bound_sheds_with_queue_full,
+    waiters_are_served_in_arrival_order,
+    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
+);
+
 /// Waits until `n` tasks are queued for `key` behind its holder (who must hold it): a
 /// request that would wait alongside at most `n` is refused as full exactly then, and
 /// otherwise, waiting for no time, leaves the queue at once (a task arriving meanwhile

@@ -21,6 +21,8 @@ pub(crate) mod acquire;
 mod call;
 mod handoff;
 mod hold;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) mod hold_value;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod janitor;
 mod methods;

@@ -62,82 +62,12 @@ pub(crate) fn namespace_prefix(namespace: &str) -> String {
     format!("{namespace}:{{")
 }
 
-/// A hold's value: the holder's identity, its re-entry count, and the ids of the releases
-/// already applied to it (so that a retried release is recognised), one per line, with
-/// `%` and line breaks in them escaped (an owner id is the application's to choose).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct HoldValue {
-    pub(crate) holder: String,
-    pub(crate) count: u64,
-    pub(crate) released: Vec<String>,
-}
-
-impl HoldValue {
-    pub(crate) fn new(holder: &str) -> Self {
-        HoldValue {
-            holder: holder.to_owned(),
-            count: 1,
-            released: Vec::new(),
-        }
-    }
-
-    /// Reads a value this crate wrote; `None` for anything else.
-    pub(crate) fn parse(value: &[u8]) -> Option<Self> {
-        let value = std::str::from_utf8(value).ok()?;
-        let mut lines = value.split('\n');
-        let holder = unescape(lines.next()?)?;
-        let count = lines.next()?.parse().ok()?;
-        let released = lines
-            .filter(|l| !l.is_empty())
-            .map(unescape)
-            .collect::<Option<_>>()?;
-        Some(HoldValue {
-            holder,
-            count,
-            released,
-        })
-    }
-
-    pub(crate) fn encode(&self) -> String {
-        let mut out = format!("{}\n{}", escape(&self.holder), self.count);
-        for id in &self.released {
-            out.push('\n');
-            out.push_str(&escape(id));
-        }
-        out
-    }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('%', "%25")
-        .replace('\n', "%0A")
-        .replace('\r', "%0D")
-}
-
-fn unescape(s: &str) -> Option<String> {
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(at) = rest.find('%') {
-        out.push_str(&rest[..at]);
-        let (c, after) = match rest.get(at + 1..at + 3)? {
-            "25" => ('%', at + 3),
-            "0A" => ('\n', at + 3),
-            "0D" => ('\r', at + 3),
-            _ => return None,
-        };
-        out.push(c);
-        rest = &rest[after..];
-    }
-    out.push_str(rest);
-    Some(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn names_and_values_round_trip() {
+    fn names_round_trip() {
         let key = EtcdKey::new("ns", "a/b}".into(), 1024).unwrap();
         assert_eq!(&*key.name, "ns:{a/b%7D}");
         let hold = hold_key(&key.name, 0x2a);
@@ -145,11 +75,5 @@ mod tests {
         assert_eq!(lock_of(hold.as_bytes()), Some("ns:{a/b%7D}"));
         assert!(hold.starts_with(&dir(&key.name)));
         assert!(hold.starts_with(&namespace_prefix("ns")));
-        let mut value = HoldValue::new("owner\n1%");
-        value.count = 3;
-        value.released.push("owner\n1%#7".into());
-        assert_eq!(value.encode().lines().count(), 3);
-        assert_eq!(HoldValue::parse(value.encode().as_bytes()), Some(value));
-        assert_eq!(HoldValue::parse(b"no count"), None);
     }
 }

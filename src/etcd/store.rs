@@ -10,9 +10,10 @@ use etcd_client::{
 };
 
 use super::error::EtcdError;
-use super::keys::{EtcdKey, HoldValue, dir, hold_key};
+use super::keys::{EtcdKey, dir, hold_key};
 use super::lease::Lease;
 use super::watch::Listener;
+use crate::core::hold_value::HoldValue;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
 use crate::core::wakeups::Waiter;

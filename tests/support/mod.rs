@@ -19,6 +19,7 @@ pub mod sentinel;
 pub mod sql;
 pub mod tls;
 pub mod tls_sentinel;
+pub mod zookeeper;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

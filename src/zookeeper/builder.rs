@@ -1,0 +1,244 @@
+//! [`ZooKeeperBackendBuilder`]: the settings, and `build`: open the backend's session,
+//! prove the namespace's node, start following the session.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError};
+
+use super::ZooKeeperBackend;
+use super::error::ZkError;
+use super::keys::{hold_prefix, root};
+use super::session::{Connect, Session, follow_until_shutdown};
+use super::store::ZkStore;
+use crate::core::runtime::Daemon;
+use crate::core::telemetry::{self, Namespace};
+use crate::core::wakeups::Wakeups;
+use crate::core::{Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, Parts, Settings};
+use crate::error::{BuildError, ConnectFailure};
+use crate::key::validate_namespace;
+
+/// Configures a [`ZooKeeperBackend`]; created by [`ZooKeeperBackend::builder`].
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `build` is awaited"]
+pub struct ZooKeeperBackendBuilder {
+    hosts: String,
+    namespace: String,
+    session_timeout: Duration,
+    max_key_len: usize,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    max_backoff: Duration,
+}
+
+impl ZooKeeperBackendBuilder {
+    pub(super) fn new(hosts: String) -> Self {
+        ZooKeeperBackendBuilder {
+            hosts,
+            namespace: "tower-lock".to_owned(),
+            session_timeout: Duration::from_secs(10),
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            connect_timeout: Duration::from_secs(2),
+            command_timeout: Duration::from_secs(2),
+            max_backoff: Duration::from_secs(2),
+        }
+    }
+
+    /// The node under which every lock lives (default `tower-lock`, the node
+    /// `/tower-lock`, created at build if missing): backends whose locks must not contend
+    /// with each other use different namespaces. Must not contain `{`, `}` or control
+    /// characters, nor be `.` or `..`.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The session timeout asked of the ensemble (default 10 s; the servers bound it to
+    /// between 2 and 20 of their ticks). Every hold of the backend is a node of its
+    /// session: a process that stops (or is cut off from the ensemble) loses its holds at
+    /// most this long after it was last heard. A holder's own deadline is half the
+    /// negotiated timeout from its last renewal, which is the lease every request gets
+    /// whatever it asks for (see [`ZooKeeperBackend`]).
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// The longest key accepted, in bytes (default 1024); longer keys are refused with
+    /// 400, never truncated.
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// How long to wait for a session (default 2 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one call may take (default 2 s); a call that finds the connection lost
+    /// fails within it with 503.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// Opens the backend's session (which proves the hosts), checks the chroot of the
+    /// connection string, creates the namespace's node if missing and proves the right to
+    /// create and delete nodes under it, then starts following the session. Must be
+    /// called inside a Tokio runtime.
+    ///
+    /// Refused with the cause: no host, a host without a port, no server reachable in
+    /// time, a chroot that does not exist, a namespace node the session may not write
+    /// under.
+    pub async fn build(self) -> Result<ZooKeeperBackend, BuildError> {
+        let root = self.validate()?;
+        let addr = self.hosts.clone();
+        let connect = Connect {
+            hosts: self.hosts.clone(),
+            session_timeout: self.session_timeout,
+            connect_timeout: self.connect_timeout,
+        };
+        let client = connect.open().await.map_err(|e| refused(&addr, e))?;
+        self.prove(&client, &root)
+            .await
+            .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
+        let metrics = Namespace::new(&self.namespace);
+        telemetry::describe_metrics();
+        let parts = Parts::new(
+            Settings {
+                command_timeout: self.command_timeout,
+                // Tokens are zxids: none can be set aside for a run in memory.
+                max_local_handoffs: 0,
+                max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
+                max_key_len: self.max_key_len,
+            },
+            metrics.clone(),
+        );
+        let session = Arc::new(Session::new(connect, client, parts.recheck.clone()));
+        let wakeups = Wakeups::new(metrics);
+        let follower = {
+            let (session, wakeups, max_backoff) =
+                (session.clone(), wakeups.clone(), self.max_backoff);
+            Daemon::spawn(
+                move |shutdown| {
+                    follow_until_shutdown(session.clone(), wakeups.clone(), max_backoff, shutdown)
+                },
+                &parts.runtime,
+                parts.shutdown.clone(),
+            )
+        };
+        let store = ZkStore {
+            session,
+            wakeups,
+            follower,
+            watched: Arc::new(Mutex::new(HashSet::new())),
+            namespace: self.namespace,
+            root,
+            max_key_len: self.max_key_len,
+        };
+        Ok(ZooKeeperBackend {
+            inner: Core::new(store, parts),
+        })
+    }
+
+    /// The settings checked, and the namespace's node.
+    fn validate(&self) -> Result<String, BuildError> {
+        validate_namespace(&self.namespace)?;
+        let root = root(&self.namespace).ok_or_else(|| BuildError::Namespace {
+            namespace: self.namespace.clone(),
+        })?;
+        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
+        let (hosts, _chroot) = self
+            .hosts
+            .split_once('/')
+            .unwrap_or((self.hosts.as_str(), ""));
+        if hosts.trim().is_empty() {
+            return refuse(
+                "hosts",
+                "at least one ZooKeeper server (host:port) is needed",
+            );
+        }
+        for host in hosts.split(',') {
+            let port = host
+                .trim()
+                .rsplit_once(':')
+                .map(|(h, p)| (h, p.parse::<u16>()));
+            if !matches!(port, Some((h, Ok(_))) if !h.is_empty()) {
+                return Err(BuildError::Url {
+                    source: format!(
+                        "`{host}` is not a ZooKeeper server: it needs a host and a port \
+                         (zk-1:2181)"
+                    )
+                    .into(),
+                });
+            }
+        }
+        if self.session_timeout < Duration::from_secs(1) {
+            return refuse("session_timeout", "it must be at least 1 s");
+        }
+        if self.command_timeout.is_zero() {
+            return refuse("command_timeout", "it must be above zero");
+        }
+        if self.connect_timeout.is_zero() {
+            return refuse("connect_timeout", "it must be above zero");
+        }
+        if self.max_key_len == 0 {
+            return refuse("max_key_len", "it must be at least one byte");
+        }
+        Ok(root)
+    }
+
+    /// Checks the chroot, creates the namespace's node if missing, and creates and
+    /// deletes a node under it: `Err(Ok(_))` names what is wrong, `Err(Err(_))` is a failed
+    /// call.
+    async fn prove(&self, client: &Client, root: &str) -> Result<(), Result<BuildError, ZkError>> {
+        let call = |e: ClientError| Err(ZkError::Client(e));
+        if client.check_stat("/").await.map_err(call)?.is_none() {
+            return Err(Ok(BuildError::Setting {
+                name: "hosts",
+                reason: "the chroot of the connection string does not exist in ZooKeeper \
+                         (create its node first)",
+            }));
+        }
+        let rights = |e: ClientError| match e {
+            ClientError::NoAuth => Ok(BuildError::Rights {
+                user: String::new(),
+                right: format!("create and delete nodes under `{root}`"),
+                addr: self.hosts.clone(),
+                source: Box::new(e),
+            }),
+            e => Err(ZkError::Client(e)),
+        };
+        let persistent = CreateMode::Persistent.with_acls(Acls::anyone_all());
+        match client.create(root, &[], &persistent).await {
+            Ok(_) | Err(ClientError::NodeExists) => {}
+            Err(e) => return Err(rights(e)),
+        }
+        let probe = format!("{root}/{}probe", hold_prefix(client.session_id().0));
+        let ephemeral = CreateMode::Ephemeral.with_acls(Acls::anyone_all());
+        client
+            .create(&probe, &[], &ephemeral)
+            .await
+            .map_err(rights)?;
+        client.delete(&probe, None).await.map_err(rights)?;
+        Ok(())
+    }
+}
+
+/// What a failed session or first call says, as a build error.
+fn refused(addr: &str, e: ZkError) -> BuildError {
+    let failure = match &e {
+        ZkError::Client(ClientError::NoHosts) => ConnectFailure::Refused,
+        ZkError::Client(ClientError::Timeout) => ConnectFailure::TimedOut,
+        ZkError::Client(ClientError::ConnectionLoss) => ConnectFailure::Closed,
+        _ => ConnectFailure::Other,
+    };
+    BuildError::Connect {
+        addr: addr.to_owned(),
+        failure,
+        source: Box::new(e),
+    }
+}

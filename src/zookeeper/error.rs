@@ -1,0 +1,92 @@
+//! Why a ZooKeeper call failed, and what that means for the core.
+
+use std::fmt;
+
+use zookeeper_client::Error as ClientError;
+
+use crate::core::store::Failure;
+
+/// Why a call to ZooKeeper failed.
+#[derive(Debug)]
+pub(crate) enum ZkError {
+    /// zookeeper-client's error: no connection, the session, or the server's refusal.
+    Client(ClientError),
+    /// A node held something this crate never writes.
+    Foreign,
+    /// ZooKeeper answered with something it never sends for this call.
+    Unexpected(&'static str),
+    /// A hold kept changing under a versioned write (never for long: only this backend's
+    /// session writes its own node).
+    Contended,
+}
+
+impl From<ClientError> for ZkError {
+    fn from(e: ClientError) -> Self {
+        ZkError::Client(e)
+    }
+}
+
+impl fmt::Display for ZkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            // The cause is the source.
+            ZkError::Client(_) => f.write_str("ZooKeeper call failed"),
+            ZkError::Foreign => f.write_str("the lock's node in ZooKeeper holds something else"),
+            ZkError::Contended => f.write_str("the hold kept changing during the call"),
+            ZkError::Unexpected(what) => write!(f, "unexpected ZooKeeper reply: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for ZkError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ZkError::Client(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl ZkError {
+    /// The backend's session is over (expired, or its client closed, as when the runtime
+    /// it ran on went away): a new one is needed, and every hold under the old one is gone.
+    pub(crate) fn session_ended(&self) -> bool {
+        matches!(
+            self,
+            ZkError::Client(ClientError::SessionExpired | ClientError::ClientClosed)
+        )
+    }
+}
+
+impl Failure for ZkError {
+    fn may_have_run(&self) -> bool {
+        // A request sent whose answer never came (the connection dropped, the deadline
+        // passed) may have been applied by the ensemble.
+        matches!(
+            self,
+            ZkError::Client(ClientError::ConnectionLoss | ClientError::Timeout)
+        )
+    }
+
+    fn is_transient(&self) -> bool {
+        match self {
+            ZkError::Client(e) => matches!(
+                e,
+                ClientError::ConnectionLoss
+                    | ClientError::Timeout
+                    | ClientError::NoHosts
+                    | ClientError::SessionExpired
+                    | ClientError::SessionMoved
+                    | ClientError::ClientClosed
+                    | ClientError::Throttled
+                    | ClientError::NotReadOnly
+            ),
+            ZkError::Contended => true,
+            ZkError::Foreign | ZkError::Unexpected(_) => false,
+        }
+    }
+
+    fn is_foreign(&self) -> bool {
+        matches!(self, ZkError::Foreign)
+    }
+}

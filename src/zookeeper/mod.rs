@@ -1,0 +1,153 @@
+//! The ZooKeeper backend: Curator's `InterProcessMutex` recipe on the core, every hold an
+//! ephemeral sequential node of the backend's one session, waiters woken by a watch on the
+//! holder's node.
+//!
+//! The type and its design are documented on [`ZooKeeperBackend`].
+//!
+//! # Why the core's queue, and not a node per waiter
+//!
+//! Curator puts a node in the lock for every waiter, each watching the node just before
+//! its own. Here the core already lines up every waiter of one process behind one
+//! contender per key (its local queue), so at most one node per process and key is ever
+//! in the lock. An attempt creates this session's node only when the lock has none, keeps
+//! it if it is the lowest (the holder, as in Curator), and else deletes it again and
+//! watches the lowest. A waiter therefore leaves nothing in ZooKeeper (a request that
+//! gives up, times out or is cancelled has nothing to clean up), and fits the core's try
+//! -> subscribe -> try again -> wait loop as the other stores do. The watch is set in the
+//! same call that checks the holder's node exists, so a deletion is never missed between
+//! the two; each process watches only the holder's node (one watch per node, however
+//! many of its requests wait), never the lock's children (the herd effect). What this
+//! gives up against the per-waiter recipe is fairness *between* processes (within one,
+//! the queue is first come, first served): a deletion wakes the one contender of each
+//! waiting process, and the first to create its node holds the lock.
+//!
+//! The fencing token is the hold node's creation zxid: ZooKeeper's transaction id is one
+//! for the whole ensemble, raised by every write and agreed by its quorum (its high half
+//! is the leader's epoch, raised at every election), so every new hold of a key gets a
+//! zxid above every earlier hold's, across failovers, with no counter to keep. For the
+//! same reason no block of tokens can be set aside for holders that take turns in memory:
+//! handoffs in memory are off for this store.
+
+mod builder;
+mod error;
+mod keys;
+mod renew;
+mod session;
+mod store;
+mod watch;
+
+use std::fmt;
+use std::sync::Arc;
+
+pub use self::builder::ZooKeeperBackendBuilder;
+use self::store::ZkStore;
+use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::core::Core;
+
+/// Distributed locks in ZooKeeper (feature `zookeeper`). Cheap to clone; clones share the
+/// session.
+///
+/// The same exclusive locks as [`RedisBackend`](crate::RedisBackend), for teams that
+/// run ZooKeeper and want a lock that survives the loss of a minority of servers: the
+/// ensemble acknowledges a write only once a quorum has it, so a granted lock is not lost
+/// in a failover. The layer, [`LockRequest`](crate::LockRequest),
+/// [`HeldLock`](crate::HeldLock), multi-key locks, fencing tokens and the errors are the
+/// same; shared locks and permits are not supported yet (refused with 400, naming why).
+///
+/// ```no_run
+/// use tower_lock::ZooKeeperBackend;
+///
+/// # async fn run() -> Result<(), tower_lock::BuildError> {
+/// let backend = ZooKeeperBackend::builder("zk-1:2181,zk-2:2181,zk-3:2181")
+///     .build()
+///     .await?;
+/// let guard = backend.lock("order:42").try_once().await;
+/// # drop(guard);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// A lock is a container node, `/namespace/{key}`; a hold is an ephemeral sequential node
+/// under it named after the backend's session, `<session id>-<sequence>`, and the lowest
+/// holds the lock. Its data names the holder and counts its re-entries. The fencing token
+/// is the node's creation zxid.
+///
+/// **The session is the watchdog.** A hold is a node of the backend's session, which the
+/// client keeps alive by itself (pinging every third of the session timeout, reconnecting
+/// to another server when one fails); a renewal of a hold is a read of its node answered
+/// on the session. A connection loss is not a session loss: holds live on while the
+/// client reconnects within the timeout. When the session ends (expired because the
+/// process was cut off or paused, or closed) every hold under it is deleted by the
+/// ensemble and reported [`lost`](crate::HeldLock::lost) to its holder, and the backend
+/// opens a new session for new holds. A holder's deadline is half the negotiated session
+/// timeout from its acquisition or its last renewal, so it stops before the ensemble
+/// could expire the session and free its node. A request's own
+/// [`lease`](crate::LockRequest::lease) is replaced by that; a hold taken
+/// [`without_watchdog`](crate::LockRequest::without_watchdog) is reported lost at that
+/// deadline, and its node deleted when its guard goes.
+///
+/// Waiters are woken by a watch on the holder's node (no polling); when the connection
+/// drops, every waiter tries again, and again once it is back. When no server can be
+/// reached, calls fail with 503 after the command timeout.
+#[derive(Clone)]
+pub struct ZooKeeperBackend {
+    inner: Arc<Core<ZkStore>>,
+}
+
+impl ZooKeeperBackend {
+    /// Starts configuring a backend on the ZooKeeper ensemble at `hosts`, a connection
+    /// string as ZooKeeper's own clients take it: `host:port,host:port`, optionally
+    /// followed by a chroot (`zk-1:2181,zk-2:2181/apps/shop`), which must exist.
+    pub fn builder(hosts: impl Into<String>) -> ZooKeeperBackendBuilder {
+        ZooKeeperBackendBuilder::new(hosts.into())
+    }
+
+    crate::core::lock_backend_methods! {
+        /// A snapshot of `key`'s lock (see [`LockBackend::inspect`]). Two reads; changes
+        /// nothing. The lease reported is the session timeout, the longest the holder may
+        /// keep it once cut off.
+        fn inspect;
+        /// Frees `key`'s lock whatever holds it (see [`LockBackend::force_release`]); the
+        /// holder sees `lost()` at its next renewal, within a third of its lease. The next
+        /// holder's token is above the freed one's (a new node, a new zxid).
+        fn force_release;
+    }
+
+    /// A snapshot of the backend's watches and bookkeeping.
+    pub fn stats(&self) -> BackendStats {
+        self.inner.stats(&self.inner.store.wakeups)
+    }
+
+    /// The namespace that names the node every lock of this backend lives under.
+    pub fn namespace(&self) -> &str {
+        &self.inner.store.namespace
+    }
+
+    /// The id of the backend's current session, every hold of the backend a node of it
+    /// (its hold nodes' names start with it in 16 hex digits). Closing or expiring it
+    /// frees them all: their holders see `lost()`.
+    pub fn session_id(&self) -> i64 {
+        self.inner.store.session.id()
+    }
+}
+
+impl fmt::Debug for ZooKeeperBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZooKeeperBackend")
+            .field("namespace", &self.inner.store.namespace)
+            .field(
+                "session",
+                &format_args!("{:#x}", self.inner.store.session.id()),
+            )
+            .field("instance", &self.inner.owners.instance())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sealed for ZooKeeperBackend {
+    fn store(&self) -> Arc<dyn Backend> {
+        self.inner.clone()
+    }
+}
+
+impl LockBackend for ZooKeeperBackend {}

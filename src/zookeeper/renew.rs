@@ -1,0 +1,70 @@
+//! Renewal: whether the holds of a batch are still this session's nodes, with their
+//! holders, in two multi-reads.
+
+use zookeeper_client::{Client, Error as ClientError, MultiReadResult};
+
+use super::error::ZkError;
+use super::keys::hold_prefix;
+use super::store::{ZkStore, child};
+use crate::core::hold_value::HoldValue;
+use crate::core::watchdog::Due;
+
+impl ZkStore {
+    /// Whether each hold of `batch` is still this session's node, with its holder: two
+    /// multi-reads for the whole batch (the locks' children, then this session's nodes).
+    pub(super) async fn check(&self, client: Client, batch: &[Due]) -> Result<Vec<bool>, ZkError> {
+        let mine = hold_prefix(client.session_id().0);
+        let mut lists = client.new_multi_reader();
+        for due in batch {
+            lists.add_get_children(&due.key.0)?;
+        }
+        let listed = lists.commit().await?;
+        if listed.len() != batch.len() {
+            return Err(ZkError::Unexpected("a renewal listing"));
+        }
+        // For each hold, its node of this session, if the lock has one.
+        let nodes: Vec<Option<String>> = batch
+            .iter()
+            .zip(listed)
+            .map(|(due, listed)| match listed {
+                MultiReadResult::Children { children } => Ok(children
+                    .into_iter()
+                    .find(|c| c.starts_with(&mine))
+                    .map(|name| child(&due.key.0, &name))),
+                MultiReadResult::Error {
+                    err: ClientError::NoNode,
+                } => Ok(None),
+                MultiReadResult::Error { err } => Err(ZkError::from(err)),
+                _ => Err(ZkError::Unexpected("a renewal listing")),
+            })
+            .collect::<Result<_, _>>()?;
+        let mut reads = client.new_multi_reader();
+        for path in nodes.iter().flatten() {
+            reads.add_get_data(path)?;
+        }
+        let mut read = if nodes.iter().any(Option::is_some) {
+            reads.commit().await?.into_iter()
+        } else {
+            Vec::new().into_iter()
+        };
+        let mut held = Vec::with_capacity(batch.len());
+        for (due, node) in batch.iter().zip(&nodes) {
+            let ours = match (node, node.as_ref().and_then(|_| read.next())) {
+                (None, _) => false,
+                (Some(_), Some(MultiReadResult::Data { data, .. })) => {
+                    HoldValue::parse(&data).is_some_and(|v| v.holder == due.key.1.as_str())
+                }
+                (
+                    Some(_),
+                    Some(MultiReadResult::Error {
+                        err: ClientError::NoNode,
+                    }),
+                ) => false,
+                (Some(_), Some(MultiReadResult::Error { err })) => return Err(err.into()),
+                (Some(_), _) => return Err(ZkError::Unexpected("a renewal read")),
+            };
+            held.push(ours);
+        }
+        Ok(held)
+    }
+}

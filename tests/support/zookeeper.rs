@@ -1,0 +1,259 @@
+//! A throwaway ZooKeeper: one standalone server on a free loopback port with its data in a
+//! temp dir, killed when dropped. Nothing here touches a ZooKeeper it did not start.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Ports tried: between picking a free port and the server binding it, another process
+/// may take it.
+const ATTEMPTS: usize = 10;
+
+/// Debian's `zookeeper` package: the server's jar, whose manifest names its dependencies.
+const CLASSPATH: &str = "/usr/share/java/zookeeper.jar";
+
+/// One standalone ZooKeeper this process started and owns.
+pub struct ZkServer {
+    child: Option<Child>,
+    port: u16,
+    // Removed after the server is killed (fields drop after `Drop::drop`).
+    dir: tempfile::TempDir,
+    /// A reaper, and with it the write end of its stdin (see [`shared`]).
+    reaper: Option<Child>,
+    /// In an ensemble: its id and the ensemble's `server.N=` lines.
+    ensemble: Option<(usize, String)>,
+}
+
+impl ZkServer {
+    /// Starts a server (ticks of 250 ms: sessions of 0.5 s to 5 s) and waits until it
+    /// serves; panics with the cause if it cannot (ZooKeeper not installed, ...).
+    pub fn start() -> Self {
+        let mut last = String::new();
+        for _ in 0..ATTEMPTS {
+            let mut server = ZkServer {
+                child: None,
+                port: super::process::free_port().unwrap_or_else(|e| panic!("{e}")),
+                dir: tempfile::tempdir().expect("temp dir"),
+                reaper: None,
+                ensemble: None,
+            };
+            server.spawn().unwrap_or_else(|e| panic!("{e}"));
+            if server.wait_until_serving(Duration::from_secs(60)) {
+                return server;
+            }
+            last = server.log();
+        }
+        panic!("ZooKeeper did not start ({ATTEMPTS} ports tried); its log ends: {last:.2000}");
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let dir = self.dir.path();
+        let mut config = format!(
+            "tickTime=250\ndataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
+             admin.enableServer=false\n4lw.commands.whitelist=*\nforceSync=no\n",
+            dir.join("data").display(),
+            self.port
+        );
+        if let Some((id, servers)) = &self.ensemble {
+            std::fs::create_dir_all(dir.join("data")).map_err(|e| format!("data dir: {e}"))?;
+            std::fs::write(dir.join("data").join("myid"), id.to_string())
+                .map_err(|e| format!("myid: {e}"))?;
+            config.push_str("initLimit=20\nsyncLimit=10\n");
+            config.push_str(servers);
+        }
+        std::fs::write(dir.join("zoo.cfg"), config).map_err(|e| format!("zoo.cfg: {e}"))?;
+        let log = std::fs::File::create(dir.join("zookeeper.log"))
+            .map_err(|e| format!("ZooKeeper log: {e}"))?;
+        let child = Command::new("java")
+            .args(["-cp", CLASSPATH, "-Xmx256m"])
+            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+            .arg(dir.join("zoo.cfg"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| {
+                format!("could not run java ({e}): install ZooKeeper (apt-get install zookeeper)")
+            })?;
+        if !std::path::Path::new(CLASSPATH).exists() {
+            return Err(format!(
+                "{CLASSPATH} is missing: install ZooKeeper (apt-get install zookeeper)"
+            ));
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn wait_until_serving(&mut self, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
+        while Instant::now() < deadline {
+            let Some(child) = self.child.as_mut() else {
+                return false;
+            };
+            if let Ok(Some(_)) = child.try_wait() {
+                self.child = None;
+                return false;
+            }
+            // `ruok` answers as soon as the process runs; `srvr` names the mode once the
+            // server takes sessions.
+            if self.four("srvr").is_some_and(|r| r.contains("Mode: ")) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// The answer to the four-letter word `word` (`ruok`, `mntr`, `cons`).
+    pub fn four(&self, word: &str) -> Option<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        stream.write_all(word.as_bytes()).ok()?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).ok()?;
+        Some(answer)
+    }
+
+    /// A counter of `mntr` (`zk_packets_received`, ...).
+    pub fn mntr(&self, name: &str) -> u64 {
+        let answer = self.four("mntr").expect("ZooKeeper answers mntr");
+        answer
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("mntr has no {name}: {answer}"))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("zookeeper.log")).unwrap_or_default()
+    }
+
+    /// The connection string of this server.
+    pub fn hosts(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on its port and data (its sessions survive, as they do a
+    /// restart, until their timeouts run out).
+    pub fn start_again(&mut self) {
+        self.kill();
+        self.spawn().expect("ZooKeeper runs again");
+        assert!(
+            self.wait_until_serving(Duration::from_secs(60)),
+            "ZooKeeper did not serve again; its log ends: {:.2000}",
+            self.log()
+        );
+    }
+
+    fn reap_at_exit(&mut self) {
+        let (Some(child), dir) = (&self.child, self.dir.path()) else {
+            return;
+        };
+        self.reaper = Some(super::process::reaper(child, dir, "KILL", "ZooKeeper"));
+    }
+}
+
+impl Drop for ZkServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Three servers on loopback, each in a temp dir of its own, killed when dropped.
+pub struct ZkEnsemble {
+    pub members: Vec<ZkServer>,
+}
+
+impl ZkEnsemble {
+    /// Starts the three and waits until each serves (a quorum has formed).
+    pub fn start() -> Self {
+        let port = || super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
+        let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (port(), port(), port())).collect();
+        let servers: String = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer, election))| {
+                format!("server.{}=127.0.0.1:{peer}:{election}\n", i + 1)
+            })
+            .collect();
+        let mut members: Vec<ZkServer> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(client, _, _))| ZkServer {
+                child: None,
+                port: client,
+                dir: tempfile::tempdir().expect("temp dir"),
+                reaper: None,
+                ensemble: Some((i + 1, servers.clone())),
+            })
+            .collect();
+        for member in &mut members {
+            member.spawn().unwrap_or_else(|e| panic!("{e}"));
+        }
+        for member in &mut members {
+            assert!(
+                member.wait_until_serving(Duration::from_secs(90)),
+                "the ZooKeeper ensemble did not come up; a member logged: {:.2000}",
+                member.log()
+            );
+        }
+        ZkEnsemble { members }
+    }
+
+    /// The connection string of the three.
+    pub fn hosts(&self) -> String {
+        let hosts: Vec<String> = self.members.iter().map(ZkServer::hosts).collect();
+        hosts.join(",")
+    }
+
+    /// The member that leads, if any.
+    pub fn leader(&self) -> Option<usize> {
+        self.members.iter().position(|m| {
+            m.child.is_some() && m.four("srvr").is_some_and(|r| r.contains("Mode: leader"))
+        })
+    }
+}
+
+/// The ZooKeeper this test binary's tests share: started by the first test that asks,
+/// and killed (its files removed) when the binary exits. Tests keep apart by namespace.
+pub fn shared() -> &'static ZkServer {
+    static SERVER: OnceLock<ZkServer> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let mut server = ZkServer::start();
+        server.reap_at_exit();
+        server
+    })
+}
+
+/// A namespace no other test uses.
+pub fn fresh_namespace() -> String {
+    format!("test-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A builder for the ZooKeeper at `hosts`, with a connect timeout that only catches hangs
+/// (a loaded machine).
+pub fn builder_on(hosts: &str) -> tower_lock::ZooKeeperBackendBuilder {
+    tower_lock::ZooKeeperBackend::builder(hosts).connect_timeout(Duration::from_secs(10))
+}
+
+/// A backend on [`shared`] in `namespace`: several of them are instances of one service.
+pub async fn backend_in(namespace: &str) -> tower_lock::ZooKeeperBackend {
+    builder_on(&shared().hosts())
+        .namespace(namespace)
+        .build()
+        .await
+        .expect("backend connects to the test ZooKeeper")
+}
+
+/// A backend on [`shared`] in its own namespace.
+pub async fn backend() -> tower_lock::ZooKeeperBackend {
+    backend_in(&fresh_namespace()).await
+}

@@ -1,0 +1,508 @@
+//! ZooKeeper: what `build()` refuses, what the session does for the holds under it, the
+//! leader of a three-server ensemble killed mid-run,
+//! ZooKeeper down, no polling, a holder killed with SIGKILL, and the oversell test across
+//! three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::routing::post;
+use support::child::{self, ChildProcess};
+use support::zookeeper::{self as zk, ZkEnsemble, ZkServer};
+use tower_lock::{BuildError, ConnectFailure, KeyError, LockError, LockLayer};
+
+/// Generous bound on anything that should happen at once: catches hangs only.
+const HANG: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn build_refuses_misconfiguration_naming_the_cause() {
+    let refused = tower_lock::ZooKeeperBackend::builder("").build().await;
+    let Err(error @ BuildError::Setting { name: "hosts", .. }) = &refused else {
+        panic!("no host is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("host:port"), "{error}");
+    for bad in ["zk-without-port", "127.0.0.1:notaport", ":2181"] {
+        let refused = tower_lock::ZooKeeperBackend::builder(bad).build().await;
+        assert!(
+            matches!(refused, Err(BuildError::Url { .. })),
+            "{bad}: {refused:?}"
+        );
+    }
+    let refused = tower_lock::ZooKeeperBackend::builder("127.0.0.1:2181")
+        .namespace("..")
+        .build()
+        .await;
+    assert!(
+        matches!(refused, Err(BuildError::Namespace { .. })),
+        "{refused:?}"
+    );
+
+    // Nothing listens there.
+    let port = support::process::free_port().expect("a free port");
+    let refused = zk::builder_on(&format!("127.0.0.1:{port}")).build().await;
+    assert!(
+        matches!(
+            refused,
+            Err(BuildError::Connect {
+                failure: ConnectFailure::Refused | ConnectFailure::TimedOut,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+
+    // A chroot that does not exist.
+    let hosts = format!("{}/no/such/chroot", zk::shared().hosts());
+    let refused = zk::builder_on(&hosts).build().await;
+    let Err(error @ BuildError::Setting { name: "hosts", .. }) = &refused else {
+        panic!("a missing chroot is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("chroot"), "{error}");
+}
+
+#[tokio::test]
+async fn shared_locks_and_permits_are_refused_naming_zookeeper() {
+    let backend = zk::backend().await;
+    for refused in [
+        backend.lock("k").shared().try_once().await,
+        backend.lock("k").permits(3).try_once().await,
+    ] {
+        let Err(LockError::InvalidKey(KeyError::Malformed { reason })) = &refused else {
+            panic!("refused as a bad request: {refused:?}");
+        };
+        assert!(
+            reason.contains("ZooKeeper") && reason.contains("exclusive"),
+            "{reason}"
+        );
+    }
+    // Nothing was left behind: the key is free.
+    let free = backend.lock("k").try_once().await.expect("free");
+    free.release().await.expect("released");
+}
+
+/// One instance's shop: POST /buy sells one item of a stock the three instances share,
+/// read and written in two steps with a yield between, as a careless handler would.
+fn shop(
+    backend: tower_lock::ZooKeeperBackend,
+    stock: Arc<AtomicI64>,
+    sold: Arc<AtomicU64>,
+) -> Router {
+    async fn buy(State((stock, sold)): State<(Arc<AtomicI64>, Arc<AtomicU64>)>) -> &'static str {
+        let left = stock.load(Ordering::SeqCst);
+        if left <= 0 {
+            return "sold out";
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        stock.store(left - 1, Ordering::SeqCst);
+        sold.fetch_add(1, Ordering::Relaxed);
+        "sold"
+    }
+    Router::new()
+        .route("/buy", post(buy))
+        .route_layer(
+            LockLayer::new(backend, |_: &Request| Some("stock")).wait(Duration::from_secs(60)),
+        )
+        .with_state((stock, sold))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_sell_exactly_the_stock() {
+    const STOCK: i64 = 50;
+    const BUYERS: usize = 150;
+    let stock = Arc::new(AtomicI64::new(STOCK));
+    let sold = Arc::new(AtomicU64::new(0));
+    let namespace = zk::fresh_namespace();
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let backend = zk::backend_in(&namespace).await;
+        addrs.push(support::serve(shop(backend, stock.clone(), sold.clone())).await);
+    }
+    let client = support::http_client();
+    let buyers: Vec<_> = (0..BUYERS)
+        .map(|i| {
+            let (client, addr) = (client.clone(), addrs[i % 3]);
+            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
+        })
+        .collect();
+    for buyer in buyers {
+        let status = tokio::time::timeout(Duration::from_secs(120), buyer)
+            .await
+            .expect("served")
+            .expect("no panic");
+        assert_eq!(status, 200);
+    }
+    assert_eq!(
+        (sold.load(Ordering::Relaxed), stock.load(Ordering::SeqCst)),
+        (STOCK as u64, 0)
+    );
+}
+
+#[tokio::test]
+async fn fencing_tokens_are_zxids_increasing_across_instances() {
+    let namespace = zk::fresh_namespace();
+    let (a, b) = (
+        zk::backend_in(&namespace).await,
+        zk::backend_in(&namespace).await,
+    );
+    let mut last = 0;
+    for backend in [&a, &b, &a, &b, &b] {
+        let guard = backend.lock("k").try_once().await.expect("free");
+        assert!(
+            guard.fencing_token() > last,
+            "{} after {last}",
+            guard.fencing_token()
+        );
+        last = guard.fencing_token();
+        let info = backend.inspect("k").await.expect("inspect");
+        assert_eq!(info.fencing_token, Some(last));
+        guard.release().await.expect("released");
+    }
+}
+
+const HOSTS: &str = "TOWER_LOCK_TEST_ZOOKEEPER";
+const NAMESPACE: &str = "TOWER_LOCK_TEST_NAMESPACE";
+/// `after-pause`: the holder waits for its hold to be lost, then locks again.
+const WAKES: &str = "TOWER_LOCK_TEST_WAKES";
+
+#[tokio::test]
+#[ignore = "entry point of the child processes that the tests spawn"]
+async fn child_process() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    if child::role().as_deref() == Some("holder") {
+        let backend = zk::builder_on(&child::setting(HOSTS))
+            .namespace(child::setting(NAMESPACE))
+            .session_timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend");
+        let guard = backend.lock("k").try_once().await.expect("uncontended");
+        child::report(&format!("held {}", guard.fencing_token()));
+        if child::setting(WAKES) == "after-pause" {
+            // Paused past its session's timeout, then resumed.
+            let session = backend.session_id();
+            tokio::time::timeout(HANG, guard.lost())
+                .await
+                .expect("lost fires");
+            child::report("lost");
+            let other = backend
+                .lock("other")
+                .wait(HANG)
+                .await
+                .expect("a new session");
+            let renewed = backend.session_id() != session;
+            child::report(&format!("new session {renewed}"));
+            other.release().await.expect("released");
+            return;
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+#[tokio::test]
+async fn an_expired_session_reports_its_holds_lost_and_a_new_session_serves() {
+    let namespace = zk::fresh_namespace();
+    let waiter = zk::backend_in(&namespace).await;
+    let settings = [
+        (HOSTS, zk::shared().hosts()),
+        (NAMESPACE, namespace.clone()),
+        (WAKES, "after-pause".to_owned()),
+    ];
+    let mut holder = ChildProcess::spawn("child_process", "holder", &settings);
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    let paused_token: u64 = report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
+    // The holder's process stops (a GC pause, a frozen VM) with its connection open.
+    holder.pause();
+    // Its session of 2 s expires: ZooKeeper deletes its node and the waiter gets the lock.
+    let next = tokio::time::timeout(HANG, waiter.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("freed when the paused holder's session expired");
+    assert!(next.fencing_token() > paused_token);
+    holder.resume();
+    assert_eq!(holder.next_report().await.as_deref(), Some("lost"));
+    assert_eq!(
+        holder.next_report().await.as_deref(),
+        Some("new session true")
+    );
+    holder.assert_success().await;
+    assert!(
+        !next.is_lost(),
+        "the expired holder's release left the new hold alone"
+    );
+    next.release().await.expect("released");
+}
+
+#[tokio::test]
+async fn a_holder_killed_with_sigkill_frees_its_lock_when_its_session_expires() {
+    let namespace = zk::fresh_namespace();
+    let waiter = zk::backend_in(&namespace).await;
+    let settings = [
+        (HOSTS, zk::shared().hosts()),
+        (NAMESPACE, namespace.clone()),
+        (WAKES, "never".to_owned()),
+    ];
+    let mut holder = ChildProcess::spawn("child_process", "holder", &settings);
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    let killed_token: u64 = report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
+    assert!(matches!(
+        waiter.lock("k").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    holder.kill().await;
+    // Its session of 2 s, no longer pinged, expires: ZooKeeper deletes its node and the
+    // watch on it wakes the waiter.
+    let next = tokio::time::timeout(HANG, waiter.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("freed when the killed holder's session expired");
+    assert!(next.fencing_token() > killed_token);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_down_answers_503_holds_are_lost_and_service_resumes() {
+    support::init_tracing();
+    let mut server = ZkServer::start();
+    let backend = zk::builder_on(&server.hosts())
+        .session_timeout(Duration::from_secs(2))
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("backend");
+    let app = Router::new()
+        .route("/lock/{key}", post(|| async { "locked" }))
+        .route_layer(
+            LockLayer::new(backend.clone(), |req: &Request| {
+                req.uri().path().strip_prefix("/lock/").map(str::to_owned)
+            })
+            .fail_fast(),
+        );
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        200
+    );
+    let held = backend.lock("held").try_once().await.expect("free");
+
+    server.kill();
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        503,
+        "ZooKeeper unreachable: the store's failure"
+    );
+    tokio::time::timeout(HANG, held.lost())
+        .await
+        .expect("a hold whose session cannot be confirmed is lost");
+
+    server.start_again();
+    support::eventually("requests are served again", || async {
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status
+            == 200
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_do_not_poll_while_the_lock_is_held() {
+    // A server of its own: its counters count this test's calls only.
+    let server = ZkServer::start();
+    let instance = || async {
+        zk::builder_on(&server.hosts())
+            // Renewals (a sixth of it apart) and pings fall outside the window below.
+            .session_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("backend")
+    };
+    let holder = instance().await;
+    let waiting = [instance().await, instance().await];
+    let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let nodes = server.mntr("zk_znode_count");
+    let waiters: Vec<_> = (0..10)
+        .map(|i| {
+            let backend = waiting[i % 2].clone();
+            tokio::spawn(async move {
+                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
+                guard.release().await
+            })
+        })
+        .collect();
+    for backend in &waiting {
+        support::eventually("the waiters are queued and registered", || async move {
+            let stats = backend.stats();
+            stats.local_waiters == 4 && stats.channels_with_waiters == 1
+        })
+        .await;
+    }
+    // One watch per waiting instance, on the holder's node, whatever its waiters number.
+    support::eventually(
+        "each waiting instance watches the holder's node",
+        || async { server.mntr("zk_watch_count") == 2 },
+    )
+    .await;
+    let watches = server.four("wchc").expect("wchc");
+    assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
+    // Waiters leave no node behind (no node per waiter, nothing to clean up).
+    assert_eq!(server.mntr("zk_znode_count"), nodes);
+    // An attempt lists the lock's holds: no listing while the lock is held. (Renewals
+    // are multi-reads, counted apart.)
+    let listings = || {
+        server.mntr("zk_response_packet_get_children_cache_hits")
+            + server.mntr("zk_response_packet_get_children_cache_misses")
+    };
+    let before = listings();
+    assert!(before > 0, "the attempts' listings are counted");
+    // Far longer than any polling interval: a listing in this window was not asked for
+    // by the lock.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(listings(), before, "no attempt while the lock is held");
+    guard.release().await.expect("release");
+    for waiter in waiters {
+        tokio::time::timeout(HANG, waiter)
+            .await
+            .expect("served")
+            .expect("no panic")
+            .expect("acquired after the release, and released");
+    }
+}
+
+/// Three servers; four tasks of two instances take one key in turns while the leader is
+/// killed: requests are served again after the election, no two tasks ever hold the key
+/// at once, and the tokens, taken in hold order, strictly increase across the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
+    let mut ensemble = ZkEnsemble::start();
+    let namespace = zk::fresh_namespace();
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let backend = zk::builder_on(&ensemble.hosts())
+            .namespace(&namespace)
+            // Room for the client to move to another server and the election to end.
+            .session_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("backend on the ensemble");
+        instances.push(backend);
+    }
+    let inside = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
+    let failures = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|i| {
+            let backend = instances[i % 2].clone();
+            let (inside, tokens, failures, stop) = (
+                inside.clone(),
+                tokens.clone(),
+                failures.clone(),
+                stop.clone(),
+            );
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let guard = match backend.lock("k").wait(Duration::from_secs(30)).await {
+                        Ok(guard) => guard,
+                        Err(_) => {
+                            // 503 while the ensemble elects a leader.
+                            failures.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    };
+                    assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                    tokens.lock().expect("tokens").push(guard.fencing_token());
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    let _ = guard.release().await;
+                }
+            })
+        })
+        .collect();
+    let held = || tokens.lock().expect("tokens").len();
+    let served_until = |n: usize| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        while held() < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "only {} holds in 90 s",
+                held()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    served_until(50).await;
+    let leader = ensemble.leader().expect("a leader");
+    ensemble.members[leader].kill();
+    let at_kill = held();
+    served_until(at_kill + 50).await;
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        tokio::time::timeout(Duration::from_secs(60), worker)
+            .await
+            .expect("workers stop")
+            .expect("no two holders at once");
+    }
+    let tokens = tokens.lock().expect("tokens").clone();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens strictly increase in hold order: {tokens:?}"
+    );
+    eprintln!(
+        "leader server.{} killed after {at_kill} holds; {} holds in all, {} failed acquisitions",
+        leader + 1,
+        tokens.len(),
+        failures.load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test]
+async fn force_release_frees_the_key_and_its_holders_see_lost() {
+    let namespace = zk::fresh_namespace();
+    let holder = zk::builder_on(&zk::shared().hosts())
+        .namespace(&namespace)
+        .session_timeout(Duration::from_secs(3))
+        .build()
+        .await
+        .expect("backend");
+    let operator = zk::backend_in(&namespace).await;
+    // Two holds, renewed in one call: each is found gone on its own.
+    let guard = holder.lock("k").try_once().await.expect("free");
+    let kept = holder.lock("kept").try_once().await.expect("free");
+    let freed = operator.force_release("k").await.expect("force-released");
+    assert_eq!(freed.holders, 1);
+    assert_eq!(freed.fencing_token, Some(guard.fencing_token()));
+    assert!(operator.inspect("k").await.expect("inspect").is_free());
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("the holder sees lost at its next renewal");
+    assert!(
+        !kept.is_lost(),
+        "the other hold of the same renewal is kept"
+    );
+    let next = operator.lock("k").try_once().await.expect("free");
+    assert!(next.fencing_token() > guard.fencing_token());
+    kept.release().await.expect("released");
+}
