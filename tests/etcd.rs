@@ -180,7 +180,10 @@ async fn shared_locks_and_permits_are_refused_naming_etcd() {
             panic!("refused as unsupported: {refused:?}");
         };
         assert_eq!(key, "k");
-        assert!(what.contains("etcd") && what.contains("exclusive"), "{what}");
+        assert!(
+            what.contains("etcd") && what.contains("exclusive"),
+            "{what}"
+        );
         // The route's configuration is at fault, not the request.
         assert_eq!(error.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!error.is_transient());

@@ -14,7 +14,7 @@ use axum::extract::{Request, State};
 use axum::routing::post;
 use support::child::{self, ChildProcess};
 use support::zookeeper::{self as zk, ZkEnsemble, ZkServer};
-use tower_lock::{BuildError, ConnectFailure, KeyError, LockError, LockLayer};
+use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
@@ -72,13 +72,16 @@ async fn shared_locks_and_permits_are_refused_naming_zookeeper() {
         backend.lock("k").shared().try_once().await,
         backend.lock("k").permits(3).try_once().await,
     ] {
-        let Err(LockError::InvalidKey(KeyError::Malformed { reason })) = &refused else {
-            panic!("refused as a bad request: {refused:?}");
+        let Err(error @ LockError::Unsupported { key, what }) = &refused else {
+            panic!("refused as unsupported: {refused:?}");
         };
+        assert_eq!(key, "k");
         assert!(
-            reason.contains("ZooKeeper") && reason.contains("exclusive"),
-            "{reason}"
+            what.contains("ZooKeeper") && what.contains("exclusive"),
+            "{what}"
         );
+        // The route's configuration is at fault, not the request.
+        assert_eq!(error.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
     }
     // Nothing was left behind: the key is free.
     let free = backend.lock("k").try_once().await.expect("free");

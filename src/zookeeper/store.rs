@@ -15,7 +15,7 @@ use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
 use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::Due;
-use crate::error::{KeyError, LockError};
+use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
@@ -266,13 +266,14 @@ impl Store for ZkStore {
     // A release needs no particular connection.
     type Sent = ();
 
-    fn key(&self, user: String, kind: Kind) -> Result<ZkKey, KeyError> {
+    fn key(&self, user: String, kind: Kind) -> Result<ZkKey, LockError> {
         if kind != Kind::Exclusive {
-            return Err(KeyError::Malformed {
-                reason: EXCLUSIVE_ONLY.to_owned(),
+            return Err(LockError::Unsupported {
+                key: user,
+                what: EXCLUSIVE_ONLY,
             });
         }
-        ZkKey::new(&self.root, user, self.max_key_len)
+        Ok(ZkKey::new(&self.root, user, self.max_key_len)?)
     }
 
     fn attempt(
