@@ -186,7 +186,9 @@ pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
-pub use crate::redis::{FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder};
+pub use crate::redis::{
+    DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
+};
 
 /// The guides, also in `docs/` on the repository: each page here is its file, with every
 /// snippet compiled (and, where it needs no server, run) as a doctest.
