@@ -33,15 +33,16 @@ local function turn_of(line, till, holder, now, grace)
 end
 
 -- Registers `holder` at the end of the line (or keeps its place), known to wait for
--- `ms` more milliseconds.
-local function join_line(line, till, holder, now, ms, grace)
+-- `ms` more milliseconds, at most `wait`, what is left of its own wait. The line lives as
+-- long as its longest wait: later registrations of a holder end no later than its first.
+local function join_line(line, till, holder, now, ms, wait, grace)
   if not redis.call('zscore', line, holder) then
     local last = redis.call('zrange', line, -1, -1, 'withscores')[2]
     redis.call('zadd', line, tonumber(last or '0') + 1, holder)
+    extend_lease(line, wait + grace)
+    extend_lease(till, wait + grace)
   end
   redis.call('zadd', till, now + ms, holder)
-  extend_lease(line, ms + grace)
-  extend_lease(till, ms + grace)
 end
 
 -- Takes `holder` out of the line; returns whether it was in it.
@@ -50,8 +51,13 @@ local function leave_line(line, till, holder)
   return redis.call('zrem', line, holder) == 1
 end
 
--- A release freed the lock: every waiter's `until` moves back to now (see above).
-local function line_woken(till, now)
+-- A release freed the lock: every waiter's `until` moves back to now (see above). (The
+-- clock is read only when someone waits: an uncontended release pays one call.)
+local function line_woken(till)
+  if redis.call('exists', till) == 0 then
+    return
+  end
+  local now = now_ms()
   for _, waiter in ipairs(redis.call('zrangebyscore', till, '(' .. now, '+inf')) do
     redis.call('zadd', till, now, waiter)
   end

@@ -70,7 +70,7 @@ if kind == 'hash' then
       if pttl >= 0 and pttl < ms then
         ms = pttl
       end
-      join_line(KEYS[4], KEYS[5], ARGV[1], now_ms(), ms, tonumber(ARGV[7]))
+      join_line(KEYS[4], KEYS[5], ARGV[1], now_ms(), ms, tonumber(ARGV[6]), tonumber(ARGV[7]))
       return {0, pttl, 1}
     end
     return {0, pttl}
@@ -86,7 +86,8 @@ if kind == 'hash' then
     redis.call('zadd', KEYS[3], now + tonumber(ARGV[6]), ARGV[1])
     extend_lease(KEYS[3], ARGV[6])
     if ARGV[7] ~= '0' then
-      join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(tonumber(ARGV[6]), earliest - now),
+      local wait = tonumber(ARGV[6])
+      join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(wait, earliest - now), wait,
         tonumber(ARGV[7]))
     end
     -- Woken when the first shared lease ends, if no release comes before: a crashed
@@ -107,7 +108,8 @@ if lined then
       return {0, left}
     end
     -- It tries again when the head's turn is over, unless woken before.
-    join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(tonumber(ARGV[6]), left), grace)
+    local wait = tonumber(ARGV[6])
+    join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(wait, left), wait, grace)
     return {0, left, 1}
   end
 end

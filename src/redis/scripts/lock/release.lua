@@ -127,5 +127,5 @@ end
 settle_counter()
 redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
-line_woken(KEYS[3], now_ms())
+line_woken(KEYS[3])
 return {2}
