@@ -198,7 +198,9 @@ pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
-pub use crate::redis::{FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder};
+pub use crate::redis::{
+    DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
+};
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use crate::zookeeper::{ZooKeeperBackend, ZooKeeperBackendBuilder};

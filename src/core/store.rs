@@ -106,7 +106,9 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn remaining(self: &Arc<Self>, key: &Arc<Self::Key>) -> BoxFuture<'static, Option<Duration>>;
 
     /// An exclusive attempt that may have registered as a waiting writer (kept out by
-    /// shared holders) stops waiting: withdraw it, and wake the key's waiters if `wake`.
+    /// shared holders), or in the store's line of waiting holders, stops waiting: withdraw
+    /// it, and wake the key's waiters if `wake` (a store also wakes them when the holder
+    /// left the head of the line of a free key).
     fn withdraw_writer(
         self: &Arc<Self>,
         key: &Arc<Self::Key>,
@@ -202,7 +204,9 @@ pub(crate) struct Attempt {
     /// Leave a free key to other instances that wait for it: this process just released
     /// it to let them go first, leaving its fencing counter at this value. A store stops
     /// yielding once the counter is past it (another instance took the key since), even if
-    /// its sign that others wait (a subscription, a registered waiter) is still there.
+    /// its sign that others wait (a subscription, a registered waiter) is still there. A
+    /// store that keeps waiting holders in line and gives a free key only to the head of
+    /// the line (Redis) needs no yield: it treats a yielding attempt as any other.
     pub(crate) yielding: Option<u64>,
     /// A number this backend never used before: the attempt's id, so that a store that
     /// runs a call twice takes one hold, and the id of the release that gives back a hold
@@ -216,8 +220,10 @@ pub(crate) enum Attempted {
     /// The holder holds the key now, with fencing token `token`; `count > 1`: a re-entry
     /// (the token is the outer hold's).
     Acquired { token: u64, count: u64 },
-    /// Another holder has it, for about `left` longer (`None`: no end known). `queued`:
-    /// the attempt registered as a waiting writer.
+    /// Another holder has it, for about `left` longer (`None`: no end known; for a free
+    /// key another waiting holder's turn). `queued`: the attempt registered as a waiting
+    /// writer, or in the store's line of waiting holders: the acquisition withdraws
+    /// ([`Store::withdraw_writer`]) when it stops waiting without the key.
     Held {
         left: Option<Duration>,
         queued: bool,

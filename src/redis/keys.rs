@@ -50,6 +50,15 @@ impl LockKey {
         format!("{}:writers", self.lock)
     }
 
+    /// The line of holders waiting for the lock, in the order they began waiting, and the
+    /// time up to which each is known to wait (see line.lua).
+    pub(crate) fn line(&self) -> [String; 2] {
+        [
+            format!("{}:line", self.lock),
+            format!("{}:line:until", self.lock),
+        ]
+    }
+
     fn named(tagged: String, user: String) -> Self {
         LockKey {
             fence: format!("{tagged}:fence"),

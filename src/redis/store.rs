@@ -35,6 +35,9 @@ pub(crate) struct RedisStore {
     pub(crate) max_key_len: usize,
     pub(crate) command_timeout: Duration,
     pub(crate) fence_ttl: Duration,
+    /// How long the head of a key's line of waiting holders has to take its turn after a
+    /// release (see line.lua); `None`: no line (a quorum's masters).
+    pub(crate) turn_grace: Option<Duration>,
     /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
     pub(crate) restart_guard: Option<Duration>,
     /// Replicas that must acknowledge an acquisition; `None`: none.
@@ -199,25 +202,23 @@ impl Store for RedisStore {
         holder: LockOwner,
         wake: bool,
     ) -> BoxFuture<'static, ()> {
-        let (store, writers, channel) = (self.clone(), key.writers(), key.channel.clone());
+        let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
-            let mut leave = redis::cmd("ZREM");
-            leave.arg(&writers).arg(holder.as_str());
-            let publish = if store.scripts.sharded {
-                "SPUBLISH"
-            } else {
-                "PUBLISH"
-            };
-            let mut woken = redis::cmd(publish);
-            woken.arg(&channel).arg("released");
-            let woken = wake.then_some(woken);
-            for cmd in std::iter::once(leave).chain(woken) {
-                let sent = timeout(store.command_timeout, store.pool.query::<i64>(&cmd)).await;
-                if !matches!(sent, Ok(Ok(_))) {
-                    // Its registration runs out with the wait it was made for.
-                    tracing::debug!(key = %writers, "could not withdraw a waiting writer");
-                    return;
-                }
+            let [line, until] = key.line();
+            let mut leave = store.scripts.withdraw.key(&*key.lock);
+            leave
+                .key(key.writers())
+                .key(line)
+                .key(until)
+                .arg(holder.as_str())
+                .arg(&key.channel)
+                .arg(u8::from(store.scripts.sharded))
+                .arg(u8::from(wake));
+            let sent = timeout(store.command_timeout, store.pool.invoke::<i64>(&leave)).await;
+            if !matches!(sent, Ok(Ok(_))) {
+                // Its registrations run out with the wait they were made for (and its
+                // turn in the line with the grace after the next release).
+                tracing::debug!(key = %key.lock, "could not withdraw a waiting holder");
             }
         })
     }
@@ -277,24 +278,23 @@ impl RedisStore {
             Kind::Exclusive => {
                 let waits = attempt.waits.map_or(0, millis);
                 let mut invocation = scripts.acquire.key(&*key.lock);
+                let [line, until] = key.line();
+                // A yielding attempt is an ordinary one here: the line of waiting holders
+                // leaves a free key to the instances that wait for it (see line.lua).
                 invocation
                     .key(&key.fence)
                     .key(key.writers())
+                    .key(line)
+                    .key(until)
                     .arg(holder)
                     .arg(millis(attempt.lease))
                     .arg(millis(self.fence_ttl))
                     .arg(guard)
                     .arg(attempt_id)
-                    .arg(waits);
-                if attempt.reserve > 0 || attempt.yielding.is_some() {
+                    .arg(waits)
+                    .arg(self.turn_grace.map_or(0, millis));
+                if attempt.reserve > 0 {
                     invocation.arg(attempt.reserve);
-                }
-                if let Some(fence) = attempt.yielding {
-                    invocation
-                        .arg(1)
-                        .arg(&key.channel)
-                        .arg(u8::from(scripts.sharded))
-                        .arg(fence);
                 }
                 invocation
             }

@@ -134,6 +134,7 @@ impl RedisBackendBuilder {
             max_key_len: self.max_key_len,
             command_timeout: self.command_timeout,
             fence_ttl: self.fence_ttl,
+            turn_grace: (!self.quorum_master).then_some(self.turn_grace),
             restart_guard: self.restart_guard.then_some(self.max_lease),
             sync_replicas: self.sync_replicas,
         })

@@ -150,22 +150,29 @@ impl ServerChecks<'_> {
     async fn lock_scripts(&self, probe: &LockKey) -> Result<(), BuildError> {
         let owner = "tower-lock-build-check";
         let lock = &*probe.lock;
+        let [line, until] = probe.line();
         let mut acquire = self.scripts.acquire.key(lock);
         acquire
             .key(&probe.fence)
             .key(probe.writers())
+            .key(&line)
+            .key(&until)
             .arg(owner)
             .arg(PROBE_TTL_MS)
             .arg(PROBE_TTL_MS)
             // The restart guard is off for the probe: it checks rights, not the server's age.
             .arg(0)
             .arg(format!("{owner}@1"))
-            // As a waiting acquisition, which also touches the waiting writers' set.
+            // As a waiting acquisition, which also touches the waiting writers' set
+            .arg(PROBE_TTL_MS)
+            // and the line of waiting holders.
             .arg(PROBE_TTL_MS);
         let mut renew = self.scripts.renew.key(lock);
         renew.arg(owner).arg(PROBE_TTL_MS);
         let mut release = self.scripts.release.key(lock);
         release
+            .key(&line)
+            .key(&until)
             .arg(owner)
             .arg(format!("{owner}#1"))
             .arg(PROBE_TTL_MS)

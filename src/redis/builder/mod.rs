@@ -21,6 +21,10 @@ use super::RedisBackend;
 use crate::error::BuildError;
 use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 
+/// The default [`turn_grace`](RedisBackendBuilder::turn_grace): a quarter of a second,
+/// tens of round trips on a busy network, far below any lease.
+pub const DEFAULT_TURN_GRACE: Duration = Duration::from_millis(250);
+
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `build` is awaited"]
@@ -36,6 +40,7 @@ pub struct RedisBackendBuilder {
     max_backoff: Duration,
     max_local_handoffs: u32,
     max_local_handoff_time: Duration,
+    turn_grace: Duration,
     tls: TlsSettings,
     allow_eviction: bool,
     restart_guard: bool,
@@ -98,6 +103,7 @@ impl RedisBackendBuilder {
             max_backoff: Duration::from_secs(2),
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
             max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
+            turn_grace: DEFAULT_TURN_GRACE,
             tls: TlsSettings::default(),
             allow_eviction: false,
             restart_guard,
@@ -197,10 +203,11 @@ impl RedisBackendBuilder {
     /// for clock drift). A run serves the tasks that were queued when it began, each once:
     /// after the last of them, or after `max` handoffs, or
     /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
-    /// release goes to Redis: if another instance waits for the key (is subscribed to its
-    /// channel), the lock is released for real and the other instances go first;
-    /// otherwise one script hands it to the next task under a new hold and a new block of
-    /// tokens, and the turns go on.
+    /// release goes to Redis: if another instance waits for the key (it is in the key's
+    /// line of waiting instances, see [`turn_grace`](Self::turn_grace)), the lock is
+    /// released for real and the instances that wait take it in turn; otherwise one script
+    /// hands it to the next task under a new hold and a new block of tokens, and the turns
+    /// go on.
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
         self.max_local_handoffs = max;
         self
@@ -212,6 +219,25 @@ impl RedisBackendBuilder {
     /// [`max_local_handoffs`](Self::max_local_handoffs)).
     pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
         self.max_local_handoff_time = time;
+        self
+    }
+
+    /// How long the instance whose turn it is has to take a freed key (default
+    /// [`DEFAULT_TURN_GRACE`]).
+    ///
+    /// The instances that wait for a key take it in the order they began waiting: an
+    /// attempt refused while it waits puts its instance in the key's line in Redis (in the
+    /// key's hash slot), taking the key or giving up takes it out, and a free key goes
+    /// only to the head of the line. A head that neither takes the key nor gives up (its
+    /// process died, or lost its connection) keeps the others out until `grace` after the
+    /// release that freed the key (or after it was last known to wait, when the key's
+    /// lease ran out instead), then drops out of the line. Long enough for a release
+    /// message to reach a live instance and its attempt to come back, a few round trips
+    /// under load; a head that comes later loses its place (it joins the line's end), never
+    /// the lock's safety. A quorum (RedLock) keeps no line: its masters could each line up
+    /// waiters in their own order, and no order might win a majority.
+    pub fn turn_grace(mut self, grace: Duration) -> Self {
+        self.turn_grace = grace.clamp(Duration::from_millis(1), MAX_DURATION);
         self
     }
 

@@ -57,7 +57,10 @@ impl ReleaseCall<'_> {
         // The arguments a plain release does not need are left off from the end (see
         // release.lua): each one Redis hands to a script costs it.
         let mut invocation = scripts.release.key(&*self.key.lock);
+        let [line, until] = self.key.line();
         invocation
+            .key(line)
+            .key(until)
             .arg(self.owner.as_str())
             .arg(self.release_id)
             .arg(millis(self.lease))

@@ -2,7 +2,7 @@
 --
 -- KEYS[1]  the lock hash: owner id -> re-entry count, plus the field "token" and the ids
 --          of the attempts that took holds (see ARGV[5]) and of undone re-entries
---          (release.lua), and "reserved" = ARGV[7] when tokens were reserved
+--          (release.lua), and "reserved" = ARGV[8] when tokens were reserved
 -- KEYS[2]  the fencing counter: a string holding the last token issued for KEYS[1]
 -- ARGV[1]  owner id ("instance-uuid:request-seq")
 -- ARGV[2]  lease in milliseconds
@@ -18,23 +18,21 @@
 -- ARGV[6]  how long this acquisition still waits, in milliseconds, or 0 when it does not
 --          wait: a waiting writer kept out by shared holders registers in KEYS[3] for that
 --          long, so that new shared holds queue behind it
--- ARGV[7]  how many fencing tokens to reserve above a new acquisition's own, for later
+-- KEYS[4]  the line of holders waiting for the lock, in order (see line.lua)
+-- KEYS[5]  the same holders, each with the server time up to which it is known to wait
+-- ARGV[7]  the grace in milliseconds that the head of the line has to take its turn
+--          (see line.lua), or "0" to keep no line (a quorum's masters: each would line
+--          waiters up in its own order, and no order might win a majority)
+-- ARGV[8]  how many fencing tokens to reserve above a new acquisition's own, for later
 --          holders of the same process that get the lock in memory (may be left off: 0)
--- ARGV[8]  "1" when this process just released the key for real to let other instances
---          go first: it does not take the key while anyone else is subscribed to the
---          key's channel ARGV[9] (on sharded pub/sub when ARGV[10] is "1"), and gets
---          {5} (may be left off: "0"), unless the fencing counter is past ARGV[11], the
---          value that release left it at: another instance took the key since, so the
---          yield is over, and a subscription still counted (its waiter was served and its
---          unsubscription lags, or it is yielding too) no longer keeps the key idle
 --
--- Returns {5} when a yielding acquisition leaves the free key to others (ARGV[8]),
--- {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
+-- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
 -- when another owner holds it (pttl -1: no expiry set), or {2, wait} when the restart
 -- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
 -- when held shared and this acquisition registered as a waiting writer (pttl: until the
--- first shared holder's own lease ends), or {4} when the
+-- first shared holder's own lease ends; also when refused and registered in the line of
+-- waiting holders, the lock held or free for the head's turn), or {4} when the
 -- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
 -- would wait for each other forever).
 local kind = redis.call('type', KEYS[1])['ok']
@@ -65,7 +63,17 @@ if kind == 'hash' then
     return {4}
   end
   if held[4] ~= 'read' then
-    return {0, redis.call('pttl', KEYS[1])}
+    local pttl = redis.call('pttl', KEYS[1])
+    if ARGV[6] ~= '0' and ARGV[7] ~= '0' then
+      -- Known to wait until the holder's lease ends (it tries again then) or its own wait.
+      local ms = tonumber(ARGV[6])
+      if pttl >= 0 and pttl < ms then
+        ms = pttl
+      end
+      join_line(KEYS[4], KEYS[5], ARGV[1], now_ms(), ms, tonumber(ARGV[6]), tonumber(ARGV[7]))
+      return {0, pttl, 1}
+    end
+    return {0, pttl}
   end
   now = now or now_ms()
   local live, earliest = prune_holders(KEYS[1], 'r:', now)
@@ -77,6 +85,11 @@ if kind == 'hash' then
     redis.call('zremrangebyscore', KEYS[3], '-inf', now)
     redis.call('zadd', KEYS[3], now + tonumber(ARGV[6]), ARGV[1])
     extend_lease(KEYS[3], ARGV[6])
+    if ARGV[7] ~= '0' then
+      local wait = tonumber(ARGV[6])
+      join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(wait, earliest - now), wait,
+        tonumber(ARGV[7]))
+    end
     -- Woken when the first shared lease ends, if no release comes before: a crashed
     -- reader keeps the writer out no longer than its own lease.
     return {0, earliest - now, 1}
@@ -85,11 +98,19 @@ if kind == 'hash' then
   redis.call('del', KEYS[1])
 end
 
-if ARGV[8] == '1' then
-  local others = redis.call('pubsub', ARGV[10] == '1' and 'shardnumsub' or 'numsub', ARGV[9])[2]
-  -- This process's own subscription counts one.
-  if others > 1 and (tonumber(redis.call('get', KEYS[2]) or '0') or 0) <= tonumber(ARGV[11]) then
-    return {5}
+-- Free: the head of the line's, if anyone waits in it.
+local lined = ARGV[7] ~= '0' and redis.call('exists', KEYS[4]) == 1
+if lined then
+  local now, grace = now_ms(), tonumber(ARGV[7])
+  local left = turn_of(KEYS[4], KEYS[5], ARGV[1], now, grace)
+  if left then
+    if ARGV[6] == '0' then
+      return {0, left}
+    end
+    -- It tries again when the head's turn is over, unless woken before.
+    local wait = tonumber(ARGV[6])
+    join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(wait, left), wait, grace)
+    return {0, left, 1}
   end
 end
 
@@ -100,11 +121,11 @@ end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).
 local token = next_token(KEYS[2], ARGV[3])
-if ARGV[7] and ARGV[7] ~= '0' then
-  redis.call('incrby', KEYS[2], ARGV[7])
+if ARGV[8] and ARGV[8] ~= '0' then
+  redis.call('incrby', KEYS[2], ARGV[8])
   -- The block's size goes with the hold, so that a force-release fences above it even if
   -- the counter is gone by then (snapshot.lua).
-  redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1, 'reserved', ARGV[7])
+  redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1, 'reserved', ARGV[8])
 else
   redis.call('hset', KEYS[1], ARGV[1], 1, 'token', token, ARGV[5], 1)
 end
@@ -113,5 +134,9 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 -- (or an earlier run of this one, sent again by a cluster client): it waits no more.
 if ARGV[6] ~= '0' then
   redis.call('zrem', KEYS[3], ARGV[1])
+end
+-- Its turn is taken.
+if lined then
+  leave_line(KEYS[4], KEYS[5], ARGV[1])
 end
 return {1, tonumber(token), 1}

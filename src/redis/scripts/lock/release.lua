@@ -2,7 +2,9 @@
 -- process; idempotent per hold.
 --
 -- KEYS[1]  the lock hash
--- KEYS[2]  the fencing counter (written by a handoff, and by a final release after holders
+-- KEYS[2]  the line of holders waiting for the lock, in order (see line.lua)
+-- KEYS[3]  the same holders, each with the server time up to which it is known to wait
+-- KEYS[4]  the fencing counter (written by a handoff, and by a final release after holders
 --          of the process took turns in memory; passed only then)
 -- ARGV[1]  owner id
 -- ARGV[2]  this hold's release id ("owner#hold"), written as a field of the hash when a
@@ -29,7 +31,7 @@
 -- ARGV[9]  the successor's lease in milliseconds
 -- ARGV[10] how long the fencing counter outlives its last use, in milliseconds
 -- ARGV[11] "1" when the process's run of handoffs is used up: then the lock is released
---          for real if anyone (another instance) is subscribed to ARGV[4] ("0")
+--          for real if another holder waits in the line KEYS[2] ("0")
 -- ARGV[12] the last fencing token the process issued in memory under this hold, to later
 --          holders of its own (tokens up to the counter's value were reserved for that),
 --          or "": a handoff's token comes next, and a final release sets the counter
@@ -74,7 +76,7 @@ local sharded = ARGV[5] == '1'
 -- back to the last token issued.
 local function settle_counter()
   if issued ~= '' then
-    redis.call('set', KEYS[2], issued, 'px', ARGV[10])
+    redis.call('set', KEYS[4], issued, 'px', ARGV[10])
   end
 end
 -- The owner took shared holds of its key while holding it (a downgrade, see
@@ -91,10 +93,7 @@ if tonumber(held[3] or '0') > 0 then
   settle_counter()
   return {2}
 end
-local function subscribers(channel)
-  return redis.call('pubsub', sharded and 'shardnumsub' or 'numsub', channel)[2]
-end
-if successor ~= '' and (ARGV[11] ~= '1' or subscribers(ARGV[4]) == 0) then
+if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) then
   redis.call('del', KEYS[1])
   -- The current hold's token, or the last one issued under it in memory, is the newest
   -- issued for this key (only a holder gets a new one), so the next number exceeds every
@@ -103,12 +102,12 @@ if successor ~= '' and (ARGV[11] ~= '1' or subscribers(ARGV[4]) == 0) then
   local token
   if last then
     token = string.format('%d', last + 1)
-    redis.call('set', KEYS[2], string.format('%d', last + 1 + tonumber(ARGV[13] or '0')),
+    redis.call('set', KEYS[4], string.format('%d', last + 1 + tonumber(ARGV[13] or '0')),
       'px', ARGV[10])
   else
-    token = next_token(KEYS[2], ARGV[10])
+    token = next_token(KEYS[4], ARGV[10])
     if (ARGV[13] or '0') ~= '0' then
-      redis.call('incrby', KEYS[2], ARGV[13])
+      redis.call('incrby', KEYS[4], ARGV[13])
     end
   end
   -- The hash is rebuilt rather than edited, so the old owner's release ids go with it;
@@ -128,4 +127,5 @@ end
 settle_counter()
 redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
+line_woken(KEYS[3])
 return {2}
