@@ -395,13 +395,27 @@ async fn instances(cluster: &Cluster, wait: Duration) -> Vec<SocketAddr> {
     addrs
 }
 
-/// Stocks `item` with `stock` and an empty ledger.
+/// Stocks `item` with `stock` and an empty ledger, on its primary and its replica: a
+/// failover must not take the stock back (a replica still resyncing after an earlier
+/// failover was once promoted without it, and its shard answered 410 to everyone).
 async fn stock(redis: &mut ClusterConnection, item: &str, stock: i64) {
     let _: () = redis.del(ledger_key(item)).await.expect("DEL");
     let _: () = redis
         .hset_multiple(shop_key(item), &[("stock", stock), ("token", 0)])
         .await
         .expect("HSET");
+    let route = Route::with_key(shop_key(item), SlotAddr::Master);
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+    let mut wait = redis::cmd("WAIT");
+    // Bounded, so that a shard without a replica fails here instead of hanging.
+    wait.arg(1).arg(10_000);
+    let acked: i64 = redis
+        .route_command(wait, routing)
+        .await
+        .ok()
+        .and_then(|v| redis::FromRedisValue::from_redis_value(v).ok())
+        .expect("WAIT");
+    assert!(acked >= 1, "the stock of {item} reached a replica");
 }
 
 /// Checks the ledger of `item`: the stock left plus the sales equals what was stocked
