@@ -80,9 +80,18 @@ impl<S: Store> Backend for Core<S> {
         let freeing = self.store.force_release(key, of);
         let limit = self.settings.command_timeout;
         Box::pin(async move {
-            timeout(limit, freeing)
+            let freed = timeout(limit, freeing)
                 .await
-                .map_err(|elapsed| LockError::backend("force_release", elapsed))?
+                .map_err(|elapsed| LockError::backend("force_release", elapsed))??;
+            if !freed.is_free() {
+                tracing::info!(
+                    key = %freed.key,
+                    mode = ?freed.mode,
+                    holders = freed.holders,
+                    "lock force-released"
+                );
+            }
+            Ok(freed)
         })
     }
 }

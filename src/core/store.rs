@@ -102,19 +102,25 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn subscribe(&self, key: &Self::Key) -> Waiter;
 
     /// How long the key's current holder may still hold it, for `Retry-After` when another
-    /// task of this process has the key: `None` when unknown.
-    fn remaining(self: &Arc<Self>, key: &Arc<Self::Key>) -> BoxFuture<'static, Option<Duration>>;
+    /// task of this process has the key: `None` when unknown (the default: a store whose
+    /// holds last as long as their holder's session or lease lives).
+    fn remaining(self: &Arc<Self>, _key: &Arc<Self::Key>) -> BoxFuture<'static, Option<Duration>> {
+        Box::pin(std::future::ready(None))
+    }
 
     /// An exclusive attempt that may have registered as a waiting writer (kept out by
     /// shared holders), or in the store's line of waiting holders, stops waiting: withdraw
     /// it, and wake the key's waiters if `wake` (a store also wakes them when the holder
     /// left the head of the line of a free key).
+    /// The default does nothing: a store that keeps neither waiting writers nor a line.
     fn withdraw_writer(
         self: &Arc<Self>,
-        key: &Arc<Self::Key>,
-        holder: LockOwner,
-        wake: bool,
-    ) -> BoxFuture<'static, ()>;
+        _key: &Arc<Self::Key>,
+        _holder: LockOwner,
+        _wake: bool,
+    ) -> BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
 
     /// Whether the store's client may run one call twice on its own (a cluster client that
     /// sends a call again when the connection dropped before the reply): a final release

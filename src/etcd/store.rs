@@ -20,7 +20,7 @@ use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner};
+use crate::lock::{BoxFuture, Kind};
 
 /// How many times a call goes round when its compare-and-swap finds the hold changed
 /// under it (only this backend writes its hold, so once is the rule).
@@ -368,21 +368,6 @@ impl Store for EtcdStore {
         self.lease.hold_lease()
     }
 
-    fn remaining(self: &Arc<Self>, _key: &Arc<EtcdKey>) -> BoxFuture<'static, Option<Duration>> {
-        // The holder renews the lease as long as it lives: no end is known.
-        Box::pin(std::future::ready(None))
-    }
-
-    fn withdraw_writer(
-        self: &Arc<Self>,
-        _key: &Arc<EtcdKey>,
-        _holder: LockOwner,
-        _wake: bool,
-    ) -> BoxFuture<'static, ()> {
-        // Exclusive attempts never register as waiting writers here.
-        Box::pin(std::future::ready(()))
-    }
-
     fn inspect(
         self: &Arc<Self>,
         user: String,
@@ -398,12 +383,6 @@ impl Store for EtcdStore {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
         let store = self.clone();
-        Box::pin(async move {
-            let freed = store.snapshot(user, of, true).await?;
-            if !freed.is_free() {
-                tracing::info!(key = %freed.key, "lock force-released");
-            }
-            Ok(freed)
-        })
+        Box::pin(async move { store.snapshot(user, of, true).await })
     }
 }

@@ -57,12 +57,6 @@ impl RedisStore {
         let freed = LockInfo::from_reply(names.user, &reply)
             .ok_or_else(|| LockError::backend("inspect", UnexpectedReply("inspect")))?;
         if !freed.is_free() {
-            tracing::info!(
-                key = %freed.key,
-                mode = ?freed.mode,
-                holders = freed.holders,
-                "lock force-released"
-            );
             self.announce_force_release().await;
         }
         Ok(freed)

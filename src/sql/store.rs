@@ -204,18 +204,9 @@ where
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
         let store = self.clone();
         Box::pin(async move {
-            let freed = store
+            store
                 .operator(&store.sql.force_release, user, of, true)
-                .await?;
-            if !freed.is_free() {
-                tracing::info!(
-                    key = %freed.key,
-                    mode = ?freed.mode,
-                    holders = freed.holders,
-                    "lock force-released"
-                );
-            }
-            Ok(freed)
+                .await
         })
     }
 

@@ -17,7 +17,7 @@ use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::Due;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner};
+use crate::lock::{BoxFuture, Kind};
 
 /// How many times a call goes round when the lock's node changed under it (a container
 /// deleted between a read and a create, a node gone between a listing and a read).
@@ -365,21 +365,6 @@ impl Store for ZkStore {
         self.session.hold_lease()
     }
 
-    fn remaining(self: &Arc<Self>, _key: &Arc<ZkKey>) -> BoxFuture<'static, Option<Duration>> {
-        // The holder keeps its session as long as it lives: no end is known.
-        Box::pin(std::future::ready(None))
-    }
-
-    fn withdraw_writer(
-        self: &Arc<Self>,
-        _key: &Arc<ZkKey>,
-        _holder: LockOwner,
-        _wake: bool,
-    ) -> BoxFuture<'static, ()> {
-        // Exclusive attempts never register as waiting writers here.
-        Box::pin(std::future::ready(()))
-    }
-
     fn inspect(
         self: &Arc<Self>,
         user: String,
@@ -395,12 +380,6 @@ impl Store for ZkStore {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
         let store = self.clone();
-        Box::pin(async move {
-            let freed = store.snapshot(user, of, true).await?;
-            if !freed.is_free() {
-                tracing::info!(key = %freed.key, "lock force-released");
-            }
-            Ok(freed)
-        })
+        Box::pin(async move { store.snapshot(user, of, true).await })
     }
 }
