@@ -6,7 +6,7 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -412,72 +412,19 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
             .expect("backend on the ensemble");
         instances.push(backend);
     }
-    let inside = Arc::new(AtomicU64::new(0));
-    let tokens = Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
-    let failures = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..4)
-        .map(|i| {
-            let backend = instances[i % 2].clone();
-            let (inside, tokens, failures, stop) = (
-                inside.clone(),
-                tokens.clone(),
-                failures.clone(),
-                stop.clone(),
-            );
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let guard = match backend.lock("k").wait(Duration::from_secs(30)).await {
-                        Ok(guard) => guard,
-                        Err(_) => {
-                            // 503 while the ensemble elects a leader.
-                            failures.fetch_add(1, Ordering::Relaxed);
-                            continue;
-                        }
-                    };
-                    assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
-                    tokens.lock().expect("tokens").push(guard.fencing_token());
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    inside.fetch_sub(1, Ordering::SeqCst);
-                    let _ = guard.release().await;
-                }
-            })
-        })
-        .collect();
-    let held = || tokens.lock().expect("tokens").len();
-    let served_until = |n: usize| async move {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-        while held() < n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "only {} holds in 90 s",
-                held()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    served_until(50).await;
-    let leader = ensemble.leader().expect("a leader");
-    ensemble.members[leader].kill();
-    let at_kill = held();
-    served_until(at_kill + 50).await;
-    stop.store(true, Ordering::Relaxed);
-    for worker in workers {
-        tokio::time::timeout(Duration::from_secs(60), worker)
-            .await
-            .expect("workers stop")
-            .expect("no two holders at once");
-    }
-    let tokens = tokens.lock().expect("tokens").clone();
-    assert!(
-        tokens.windows(2).all(|w| w[0] < w[1]),
-        "tokens strictly increase in hold order: {tokens:?}"
-    );
+    let mut leader = None;
+    let seen = support::failover::take_turns_across(&instances, || {
+        let index = ensemble.leader().expect("a leader");
+        ensemble.members[index].kill();
+        leader = Some(index);
+    })
+    .await;
     eprintln!(
-        "leader server.{} killed after {at_kill} holds; {} holds in all, {} failed acquisitions",
-        leader + 1,
-        tokens.len(),
-        failures.load(Ordering::Relaxed)
+        "leader server.{} killed after {} holds; {} holds in all, {} failed acquisitions",
+        leader.map_or(0, |i| i + 1),
+        seen.at_kill,
+        seen.holds,
+        seen.failures
     );
 }
 

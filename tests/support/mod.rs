@@ -7,6 +7,7 @@ pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
 pub mod etcd;
+pub mod failover;
 pub mod history;
 pub mod mariadb;
 pub mod netns;
