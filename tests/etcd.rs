@@ -4,12 +4,10 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::routing::post;
 use support::child::{self, ChildProcess};
 use support::etcd::{self, EtcdCluster, EtcdServer};
@@ -193,58 +191,14 @@ async fn shared_locks_and_permits_are_refused_naming_etcd() {
     free.release().await.expect("released");
 }
 
-/// One instance's shop: POST /buy sells one item of a stock the three instances share,
-/// read and written in two steps with a yield between, as a careless handler would.
-fn shop(backend: tower_lock::EtcdBackend, stock: Arc<AtomicI64>, sold: Arc<AtomicU64>) -> Router {
-    async fn buy(State((stock, sold)): State<(Arc<AtomicI64>, Arc<AtomicU64>)>) -> &'static str {
-        let left = stock.load(Ordering::SeqCst);
-        if left <= 0 {
-            return "sold out";
-        }
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        stock.store(left - 1, Ordering::SeqCst);
-        sold.fetch_add(1, Ordering::Relaxed);
-        "sold"
-    }
-    Router::new()
-        .route("/buy", post(buy))
-        .route_layer(
-            LockLayer::new(backend, |_: &Request| Some("stock")).wait(Duration::from_secs(60)),
-        )
-        .with_state((stock, sold))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_sell_exactly_the_stock() {
-    const STOCK: i64 = 50;
-    const BUYERS: usize = 150;
-    let stock = Arc::new(AtomicI64::new(STOCK));
-    let sold = Arc::new(AtomicU64::new(0));
     let namespace = etcd::fresh_namespace();
-    let mut addrs = Vec::new();
+    let mut instances = Vec::new();
     for _ in 0..3 {
-        let backend = etcd::backend_in(&namespace).await;
-        addrs.push(support::serve(shop(backend, stock.clone(), sold.clone())).await);
+        instances.push(etcd::backend_in(&namespace).await);
     }
-    let client = support::http_client();
-    let buyers: Vec<_> = (0..BUYERS)
-        .map(|i| {
-            let (client, addr) = (client.clone(), addrs[i % 3]);
-            tokio::spawn(async move { support::post(&client, addr, "/buy").await.status })
-        })
-        .collect();
-    for buyer in buyers {
-        let status = tokio::time::timeout(Duration::from_secs(120), buyer)
-            .await
-            .expect("served")
-            .expect("no panic");
-        assert_eq!(status, 200);
-    }
-    assert_eq!(
-        (sold.load(Ordering::Relaxed), stock.load(Ordering::SeqCst)),
-        (STOCK as u64, 0)
-    );
+    support::shop::sell_exactly_the_stock(instances).await;
 }
 
 #[tokio::test]

@@ -17,6 +17,7 @@ pub mod proxy;
 pub mod quorum;
 pub mod replica;
 pub mod sentinel;
+pub mod shop;
 pub mod sql;
 pub mod tls;
 pub mod tls_sentinel;
