@@ -112,32 +112,17 @@ async fn a_run_serves_the_tasks_queued_when_it_began_and_a_later_one_waits_behin
     };
     server.wait_for_subscribers(KEY, 1).await;
 
-    let first = t1.fencing_token();
-    t1.release().await.expect("t1 releases");
-    let t2 = timeout(HANG, t2)
-        .await
-        .expect("t2 served")
-        .unwrap()
-        .expect("t2");
-    let second = t2.fencing_token();
-    t2.release().await.expect("t2 releases");
-    let t3 = timeout(HANG, t3)
-        .await
-        .expect("t3 served")
-        .unwrap()
-        .expect("t3");
+    let first = released(t1, "t1").await;
+    let (second, third) = (
+        released(served(t2, "t2").await, "t2").await,
+        released(served(t3, "t3").await, "t3").await,
+    );
     assert_eq!(
-        (second, t3.fencing_token()),
+        (second, third),
         (first + 1, first + 2),
         "the tasks queued before the run are served in it, in memory"
     );
-    let third = t3.fencing_token();
-    t3.release().await.expect("t3 releases");
-    let other = timeout(HANG, other)
-        .await
-        .expect("the other instance is served when the run is over")
-        .unwrap()
-        .expect("other");
+    let other = served(other, "the other instance, when the run is over").await;
     assert!(
         other.fencing_token() > third,
         "the other instance takes the key after the run"
@@ -146,16 +131,26 @@ async fn a_run_serves_the_tasks_queued_when_it_began_and_a_later_one_waits_behin
         !t4.is_finished(),
         "the task that queued during the run waits behind the other instance"
     );
-    let other_token = other.fencing_token();
-    other.release().await.expect("other releases");
-    let t4 = timeout(HANG, t4)
+    let other = released(other, "other").await;
+    let fourth = released(served(t4, "t4").await, "t4").await;
+    assert!(fourth > other, "t4 comes after the other instance");
+}
+
+/// The hold `task` waits for (the bound catches a hang only).
+async fn served(task: JoinHandle<Result<LockGuard, LockError>>, who: &str) -> LockGuard {
+    timeout(HANG, task)
         .await
-        .expect("t4 served")
-        .unwrap()
-        .expect("t4");
-    assert!(
-        t4.fencing_token() > other_token,
-        "t4 comes after the other instance"
-    );
-    t4.release().await.expect("t4 releases");
+        .unwrap_or_else(|_| panic!("{who} is served"))
+        .expect("no panic")
+        .unwrap_or_else(|e| panic!("{who}: {e}"))
+}
+
+/// Gives `guard` back; returns its fencing token.
+async fn released(guard: LockGuard, who: &str) -> u64 {
+    let token = guard.fencing_token();
+    guard
+        .release()
+        .await
+        .unwrap_or_else(|e| panic!("{who} releases: {e}"));
+    token
 }
