@@ -218,9 +218,10 @@ impl<S: Store> Hold<S> {
     /// they wait.
     pub(super) fn run_spent(&self) -> bool {
         let settings = &self.core.settings;
-        let served_its_line = self.slot.as_ref().is_some_and(|slot| {
-            slot.has_successor() && !slot.successor_queued_before(self.run.line_end)
-        });
+        let served_its_line = self
+            .slot
+            .as_ref()
+            .is_some_and(|slot| slot.successor_queued_since(self.run.line_end));
         served_its_line
             || self.run.handoffs >= settings.max_local_handoffs
             || self.run.started.elapsed() >= settings.max_local_handoff_time
