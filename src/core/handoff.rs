@@ -91,7 +91,6 @@ impl<S: Store> WatchedHold<S> {
         if hold.kind != Kind::Exclusive
             || hold.slot.is_none()
             || run.last >= run.reserved
-            || hold.run_spent()
             || self.lost.is_cancelled()
         {
             return Err(self);
@@ -109,6 +108,7 @@ impl<S: Store> WatchedHold<S> {
         let fits = hold
             .reserve_successor()
             .is_some_and(|claim| claim.lease == hold.lease && claim.renew == self.renew);
+        // Asked once the successor is known: whether it queued before the run began.
         if !fits || hold.run_spent() {
             return Err(self);
         }
