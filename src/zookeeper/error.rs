@@ -56,16 +56,26 @@ impl ZkError {
             ZkError::Client(ClientError::SessionExpired | ClientError::ClientClosed)
         )
     }
+
+    /// The connection the call went out on failed before its answer came. zookeeper-client
+    /// fails the calls in flight with the error that ended their connection: a
+    /// `ConnectionLoss` when the server closed it, and a custom error (its only use of
+    /// one on a call) when reading or writing failed or the server went silent for the
+    /// connection's timeout ("no response from connection in ...", as after the process
+    /// was paused). The client then reconnects, or finds its session expired.
+    fn connection_failed(&self) -> bool {
+        matches!(
+            self,
+            ZkError::Client(ClientError::ConnectionLoss | ClientError::Custom(_))
+        )
+    }
 }
 
 impl Failure for ZkError {
     fn may_have_run(&self) -> bool {
         // A request sent whose answer never came (the connection dropped, the deadline
         // passed) may have been applied by the ensemble.
-        matches!(
-            self,
-            ZkError::Client(ClientError::ConnectionLoss | ClientError::Timeout)
-        )
+        self.connection_failed() || matches!(self, ZkError::Client(ClientError::Timeout))
     }
 
     fn is_transient(&self) -> bool {
@@ -73,6 +83,7 @@ impl Failure for ZkError {
             ZkError::Client(e) => matches!(
                 e,
                 ClientError::ConnectionLoss
+                    | ClientError::Custom(_)
                     | ClientError::Timeout
                     | ClientError::NoHosts
                     | ClientError::SessionExpired
