@@ -581,3 +581,39 @@ async fn namespace_ttls(server: &RedisServer) -> Vec<(String, i64)> {
     }
     ttls
 }
+
+/// Tokens are exact below 2^53, what Lua's numbers and the scripts' integer replies hold:
+/// a counter at that edge issues the last exact tokens, then refuses rather than issue one
+/// that repeats; a counter that is not a whole number (set by hand) is refused, not
+/// passed under. The refusal changes nothing: the counter is left for the operator.
+#[tokio::test]
+async fn fence_counters_past_exact_numbers_are_refused_instead_of_repeating_tokens() {
+    let server = RedisServer::start();
+    let backend = server.backend().await;
+    let mut conn = server.conn().await;
+    let fence = format!("{LOCK}:fence");
+    let _: () = conn.set(&fence, "9007199254740989").await.unwrap();
+    for expected in [9_007_199_254_740_990_u64, 9_007_199_254_740_991] {
+        let guard = backend.lock(KEY).try_once().await.expect("an exact token");
+        assert_eq!(guard.fencing_token(), expected);
+        guard.release().await.expect("release");
+    }
+    for stored in [
+        "9007199254740991",
+        "9007199254740993",
+        "1e300",
+        "-5",
+        "12.5",
+    ] {
+        let _: () = conn.set(&fence, stored).await.unwrap();
+        let refused = backend.lock(KEY).try_once().await;
+        assert!(
+            matches!(refused, Err(LockError::NotALock { .. })),
+            "a counter of {stored}: {refused:?}"
+        );
+        let left: String = conn.get(&fence).await.unwrap();
+        assert_eq!(left, stored, "the counter is left as it was");
+        let held: bool = conn.exists(LOCK).await.unwrap();
+        assert!(!held, "nothing is held after a counter of {stored}");
+    }
+}

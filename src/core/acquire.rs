@@ -341,9 +341,13 @@ impl<S: Store> Core<S> {
             Ok(Attempted::UpgradeRefused) => Err(LockError::UpgradeRefused {
                 key: c.key.user().to_owned(),
             }),
-            Err(e) if e.is_foreign() => Err(LockError::NotALock {
-                key: c.key.user().to_owned(),
-            }),
+            Err(e) if e.is_foreign() => {
+                // The refusal names no cause; the operator who must remove the value needs it.
+                tracing::warn!(key = c.key.user(), error = %e, "the store holds a value that is not a lock");
+                Err(LockError::NotALock {
+                    key: c.key.user().to_owned(),
+                })
+            }
             Err(e) => Err(LockError::backend("acquire", e)),
         }
     }

@@ -80,7 +80,7 @@ impl RedisStore {
         let context = call.context();
         match timeout(self.command_timeout, self.pool.invoke(invocation)).await {
             Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) if e.is_wrong_type() => Err(LockError::NotALock {
+            Ok(Err(e)) if e.is_foreign_value() => Err(LockError::NotALock {
                 key: names.user.clone(),
             }),
             Ok(Err(e)) => match refused(&e) {

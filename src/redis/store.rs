@@ -70,7 +70,7 @@ impl Failure for CommandError {
     }
 
     fn is_foreign(&self) -> bool {
-        self.is_wrong_type()
+        self.is_foreign_value()
     }
 }
 

@@ -33,10 +33,12 @@ pub(crate) enum ConnectError {
 }
 
 impl CommandError {
-    /// True when Redis refused the command because a key holds another type of value:
-    /// something other than this crate wrote it, and retrying cannot help.
-    pub(crate) fn is_wrong_type(&self) -> bool {
-        matches!(self, CommandError::Redis(e) if e.code() == Some("WRONGTYPE"))
+    /// True when Redis refused the command because a key holds a value this crate never
+    /// writes: another type of value (`WRONGTYPE`), or a fencing counter or token that
+    /// leaves no exact token after it (`BADTOKEN`, from the scripts' token.lua). Retrying
+    /// cannot help until the value is removed.
+    pub(crate) fn is_foreign_value(&self) -> bool {
+        matches!(self, CommandError::Redis(e) if matches!(e.code(), Some("WRONGTYPE" | "BADTOKEN")))
     }
 
     /// True when the Redis user may not run the command (ACL).

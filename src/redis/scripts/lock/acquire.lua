@@ -120,7 +120,7 @@ if wait then
 end
 
 -- A new acquisition: a new fencing token (next_token comes from token.lua).
-local token = next_token(KEYS[2], ARGV[3])
+local token = next_token(KEYS[2], ARGV[3], ARGV[8])
 if ARGV[8] and ARGV[8] ~= '0' then
   redis.call('incrby', KEYS[2], ARGV[8])
   -- The block's size goes with the hold, so that a force-release fences above it even if

@@ -94,20 +94,23 @@ if tonumber(held[3] or '0') > 0 then
   return {2}
 end
 if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) then
-  redis.call('del', KEYS[1])
   -- The current hold's token, or the last one issued under it in memory, is the newest
   -- issued for this key (only a holder gets a new one), so the next number exceeds every
-  -- earlier token without reading the clock.
-  local last = tonumber(issued ~= '' and issued or held[4])
+  -- earlier token without reading the clock. Checked before anything is written.
+  local block = tonumber(ARGV[13] or '0')
+  local last = issued ~= '' and issued or held[4]
+  if last then
+    last = stored_token(last, 'the token of ' .. KEYS[1], 1 + block)
+  end
+  redis.call('del', KEYS[1])
   local token
   if last then
     token = string.format('%d', last + 1)
-    redis.call('set', KEYS[4], string.format('%d', last + 1 + tonumber(ARGV[13] or '0')),
-      'px', ARGV[10])
+    redis.call('set', KEYS[4], string.format('%d', last + 1 + block), 'px', ARGV[10])
   else
-    token = next_token(KEYS[4], ARGV[10])
-    if (ARGV[13] or '0') ~= '0' then
-      redis.call('incrby', KEYS[4], ARGV[13])
+    token = next_token(KEYS[4], ARGV[10], block)
+    if block ~= 0 then
+      redis.call('incrby', KEYS[4], block)
     end
   end
   -- The hash is rebuilt rather than edited, so the old owner's release ids go with it;
