@@ -48,7 +48,7 @@ impl RedisBackendBuilder {
     /// On a Redis Cluster, where ACL users and settings are per node, every primary that
     /// owns hash slots is checked on its own: the user must log in to it, its
     /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
-    /// the scripts, `SPUBLISH`, `PUBSUB SHARDNUMSUB` and `SSUBSCRIBE`; the error names the
+    /// the scripts, `SPUBLISH` and `SSUBSCRIBE`; the error names the
     /// primary that refused. Replicas are not checked. Each primary's
     /// `cluster-require-full-coverage` is read too (when the user may run `CONFIG GET`):
     /// where it is `yes`, Redis' default, every shard refuses commands while any hash slot

@@ -39,8 +39,8 @@ pub(crate) struct ServerChecks<'a> {
 impl ServerChecks<'_> {
     /// Runs every check: on a cluster, each primary lets the user log in (see
     /// `cluster_checks.rs`); the scripts load; the eviction policy of every primary (unless
-    /// `allow_eviction`); then the probes: the scripts on a probe key, `PUBSUB NUMSUB` and
-    /// `SUBSCRIBE` on its channel, or on a cluster the same sharded, once per shard.
+    /// `allow_eviction`); then the probes: the scripts on a probe key, and `SUBSCRIBE` on
+    /// its channel, or on a cluster the same sharded, once per shard.
     pub(crate) async fn run(
         &self,
         topology: &Topology,
@@ -73,11 +73,6 @@ impl ServerChecks<'_> {
         }
         let probe = self.probe_key(&uuid::Uuid::new_v4().simple().to_string())?;
         self.probe_scripts(&probe).await?;
-        // A release that may hand the lock on asks whether other instances wait.
-        self.pool
-            .query::<redis::Value>(redis::cmd("PUBSUB").arg("NUMSUB").arg(&probe.channel))
-            .await
-            .map_err(|e| self.failure(e, "run PUBSUB NUMSUB (a release asks it)"))?;
         let client = topology
             .subscriber_client()
             .await

@@ -10,8 +10,8 @@
 //!   commands of its slots then fail with `MOVED`);
 //! - a probe key of the namespace whose hash slot the primary owns goes through the lock
 //!   scripts (acquire, renew, release with `SPUBLISH`), and is deleted;
-//! - `PUBSUB SHARDNUMSUB` (a release that may hand the lock on asks it) and `SSUBSCRIBE`
-//!   (then `SUNSUBSCRIBE`) on the probe key's channel, as the sharded subscriber will.
+//! - `SSUBSCRIBE` (then `SUNSUBSCRIBE`) on the probe key's channel, as the sharded
+//!   subscriber will.
 //!
 //! A failure names the primary. Replicas are not checked (they may be down while the
 //! cluster serves); a replica without the user fails its shard after a failover.
@@ -21,7 +21,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
 use redis::{AsyncConnectionConfig, FromRedisValue, PushInfo, RedisError, Value};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::timeout;
@@ -139,14 +139,6 @@ impl ServerChecks<'_> {
     ) -> Result<(), BuildError> {
         self.probe_scripts(probe).await?;
         let channel = &probe.channel;
-        let primary = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
-            Route::with_key(channel, SlotAddr::Master),
-        ));
-        let mut numsub = redis::cmd("PUBSUB");
-        numsub.arg("SHARDNUMSUB").arg(channel);
-        let asked = timeout(self.command_timeout, routed(conn, numsub, primary)).await;
-        command_outcome(asked)
-            .map_err(|e| self.failure(e, "run PUBSUB SHARDNUMSUB (a release asks it)"))?;
         // redis-rs returns once the server confirmed the subscription (or refused it).
         let subscribed = timeout(self.command_timeout, conn.ssubscribe(channel)).await;
         command_outcome(subscribed)
