@@ -102,7 +102,7 @@ async fn wrong_password_and_unknown_user_are_refused_at_once() {
 async fn each_missing_right_is_named_at_build() {
     let server = RedisServer::start();
     let at = format!("127.0.0.1:{}", server.port());
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["-evalsha"], "may not run EVALSHA"),
         (&["-script"], "may not run SCRIPT LOAD"),
         (
@@ -118,6 +118,11 @@ async fn each_missing_right_is_named_at_build() {
             "may not access key `tower-lock:{",
         ),
         (&["-info"], "may not run INFO"),
+        // Called by the permit scripts only.
+        (
+            &["-hlen"],
+            "may not run HLEN (the permit release script calls it)",
+        ),
         // Redis 7's default for a new user: no channels at all.
         (
             &["resetchannels"],

@@ -97,6 +97,15 @@ impl ServerChecks<'_> {
         })
     }
 
+    /// The semaphore of the probe lock's key (in its hash slot, so on its shard).
+    fn probe_permits(&self, probe: &LockKey) -> Result<LockKey, BuildError> {
+        LockKey::semaphore(self.namespace, probe.user.clone(), usize::MAX).map_err(|_| {
+            BuildError::Namespace {
+                namespace: self.namespace.to_owned(),
+            }
+        })
+    }
+
     /// The error for a refusal of `right`, for the probes other topologies run themselves.
     pub(crate) fn rights_error(
         &self,
@@ -140,8 +149,10 @@ impl ServerChecks<'_> {
         Ok(())
     }
 
-    /// Takes, renews and releases the probe lock with the real scripts, so every command,
-    /// key and channel they touch is checked the way locks will use them.
+    /// Takes, renews and releases the probe lock, then takes and gives back a permit of
+    /// the probe's semaphore, with the real scripts, so every command, key and channel
+    /// they touch is checked the way locks and permits will use them. (The shared-lock
+    /// scripts call no command the exclusive ones do not, on the same keys and channel.)
     async fn lock_scripts(&self, probe: &LockKey) -> Result<(), BuildError> {
         let owner = "tower-lock-build-check";
         let lock = &*probe.lock;
@@ -173,10 +184,32 @@ impl ServerChecks<'_> {
             .arg(PROBE_TTL_MS)
             .arg(&probe.channel)
             .arg(u8::from(self.scripts.sharded));
+        let permits = self.probe_permits(probe)?;
+        let mut permit_acquire = self.scripts.permit_acquire.key(&*permits.lock);
+        permit_acquire
+            .key(&permits.fence)
+            .arg(owner)
+            .arg(PROBE_TTL_MS)
+            .arg(PROBE_TTL_MS)
+            .arg(0)
+            .arg(format!("{owner}@2"))
+            // One permit.
+            .arg(1);
+        let mut permit_release = self.scripts.permit_release.key(&*permits.lock);
+        permit_release
+            .arg(owner)
+            .arg(format!("{owner}#2"))
+            .arg(PROBE_TTL_MS)
+            .arg(&permits.channel)
+            .arg(u8::from(self.scripts.sharded))
+            // Whatever the permit's token.
+            .arg("");
         let steps = [
             ("acquire", &acquire, scripts::ACQUIRE),
             ("renew", &renew, scripts::RENEW),
             ("release", &release, scripts::RELEASE),
+            ("permit acquire", &permit_acquire, scripts::PERMIT_ACQUIRE),
+            ("permit release", &permit_release, scripts::PERMIT_RELEASE),
         ];
         for (name, invocation, source) in steps {
             let ran = self.pool.invoke::<redis::Value>(invocation).await;
@@ -206,10 +239,14 @@ impl ServerChecks<'_> {
         Ok(())
     }
 
-    /// Deletes the probe lock and counter; if that fails they expire by themselves.
+    /// Deletes the probe lock, its semaphore and their counters; if that fails they
+    /// expire by themselves.
     async fn delete(&self, probe: &LockKey) {
         let mut del = redis::cmd("DEL");
         del.arg(&*probe.lock).arg(&probe.fence);
+        if let Ok(permits) = self.probe_permits(probe) {
+            del.arg(&*permits.lock).arg(&permits.fence);
+        }
         let _ = self.pool.query::<i64>(&del).await;
     }
 

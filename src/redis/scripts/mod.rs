@@ -70,6 +70,12 @@ pub(crate) const RELEASE: &str =
     source!("helpers/token.lua", "helpers/line.lua", "lock/release.lua");
 pub(crate) const RENEW: &str = source!("lock/renew.lua");
 pub(crate) const WITHDRAW: &str = source!("helpers/line.lua", "lock/withdraw.lua");
+pub(crate) const PERMIT_ACQUIRE: &str = source!(
+    "helpers/token.lua",
+    "helpers/guard.lua",
+    "permits/permit_acquire.lua"
+);
+pub(crate) const PERMIT_RELEASE: &str = source!("permits/permit_release.lua");
 /// The operator's scripts, kept to name the command of a refusal when they are called.
 pub(crate) const INSPECT: &str = source!("helpers/snapshot.lua", "operator/inspect.lua");
 pub(crate) const FORCE_RELEASE: &str =
@@ -85,12 +91,8 @@ impl Scripts {
             fence: Script::new(include_str!("writes/fence.lua")),
             shared_acquire: Script::new(source!("helpers/guard.lua", "shared/shared_acquire.lua")),
             shared_release: Script::new(source!("shared/shared_release.lua")),
-            permit_acquire: Script::new(source!(
-                "helpers/token.lua",
-                "helpers/guard.lua",
-                "permits/permit_acquire.lua"
-            )),
-            permit_release: Script::new(source!("permits/permit_release.lua")),
+            permit_acquire: Script::new(PERMIT_ACQUIRE),
+            permit_release: Script::new(PERMIT_RELEASE),
             inspect: Script::new(INSPECT),
             force_release: Script::new(FORCE_RELEASE),
             quorum_token: Script::new(include_str!("writes/quorum_token.lua")),
