@@ -356,3 +356,49 @@ async fn a_killed_holder_process_gives_its_permit_back_after_its_lease_and_no_ot
         );
     }
 }
+
+/// Permit waiters of one process wait behind one of them (no herd): with both permits
+/// held elsewhere, ten waiting tasks of one backend are one contender in Redis and nine
+/// tasks in line in the process; a release wakes that one, which takes the permit, and the
+/// next in line tries once. Before, every waiting task tried again after every release.
+#[tokio::test]
+async fn permit_waiters_of_one_process_wait_behind_one_contender() {
+    let server = RedisServer::start();
+    let (holders, waiters) = (server.backend().await, server.backend().await);
+    let permit = |b: &tower_lock::RedisBackend| b.lock("exports").permits(2);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(permit(&holders).try_once().await.expect("a free permit"));
+    }
+    let (got, mut served) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..10 {
+        let (waiters, got) = (waiters.clone(), got.clone());
+        tokio::spawn(async move {
+            let guard = permit(&waiters).wait(HANG).await.expect("a permit in time");
+            let _ = got.send(guard);
+        });
+    }
+    support::queued(&waiters, 9).await;
+    let scripts = ["evalsha", "eval"];
+    let before = server.command_calls(&scripts).await;
+    held.pop().expect("held").release().await.expect("released");
+    let first = served
+        .recv()
+        .await
+        .expect("the contender takes the freed permit");
+    // The next task in line goes through and tries once (refused: both permits held).
+    support::queued(&waiters, 8).await;
+    let calls = server.command_calls(&scripts).await - before;
+    assert!(
+        calls <= 3,
+        "{calls} scripts: the release, the contender's attempt, and at most one more"
+    );
+    // Every task is served in the end, one permit at a time.
+    drop(first);
+    for guard in held {
+        drop(guard);
+    }
+    for _ in 0..9 {
+        drop(served.recv().await.expect("served"));
+    }
+}

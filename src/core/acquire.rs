@@ -132,7 +132,8 @@ impl<S: Store> Core<S> {
             core: self.clone(),
         };
         // Shared holds and permits admit several holders at once: their tasks do not line up
-        // behind one contender per key, each takes its hold in the store.
+        // behind one contender per key, each takes its hold in the store (a permit that
+        // must wait waits behind the process's other waiting tasks: see `contend`).
         if c.kind != Kind::Exclusive {
             c.store_owner = reentry.as_ref().and_then(Reentry::store_owner).cloned();
             return Box::pin(self.contend(&c, None, reentry)).await;
@@ -211,6 +212,15 @@ impl<S: Store> Core<S> {
                     retry_after: pttl,
                 },
             });
+        };
+        // A permit waits behind the process's other waiting tasks for the same semaphore:
+        // one of them at a time waits in the store (see `queue::gate`).
+        let _passage = match c.kind {
+            Kind::Permit(_) => match self.queues.permit_gate(c.key.lock(), deadline).await {
+                Some(passage) => Some(passage),
+                None => return Err(c.timed_out(pttl)),
+            },
+            Kind::Exclusive | Kind::Shared => None,
         };
         // Subscribe, then try again before sleeping: a release published between the
         // failed attempt and the subscription would otherwise be missed (Redisson #5761).

@@ -29,9 +29,13 @@ use tokio::time::{Instant, sleep_until};
 
 use crate::lock::{LockGuard, LockOwner};
 
+mod gate;
 mod reentry;
 mod slot;
 mod ticket;
+
+use gate::Gates;
+pub(crate) use gate::Passage;
 
 pub(crate) use reentry::Reentry;
 pub(crate) use slot::Slot;
@@ -108,6 +112,8 @@ impl Shared {
 #[derive(Clone, Default)]
 pub(crate) struct Queues {
     shared: Arc<Shared>,
+    /// The permit waiters' gates (see [`gate`]).
+    gates: Gates,
 }
 
 /// What [`Queues::turn`] gives a task.
@@ -235,9 +241,17 @@ impl Queues {
         self.shared.keys().len()
     }
 
-    /// Tasks queued behind a contender or holder of the same key.
+    /// Tasks queued behind a contender or holder of the same key, or behind the task that
+    /// waits for a permit of the same semaphore.
     pub(crate) fn waiting(&self) -> usize {
-        self.shared.keys().values().map(|q| q.waiting.len()).sum()
+        let queued: usize = self.shared.keys().values().map(|q| q.waiting.len()).sum();
+        queued + self.gates.waiting()
+    }
+
+    /// Passes the gate of the semaphore `key` by `deadline`, behind the other waiting tasks
+    /// of this process (see [`gate`]); `None` when the deadline came first.
+    pub(crate) async fn permit_gate(&self, key: &Arc<str>, deadline: Instant) -> Option<Passage> {
+        self.gates.pass(key, deadline).await
     }
 }
 
