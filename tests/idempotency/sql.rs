@@ -1,8 +1,9 @@
 //! Records in the SQL stores: a row of `{table}_records` per key, written by the
 //! `record_store` routine only under the hold that ran the handler, never replayed once
 //! expired, deleted by the janitor; a schema without the table refused at build (naming
-//! the shipped SQL) and upgraded by migrate(); a failing table answered with 503. Each test
-//! has a lock table of its own on the binary's shared PostgreSQL and MariaDB.
+//! the shipped SQL) and upgraded by migrate(); a user without rights on it refused at
+//! build; a failing table answered with 503. Each test has a lock table of its own on the binary's
+//! shared PostgreSQL and MariaDB.
 
 use std::time::Duration;
 
