@@ -2,23 +2,29 @@
 //! `record_store` routine only under the hold that ran the handler, never replayed once
 //! expired, deleted by the janitor; a schema without the table refused at build (naming
 //! the shipped SQL) and upgraded by migrate(); a user without rights on it refused at
-//! build; a failing table answered with 503. Each test has a lock table of its own on the binary's
-//! shared PostgreSQL and MariaDB.
+//! build; a hold lost before its handler returned stores nothing; a failing table answered
+//! with 503. Each test has a lock table of its own on the binary's shared PostgreSQL and
+//! MariaDB.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+use axum::Router;
+use axum::routing::post;
 
 use tower_lock::{
     BuildError, IdempotencyBackend, IdempotencyLayer, LockBackend, MySqlBackend, PostgresBackend,
 };
 
 use super::support::{eventually, mariadb, postgres};
-use super::{Payments, app, pay_with, scoped};
+use super::{Payments, app, pay_with, scoped, tenant};
 
 /// A fence TTL whose janitor sweeps only when a backend starts (every 5 minutes after).
 const HOUR: Duration = Duration::from_secs(3600);
 
 /// What the tests need of a SQL store on its shared server.
-trait Server {
+trait Server: 'static {
     type Backend: IdempotencyBackend + std::fmt::Debug;
     /// The shipped SQL that build() names.
     const FILE: &str;
@@ -43,7 +49,7 @@ trait Server {
     /// Lets `user` select, insert, update and delete in `table`.
     fn grant(user: &str, table: &str) -> impl Future<Output = ()>;
     /// Runs `sql` as the superuser.
-    fn execute(sql: String) -> impl Future<Output = ()>;
+    fn execute(sql: String) -> impl Future<Output = ()> + Send;
     /// The one integer `sql` answers.
     fn scalar(sql: String) -> impl Future<Output = i64>;
     /// Calls `table`'s record_store routine for the row `name` with the hold's `token`:
@@ -89,8 +95,9 @@ impl Server for Pg {
     }
 
     async fn execute(sql: String) {
-        sqlx::raw_sql(&sql)
-            .execute(&mut postgres::shared().conn().await)
+        use sqlx::Executor;
+        let mut conn = postgres::shared().conn().await;
+        conn.execute(sqlx::raw_sql(&sql))
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
@@ -225,6 +232,7 @@ on_both!(
     build_refuses_a_schema_without_the_records_table_naming_the_sql_and_migrate_adds_it,
     a_records_table_that_fails_answers_503_and_runs_nothing,
     build_refuses_a_user_without_rights_on_the_records_table_naming_the_table,
+    a_hold_lost_before_the_handler_returned_stores_nothing,
 );
 
 /// A lock table and a namespace no other test uses.
@@ -405,4 +413,35 @@ async fn build_refuses_a_user_without_rights_on_the_records_table_naming_the_tab
     let app = app(IdempotencyLayer::new(backend), &payments);
     assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
     assert_eq!(records::<S>(&table).await, 1, "the probe's record is gone");
+}
+
+async fn a_hold_lost_before_the_handler_returned_stores_nothing<S: Server>() {
+    let (table, namespace) = fresh();
+    let backend = S::build(&table, &namespace, HOUR).await.expect("backend");
+    // The handler frees its own lock as a force-release does, unannounced: its backend
+    // hears of it at its next renewal, a third of the lease later, long after the handler
+    // returned and the record was (not) stored. The store call itself finds it lost.
+    let lose = format!(
+        "UPDATE {table} SET owner = NULL, expires = NULL WHERE name = '{}'",
+        row(&namespace, "k1")
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let pay = {
+        let runs = runs.clone();
+        move || async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            S::execute(lose).await;
+            format!("charged {n}")
+        }
+    };
+    let app = Router::new().route("/payments", post(pay)).route_layer(
+        IdempotencyLayer::new(backend)
+            .lease(Duration::from_secs(900))
+            .scope(tenant),
+    );
+    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 1");
+    assert_eq!(records::<S>(&table).await, 0, "nothing stored");
+    let retry = pay_with(&app, "k1", "{}").await;
+    assert_eq!(retry.body, "charged 2");
+    assert!(retry.headers.get("idempotency-replayed").is_none());
 }
