@@ -1,6 +1,6 @@
-//! `IdempotencyLayer` through axum, on a throwaway Redis and on `MemoryBackend`: replays,
-//! duplicates in flight across three instances, mismatches, tenants, 5xx, bodies, expiry,
-//! lost locks and crashed instances.
+//! `IdempotencyLayer` through axum, on a throwaway Redis, on `MemoryBackend` and on the
+//! binary's shared PostgreSQL and MariaDB: replays, duplicates in flight across three
+//! instances, mismatches, tenants, 5xx, bodies, expiry, lost locks and crashed instances.
 
 mod support;
 
@@ -8,6 +8,8 @@ mod support;
 mod crash;
 #[path = "idempotency/records.rs"]
 mod records;
+#[path = "idempotency/sql.rs"]
+mod sql;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -147,7 +149,7 @@ fn scoped(t: &str, key: &str) -> String {
     format!("idempotency:{}:{t}:{key}", t.len())
 }
 
-on_redis_and_memory!(
+for_each_records_store!(
     a_retry_after_completion_replays_exactly_without_running_the_handler,
     duplicates_in_flight_on_three_instances_run_the_handler_once_and_get_409,
     duplicates_that_wait_for_the_first_get_its_response,

@@ -113,7 +113,7 @@ async fn build_refuses_an_older_schema_a_user_without_rights_and_a_read_only_ser
             refused,
             Err(BuildError::Schema {
                 found: Some(0),
-                expected: 1,
+                expected: 2,
                 ..
             })
         ),

@@ -114,7 +114,7 @@ async fn build_refuses_an_older_schema_a_user_without_rights_a_read_only_session
             refused,
             Err(BuildError::Schema {
                 found: Some(0),
-                expected: 1,
+                expected: 2,
                 ..
             })
         ),

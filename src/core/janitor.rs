@@ -1,5 +1,6 @@
 //! The janitor of a SQL store: deletes the rows of names that nobody has used for the
-//! fence retention, so that keys that come and go leave a bounded table behind.
+//! fence retention, and expired idempotency records, so that keys that come and go leave
+//! bounded tables behind.
 
 use std::time::Duration;
 

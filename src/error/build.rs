@@ -249,15 +249,15 @@ impl fmt::Display for BuildError {
             ),
             BuildError::Schema {
                 backend,
+                file,
                 table,
                 found: Some(found),
                 expected,
-                ..
             } => write!(
                 f,
                 "the lock table `{table}` is at schema version {found}, this crate needs \
-                 {expected}: run the SQL of `{backend}::schema_sql(\"{table}\")`, or \
-                 build with `migrate()`"
+                 {expected}: run the SQL of `{backend}::schema_sql(\"{table}\")` (the \
+                 crate's {file} for the default table), or build with `migrate()`"
             ),
             BuildError::ReadOnly { reason } => {
                 write!(f, "the server takes no writes: {reason}")

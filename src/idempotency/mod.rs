@@ -134,7 +134,8 @@ impl Config {
 /// use axum::{Router, routing::post};
 /// use tower_lock::{IdempotencyLayer, MemoryBackend};
 ///
-/// let backend = MemoryBackend::new(); // or a RedisBackend shared by every instance
+/// // Or a RedisBackend, PostgresBackend or MySqlBackend shared by every instance.
+/// let backend = MemoryBackend::new();
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "charged" }))
 ///     .route_layer(

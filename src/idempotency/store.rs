@@ -21,8 +21,11 @@ use crate::backend::LockBackend;
 
 /// A backend that keeps idempotency records beside its locks, for
 /// [`IdempotencyLayer`](crate::IdempotencyLayer): [`RedisBackend`](crate::RedisBackend)
-/// (the record in the lock's hash slot, expired by Redis) and
-/// [`MemoryBackend`](crate::MemoryBackend). The PostgreSQL store has no records yet.
+/// (the record in the lock's hash slot, expired by Redis),
+/// [`MemoryBackend`](crate::MemoryBackend), and, with their features, `PostgresBackend`
+/// and `MySqlBackend` (a row of the lock table's `_records` table per key, its expiry on
+/// the server's clock, deleted by the backend's janitor once expired). The etcd and
+/// ZooKeeper stores keep no records.
 ///
 /// Sealed, as [`LockBackend`] is.
 pub trait IdempotencyBackend: LockBackend + sealed::Sealed {}

@@ -4,8 +4,9 @@
 use sqlx::MySql;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 
+use super::error::MySqlError;
 use super::error::number;
-use super::store::{MySqlStore, reply};
+use super::store::{MySqlStore, reply, retried};
 use super::wake::may_kill;
 use crate::error::BuildError;
 use crate::key::namespaced;
@@ -29,8 +30,9 @@ pub(super) async fn refuse_read_only(
     Ok(())
 }
 
-/// Takes and gives back a lock on a probe name, so that a user without the rights the
-/// procedures need is refused now rather than on every request, then deletes its row; and
+/// Takes a lock on a probe name, stores an idempotency record under it and gives it back,
+/// so that a user without the rights the procedures need is refused now rather than on
+/// every request, then deletes its rows; and
 /// checks that the user may interrupt its own connections (`KILL QUERY`), which every
 /// release that wakes a waiter does.
 pub(super) async fn probe(
@@ -67,21 +69,28 @@ pub(super) async fn probe(
             .bind(0)
             .bind("")
     };
-    for call in [&acquire as &dyn Fn() -> _, &release] {
-        reply(&store.pool, call)
-            .await
-            .map_err(|e| match e.into_sqlx() {
-                Ok(e) => refused(e),
-                Err(unexpected) => {
-                    connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options)
-                }
-            })?;
+    let failed = |e: MySqlError| match e.into_sqlx() {
+        Ok(e) => refused(e),
+        Err(unexpected) => connect_failure(sqlx::Error::Protocol(unexpected.to_string()), options),
+    };
+    let record = || {
+        sqlx::query_scalar(&store.sql.record_store)
+            .bind(&name)
+            .bind(i64::MAX)
+            .bind(1)
+            .bind(Vec::<u8>::new())
+    };
+    for call in [&acquire as &dyn Fn() -> _, &record, &release] {
+        reply(&store.pool, call).await.map_err(failed)?;
     }
-    sqlx::query(&format!("DELETE FROM {table} WHERE name = ?"))
-        .bind(&name)
-        .execute(&store.pool)
-        .await
-        .map_err(refused)?;
+    for rows in [table.clone(), format!("{table}_records")] {
+        // The janitor's first sweep runs meanwhile, and may make a deadlock's victim of
+        // this.
+        let delete = format!("DELETE FROM {rows} WHERE name = ?");
+        retried(|| sqlx::query(&delete).bind(&name).execute(&store.pool))
+            .await
+            .map_err(failed)?;
+    }
     let killed = may_kill(&store.pool, options)
         .await
         .map_err(|e| connect_failure(e, options))?;

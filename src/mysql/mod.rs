@@ -18,6 +18,8 @@ use self::store::MySqlStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
 use crate::error::BuildError;
+use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
+use crate::sql::SqlRecords;
 
 /// Distributed locks in MySQL 8 or MariaDB 10.6+ (feature `mysql`). Cheap to clone;
 /// clones share connections.
@@ -59,7 +61,8 @@ use crate::error::BuildError;
 /// with `CONNECTION ADMIN`/`SUPER`); `build` checks it may interrupt its own connections.
 /// When the wake connection drops, the backend reconnects, registers again and wakes
 /// every waiter. A watchdog renews held leases in one call per batch, and a janitor
-/// deletes the rows of names unused for [`fence_ttl`](MySqlBackendBuilder::fence_ttl).
+/// deletes the rows of names unused for [`fence_ttl`](MySqlBackendBuilder::fence_ttl), and
+/// expired idempotency records (see [`IdempotencyBackend`]).
 ///
 /// Tokens are `BIGINT`s, strictly increasing per name: above the name's counter and never
 /// below the server clock in microseconds, so they survive the row's deletion.
@@ -142,3 +145,14 @@ impl Sealed for MySqlBackend {
 }
 
 impl LockBackend for MySqlBackend {}
+
+impl RecordsOf for MySqlBackend {
+    fn records(&self) -> Arc<dyn Records> {
+        SqlRecords::new(
+            self.inner.store.clone(),
+            self.inner.settings.command_timeout,
+        )
+    }
+}
+
+impl IdempotencyBackend for MySqlBackend {}

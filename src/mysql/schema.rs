@@ -7,7 +7,7 @@ use sqlx::{Acquire, Executor};
 use crate::error::BuildError;
 
 /// The version `schema.sql` creates (its `tower_lock_schema_version()`).
-pub(crate) const SCHEMA_VERSION: i32 = 1;
+pub(crate) const SCHEMA_VERSION: i32 = 2;
 
 /// The default table name, as `schema.sql` spells it.
 pub(crate) const DEFAULT_TABLE: &str = "tower_lock";
@@ -191,7 +191,7 @@ mod tests {
             .iter()
             .filter(|s| s.starts_with("CREATE PROCEDURE"))
             .count();
-        assert_eq!(procedures, 15);
+        assert_eq!(procedures, 16);
         assert!(
             all.iter()
                 .all(|s| !s.contains("DELIMITER") && !s.trim().is_empty())

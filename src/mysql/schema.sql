@@ -1,6 +1,7 @@
--- tower-lock's MySQL/MariaDB schema, version 1: three InnoDB tables and the stored
+-- tower-lock's MySQL/MariaDB schema, version 2: four InnoDB tables and the stored
 -- procedures that the MySqlBackend calls, one CALL per primitive (no transaction stays
--- open while a lock is held).
+-- open while a lock is held). Version 2 added the idempotency records
+-- (tower_lock_records, tower_lock_record_store); running this file upgrades version 1.
 --
 -- Run it once per database with the client (mariadb app < schema.sql; it sets its own
 -- DELIMITER), or let MySqlBackend::builder(..).migrate() do it at build. Procedures are
@@ -73,11 +74,21 @@ CREATE TABLE IF NOT EXISTS tower_lock_waiters (
     KEY tower_lock_waiters_conn (conn, woken)
 ) ENGINE = InnoDB;
 
+-- IdempotencyLayer's records: the response stored for a lock name by the hold that ran
+-- the handler (tower_lock_record_store), replayed until `expires` (UTC); deleted by
+-- tower_lock_sweep once expired.
+CREATE TABLE IF NOT EXISTS tower_lock_records (
+    name    VARBINARY(2800) NOT NULL PRIMARY KEY,
+    record  LONGBLOB NOT NULL,
+    expires DATETIME(6) NOT NULL,
+    KEY tower_lock_records_exp (expires)
+) ENGINE = InnoDB;
+
 DELIMITER //
 
 DROP PROCEDURE IF EXISTS tower_lock_schema_version //
 CREATE PROCEDURE tower_lock_schema_version() SQL SECURITY INVOKER
-SELECT 1 //
+SELECT 2 //
 
 -- Marks the waiters of p_channel woken and cuts their wake connections' park short.
 -- Called after the release's COMMIT: a wake connection that looks after this finds its
@@ -600,16 +611,46 @@ BEGIN
     END IF;
 END //
 
+-- Stores the idempotency record p_record for `p_name`, kept for p_retention_ms, if the hold
+-- with the fencing token p_token still holds the name's lock, and replaces the name's
+-- record, expired or not. The hold holds it while the lock is held, unexpired, under
+-- p_token or a token below it: a hold passed between tasks of one process in memory keeps
+-- the row's token, below the tokens of the tasks it was passed to, and any other hold
+-- since (here or elsewhere) got a token above every token issued before it, p_token
+-- included. Replies 1 when stored, 0 when not.
+DROP PROCEDURE IF EXISTS tower_lock_record_store //
+CREATE PROCEDURE tower_lock_record_store(p_name VARBINARY(2800), p_token BIGINT,
+    p_retention_ms BIGINT, p_record LONGBLOB)
+SQL SECURITY INVOKER
+BEGIN
+    DECLARE t_now DATETIME(6) DEFAULT UTC_TIMESTAMP(6);
+    DECLARE held INT;
+    DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;
+    START TRANSACTION;
+    -- A locking read: the row as the last release or force-release committed it.
+    SELECT COUNT(*) INTO held FROM tower_lock
+    WHERE name = p_name AND owner IS NOT NULL AND expires > t_now AND token <= p_token
+    FOR UPDATE;
+    IF held > 0 THEN
+        INSERT INTO tower_lock_records (name, record, expires)
+        VALUES (p_name, p_record, t_now + INTERVAL p_retention_ms * 1000 MICROSECOND)
+        ON DUPLICATE KEY UPDATE record = VALUES(record), expires = VALUES(expires);
+    END IF;
+    COMMIT;
+    SELECT IF(held > 0, '1', '0');
+END //
+
 -- Deletes up to p_limit names that nobody holds, waits for or used within the last
 -- p_keep_ms (their fencing counters are no longer needed: a new token is never below the
 -- clock in microseconds), with their expired holders, and the waiter rows of wake
--- connections that are gone (a process killed without closing). Replies how many names
--- went.
+-- connections that are gone (a process killed without closing), and up to p_limit
+-- expired records (in a statement of their own, after the names' transaction). Replies how
+-- many names went, or how many records if more (p_limit: there may be more left).
 DROP PROCEDURE IF EXISTS tower_lock_sweep //
 CREATE PROCEDURE tower_lock_sweep(p_keep_ms BIGINT, p_limit INT) SQL SECURITY INVOKER
 BEGIN
     DECLARE t_now DATETIME(6) DEFAULT UTC_TIMESTAMP(6);
-    DECLARE gone INT;
+    DECLARE gone, records_gone INT;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;
     DELETE FROM tower_lock_waiters
     WHERE conn NOT IN (SELECT ID FROM information_schema.PROCESSLIST);
@@ -628,7 +669,9 @@ BEGIN
     ORDER BY touched LIMIT p_limit;
     SET gone = ROW_COUNT();
     COMMIT;
-    SELECT gone;
+    DELETE FROM tower_lock_records WHERE expires <= t_now ORDER BY expires LIMIT p_limit;
+    SET records_gone = ROW_COUNT();
+    SELECT GREATEST(gone, records_gone);
 END //
 
 DELIMITER ;

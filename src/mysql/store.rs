@@ -29,10 +29,19 @@ pub(crate) async fn reply<'q>(
     pool: &MySqlPool,
     make: impl Fn() -> Call<'q>,
 ) -> Result<Vec<i64>, MySqlError> {
+    let rows = retried(|| make().fetch_all(pool)).await?;
+    parse(rows.first().map(String::as_str))
+}
+
+/// Runs the statement `send` sends, sending it again when InnoDB rolled it back.
+pub(crate) async fn retried<T, F>(send: impl Fn() -> F) -> Result<T, MySqlError>
+where
+    F: Future<Output = Result<T, sqlx::Error>>,
+{
     let mut retries = 0;
     loop {
-        let error = match make().fetch_all(pool).await {
-            Ok(rows) => return parse(rows.first().map(String::as_str)),
+        let error = match send().await {
+            Ok(done) => return Ok(done),
             Err(e) => MySqlError::from(e),
         };
         if !error.rolled_back() || retries == ROLLBACK_RETRIES {
@@ -115,6 +124,11 @@ impl Calls for MySql {
             inspect: format!("CALL {table}_inspect(?, ?)"),
             force_release: format!("CALL {table}_force_release(?, ?, ?, ?)"),
             sweep: format!("CALL {table}_sweep(?, ?)"),
+            record_fetch: format!(
+                "SELECT record FROM {table}_records WHERE name = ? \
+                 AND expires > UTC_TIMESTAMP(6)"
+            ),
+            record_store: format!("CALL {table}_record_store(?, ?, ?, ?)"),
         }
     }
 
@@ -281,6 +295,29 @@ impl Calls for MySql {
                 .fetch_all(&pool)
                 .await?;
             Ok(gone.first().copied().unwrap_or(0))
+        })
+    }
+
+    fn record_store<'a>(
+        store: &'a MySqlStore,
+        name: &'a str,
+        token: i64,
+        retention_ms: i64,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, MySqlError>> {
+        Box::pin(async move {
+            let make = || {
+                sqlx::query_scalar(&store.sql.record_store)
+                    .bind(name)
+                    .bind(token)
+                    .bind(retention_ms)
+                    .bind(record)
+            };
+            match reply(&store.pool, make).await?.as_slice() {
+                [1] => Ok(true),
+                [0] => Ok(false),
+                _ => Err(MySqlError::unexpected("record_store")),
+            }
         })
     }
 

@@ -34,19 +34,22 @@ pub(super) async fn refuse_read_only(
     Ok(())
 }
 
-/// Takes and gives back a lock on a probe name, so that a user without the rights the
-/// functions need is refused now rather than on every request; deletes its row after.
+/// Takes a lock on a probe name, stores an idempotency record under it and gives it back,
+/// so that a user without the rights the functions need is refused now rather than on
+/// every request; deletes its rows after.
 pub(super) async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result<(), BuildError> {
     let probe = format!("tower-lock-build-probe-{}", uuid::Uuid::new_v4().simple());
     let name = namespaced(&store.namespace, &probe);
     let table = &store.table;
     let statements = [
         format!("SELECT {table}_acquire($1, 'probe', 1000, 0, 0, false, '')"),
+        format!("SELECT {table}_record_store($1, {}, 1, '')", i64::MAX),
         format!(
             "SELECT {table}_release($1, 'probe', 'probe#0', 1000, 'tl_probe', NULL, false, \
              NULL, 0, false, NULL, 0, '')"
         ),
         format!("DELETE FROM {table} WHERE name = $1"),
+        format!("DELETE FROM {table}_records WHERE name = $1"),
     ];
     for statement in &statements {
         sqlx::query(statement)

@@ -18,6 +18,8 @@ use self::store::PgStore;
 use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
 use crate::error::BuildError;
+use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
+use crate::sql::SqlRecords;
 
 /// Distributed locks in PostgreSQL (feature `postgres`). Cheap to clone; clones share
 /// connections.
@@ -54,7 +56,8 @@ use crate::error::BuildError;
 /// a release sends `NOTIFY` in its statement, delivered when it commits. When that
 /// connection drops, the backend reconnects, listens again and wakes every waiter. A
 /// watchdog renews held leases in one statement per batch, and a janitor deletes the rows
-/// of names unused for [`fence_ttl`](PostgresBackendBuilder::fence_ttl).
+/// of names unused for [`fence_ttl`](PostgresBackendBuilder::fence_ttl), and expired
+/// idempotency records (see [`IdempotencyBackend`]).
 ///
 /// Tokens are `bigint`s, strictly increasing per name: above the name's counter and never
 /// below the server clock in microseconds, so they survive the row's deletion.
@@ -136,3 +139,14 @@ impl Sealed for PostgresBackend {
 }
 
 impl LockBackend for PostgresBackend {}
+
+impl RecordsOf for PostgresBackend {
+    fn records(&self) -> Arc<dyn Records> {
+        SqlRecords::new(
+            self.inner.store.clone(),
+            self.inner.settings.command_timeout,
+        )
+    }
+}
+
+impl IdempotencyBackend for PostgresBackend {}

@@ -6,7 +6,7 @@ use sqlx::postgres::PgPool;
 use crate::error::BuildError;
 
 /// The version `schema.sql` creates (its `tower_lock_schema_version()`).
-pub(crate) const SCHEMA_VERSION: i32 = 1;
+pub(crate) const SCHEMA_VERSION: i32 = 2;
 
 /// The default table name, as `schema.sql` spells it.
 pub(crate) const DEFAULT_TABLE: &str = "tower_lock";

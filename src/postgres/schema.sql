@@ -1,6 +1,7 @@
--- tower-lock's PostgreSQL schema, version 1: two tables and the functions that the
+-- tower-lock's PostgreSQL schema, version 2: three tables and the functions that the
 -- PostgresBackend calls, one per primitive, each run as one statement (no transaction
--- stays open while a lock is held).
+-- stays open while a lock is held). Version 2 added the idempotency records
+-- (tower_lock_records, tower_lock_record_store); running this file upgrades version 1.
 --
 -- Run it once per database (psql -f schema.sql), or let PostgresBackend::builder(..)
 -- .migrate() do it at build. It is idempotent: tables are created if missing and functions
@@ -58,8 +59,18 @@ CREATE TABLE IF NOT EXISTS tower_lock_holders (
     PRIMARY KEY (name, holder)
 ) WITH (fillfactor = 70);
 
+-- IdempotencyLayer's records: the response stored for a lock name by the hold that ran
+-- the handler (tower_lock_record_store), replayed until `expires`; deleted by
+-- tower_lock_sweep once expired.
+CREATE TABLE IF NOT EXISTS tower_lock_records (
+    name    text PRIMARY KEY,
+    record  bytea NOT NULL,
+    expires timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tower_lock_records_exp ON tower_lock_records (expires);
+
 CREATE OR REPLACE FUNCTION tower_lock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS $$ SELECT 1 $$;
+LANGUAGE sql IMMUTABLE AS $$ SELECT 2 $$;
 
 -- Milliseconds from `a` until `b`, rounded up (at least 0).
 CREATE OR REPLACE FUNCTION tower_lock_ms(a timestamptz, b timestamptz) RETURNS bigint
@@ -499,15 +510,46 @@ BEGIN
 END
 $$;
 
+-- Stores the idempotency record p_record for `p_name`, kept for p_retention_ms, if the hold
+-- with the fencing token p_token still holds the name's lock, and replaces the name's
+-- record, expired or not. The hold holds it while the lock is held, unexpired, under
+-- p_token or a token below it: a hold passed between tasks of one process in memory keeps
+-- the row's token, below the tokens of the tasks it was passed to, and any other hold
+-- since (here or elsewhere) got a token above every token issued before it, p_token
+-- included. Returns whether it stored the record.
+CREATE OR REPLACE FUNCTION tower_lock_record_store(p_name text, p_token bigint,
+    p_retention_ms bigint, p_record bytea)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- A force-release or release of the row in flight commits first: the row is read
+    -- again once locked.
+    PERFORM 1 FROM tower_lock
+    WHERE name = p_name AND owner IS NOT NULL AND expires > clock_timestamp()
+        AND token <= p_token
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO tower_lock_records (name, record, expires)
+    VALUES (p_name, p_record, clock_timestamp() + p_retention_ms * interval '1 millisecond')
+    ON CONFLICT (name) DO UPDATE SET record = EXCLUDED.record, expires = EXCLUDED.expires;
+    RETURN true;
+END
+$$;
+
 -- Deletes up to p_limit names that nobody holds, waits for or used within the last
 -- p_keep_ms (their fencing counters are no longer needed: a new token is never below the
--- clock in microseconds), with their expired holders. Returns how many went.
+-- clock in microseconds), with their expired holders, and up to p_limit expired records.
+-- Returns how many names went, or how many records if more (p_limit: there may be more
+-- left).
 CREATE OR REPLACE FUNCTION tower_lock_sweep(p_keep_ms bigint, p_limit integer)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     t_now timestamptz := clock_timestamp();
     gone integer;
+    records_gone integer;
 BEGIN
     WITH tower_lock_doomed AS (
         SELECT name FROM tower_lock l
@@ -522,6 +564,9 @@ BEGIN
     )
     DELETE FROM tower_lock l USING tower_lock_doomed d WHERE l.name = d.name;
     GET DIAGNOSTICS gone = ROW_COUNT;
-    RETURN gone;
+    DELETE FROM tower_lock_records WHERE name IN (SELECT name FROM tower_lock_records
+        WHERE expires <= t_now LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS records_gone = ROW_COUNT;
+    RETURN greatest(gone, records_gone);
 END
 $$;

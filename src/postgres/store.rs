@@ -70,6 +70,11 @@ impl Calls for Postgres {
             inspect: format!("SELECT {table}_inspect($1, $2)"),
             force_release: format!("SELECT {table}_force_release($1, $2, $3, $4)"),
             sweep: format!("SELECT {table}_sweep($1, $2)"),
+            record_fetch: format!(
+                "SELECT record FROM {table}_records WHERE name = $1 \
+                 AND expires > clock_timestamp()"
+            ),
+            record_store: format!("SELECT {table}_record_store($1, $2, $3, $4)"),
         }
     }
 
@@ -228,6 +233,25 @@ impl Calls for Postgres {
                 .fetch_one(&pool)
                 .await
                 .map(i64::from)
+        })
+    }
+
+    fn record_store<'a>(
+        store: &'a PgStore,
+        name: &'a str,
+        token: i64,
+        retention_ms: i64,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, PgError>> {
+        Box::pin(async move {
+            let stored = sqlx::query_scalar::<_, bool>(&store.sql.record_store)
+                .bind(name)
+                .bind(token)
+                .bind(retention_ms)
+                .bind(record)
+                .fetch_one(&store.pool)
+                .await?;
+            Ok(stored)
         })
     }
 

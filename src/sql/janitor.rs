@@ -1,5 +1,6 @@
-//! The janitor of a SQL store (see `core::janitor`), calling the store's `sweep` routine;
-//! MySQL's also deletes the waiter rows of wake connections that are gone.
+//! The janitor of a SQL store (see `core::janitor`), calling the store's `sweep` routine,
+//! which also deletes expired idempotency records; MySQL's also deletes the waiter rows of
+//! wake connections that are gone.
 
 use std::time::Duration;
 

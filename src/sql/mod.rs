@@ -1,6 +1,7 @@
 //! What the SQL stores (`postgres`, `mysql`) share: the names of a key's row and channel,
 //! the calls' errors and what they mean to the core, how a failed connection is reported
-//! at build, and how durations and tokens are passed to the crate's SQL.
+//! at build, how durations and tokens are passed to the crate's SQL, and the idempotency
+//! records beside the locks.
 //!
 //! What differs between the servers (their error codes, names in messages, the longest
 //! row name) is a [`Dialect`], implemented for sqlx's database types in each store's
@@ -10,6 +11,7 @@ mod build;
 mod error;
 pub(crate) mod janitor;
 mod keys;
+mod records;
 mod store;
 
 use std::time::Duration;
@@ -17,6 +19,7 @@ use std::time::Duration;
 pub(crate) use self::build::{Config, connect_failure};
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
+pub(crate) use self::records::SqlRecords;
 pub(crate) use self::store::{Calls, SqlSent, SqlStore, Statements};
 use crate::lock::MAX_DURATION;
 

@@ -1,7 +1,7 @@
 //! The SQL stores as the core's [`Store`]: what both do alike (the key names, the remaining
 //! lease, withdrawing a waiting writer, the operator calls and their log) is written here
 //! once; the calls whose SQL and replies differ (an attempt, a release, a renewal batch, an
-//! operator's call) are each server's [`Calls`].
+//! operator's call, storing an idempotency record) are each server's [`Calls`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +23,7 @@ pub(crate) struct SqlStore<D: Calls> {
     pub(crate) sql: Statements,
     /// The connection this backend's waiters are woken through.
     pub(crate) wake: D::Wake,
-    /// Deletes the rows of names unused for the fence retention.
+    /// Deletes the rows of names unused for the fence retention, and expired records.
     pub(crate) janitor: Daemon,
     pub(crate) namespace: String,
     pub(crate) table: String,
@@ -58,6 +58,11 @@ pub(crate) struct Statements {
     pub(crate) inspect: String,
     pub(crate) force_release: String,
     pub(crate) sweep: String,
+    /// Takes the name; answers the name's unexpired idempotency record, no row when none.
+    pub(crate) record_fetch: String,
+    /// Takes the name, the hold's token, the retention in milliseconds and the record
+    /// (see [`Calls::record_store`]).
+    pub(crate) record_store: String,
 }
 
 /// What an attempt came back with, and what it went out on (see [`Sent`]): `()`, as a
@@ -103,6 +108,17 @@ pub(crate) trait Calls: Dialect {
         keep_ms: i64,
         limit: i32,
     ) -> BoxFuture<'static, Result<i64, sqlx::Error>>;
+
+    /// Stores an idempotency record: the `record_store` statement with the row's `name`, the
+    /// `token` of the hold that ran the handler, the retention in milliseconds and the
+    /// record; whether it stored it (only while that hold holds the name).
+    fn record_store<'a>(
+        store: &'a SqlStore<Self>,
+        name: &'a str,
+        token: i64,
+        retention_ms: i64,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, SqlError<Self>>>;
 
     /// An operator's `statement` (`inspect`, or `force_release` when `announced`, which
     /// also takes the key's channel and the admin channel) on `key`: its reply's integers.

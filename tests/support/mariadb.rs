@@ -41,6 +41,9 @@ impl MariaDbServer {
             .args(as_root())
             .arg("--auth-root-authentication-method=normal")
             .arg(format!("--datadir={}", dir.path().join("data").display()))
+            // Its own temporary files: the bootstrap's in a shared /tmp have been seen to
+            // collide with another bootstrap's ("Error on delete of '/tmp/#sql-temptable-..").
+            .arg(format!("--tmpdir={}", dir.path().display()))
             .stdin(Stdio::null())
             .output()
             .map_err(|e| {
@@ -82,6 +85,7 @@ impl MariaDbServer {
             .args(as_root())
             .arg(format!("--port={port}"))
             .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(format!("--tmpdir={}", dir.display()))
             .arg(format!("--socket={}", dir.join("sock").display()))
             .arg(format!("--pid-file={}", dir.join("mariadbd.pid").display()))
             .arg(format!(

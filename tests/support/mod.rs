@@ -605,8 +605,7 @@ pub async fn timed_build(
     built
 }
 
-/// [`for_each_store!`] without PostgreSQL: for what only Redis and `MemoryBackend` offer
-/// (idempotency records).
+/// [`for_each_store!`] on one throwaway redis-server and on `MemoryBackend` only.
 #[macro_export]
 macro_rules! on_redis_and_memory {
     ($($name:ident),* $(,)?) => {
@@ -640,9 +639,9 @@ macro_rules! on_redis_and_memory {
 /// gets three backends of one throwaway redis-server (three processes, as far as the locks
 /// can tell: each has its own owners, queue and connections), `on_quorum::NAME` three
 /// backends of the binary's five-master quorum in a namespace of the test's own,
-/// `in_memory::NAME` three clones of one `MemoryBackend`, `on_postgres::NAME` three
-/// backends of the binary's shared PostgreSQL in a namespace of the test's own. A body is
-/// `async fn NAME<B: LockBackend>(b: [B; 3])`.
+/// `in_memory::NAME` three clones of one `MemoryBackend`, and `on_postgres::NAME` and
+/// `on_mariadb::NAME` three backends of the binary's shared PostgreSQL and MariaDB (see
+/// [`on_sql!`]). A body is `async fn NAME<B: LockBackend>(b: [B; 3])`.
 #[macro_export]
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
@@ -659,6 +658,16 @@ macro_rules! for_each_store {
                 }
             )*
         }
+        $crate::on_sql!($($name),*);
+    };
+}
+
+/// [`for_each_store!`] on the SQL stores only: `on_postgres::NAME` gets three backends of
+/// the binary's shared PostgreSQL in a namespace of the test's own, `on_mariadb::NAME`
+/// three of its shared MariaDB.
+#[macro_export]
+macro_rules! on_sql {
+    ($($name:ident),* $(,)?) => {
         mod on_postgres {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -689,6 +698,16 @@ macro_rules! for_each_store {
                 }
             )*
         }
+    };
+}
+
+/// [`for_each_store!`] without the Redis quorum: on the stores that keep idempotency
+/// records (`IdempotencyBackend`).
+#[macro_export]
+macro_rules! for_each_records_store {
+    ($($name:ident),* $(,)?) => {
+        $crate::on_redis_and_memory!($($name),*);
+        $crate::on_sql!($($name),*);
     };
 }
 
