@@ -25,10 +25,14 @@
 //! turns in memory: handoffs in memory are off for this store (every holder gets its hold
 //! from etcd).
 
+mod behind;
 mod builder;
 mod error;
+mod inspect;
 mod keys;
 mod lease;
+mod permits;
+mod rw;
 mod store;
 mod watch;
 
