@@ -46,27 +46,29 @@ impl EtcdStore {
                 (entry != Entry::Queued && count > 0).then_some((kv, count))
             })
             .collect();
+        // The last writer's token (a semaphore has no fence record).
+        let written = fence
+            .and_then(|f| f.into_iter().next())
+            .map_or(0, |f| f.mod_revision());
         let exclusive = held
             .iter()
             .find(|(kv, _)| Entry::of(kv.key()) == Some(Entry::Hold));
         let (mode, counted, fencing_token) = match exclusive {
-            _ if held.is_empty() => return Ok(LockInfo::free(key.user().to_owned(), None)),
+            _ if held.is_empty() => {
+                let last = token(written).ok().filter(|&t| t > 0);
+                return Ok(LockInfo::free(key.user().to_owned(), last));
+            }
             Some(&(hold, count)) => (LockMode::Exclusive, vec![count], hold.create_revision()),
             None if semaphore => {
                 let newest = held.iter().map(|(kv, _)| kv.create_revision()).max();
                 let counts = held.iter().map(|&(_, c)| c).collect();
                 (LockMode::Permits, counts, newest.unwrap_or(0))
             }
-            None => {
-                let written = fence
-                    .and_then(|f| f.into_iter().next())
-                    .map_or(0, |f| f.mod_revision());
-                (
-                    LockMode::Shared,
-                    held.iter().map(|&(_, c)| c).collect(),
-                    written,
-                )
-            }
+            None => (
+                LockMode::Shared,
+                held.iter().map(|&(_, c)| c).collect(),
+                written,
+            ),
         };
         if free {
             let deletes: Vec<TxnOp> = held
