@@ -25,7 +25,8 @@ impl EtcdStore {
     ) -> Result<Attempted, EtcdError> {
         let (holder, name) = (attempt.holder.as_str(), &*key.name);
         let (start, end) = permits(name);
-        let waits = attempt.waits.is_some();
+        // An acquisition that may still wait keeps its place in line.
+        let waits = attempt.waits.is_some_and(|w| !w.is_zero());
         let oldest = || {
             let options = GetOptions::new()
                 .with_range(end.clone())
@@ -86,7 +87,10 @@ impl EtcdStore {
                         read_at,
                     )])
                     .and_then([op]);
-                self.kv().txn(settle).await?;
+                if self.txn_on(lease, settle).await?.is_none() {
+                    // Its lease is gone, and the key with it.
+                    continue;
+                }
                 if waits {
                     self.wait_for_permit(key, read_at, read_at);
                 }
@@ -117,7 +121,10 @@ impl EtcdStore {
                     own.mod_revision(),
                 )])
                 .and_then([TxnOp::put(mine.clone(), value.encode(), on_lease())]);
-            if self.kv().txn(turn).await?.succeeded() {
+            let Some(reply) = self.txn_on(lease, turn).await? else {
+                continue;
+            };
+            if reply.succeeded() {
                 let token = token(own.create_revision())?;
                 return Ok(Attempted::Acquired { token, count: 1 });
             }
