@@ -175,3 +175,101 @@ async fn a_freed_permit_wakes_one_waiter() {
     // attempt, its turn, its release (which frees the next one's permit).
     assert_eq!(txns(&server) - start, f64::from(6 * 3 + 2 + 6 * 3));
 }
+
+/// The keys in line under `namespace`'s lock or semaphore `dir` (`q` or `p` keys whose
+/// count is 0 for permits): what waits in etcd.
+async fn keys_in(namespace: &str, dir: &str) -> Vec<String> {
+    let mut admin = etcd_client::Client::connect([etcd::shared().endpoint()], None)
+        .await
+        .expect("the test's etcd client connects");
+    let prefix = etcd_client::GetOptions::new().with_prefix();
+    let found = admin
+        .get(format!("{namespace}:{{{dir}/"), Some(prefix))
+        .await
+        .expect("read");
+    found
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_stops_waiting_takes_its_key_out_of_line_and_lets_readers_in() {
+    let namespace = etcd::fresh_namespace();
+    let (a, b) = (
+        etcd::backend_in(&namespace).await,
+        etcd::backend_in(&namespace).await,
+    );
+    let reader = a.lock("doc").shared().try_once().await.expect("free");
+    let writer = tokio::spawn({
+        let b = b.clone();
+        async move { b.lock("doc").wait(WAIT).await }
+    });
+    // Its key in line keeps new readers out.
+    support::eventually("the writer waits in line", || async {
+        matches!(
+            a.lock("doc").shared().try_once().await,
+            Err(LockError::Contended { .. })
+        )
+    })
+    .await;
+    assert_eq!(
+        keys_in(&namespace, "doc}").await.len(),
+        2,
+        "a reader, a writer"
+    );
+    // The request goes away (a client gone, a timeout layer).
+    writer.abort();
+    support::eventually("readers come in again", || async {
+        match a.lock("doc").shared().try_once().await {
+            Ok(guard) => guard.release().await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert_eq!(
+        keys_in(&namespace, "doc}").await.len(),
+        1,
+        "only the reader's"
+    );
+    reader.release().await.expect("released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_waiter_that_stops_waiting_leaves_the_line_to_the_next() {
+    let namespace = etcd::fresh_namespace();
+    let (a, b, c) = (
+        etcd::backend_in(&namespace).await,
+        etcd::backend_in(&namespace).await,
+        etcd::backend_in(&namespace).await,
+    );
+    let held = a.lock("export").permits(1).try_once().await.expect("free");
+    let first = tokio::spawn({
+        let b = b.clone();
+        async move { b.lock("export").permits(1).wait(WAIT).await }
+    });
+    support::eventually("the first waits in line", || async {
+        keys_in(&namespace, "export}:permits").await.len() == 2
+    })
+    .await;
+    let second = tokio::spawn({
+        let c = c.clone();
+        async move { c.lock("export").permits(1).wait(WAIT).await }
+    });
+    support::eventually("the second waits in line", || async {
+        keys_in(&namespace, "export}:permits").await.len() == 3
+    })
+    .await;
+    first.abort();
+    held.release().await.expect("released");
+    // Had the first kept its place, the permit would wait for its lease (30 s).
+    let next = tokio::time::timeout(HANG, second)
+        .await
+        .expect("the second is served")
+        .expect("no panic")
+        .expect("a permit");
+    next.release().await.expect("released");
+    let left = keys_in(&namespace, "export}:permits").await;
+    assert!(left.is_empty(), "{left:?}");
+}

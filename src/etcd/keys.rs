@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::line::Line;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
 use crate::key::{namespaced, validate};
@@ -24,6 +25,9 @@ pub(crate) struct EtcdKey {
     pub(crate) semaphore: bool,
     /// This acquisition's own channel: it is woken when the key it waits behind goes.
     pub(crate) channel: String,
+    /// Its key waiting in line, taken out when the acquisition ends (`None`: an operator's
+    /// call, which waits for nothing).
+    pub(crate) line: Option<Line>,
 }
 
 impl EtcdKey {
@@ -45,7 +49,45 @@ impl EtcdKey {
             name: name.into(),
             user,
             semaphore,
+            line: None,
         })
+    }
+
+    /// An attempt left `key`, holding `value`, waiting in line.
+    pub(crate) fn left_in_line(&self, key: String, value: String) {
+        if let Some(line) = &self.line {
+            line.left(key, value);
+        }
+    }
+
+    /// An attempt took the hold: nothing of the acquisition waits in line any more.
+    pub(crate) fn out_of_line(&self) {
+        if let Some(line) = &self.line {
+            line.taken();
+        }
+    }
+
+    /// These names for an acquisition, which may wait in `line`.
+    pub(crate) fn waiting_in(mut self, line: Line) -> Self {
+        self.line = Some(line);
+        self
+    }
+}
+
+impl Drop for EtcdKey {
+    /// The acquisition ended (every call of it returned): it waits for nothing any more.
+    fn drop(&mut self) {
+        let Some(line) = &mut self.line else {
+            return;
+        };
+        if self.semaphore {
+            // A permit's turn it was woken for goes to the next in line.
+            line.behind
+                .withdraw(&line.wakeups, &self.channel, &self.name);
+        } else {
+            line.behind.tried(&self.channel);
+        }
+        line.leave();
     }
 }
 

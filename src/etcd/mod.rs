@@ -14,8 +14,8 @@
 //! request that gives up, times out or is cancelled has nothing to clean up), nor does a
 //! reader. A key waits in line only where the order is the point: a writer kept out by
 //! readers (new readers queue behind it, so writers are not starved) and a permit waiter
-//! (first come, first served), both deleted when they stop waiting (the core's
-//! `withdraw_writer`), or with the lease.
+//! (first come, first served), both deleted when the acquisition ends without the hold,
+//! once every call of it returned (see `line.rs`), or with the lease.
 //!
 //! Wake-ups come from the backend's watch on the namespace's deletions, routed in
 //! `behind.rs` to the acquisitions waiting behind the deleted key, each on a channel of its
@@ -37,6 +37,7 @@ mod error;
 mod inspect;
 mod keys;
 mod lease;
+mod line;
 mod permits;
 mod rw;
 mod store;

@@ -76,6 +76,8 @@ impl EtcdStore {
                 let mut waiting = HoldValue::new(holder);
                 waiting.count = 0;
                 let op = if waits {
+                    // Taken out when the acquisition ends (known before it is sent).
+                    key.left_in_line(mine.clone(), waiting.encode());
                     TxnOp::put(mine.clone(), waiting.encode(), on_lease())
                 } else {
                     TxnOp::delete(mine.clone(), None)
@@ -125,6 +127,7 @@ impl EtcdStore {
                 continue;
             };
             if reply.succeeded() {
+                key.out_of_line();
                 let token = token(own.create_revision())?;
                 return Ok(Attempted::Acquired { token, count: 1 });
             }

@@ -129,6 +129,8 @@ impl EtcdStore {
                     continue;
                 };
                 if reply.succeeded() {
+                    // Its waiting key is the hold's now: it goes with the release.
+                    key.out_of_line();
                     return Ok(Attempted::Acquired {
                         token: token(revision(&reply)?)?,
                         count: 1,
@@ -139,12 +141,15 @@ impl EtcdStore {
             if attempt.waits.is_none_or(|w| w.is_zero()) {
                 return Ok(held);
             }
-            // Kept out by shared holders or waiting writers: in line behind them.
+            // Kept out by shared holders or waiting writers: in line behind them (taken out
+            // when the acquisition ends, known before it is sent: the reply may not come).
+            let value = HoldValue::new(holder).encode();
+            key.left_in_line(waiting.clone(), value.clone());
             let line_up = Txn::new()
                 .when([Compare::version(waiting.clone(), CompareOp::Equal, 0)])
                 .and_then([TxnOp::put(
                     waiting,
-                    HoldValue::new(holder).encode(),
+                    value,
                     Some(PutOptions::new().with_lease(lease)),
                 )]);
             let Some(reply) = self.txn_on(lease, line_up).await? else {
@@ -269,32 +274,5 @@ impl EtcdStore {
             });
         }
         Err(EtcdError::Contended)
-    }
-
-    /// The holder stopped waiting: its waiting key goes (a writer's, or a permit's still
-    /// in line), which wakes whoever waits behind it.
-    pub(super) async fn withdraw(&self, key: &EtcdKey, holder: &str) {
-        let behind = self.listener.behind();
-        let (entry, value) = if key.semaphore {
-            behind.withdraw(self.listener.wakeups(), &key.channel, &key.name);
-            let mut waiting = HoldValue::new(holder);
-            waiting.count = 0;
-            (Entry::Permit, waiting)
-        } else {
-            behind.tried(&key.channel);
-            (Entry::Queued, HoldValue::new(holder))
-        };
-        let waiting = holder_key(&key.name, entry, self.lease.id(), holder);
-        let withdraw = Txn::new()
-            .when([Compare::value(
-                waiting.clone(),
-                CompareOp::Equal,
-                value.encode(),
-            )])
-            .and_then([TxnOp::delete(waiting, None)]);
-        if let Err(e) = self.kv().txn(withdraw).await {
-            // Its key goes with the lease at the latest; meanwhile it keeps others waiting.
-            tracing::debug!(key = %key.name, error = %e, "etcd: a waiting key was not withdrawn");
-        }
     }
 }

@@ -14,6 +14,7 @@ use etcd_client::{
 use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, hold_key, holder_key, is_semaphore};
 use super::lease::Lease;
+use super::line::Line;
 use super::watch::Listener;
 use crate::core::hold_value::HoldValue;
 use crate::core::runtime::Daemon;
@@ -22,7 +23,7 @@ use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockOwner};
+use crate::lock::{BoxFuture, Kind};
 
 /// How many times a call goes round when its compare-and-swap finds the hold changed
 /// under it (only this backend writes its hold, so once is the rule).
@@ -295,13 +296,10 @@ impl Store for EtcdStore {
     fn key(&self, user: String, kind: Kind) -> Result<EtcdKey, LockError> {
         let semaphore = matches!(kind, Kind::Permit(_));
         let serial = self.acquisitions.fetch_add(1, Ordering::Relaxed);
-        Ok(EtcdKey::new(
-            &self.namespace,
-            user,
-            self.max_key_len,
-            semaphore,
-            serial,
-        )?)
+        let key = EtcdKey::new(&self.namespace, user, self.max_key_len, semaphore, serial)?;
+        let (behind, wakeups) = (self.listener.behind(), self.listener.wakeups());
+        let line = Line::new(self.kv(), behind.clone(), wakeups.clone());
+        Ok(key.waiting_in(line))
     }
 
     fn attempt(
@@ -359,17 +357,6 @@ impl Store for EtcdStore {
 
     fn subscribe(&self, key: &EtcdKey) -> Waiter {
         self.listener.register(&key.channel)
-    }
-
-    fn withdraw_writer(
-        self: &Arc<Self>,
-        key: &Arc<EtcdKey>,
-        holder: LockOwner,
-        _wake: bool,
-    ) -> BoxFuture<'static, ()> {
-        let (store, key) = (self.clone(), key.clone());
-        // Its key's deletion wakes whoever waits behind it.
-        Box::pin(async move { store.withdraw(&key, holder.as_str()).await })
     }
 
     fn releases_lost_holds(&self) -> bool {

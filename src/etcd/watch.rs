@@ -69,7 +69,7 @@ impl Listener {
     }
 
     /// What the waiters wait behind.
-    pub(crate) fn behind(&self) -> &Behind {
+    pub(crate) fn behind(&self) -> &Arc<Behind> {
         &self.behind
     }
 
