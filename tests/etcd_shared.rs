@@ -27,20 +27,13 @@ async fn shared_holds_and_permits_are_keys_under_the_backends_lease() {
         b.lock("doc").shared().try_once().await.expect("shared"),
     ];
     let permit = a.lock("doc").permits(2).try_once().await.expect("free");
-    let mut admin = etcd_client::Client::connect([etcd::shared().endpoint()], None)
-        .await
-        .expect("the test's etcd client connects");
-    let prefix = etcd_client::GetOptions::new().with_prefix();
-    let keys = admin
-        .get(format!("{namespace}:"), Some(prefix))
-        .await
-        .expect("read");
+    let keys = keys_under(format!("{namespace}:")).await;
     // Two shared holds and a permit, each a key of its backend's lease; nothing else.
-    let mut leases: Vec<i64> = keys.kvs().iter().map(|kv| kv.lease()).collect();
+    let mut leases: Vec<i64> = keys.iter().map(|kv| kv.lease()).collect();
     leases.sort_unstable();
     let mut expected = vec![a.lease_id(), a.lease_id(), b.lease_id()];
     expected.sort_unstable();
-    assert_eq!(leases, expected, "{:?}", keys.kvs());
+    assert_eq!(leases, expected, "{keys:?}");
 
     let info = a.inspect("doc").await.expect("inspect");
     assert_eq!((info.mode, info.holders), (LockMode::Shared, 2));
@@ -49,7 +42,8 @@ async fn shared_holds_and_permits_are_keys_under_the_backends_lease() {
     assert_eq!(info.fencing_token, Some(permit.fencing_token()));
 
     // The lease revoked: every hold under it is lost, the other backend's is kept.
-    admin.lease_revoke(a.lease_id()).await.expect("revoked");
+    let revoked = admin().await.lease_revoke(a.lease_id()).await;
+    revoked.expect("revoked");
     for guard in [&readers[0], &permit] {
         tokio::time::timeout(HANG, guard.lost())
             .await
@@ -176,19 +170,28 @@ async fn a_freed_permit_wakes_one_waiter() {
     assert_eq!(txns(&server) - start, f64::from(6 * 3 + 2 + 6 * 3));
 }
 
-/// The keys in line under `namespace`'s lock or semaphore `dir` (`q` or `p` keys whose
-/// count is 0 for permits): what waits in etcd.
-async fn keys_in(namespace: &str, dir: &str) -> Vec<String> {
-    let mut admin = etcd_client::Client::connect([etcd::shared().endpoint()], None)
+/// An etcd client of the test's own, on the binary's etcd.
+async fn admin() -> etcd_client::Client {
+    etcd_client::Client::connect([etcd::shared().endpoint()], None)
         .await
-        .expect("the test's etcd client connects");
-    let prefix = etcd_client::GetOptions::new().with_prefix();
-    let found = admin
-        .get(format!("{namespace}:{{{dir}/"), Some(prefix))
+        .expect("the test's etcd client connects")
+}
+
+/// Every key under `prefix` in the binary's etcd.
+async fn keys_under(prefix: String) -> Vec<etcd_client::KeyValue> {
+    let options = etcd_client::GetOptions::new().with_prefix();
+    let mut found = admin()
+        .await
+        .get(prefix, Some(options))
         .await
         .expect("read");
+    found.take_kvs()
+}
+
+/// The keys of `namespace`'s lock (or semaphore) directory `dir`.
+async fn keys_in(namespace: &str, dir: &str) -> Vec<String> {
+    let found = keys_under(format!("{namespace}:{{{dir}/")).await;
     found
-        .kvs()
         .iter()
         .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
         .collect()
