@@ -1,6 +1,7 @@
 //! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down,
 //! no polling, and the oversell test across three instances. The semantics every store
-//! keeps run in semantics.rs (`etcd::*`).
+//! keeps run in semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
+//! holds and permits in etcd in etcd_shared.rs.
 
 mod support;
 
@@ -165,30 +166,6 @@ async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
         .build()
         .await;
     assert!(refused.is_err(), "{refused:?}");
-}
-
-#[tokio::test]
-async fn shared_locks_and_permits_are_refused_naming_etcd() {
-    let backend = etcd::backend().await;
-    for refused in [
-        backend.lock("k").shared().try_once().await,
-        backend.lock("k").permits(3).try_once().await,
-    ] {
-        let Err(error @ LockError::Unsupported { key, what }) = &refused else {
-            panic!("refused as unsupported: {refused:?}");
-        };
-        assert_eq!(key, "k");
-        assert!(
-            what.contains("etcd") && what.contains("exclusive"),
-            "{what}"
-        );
-        // The route's configuration is at fault, not the request.
-        assert_eq!(error.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
-        assert!(!error.is_transient());
-    }
-    // Nothing was left behind: the key is free.
-    let free = backend.lock("k").try_once().await.expect("free");
-    free.release().await.expect("released");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

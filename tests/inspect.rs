@@ -1,6 +1,6 @@
 //! The operator calls, `inspect` and `force_release` (and their semaphore forms), written
 //! once and run against every store with three instances each: a throwaway redis-server
-//! (three backends, as three processes), the binary's PostgreSQL and MariaDB (three
+//! (three backends, as three processes), the binary's PostgreSQL, MariaDB and etcd (three
 //! backends in a namespace of the test's own) and one `MemoryBackend` (three clones).
 //!
 //! The promise tested for a force-release: the holder sees `lost()` before its next
@@ -53,9 +53,9 @@ impl Instance for RedisBackend {
     }
 }
 
-/// The SQL stores: the waiter listens (PostgreSQL) or is registered for wake-ups
-/// (MySQL) once its connection is up.
-macro_rules! sql_instance {
+/// The SQL stores and etcd: the waiter listens (PostgreSQL), is registered for wake-ups
+/// (MySQL) or watches (etcd) once its connection is up.
+macro_rules! listening_instance {
     ($backend:ty) => {
         impl Instance for $backend {
             const LOST_AT_ONCE: bool = false;
@@ -74,8 +74,9 @@ macro_rules! sql_instance {
     };
 }
 
-sql_instance!(PostgresBackend);
-sql_instance!(MySqlBackend);
+listening_instance!(PostgresBackend);
+listening_instance!(MySqlBackend);
+listening_instance!(tower_lock::EtcdBackend);
 
 impl Instance for MemoryBackend {
     const LOST_AT_ONCE: bool = true;
@@ -87,7 +88,8 @@ impl Instance for MemoryBackend {
 }
 
 /// Runs each body once per store: `on_redis::NAME`, `on_quorum::NAME` (the binary's
-/// five-master quorum), `in_memory::NAME`, `on_postgres::NAME`, `on_mariadb::NAME`.
+/// five-master quorum), `in_memory::NAME`, `on_postgres::NAME`, `on_mariadb::NAME`,
+/// `on_etcd::NAME` (the binary's etcd).
 macro_rules! for_each_store {
     ($($name:ident),* $(,)?) => {
         mod on_redis {
@@ -157,6 +159,7 @@ macro_rules! for_each_store {
                 }
             )*
         }
+        crate::on_etcd!($($name),*);
     };
 }
 

@@ -86,9 +86,9 @@ for_each_backend!(
 );
 
 /// The bodies that apply to etcd, `etcd::NAME` on the binary's shared etcd in a namespace
-/// of its own: exclusive locks only (no shared locks or permits yet), and no lease per
-/// request (a hold lives under its backend's lease, renewed for all of them), so the body
-/// of a hold without renewal does not apply.
+/// of its own: no lease per request (a hold lives under its backend's lease, renewed for
+/// all of them), so the body of a hold without renewal does not apply. Its shared locks
+/// and permits run the bodies of rwlock.rs and semaphore.rs (`on_etcd!`).
 macro_rules! on_etcd {
     ($($name:ident),* $(,)?) => {
         mod etcd {
@@ -118,8 +118,8 @@ on_etcd!(
 );
 
 /// The bodies that apply to ZooKeeper, `zookeeper::NAME` on the binary's shared ZooKeeper
-/// in a namespace of its own: those of etcd, for the same reasons (exclusive locks only,
-/// every hold under its backend's session).
+/// in a namespace of its own: those of etcd, for the same reason (every hold under its
+/// backend's session), and exclusive locks only.
 macro_rules! on_zookeeper {
     ($($name:ident),* $(,)?) => {
         mod zookeeper {

@@ -240,6 +240,7 @@ impl EtcdBackendBuilder {
             keeper,
             namespace: self.namespace,
             max_key_len: self.max_key_len,
+            acquisitions: std::sync::atomic::AtomicU64::new(0),
         };
         Ok(EtcdBackend {
             inner: Core::new(store, parts),

@@ -1,32 +1,93 @@
-//! The etcd names of one user key: the lock's directory and its holders' keys in it.
+//! The etcd names of one user key: the lock's directory and the keys in it.
 
 use std::sync::Arc;
 
+use super::line::Line;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
 use crate::key::{namespaced, validate};
 
-/// The names that belong to one user key: the lock's directory (`namespace:{key}`), under
-/// which each backend's hold is the key `namespace:{key}/<lease id in hex>`.
+/// The names that belong to one acquisition of a user key: the lock's directory
+/// (`namespace:{key}`, or `namespace:{key}:permits` for its semaphore), and the channel
+/// the acquisition's waiter is woken on.
 ///
-/// No directory is a prefix of another's: the key's own braces and `%` are escaped, so the
-/// closing brace before the `/` ends the user key.
+/// In a lock's directory every key starts with a letter saying what it is (see
+/// [`Entry`]), then the lease id of the backend that wrote it in hex, then, for a key of one
+/// holder, the holder escaped (no `/` in it). No directory is a prefix of another's: the
+/// key's own braces and `%` are escaped, so the closing brace ends the user key.
 #[derive(Debug)]
 pub(crate) struct EtcdKey {
     /// The key as the application gave it.
     user: String,
-    /// The lock's directory, without the trailing `/`: the core's name of the lock, and
-    /// the waiters' channel.
+    /// The lock's directory, without the trailing `/`: the core's name of the lock.
     pub(crate) name: Arc<str>,
+    /// The semaphore's directory rather than the read/write lock's.
+    pub(crate) semaphore: bool,
+    /// This acquisition's own channel: it is woken when the key it waits behind goes.
+    pub(crate) channel: String,
+    /// Its key waiting in line, taken out when the acquisition ends (`None`: an operator's
+    /// call, which waits for nothing).
+    pub(crate) line: Option<Line>,
 }
 
 impl EtcdKey {
-    pub(crate) fn new(namespace: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
+    /// The names of `user`'s lock (or its semaphore), for the acquisition numbered `serial`.
+    pub(crate) fn new(
+        namespace: &str,
+        user: String,
+        max_len: usize,
+        semaphore: bool,
+        serial: u64,
+    ) -> Result<Self, KeyError> {
         validate(&user, max_len)?;
+        let mut name = namespaced(namespace, &user);
+        if semaphore {
+            name.push_str(SEMAPHORE);
+        }
         Ok(EtcdKey {
-            name: namespaced(namespace, &user).into(),
+            channel: format!("{name}#{serial}"),
+            name: name.into(),
             user,
+            semaphore,
+            line: None,
         })
+    }
+
+    /// An attempt left `key`, holding `value`, waiting in line.
+    pub(crate) fn left_in_line(&self, key: String, value: String) {
+        if let Some(line) = &self.line {
+            line.left(key, value);
+        }
+    }
+
+    /// An attempt took the hold: nothing of the acquisition waits in line any more.
+    pub(crate) fn out_of_line(&self) {
+        if let Some(line) = &self.line {
+            line.taken();
+        }
+    }
+
+    /// These names for an acquisition, which may wait in `line`.
+    pub(crate) fn waiting_in(mut self, line: Line) -> Self {
+        self.line = Some(line);
+        self
+    }
+}
+
+impl Drop for EtcdKey {
+    /// The acquisition ended (every call of it returned): it waits for nothing any more.
+    fn drop(&mut self) {
+        let Some(line) = &mut self.line else {
+            return;
+        };
+        if self.semaphore {
+            // A permit's turn it was woken for goes to the next in line.
+            line.behind
+                .withdraw(&line.wakeups, &self.channel, &self.name);
+        } else {
+            line.behind.tried(&self.channel);
+        }
+        line.leave();
     }
 }
 
@@ -40,21 +101,103 @@ impl StoreKey for EtcdKey {
     }
 }
 
-/// The prefix of every hold in the lock `name`'s directory.
-pub(crate) fn dir(name: &str) -> String {
-    format!("{name}/")
+/// What ends the name of a key's semaphore.
+const SEMAPHORE: &str = ":permits";
+
+/// What a key in a lock's directory is, by its first letter after the `/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Entry {
+    /// `h`: the exclusive hold of a backend (one contender per backend and key).
+    Hold,
+    /// `q`: a writer waiting for the shared holders (and writers) before it.
+    Queued,
+    /// `r`: one shared holder's hold.
+    Reader,
+    /// `p`: one permit of a semaphore.
+    Permit,
+    /// `f`: the fence record, written with every exclusive hold: its mod revision is the
+    /// last writer's token, which shared holders carry.
+    Fence,
 }
 
-/// The key of the hold the backend with lease `lease` keeps in the lock `name`.
+impl Entry {
+    const fn letter(self) -> char {
+        match self {
+            Entry::Hold => 'h',
+            Entry::Queued => 'q',
+            Entry::Reader => 'r',
+            Entry::Permit => 'p',
+            Entry::Fence => 'f',
+        }
+    }
+
+    /// What the key `key` of a directory is.
+    pub(crate) fn of(key: &[u8]) -> Option<Self> {
+        let at = key.iter().rposition(|&b| b == b'/')?;
+        Some(match key.get(at + 1)? {
+            b'h' => Entry::Hold,
+            b'q' => Entry::Queued,
+            b'r' => Entry::Reader,
+            b'p' => Entry::Permit,
+            b'f' => Entry::Fence,
+            _ => return None,
+        })
+    }
+
+    /// A writer's key: a hold or a waiting writer.
+    pub(crate) fn is_writer(self) -> bool {
+        matches!(self, Entry::Hold | Entry::Queued)
+    }
+}
+
+/// The key of the exclusive hold the backend with lease `lease` keeps in the lock `name`.
 pub(crate) fn hold_key(name: &str, lease: i64) -> String {
-    format!("{name}/{lease:016x}")
+    format!("{name}/h{lease:016x}")
 }
 
-/// The lock (the waiters' channel) a hold's key belongs to, from a key under the
-/// namespace: everything before its last `/`.
-pub(crate) fn lock_of(hold_key: &[u8]) -> Option<&str> {
-    let key = std::str::from_utf8(hold_key).ok()?;
-    key.rsplit_once('/').map(|(lock, _)| lock)
+/// The key of `holder`'s `entry` (a waiting writer, a shared hold, a permit) under the
+/// lease `lease` in the lock `name`.
+pub(crate) fn holder_key(name: &str, entry: Entry, lease: i64, holder: &str) -> String {
+    let mut key = format!("{name}/{}{lease:016x}", entry.letter());
+    for c in holder.chars() {
+        match c {
+            '%' => key.push_str("%25"),
+            '/' => key.push_str("%2F"),
+            c => key.push(c),
+        }
+    }
+    key
+}
+
+/// The key of the lock `name`'s fence record.
+pub(crate) fn fence_key(name: &str) -> String {
+    format!("{name}/f")
+}
+
+/// The range (start, end) of the keys of the entries `from` up to (not including) `to` in
+/// the lock `name` (letters in between included: `q` lies between `h` and `r`).
+pub(crate) fn range(name: &str, from: Entry, to: char) -> (String, String) {
+    (format!("{name}/{}", from.letter()), format!("{name}/{to}"))
+}
+
+/// Every holder's key of a lock: holds, waiting writers and shared holds.
+pub(crate) fn holders(name: &str) -> (String, String) {
+    range(name, Entry::Hold, 's')
+}
+
+/// The writers' keys of a lock: holds and waiting writers.
+pub(crate) fn writers(name: &str) -> (String, String) {
+    range(name, Entry::Hold, 'r')
+}
+
+/// The permits' keys of a semaphore.
+pub(crate) fn permits(name: &str) -> (String, String) {
+    range(name, Entry::Permit, 'q')
+}
+
+/// Whether the lock `name` is a semaphore's.
+pub(crate) fn is_semaphore(name: &str) -> bool {
+    name.ends_with(SEMAPHORE)
 }
 
 /// The prefix under which every lock of `namespace` lives (what the backend watches).
@@ -68,12 +211,23 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        let key = EtcdKey::new("ns", "a/b}".into(), 1024).unwrap();
+        let key = EtcdKey::new("ns", "a/b}".into(), 1024, false, 7).unwrap();
         assert_eq!(&*key.name, "ns:{a/b%7D}");
         let hold = hold_key(&key.name, 0x2a);
-        assert_eq!(hold, "ns:{a/b%7D}/000000000000002a");
-        assert_eq!(lock_of(hold.as_bytes()), Some("ns:{a/b%7D}"));
-        assert!(hold.starts_with(&dir(&key.name)));
+        assert_eq!(hold, "ns:{a/b%7D}/h000000000000002a");
+        assert_eq!(Entry::of(hold.as_bytes()), Some(Entry::Hold));
+        let (start, end) = holders(&key.name);
+        assert!(hold > start && hold < end);
         assert!(hold.starts_with(&namespace_prefix("ns")));
+        let reader = holder_key(&key.name, Entry::Reader, 1, "r:x/%y");
+        assert!(reader.ends_with("/r0000000000000001r:x%2F%25y"));
+        assert_eq!(Entry::of(reader.as_bytes()), Some(Entry::Reader));
+        let (start, end) = writers(&key.name);
+        assert!(reader >= end && hold >= start);
+        assert!(fence_key(&key.name) < start);
+        let semaphore = EtcdKey::new("ns", "a".into(), 1024, true, 8).unwrap();
+        assert!(is_semaphore(&semaphore.name) && !is_semaphore(&key.name));
+        assert!(!semaphore.name.starts_with(&format!("{}/", key.name)));
+        assert_ne!(semaphore.channel, key.channel);
     }
 }

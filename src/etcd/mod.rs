@@ -3,32 +3,43 @@
 //!
 //! The type and its design are documented on [`EtcdBackend`].
 //!
-//! # Why the core's queue, and not a key per waiter
+//! # Which waiters put a key
 //!
-//! etcd's own lock recipe (`concurrency.Mutex`) puts a key for every waiter, each watching
-//! the deletion of the key just before its own. Here the core already lines up every
-//! waiter of one process behind one contender per key (its local queue), so at most one
-//! attempt per process and key is ever in etcd. An attempt is one transaction: *if the
-//! lock's directory is empty, put this backend's key there under its lease; else read the
-//! key that is there*. A waiter therefore leaves nothing in etcd (a request that gives up,
-//! times out or is cancelled has nothing to clean up), and fits the core's try ->
-//! subscribe -> try again -> wait loop as the other stores do. Wake-ups come from the
-//! backend's watch on the namespace's deletions: a release wakes the one contender of
-//! each process waiting for that key (a herd of processes, not of requests), and it tries
-//! once. What this gives up against the per-waiter recipe is fairness *between*
-//! processes (within one, the queue is first come, first served).
+//! etcd's own recipes (`concurrency.Mutex`, the read/write lock and semaphore built the
+//! same way) put a key for every waiter, each watching the deletion of the key it waits
+//! behind. Here the core already lines up the exclusive waiters of one process behind one
+//! contender per key (its local queue), so at most one exclusive attempt per process and
+//! key is ever in etcd: *if the lock's directory has no key, put this backend's hold there
+//! under its lease; else read the keys there*. Such a waiter leaves nothing in etcd (a
+//! request that gives up, times out or is cancelled has nothing to clean up), nor does a
+//! reader. A key waits in line only where the order is the point: a writer kept out by
+//! readers (new readers queue behind it, so writers are not starved) and a permit waiter
+//! (first come, first served), both deleted when the acquisition ends without the hold,
+//! once every call of it returned (see `line.rs`), or with the lease.
 //!
-//! The fencing token is the hold key's create revision: etcd's revision counter is one
+//! Wake-ups come from the backend's watch on the namespace's deletions, routed in
+//! `behind.rs` to the acquisitions waiting behind the deleted key, each on a channel of its
+//! own: a release wakes what it may let in, not every waiter of the lock. What the core's
+//! queue gives up against a key per exclusive waiter is fairness *between* processes
+//! (within one, the queue is first come, first served).
+//!
+//! The fencing token is the hold key's create revision (a shared hold's: the last
+//! writer's, read from the fence record written with it): etcd's revision counter is one
 //! for the whole cluster, raised by every write, and replicated by Raft, so every new hold
 //! of a key gets a revision above every earlier hold's, across failovers, with no counter
 //! to keep. For the same reason no block of tokens can be set aside for holders that take
 //! turns in memory: handoffs in memory are off for this store (every holder gets its hold
 //! from etcd).
 
+mod behind;
 mod builder;
 mod error;
+mod inspect;
 mod keys;
 mod lease;
+mod line;
+mod permits;
+mod rw;
 mod store;
 mod watch;
 
@@ -43,12 +54,12 @@ use crate::core::Core;
 /// Distributed locks in etcd (feature `etcd`, which needs `protoc` to build). Cheap to
 /// clone; clones share the connection and the lease.
 ///
-/// The same exclusive locks as [`RedisBackend`](crate::RedisBackend), for teams that
-/// want a lock that survives the loss of a minority of servers: etcd acknowledges a write
-/// only once a majority of its members have it, so a granted lock is not lost in a
-/// failover. The layer, [`LockRequest`](crate::LockRequest), [`HeldLock`](crate::HeldLock), multi-key locks,
-/// fencing tokens and the errors are the same; shared locks and permits are not supported
-/// yet (refused with 400, naming why).
+/// The same locks as [`RedisBackend`](crate::RedisBackend), for teams that want a lock
+/// that survives the loss of a minority of servers: etcd acknowledges a write only once a
+/// majority of its members have it, so a granted lock is not lost in a failover. The
+/// layer, [`LockRequest`](crate::LockRequest), [`HeldLock`](crate::HeldLock), exclusive and
+/// shared (read/write) locks, permits, multi-key locks, fencing tokens and the errors are
+/// the same.
 ///
 /// ```no_run
 /// use tower_lock::EtcdBackend;
@@ -63,10 +74,14 @@ use crate::core::Core;
 /// # }
 /// ```
 ///
-/// A lock is a directory of keys, `namespace:{key}/`; a hold is the key
-/// `namespace:{key}/<lease id>`, put only when the directory is empty, in one
-/// transaction, and attached to the backend's lease. Its value names the holder and
-/// counts its re-entries. The fencing token is the key's create revision.
+/// A lock is a directory of keys, `namespace:{key}/`, ordered by create revision as in
+/// etcd's recipes, every key attached to its backend's lease: an exclusive hold (put only
+/// when the directory has no key, in one transaction), a writer waiting in line behind
+/// shared holders (new shared holds queue behind it), a shared hold (put when no writer's
+/// key is there), and in the key's semaphore (`namespace:{key}:permits/`) a permit, held
+/// while fewer than `n` keys came before it. A value names the holder and counts its
+/// re-entries. The fencing token is the key's create revision; a shared hold carries the
+/// last writer's, as on the other stores.
 ///
 /// **The lease is the watchdog.** Each backend grants one lease
 /// ([`lease_ttl`](EtcdBackendBuilder::lease_ttl), 30 s by default) and keeps it alive: a
@@ -84,8 +99,10 @@ use crate::core::Core;
 /// deadline, and its key deleted when its guard goes, since the lease it lives under is
 /// renewed for the backend's other holds.
 ///
-/// Waiters are woken by one watch per backend on the namespace's deletions (no polling);
-/// when the watch breaks, every waiter tries again, and again once it is back. When etcd
+/// Waiters are woken by one watch per backend on the namespace's deletions (no polling),
+/// each only when the key it waits behind goes (a writer its predecessor, a reader the
+/// last writer, a permit waiter a freed permit: no herd); when the watch breaks, every
+/// waiter tries again, and again once it is back. When etcd
 /// cannot be reached (or has no leader), calls fail with 503 after the command timeout.
 #[derive(Clone)]
 pub struct EtcdBackend {

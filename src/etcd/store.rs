@@ -1,30 +1,33 @@
 //! The etcd store: the core's primitive calls as etcd transactions on the lock's
-//! directory, every hold a key attached to the backend's lease.
+//! directory, every hold a key attached to the backend's lease. The attempts of each kind
+//! are in `rw.rs` (exclusive and shared) and `permits.rs`; operators' calls in `inspect.rs`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
     Client, Compare, CompareOp, GetOptions, KeyValue, KvClient, PutOptions, SortOrder, SortTarget,
-    Txn, TxnOp, TxnOpResponse,
+    Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 
 use super::error::EtcdError;
-use super::keys::{EtcdKey, dir, hold_key};
+use super::keys::{Entry, EtcdKey, hold_key, holder_key, is_semaphore};
 use super::lease::Lease;
+use super::line::Line;
 use super::watch::Listener;
 use crate::core::hold_value::HoldValue;
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
+use crate::core::store::{Attempt, Release, Released, Sent, Store};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
-use crate::lock::inspect::{LockInfo, LockMode, Primitive};
+use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind};
 
 /// How many times a call goes round when its compare-and-swap finds the hold changed
 /// under it (only this backend writes its hold, so once is the rule).
-const ROUNDS: usize = 4;
+pub(super) const ROUNDS: usize = 4;
 
 /// etcd's default bound on the operations of one transaction is 128.
 const RENEW_BATCH: usize = 100;
@@ -38,123 +41,137 @@ pub(crate) struct EtcdStore {
     pub(crate) keeper: Daemon,
     pub(crate) namespace: String,
     pub(crate) max_key_len: usize,
+    /// Numbers the acquisitions (each waits on a channel of its own).
+    pub(crate) acquisitions: AtomicU64,
 }
 
-/// The one hold in a lock's directory, if any.
-fn only_hold() -> GetOptions {
+/// The keys from `start` to `end`, oldest (lowest create revision) first.
+pub(super) fn in_order(end: &str) -> GetOptions {
     GetOptions::new()
-        .with_prefix()
+        .with_range(end)
         .with_sort(SortTarget::Create, SortOrder::Ascend)
-        .with_limit(1)
 }
 
 /// A revision as a fencing token (revisions start at 1).
-fn token(revision: i64) -> Result<u64, EtcdError> {
+pub(super) fn token(revision: i64) -> Result<u64, EtcdError> {
     u64::try_from(revision).map_err(|_| EtcdError::Unexpected("a negative revision"))
 }
 
+/// The revision a transaction ran at (its only write's create revision, if it wrote).
+pub(super) fn revision(reply: &TxnResponse) -> Result<i64, EtcdError> {
+    reply
+        .header()
+        .map(|h| h.revision())
+        .ok_or(EtcdError::Unexpected("a transaction without a header"))
+}
+
+/// Every key a transaction's reads found, read by read.
+pub(super) fn found(responses: Vec<TxnOpResponse>) -> Vec<Vec<KeyValue>> {
+    responses
+        .into_iter()
+        .filter_map(|r| match r {
+            TxnOpResponse::Get(mut got) => Some(got.take_kvs()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The holder a key's value names, if it is a hold's value.
+pub(super) fn holder_of(kv: &KeyValue) -> Option<String> {
+    HoldValue::parse(kv.value()).map(|v| v.holder)
+}
+
 impl EtcdStore {
-    fn kv(&self) -> KvClient {
+    pub(super) fn kv(&self) -> KvClient {
         self.client.kv_client()
     }
 
-    /// One exclusive attempt (see the module docs of `etcd`): puts this backend's key in
-    /// the lock's directory if the directory is empty, in one transaction; else reads the
-    /// hold there, and re-enters it if it is the holder's own.
-    async fn attempt_exclusive(&self, key: &EtcdKey, holder: &str) -> Result<Attempted, EtcdError> {
-        let dir = dir(&key.name);
-        for _ in 0..ROUNDS {
-            let lease = self.lease.for_hold().await?;
-            let mine = hold_key(&key.name, lease);
-            let take = Txn::new()
-                .when([Compare::version(dir.clone(), CompareOp::Equal, 0).with_prefix()])
-                .and_then([TxnOp::put(
-                    mine.clone(),
-                    HoldValue::new(holder).encode(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )])
-                .or_else([TxnOp::get(dir.clone(), Some(only_hold()))]);
-            let reply = match self.kv().txn(take).await {
-                Ok(reply) => reply,
-                Err(e) => {
-                    let e = EtcdError::from(e);
-                    if e.is_lease_not_found() {
-                        // Gone since it was last confirmed: a new one, and again.
-                        self.lease.replace(lease).await?;
-                        continue;
-                    }
-                    return Err(e);
+    /// Runs `txn`, whose writes go on the lease `lease`: `None` when that lease is gone
+    /// (a new one was granted: the caller goes again).
+    pub(super) async fn txn_on(
+        &self,
+        lease: i64,
+        txn: Txn,
+    ) -> Result<Option<TxnResponse>, EtcdError> {
+        match self.kv().txn(txn).await {
+            Ok(reply) => Ok(Some(reply)),
+            Err(e) => {
+                let e = EtcdError::from(e);
+                if e.is_lease_not_found() {
+                    // Gone since it was last confirmed: a new one, and again.
+                    self.lease.replace(lease).await?;
+                    return Ok(None);
                 }
-            };
-            if reply.succeeded() {
-                let revision = reply
-                    .header()
-                    .map(|h| h.revision())
-                    .ok_or(EtcdError::Unexpected("a transaction without a header"))?;
-                // The put is the transaction's only write: the key's create revision.
-                return Ok(Attempted::Acquired {
-                    token: token(revision)?,
-                    count: 1,
-                });
-            }
-            let Some(held) = first_kv(reply.op_responses()) else {
-                // Freed between the compare and the read: go again.
-                continue;
-            };
-            if held.key() != mine.as_bytes() {
-                return Ok(Attempted::Held {
-                    left: None,
-                    queued: false,
-                });
-            }
-            let mut value = HoldValue::parse(held.value()).ok_or(EtcdError::Foreign)?;
-            if value.holder != holder {
-                return Ok(Attempted::Held {
-                    left: None,
-                    queued: false,
-                });
-            }
-            value.count += 1;
-            let reenter = Txn::new()
-                .when([Compare::mod_revision(
-                    mine.clone(),
-                    CompareOp::Equal,
-                    held.mod_revision(),
-                )])
-                .and_then([TxnOp::put(
-                    mine,
-                    value.encode(),
-                    Some(PutOptions::new().with_lease(held.lease())),
-                )]);
-            if self.kv().txn(reenter).await?.succeeded() {
-                return Ok(Attempted::Acquired {
-                    token: token(held.create_revision())?,
-                    count: value.count,
-                });
+                Err(e)
             }
         }
-        Err(EtcdError::Contended)
     }
 
-    /// One release of an exclusive hold: the count down, or the key deleted, compared on
-    /// the hold's revision; a release already applied (its id recorded) changes nothing.
+    /// Re-enters the hold `held` of `value`'s holder: its count up, compared on its
+    /// revision. `None` when it changed meanwhile.
+    pub(super) async fn reenter(
+        &self,
+        held: &KeyValue,
+        mut value: HoldValue,
+    ) -> Result<Option<u64>, EtcdError> {
+        value.count += 1;
+        let reenter = Txn::new()
+            .when([Compare::mod_revision(
+                held.key().to_vec(),
+                CompareOp::Equal,
+                held.mod_revision(),
+            )])
+            .and_then([TxnOp::put(
+                held.key().to_vec(),
+                value.encode(),
+                Some(PutOptions::new().with_lease(held.lease())),
+            )]);
+        Ok(self
+            .kv()
+            .txn(reenter)
+            .await?
+            .succeeded()
+            .then_some(value.count))
+    }
+
+    /// An acquisition that waits (`attempt.waits`) is woken when `kv`, which a read at
+    /// `read_at` found, is deleted.
+    pub(super) fn wait_behind(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        kv: &KeyValue,
+        read_at: i64,
+    ) {
+        if attempt.waits.is_some() {
+            let wakeups = self.listener.wakeups();
+            let behind = self.listener.behind();
+            behind.key(wakeups, &key.channel, kv.key().to_vec(), read_at);
+        }
+    }
+
+    /// One release of a hold: the count down, or the key deleted, compared on the hold's
+    /// revision; a release already applied (its id recorded) changes nothing.
     ///
     /// The common case, a hold never re-entered under the current lease, is one
-    /// transaction: *if the key holds exactly that, delete it, else read the directory*;
-    /// what it read serves the general path.
-    async fn release_exclusive(
+    /// transaction: *if the key holds exactly that, delete it, else read it*; what it read
+    /// serves the general path.
+    async fn release_hold(
         &self,
         key: &EtcdKey,
         release: &Release<'_>,
     ) -> Result<Released, EtcdError> {
-        let dir = dir(&key.name);
-        let mine = hold_key(&key.name, self.lease.id());
+        let holder = release.holder.as_str();
+        let mine = key_of(&key.name, release.kind, self.lease.id(), holder);
         let mut compares = vec![Compare::value(
             mine.clone(),
             CompareOp::Equal,
             HoldValue::new(release.holder.as_str()).encode(),
         )];
-        if let Some(token) = release.only_token {
+        // A shared hold's token is the last writer's, not its key's revision: a shared
+        // hold is told from the same holder's later one by nothing but its release id.
+        let only_token = release.only_token.filter(|_| release.kind != Kind::Shared);
+        if let Some(token) = only_token {
             let revision = i64::try_from(token).unwrap_or(i64::MAX);
             compares.push(Compare::create_revision(
                 mine.clone(),
@@ -162,40 +179,50 @@ impl EtcdStore {
                 revision,
             ));
         }
+        // A writer's waiting key stays while it holds (see `rw.rs`): it goes with the hold.
+        let delete = || {
+            let mut ops = vec![TxnOp::delete(mine.clone(), None)];
+            if release.kind == Kind::Exclusive {
+                let waited = holder_key(&key.name, Entry::Queued, self.lease.id(), holder);
+                ops.push(TxnOp::delete(waited, None));
+            }
+            ops
+        };
         let last = Txn::new()
             .when(compares)
-            .and_then([TxnOp::delete(mine, None)])
-            .or_else([TxnOp::get(dir.clone(), Some(only_hold()))]);
+            .and_then(delete())
+            .or_else([TxnOp::get(mine.clone(), None)]);
         let reply = self.kv().txn(last).await?;
         if reply.succeeded() {
             return Ok(Released::Freed);
         }
-        let mut found = first_kv(reply.op_responses());
+        let mut read = found(reply.op_responses()).into_iter().flatten().next();
         for _ in 0..ROUNDS {
-            let Some(held) = found.take() else {
+            let Some(held) = read.take() else {
                 return Ok(Released::NotHeld);
             };
             let Some(mut value) = HoldValue::parse(held.value()) else {
                 return Err(EtcdError::Foreign);
             };
             if value.holder != release.holder.as_str()
-                || release
-                    .only_token
-                    .is_some_and(|t| token(held.create_revision()).ok() != Some(t))
+                || only_token.is_some_and(|t| token(held.create_revision()).ok() != Some(t))
             {
                 return Ok(Released::NotHeld);
             }
             if value.released.iter().any(|id| id == release.release_id) {
                 return Ok(Released::Remains);
             }
-            let (op, released) = if value.count > 1 {
+            let (ops, released) = if value.count > 1 {
                 value.count -= 1;
                 value.released.push(release.release_id.to_owned());
                 let keep = PutOptions::new().with_lease(held.lease());
                 let put = TxnOp::put(held.key().to_vec(), value.encode(), Some(keep));
-                (put, Released::Remains)
+                (vec![put], Released::Remains)
+            } else if value.count == 0 {
+                // A permit still waiting in line: given back as never held.
+                (delete(), Released::NotHeld)
             } else {
-                (TxnOp::delete(held.key().to_vec(), None), Released::Freed)
+                (delete(), Released::Freed)
             };
             let swap = Txn::new()
                 .when([Compare::mod_revision(
@@ -203,13 +230,13 @@ impl EtcdStore {
                     CompareOp::Equal,
                     held.mod_revision(),
                 )])
-                .and_then([op])
-                .or_else([TxnOp::get(dir.clone(), Some(only_hold()))]);
+                .and_then(ops)
+                .or_else([TxnOp::get(mine.clone(), None)]);
             let reply = self.kv().txn(swap).await?;
             if reply.succeeded() {
                 return Ok(released);
             }
-            found = first_kv(reply.op_responses());
+            read = found(reply.op_responses()).into_iter().flatten().next();
         }
         Err(EtcdError::Contended)
     }
@@ -218,7 +245,18 @@ impl EtcdStore {
     async fn check(&self, batch: &[Due], lease: i64) -> Result<Vec<bool>, EtcdError> {
         let reads: Vec<TxnOp> = batch
             .iter()
-            .map(|d| TxnOp::get(hold_key(&d.key.0, lease), None))
+            .map(|d| {
+                let (name, holder) = (&*d.key.0, d.key.1.as_str());
+                // The watchdog knows a hold by its lock's name and its holder.
+                let kind = if is_semaphore(name) {
+                    Kind::Permit(1)
+                } else if holder.starts_with("r:") {
+                    Kind::Shared
+                } else {
+                    Kind::Exclusive
+                };
+                TxnOp::get(key_of(name, kind, lease, holder), None)
+            })
             .collect();
         let reply = self.kv().txn(Txn::new().and_then(reads)).await?;
         let responses = reply.op_responses();
@@ -231,62 +269,23 @@ impl EtcdStore {
                 return Err(EtcdError::Unexpected("a renewal read"));
             };
             let hold = found.kvs().first().filter(|kv| {
-                HoldValue::parse(kv.value()).is_some_and(|v| v.holder == due.key.1.as_str())
+                HoldValue::parse(kv.value())
+                    .is_some_and(|v| v.holder == due.key.1.as_str() && v.count > 0)
             });
             held.push(hold.is_some());
         }
         Ok(held)
     }
+}
 
-    async fn snapshot(
-        &self,
-        user: String,
-        of: Primitive,
-        free: bool,
-    ) -> Result<LockInfo, LockError> {
-        let context = if free { "force_release" } else { "inspect" };
-        let key = EtcdKey::new(&self.namespace, user, self.max_key_len)?;
-        if of == Primitive::Semaphore {
-            return Ok(LockInfo::free(key.user().to_owned(), None));
-        }
-        let dir = dir(&key.name);
-        let fail = |e: etcd_client::Error| LockError::backend(context, EtcdError::from(e));
-        let reply = self
-            .kv()
-            .get(dir.clone(), Some(only_hold()))
-            .await
-            .map_err(fail)?;
-        let Some(held) = reply.kvs().first() else {
-            return Ok(LockInfo::free(key.user().to_owned(), None));
-        };
-        let count = HoldValue::parse(held.value()).map_or(1, |v| v.count);
-        if free {
-            let delete = etcd_client::DeleteOptions::new().with_prefix();
-            self.kv().delete(dir, Some(delete)).await.map_err(fail)?;
-        }
-        Ok(LockInfo {
-            key: key.user().to_owned(),
-            mode: LockMode::Exclusive,
-            holders: 1,
-            holds: u32::try_from(count).unwrap_or(u32::MAX),
-            // At most the TTL: its holder renews it every third of that.
-            lease_remaining: Some(self.lease.ttl()),
-            fencing_token: token(held.create_revision()).ok(),
-        })
+/// The key of `holder`'s hold of `kind` in the lock `name` under the lease `lease`.
+fn key_of(name: &str, kind: Kind, lease: i64, holder: &str) -> String {
+    match kind {
+        Kind::Exclusive => hold_key(name, lease),
+        Kind::Shared => holder_key(name, Entry::Reader, lease, holder),
+        Kind::Permit(_) => holder_key(name, Entry::Permit, lease, holder),
     }
 }
-
-/// The first key a transaction's read found.
-fn first_kv(responses: Vec<TxnOpResponse>) -> Option<KeyValue> {
-    responses.into_iter().find_map(|r| match r {
-        TxnOpResponse::Get(mut got) => got.take_kvs().into_iter().next(),
-        _ => None,
-    })
-}
-
-/// Why the etcd backend refuses shared locks and permits, for now.
-const EXCLUSIVE_ONLY: &str =
-    "the etcd backend supports exclusive locks only for now (no shared locks or permits)";
 
 impl Store for EtcdStore {
     type Key = EtcdKey;
@@ -295,13 +294,12 @@ impl Store for EtcdStore {
     type Sent = ();
 
     fn key(&self, user: String, kind: Kind) -> Result<EtcdKey, LockError> {
-        if kind != Kind::Exclusive {
-            return Err(LockError::Unsupported {
-                key: user,
-                what: EXCLUSIVE_ONLY,
-            });
-        }
-        Ok(EtcdKey::new(&self.namespace, user, self.max_key_len)?)
+        let semaphore = matches!(kind, Kind::Permit(_));
+        let serial = self.acquisitions.fetch_add(1, Ordering::Relaxed);
+        let key = EtcdKey::new(&self.namespace, user, self.max_key_len, semaphore, serial)?;
+        let (behind, wakeups) = (self.listener.behind(), self.listener.wakeups());
+        let line = Line::new(self.kv(), behind.clone(), wakeups.clone());
+        Ok(key.waiting_in(line))
     }
 
     fn attempt(
@@ -313,10 +311,12 @@ impl Store for EtcdStore {
         self.keeper.ensure_running();
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
+            // Whatever it waited behind, it tries now.
+            store.listener.behind().tried(&key.channel);
             let attempted = match attempt.kind {
-                Kind::Exclusive => store.attempt_exclusive(&key, attempt.holder.as_str()).await,
-                // Refused by `key`.
-                Kind::Shared | Kind::Permit(_) => Err(EtcdError::Unexpected(EXCLUSIVE_ONLY)),
+                Kind::Exclusive => store.attempt_exclusive(&key, &attempt).await,
+                Kind::Shared => store.attempt_shared(&key, &attempt).await,
+                Kind::Permit(permits) => store.attempt_permit(&key, &attempt, permits).await,
             };
             (attempted, Some(()))
         })
@@ -327,7 +327,7 @@ impl Store for EtcdStore {
         key: &'a EtcdKey,
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, EtcdError>> {
-        Box::pin(self.release_exclusive(key, release))
+        Box::pin(self.release_hold(key, release))
     }
 
     fn release_after<'a>(
@@ -356,7 +356,7 @@ impl Store for EtcdStore {
     }
 
     fn subscribe(&self, key: &EtcdKey) -> Waiter {
-        self.listener.register(&key.name)
+        self.listener.register(&key.channel)
     }
 
     fn releases_lost_holds(&self) -> bool {

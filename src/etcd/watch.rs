@@ -1,5 +1,6 @@
-//! One watch per backend on the whole namespace, for deletions only: a hold's key deleted
-//! (released, or gone with its lease) wakes the waiters of its lock in this process.
+//! One watch per backend on the whole namespace, for deletions only: a key deleted
+//! (released, withdrawn, or gone with its lease) wakes the waiters of this process that
+//! wait behind it (see `behind.rs`).
 //!
 //! The watch covers every lock of the namespace from the moment etcd confirms it, so a
 //! waiter's channel is confirmed as soon as it registers on a live watch. A watch that
@@ -8,13 +9,14 @@
 //! them once more. The gRPC connection is pinged by HTTP/2 keep-alives (see the
 //! builder), so a half-open connection fails the stream too.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{EventType, WatchClient, WatchFilterType, WatchOptions};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use super::keys::lock_of;
+use super::behind::Behind;
 use crate::core::recheck::Recheck;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
@@ -22,6 +24,7 @@ use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
 /// Handle to the backend's watch task.
 pub(crate) struct Listener {
     wakeups: Wakeups,
+    behind: Arc<Behind>,
     task: Daemon,
 }
 
@@ -45,18 +48,29 @@ impl Listener {
         shutdown: CancellationToken,
         spawner: &Spawner,
     ) -> Self {
-        let serving = wakeups.clone();
+        let behind = Arc::new(Behind::default());
+        let (serving, waits) = (wakeups.clone(), behind.clone());
         let start = move |shutdown| {
-            watch_until_shutdown(serving.clone(), config.clone(), recheck.clone(), shutdown)
+            let watched = (serving.clone(), waits.clone());
+            watch_until_shutdown(watched, config.clone(), recheck.clone(), shutdown)
         };
         let task = Daemon::spawn(start, spawner, shutdown);
-        Listener { wakeups, task }
+        Listener {
+            wakeups,
+            behind,
+            task,
+        }
     }
 
-    /// Registers a waiter on the lock `name` (see [`Wakeups::register`]).
-    pub(crate) fn register(&self, name: &str) -> Waiter {
+    /// Registers a waiter on an acquisition's `channel` (see [`Wakeups::register`]).
+    pub(crate) fn register(&self, channel: &str) -> Waiter {
         self.task.ensure_running();
-        self.wakeups.register(name)
+        self.wakeups.register(channel)
+    }
+
+    /// What the waiters wait behind.
+    pub(crate) fn behind(&self) -> &Arc<Behind> {
+        &self.behind
     }
 
     /// The waiters and the watch's state.
@@ -66,7 +80,7 @@ impl Listener {
 }
 
 async fn watch_until_shutdown(
-    wakeups: Wakeups,
+    (wakeups, behind): (Wakeups, Arc<Behind>),
     config: WatchConfig,
     recheck: Recheck,
     shutdown: CancellationToken,
@@ -77,7 +91,7 @@ async fn watch_until_shutdown(
     while !shutdown.is_cancelled() {
         let ended = tokio::select! {
             () = shutdown.cancelled() => return,
-            ended = serve(&wakeups, &config, &recheck, &mut backoff) => ended,
+            ended = serve((&wakeups, &behind), &config, &recheck, &mut backoff) => ended,
         };
         wakeups.disconnected();
         if backoff == initial_backoff {
@@ -96,7 +110,7 @@ async fn watch_until_shutdown(
 /// Opens the watch and serves it until it fails; returns why. Resets `backoff` once the
 /// watch is confirmed.
 async fn serve(
-    wakeups: &Wakeups,
+    (wakeups, behind): (&Wakeups, &Behind),
     config: &WatchConfig,
     recheck: &Recheck,
     backoff: &mut Duration,
@@ -119,7 +133,9 @@ async fn serve(
     };
     // etcd confirms the watch before any event.
     match timeout(config.connect_timeout, stream.message()).await {
-        Ok(Ok(Some(reply))) if reply.created() && !reply.canceled() => {}
+        Ok(Ok(Some(reply))) if reply.created() && !reply.canceled() => {
+            behind.opened(reply.header().map_or(i64::MAX, |h| h.revision()));
+        }
         Ok(Ok(Some(reply))) => return format!("watch refused: {}", reply.cancel_reason()),
         Ok(Ok(None)) => return "watch closed".to_owned(),
         Ok(Err(e)) => return format!("watch failed: {e}"),
@@ -130,7 +146,7 @@ async fn serve(
     recheck.raise("the etcd watch was (re)opened");
     tracing::debug!("etcd watch open");
     loop {
-        // Every lock of the namespace is watched: new waiters are confirmed at once.
+        // Every key of the namespace is watched: new waiters are confirmed at once.
         {
             let mut registry = wakeups.registry();
             let (new, _) = registry.changes();
@@ -149,8 +165,8 @@ async fn serve(
                         if event.event_type() != EventType::Delete {
                             continue;
                         }
-                        if let Some(lock) = event.kv().and_then(|kv| lock_of(kv.key())) {
-                            registry.wake_channel(lock);
+                        if let Some(kv) = event.kv() {
+                            behind.deleted(&registry, kv.key(), kv.mod_revision());
                         }
                     }
                 }

@@ -711,6 +711,40 @@ macro_rules! for_each_records_store {
     };
 }
 
+/// The bodies of [`for_each_store!`] that apply to etcd, `on_etcd::NAME` with three
+/// backends of the binary's shared etcd in a namespace of the test's own (each with its
+/// own lease, owners, queue and watch). Not every body applies: a hold there lives under
+/// its backend's lease, renewed for all of them, so no hold runs out on its own lease.
+#[macro_export]
+macro_rules! on_etcd {
+    ($($name:ident),* $(,)?) => {
+        mod on_etcd {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use $crate::support::etcd;
+                    let namespace = etcd::fresh_namespace();
+                    let b = [
+                        etcd::backend_in(&namespace).await,
+                        etcd::backend_in(&namespace).await,
+                        etcd::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+    };
+}
+
+/// [`for_each_store!`] and [`on_etcd!`]: the bodies every store runs, etcd included.
+#[macro_export]
+macro_rules! for_each_store_and_etcd {
+    ($($name:ident),* $(,)?) => {
+        $crate::for_each_store!($($name),*);
+        $crate::on_etcd!($($name),*);
+    };
+}
+
 /// Sends an empty `method` request to `path` through `app` (no socket) and reads the whole
 /// reply; a reply that takes over 10 s fails the test.
 pub async fn call(app: &Router, method: http::Method, path: &str) -> Reply {

@@ -1,0 +1,76 @@
+//! The key an acquisition leaves waiting in line (a writer's behind readers, a permit
+//! waiter's), taken out when the acquisition ends without the hold.
+//!
+//! It goes when the acquisition's names are dropped (`EtcdKey`), which is after every call
+//! of the acquisition returned: an attempt detached from a caller that went away still
+//! holds them, so a key that attempt puts in line is taken out too, never left to keep
+//! others waiting for as long as the backend's lease lives.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp};
+
+use super::behind::Behind;
+use crate::core::wakeups::Wakeups;
+
+/// What an acquisition needs to take its key out of line, and that key.
+pub(crate) struct Line {
+    kv: KvClient,
+    pub(crate) behind: Arc<Behind>,
+    pub(crate) wakeups: Wakeups,
+    /// The key left in line, and its value then (it is deleted only if unchanged).
+    left: Mutex<Option<(String, String)>>,
+}
+
+impl std::fmt::Debug for Line {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Line").finish_non_exhaustive()
+    }
+}
+
+impl Line {
+    pub(crate) fn new(kv: KvClient, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
+        Line {
+            kv,
+            behind,
+            wakeups,
+            left: Mutex::new(None),
+        }
+    }
+
+    /// An attempt left `key`, holding `value`, waiting in line.
+    pub(crate) fn left(&self, key: String, value: String) {
+        *self.left.lock().unwrap_or_else(PoisonError::into_inner) = Some((key, value));
+    }
+
+    /// An attempt took the hold: nothing of it waits in line any more.
+    pub(crate) fn taken(&self) {
+        self.left
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+
+    /// The acquisition ended: its key in line, if any, is deleted (which wakes whoever
+    /// waits behind it) in a task of the runtime it is dropped on; without one, it goes
+    /// with the lease.
+    pub(crate) fn leave(&mut self) {
+        let left = self.left.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let Some((key, value)) = left.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut kv = self.kv.clone();
+        runtime.spawn(async move {
+            let withdraw = Txn::new()
+                .when([Compare::value(key.clone(), CompareOp::Equal, value)])
+                .and_then([TxnOp::delete(key.clone(), None)]);
+            if let Err(e) = kv.txn(withdraw).await {
+                // Its lease takes it at the latest; meanwhile it keeps others waiting.
+                tracing::debug!(%key, error = %e, "etcd: a key waiting in line was not withdrawn");
+            }
+        });
+    }
+}
