@@ -118,8 +118,9 @@ on_etcd!(
 );
 
 /// The bodies that apply to ZooKeeper, `zookeeper::NAME` on the binary's shared ZooKeeper
-/// in a namespace of its own: those of etcd, for the same reasons (exclusive locks only,
-/// every hold under its backend's session).
+/// in a namespace of its own: every hold lives under its backend's session, so the body of
+/// a hold without renewal does not apply. (Its shared locks and permits run in rwlock.rs and
+/// semaphore.rs.)
 macro_rules! on_zookeeper {
     ($($name:ident),* $(,)?) => {
         mod zookeeper {

@@ -28,12 +28,16 @@
 //! same reason no block of tokens can be set aside for holders that take turns in memory:
 //! handoffs in memory are off for this store.
 
+mod attempt;
 mod builder;
 mod error;
 mod keys;
+mod line;
+mod release;
 mod renew;
 mod session;
 mod store;
+mod turn;
 mod watch;
 
 use std::fmt;
