@@ -163,15 +163,30 @@ impl ZkStore {
         };
         let name = format!("{prefix}{sequence}");
         let path = child(lock, &name);
-        // A reader needs the owner's own write node, if any, to tell a downgrade.
+        // A reader needs the owner's own write node, if any, to tell a downgrade; a reader
+        // or a permit its session's holders, to tell its twin (below).
         let owner = attempt.owner.as_str();
-        let now = line(client, lock, |kind, mine| {
-            wants == Wants::Read && mine && kind == NodeKind::Write
-        })
-        .await?;
+        let now = line(client, lock, |_, mine| mine && wants != Wants::Write).await?;
         let Some(at) = now.place(&name) else {
             return Ok(None);
         };
+        let kind = now.0[at].kind;
+        let twin = now.0[..at].iter().any(|e| {
+            e.mine
+                && e.kind == kind
+                && e.value
+                    .as_ref()
+                    .is_none_or(|(v, _)| v.holder == attempt.holder.as_str())
+        });
+        if twin {
+            // Another attempt of this holder (a re-entry beside the holder's own queued
+            // attempt) got its node in first: this one goes, and the next round re-enters
+            // that one (or, for another request's writer, waits behind it).
+            match client.delete(&path, None).await {
+                Ok(()) | Err(ClientError::NoNode) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
+        }
         match turn(&now.order(owner), at, wants) {
             Turn::Granted => {
                 value.count = 1;
