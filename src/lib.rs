@@ -82,7 +82,7 @@
 )]
 #![cfg_attr(
     feature = "zookeeper",
-    doc = "- [zookeeper](guide::zookeeper): the ZooKeeper store, Curator's recipe, its \
+    doc = "- [zookeeper](guide::zookeeper): the ZooKeeper store, Curator's recipes, its \
            session as the watchdog, zxids as tokens."
 )]
 //! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
@@ -118,9 +118,10 @@
 //! cluster, through etcd-client (whose build needs `protoc`), every hold under the
 //! backend's lease, tokens from etcd's revisions.
 //!
-//! The `zookeeper` feature (off by default) adds `ZooKeeperBackend`: exclusive locks in a
-//! ZooKeeper ensemble, through zookeeper-client, every hold an ephemeral sequential node
-//! of the backend's session (Curator's recipe), tokens from the nodes' zxids.
+//! The `zookeeper` feature (off by default) adds `ZooKeeperBackend`: locks, read/write
+//! locks and permits in a ZooKeeper ensemble, through zookeeper-client, every hold an
+//! ephemeral sequential node of the backend's session (Curator's recipes), tokens from the
+//! nodes' zxids.
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the

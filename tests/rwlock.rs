@@ -1,7 +1,7 @@
 //! Read/write locks: `lock(key).shared()` and the layer's `.read_write()`. Many readers at
 //! once, a writer alone, writers not starved by readers, re-entry, downgrade, upgrade
 //! refused, and the last writer's fencing token; every body runs on Redis (three backends
-//! of one server) and in memory, and on every other store it applies to.
+//! of one server), in memory, on the SQL stores, on etcd and on ZooKeeper.
 
 mod support;
 
@@ -21,7 +21,9 @@ use tower_lock::{LockBackend, LockError, LockLayer};
 /// Generous bound on any wait that should end: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
 
-for_each_store_and_etcd!(
+// On etcd and ZooKeeper every hold lives under its backend's lease or session, whatever
+// lease it asked for: the bodies of a shared hold whose own lease runs out do not apply.
+for_each_store_and_consensus!(
     twenty_readers_hold_one_key_at_once,
     a_writer_waits_for_the_readers_and_then_excludes_them,
     a_writer_queued_behind_readers_goes_before_readers_that_came_after_it,
@@ -32,19 +34,11 @@ for_each_store_and_etcd!(
     a_writer_downgrades_and_its_shared_hold_outlives_the_exclusive_one,
     shared_holders_see_the_last_writers_token_and_the_next_writer_a_higher_one,
     shared_holds_are_reentrant_per_owner,
-    a_multi_key_request_takes_every_key_the_same_way,
+    a_multi_key_request_takes_every_key_the_same_way;
+    not on etcd or zookeeper:
+    a_crashed_reader_keeps_a_waiting_writer_out_only_until_its_own_lease_ends,
+    a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade,
 );
-
-// Not on etcd: a shared hold that runs out on its own lease (on etcd a hold lives under its
-// backend's lease, see `on_etcd!`).
-mod own_lease {
-    use super::*;
-
-    for_each_store!(
-        a_crashed_reader_keeps_a_waiting_writer_out_only_until_its_own_lease_ends,
-        a_reader_whose_lease_ran_out_is_not_refused_as_an_upgrade,
-    );
-}
 
 type DocLayer<P = Exclusive> = LockLayer<fn(&Request) -> Option<&'static str>, P>;
 

@@ -118,8 +118,8 @@ on_etcd!(
 );
 
 /// The bodies that apply to ZooKeeper, `zookeeper::NAME` on the binary's shared ZooKeeper
-/// in a namespace of its own: those of etcd, for the same reason (every hold under its
-/// backend's session), and exclusive locks only.
+/// in a namespace of its own: those of etcd, for the same reason (every hold lives under its
+/// backend's session). Its shared locks and permits run in rwlock.rs and semaphore.rs.
 macro_rules! on_zookeeper {
     ($($name:ident),* $(,)?) => {
         mod zookeeper {

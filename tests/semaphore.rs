@@ -1,8 +1,8 @@
 //! Semaphores: `lock(key).permits(n)` and the layer's `.permits(n)`. At most `n` holders
 //! at once, each permit with its own owner, lease and token; 429 when all are taken on a
 //! fail-fast route; a crashed holder's permit comes back after its lease. Every body runs
-//! on Redis (three backends of one server) and in memory, and on every other store it
-//! applies to.
+//! on Redis (three backends of one server), in memory, on the SQL stores, on etcd and on
+//! ZooKeeper.
 
 mod support;
 
@@ -25,20 +25,16 @@ const URL: &str = "TOWER_LOCK_TEST_REDIS_URL";
 /// The lease of the child's permit: short, so the test that outlives it stays short.
 const CHILD_LEASE: Duration = Duration::from_secs(2);
 
-for_each_store_and_etcd!(
+// On etcd and ZooKeeper a permit lives under its backend's lease or session, whatever
+// lease it asked for: the body of a permit whose own lease runs out does not apply.
+for_each_store_and_consensus!(
     three_permits_let_at_most_three_of_thirty_requests_in_and_serve_them_all,
     fail_fast_with_every_permit_taken_answers_429_with_retry_after,
     a_second_acquisition_by_one_owner_reenters_its_permit,
-    zero_permits_are_refused_and_take_nothing,
+    zero_permits_are_refused_and_take_nothing;
+    not on etcd or zookeeper:
+    each_permit_has_its_own_lease_and_token,
 );
-
-// Not on etcd: a permit that runs out on its own lease (on etcd a hold lives under its
-// backend's lease, see `on_etcd!`).
-mod own_lease {
-    use super::*;
-
-    for_each_store!(each_permit_has_its_own_lease_and_token);
-}
 
 fn exports_key(_: &Request) -> Option<&'static str> {
     Some("exports")

@@ -1,7 +1,7 @@
 //! ZooKeeper: what `build()` refuses, what the session does for the holds under it, the
 //! leader of a three-server ensemble killed mid-run,
-//! ZooKeeper down, no polling, a holder killed with SIGKILL, and the oversell test across
-//! three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
+//! ZooKeeper down, no polling and no herd (exclusive, read/write and permit waiters), a
+//! holder killed with SIGKILL, and the oversell test across three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
 
 mod support;
 
@@ -61,29 +61,6 @@ async fn build_refuses_misconfiguration_naming_the_cause() {
         panic!("a missing chroot is refused: {refused:?}");
     };
     assert!(error.to_string().contains("chroot"), "{error}");
-}
-
-#[tokio::test]
-async fn shared_locks_and_permits_are_refused_naming_zookeeper() {
-    let backend = zk::backend().await;
-    for refused in [
-        backend.lock("k").shared().try_once().await,
-        backend.lock("k").permits(3).try_once().await,
-    ] {
-        let Err(error @ LockError::Unsupported { key, what }) = &refused else {
-            panic!("refused as unsupported: {refused:?}");
-        };
-        assert_eq!(key, "k");
-        assert!(
-            what.contains("ZooKeeper") && what.contains("exclusive"),
-            "{what}"
-        );
-        // The route's configuration is at fault, not the request.
-        assert_eq!(error.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
-    }
-    // Nothing was left behind: the key is free.
-    let free = backend.lock("k").try_once().await.expect("free");
-    free.release().await.expect("released");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,16 +270,8 @@ async fn zookeeper_down_answers_503_holds_are_lost_and_service_resumes() {
 async fn waiters_do_not_poll_while_the_lock_is_held() {
     // A server of its own: its counters count this test's calls only.
     let server = ZkServer::start();
-    let instance = || async {
-        zk::builder_on(&server.hosts())
-            // Renewals (a sixth of it apart) and pings fall outside the window below.
-            .session_timeout(Duration::from_secs(5))
-            .build()
-            .await
-            .expect("backend")
-    };
-    let holder = instance().await;
-    let waiting = [instance().await, instance().await];
+    let holder = instance(&server).await;
+    let waiting = [instance(&server).await, instance(&server).await];
     let guard = holder.lock("k").try_once().await.expect("uncontended");
     let nodes = server.mntr("zk_znode_count");
     let waiters: Vec<_> = (0..10)
@@ -331,18 +300,8 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
     // Waiters leave no node behind (no node per waiter, nothing to clean up).
     assert_eq!(server.mntr("zk_znode_count"), nodes);
-    // An attempt lists the lock's holds: no listing while the lock is held. (Renewals
-    // are multi-reads, counted apart.)
-    let listings = || {
-        server.mntr("zk_response_packet_get_children_cache_hits")
-            + server.mntr("zk_response_packet_get_children_cache_misses")
-    };
-    let before = listings();
-    assert!(before > 0, "the attempts' listings are counted");
-    // Far longer than any polling interval: a listing in this window was not asked for
-    // by the lock.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(listings(), before, "no attempt while the lock is held");
+    assert!(listings(&server) > 0, "the attempts' listings are counted");
+    no_attempt_for_a_while(&server).await;
     guard.release().await.expect("release");
     for waiter in waiters {
         tokio::time::timeout(HANG, waiter)
@@ -351,6 +310,143 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
             .expect("no panic")
             .expect("acquired after the release, and released");
     }
+}
+
+/// An instance on `server` whose renewals and pings fall outside the window of
+/// [`no_attempt_for_a_while`].
+async fn instance(server: &ZkServer) -> tower_lock::ZooKeeperBackend {
+    zk::builder_on(&server.hosts())
+        // Renewals come a sixth of it apart.
+        .session_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("backend")
+}
+
+/// The listings of nodes' children `server` answered: every attempt lists the lock's
+/// nodes. (Renewals are multi-reads, counted apart.)
+fn listings(server: &ZkServer) -> u64 {
+    server.mntr("zk_response_packet_get_children_cache_hits")
+        + server.mntr("zk_response_packet_get_children_cache_misses")
+}
+
+/// Asserts that no attempt reaches `server` for far longer than any polling interval.
+async fn no_attempt_for_a_while(server: &ZkServer) {
+    let before = listings(server);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        listings(server),
+        before,
+        "no attempt while the lock is held"
+    );
+}
+
+/// Spawns `acquire` (a waiter of its own, not lined up behind another task in-process:
+/// a shared hold or a permit) and returns once it has made its attempts (`attempts`
+/// listings: it tried, subscribed and tried again) and waits.
+async fn spawn_waiter<F>(
+    server: &ZkServer,
+    attempts: u64,
+    acquire: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: std::future::Future<Output = Result<tower_lock::LockGuard, LockError>> + Send + 'static,
+{
+    let before = listings(server);
+    let waiter = tokio::spawn(async move {
+        let guard = acquire.await.expect("served once the key is free");
+        guard.release().await.expect("released");
+    });
+    support::eventually("the waiter has tried twice", || async {
+        listings(server) >= before + attempts
+    })
+    .await;
+    waiter
+}
+
+/// Waits (generously) until every waiter of [`spawn_waiter`] was served.
+async fn all_served(waiters: impl IntoIterator<Item = tokio::task::JoinHandle<()>>) {
+    for waiter in waiters {
+        tokio::time::timeout(HANG, waiter)
+            .await
+            .expect("served")
+            .expect("acquired after the release, and released");
+    }
+}
+
+/// Curator's read/write lock without a herd: a writer kept out by two readers (of one
+/// instance) waits in line behind them, watching only the reader just before it; readers
+/// that come after it wait behind it, watching only its node, one watch per instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_and_a_writer_wait_on_one_node_each_without_polling() {
+    let server = ZkServer::start();
+    let (holder, writing, reading) = (
+        instance(&server).await,
+        instance(&server).await,
+        instance(&server).await,
+    );
+    // Two shared holds of one session, of two owners.
+    let r1 = holder.lock("k").shared().try_once().await.expect("free");
+    let r2 = holder.lock("k").shared().try_once().await.expect("shared");
+    let nodes = server.mntr("zk_znode_count");
+    // Its attempts: a listing, its node created, a listing; then one more.
+    let writer = spawn_waiter(&server, 3, writing.lock("k").wait(Duration::from_secs(60))).await;
+    // The writer waits with a node in line, so that later readers queue behind it.
+    assert_eq!(server.mntr("zk_znode_count"), nodes + 1);
+    let mut readers = Vec::new();
+    for _ in 0..5 {
+        let read = reading.lock("k").shared().wait(Duration::from_secs(60));
+        readers.push(spawn_waiter(&server, 2, read).await);
+    }
+    let watches = server.four("wchc").expect("wchc");
+    assert_eq!(server.mntr("zk_watch_count"), 2, "{watches}");
+    assert_eq!(
+        watches
+            .matches(&format!("{:016x}-r-", holder.session_id()))
+            .count(),
+        1,
+        "the writer watches the last reader's node: {watches}"
+    );
+    assert_eq!(
+        watches
+            .matches(&format!("{:016x}-", writing.session_id()))
+            .count(),
+        1,
+        "the readers' instance watches the writer's node: {watches}"
+    );
+    // Readers leave no node behind.
+    assert_eq!(server.mntr("zk_znode_count"), nodes + 1);
+    no_attempt_for_a_while(&server).await;
+    r1.release().await.expect("released");
+    r2.release().await.expect("released");
+    all_served(std::iter::once(writer).chain(readers)).await;
+}
+
+/// A permit waiter watches the permits it waits behind, each once per instance however
+/// many of its tasks wait, never the semaphore's children, and leaves no node behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permit_waiters_watch_the_held_permits_once_without_polling() {
+    let server = ZkServer::start();
+    let (holder, waiting) = (instance(&server).await, instance(&server).await);
+    let held = [
+        holder.lock("k").permits(2).try_once().await.expect("free"),
+        holder.lock("k").permits(2).try_once().await.expect("free"),
+    ];
+    let nodes = server.mntr("zk_znode_count");
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let acquire = waiting.lock("k").permits(2).wait(Duration::from_secs(60));
+        waiters.push(spawn_waiter(&server, 2, acquire).await);
+    }
+    let watches = server.four("wchc").expect("wchc");
+    assert_eq!(server.mntr("zk_watch_count"), 2, "{watches}");
+    assert_eq!(watches.matches("/{k}:permits/").count(), 2, "{watches}");
+    assert_eq!(server.mntr("zk_znode_count"), nodes);
+    no_attempt_for_a_while(&server).await;
+    for guard in held {
+        guard.release().await.expect("released");
+    }
+    all_served(waiters).await;
 }
 
 /// Three servers; four tasks of two instances take one key in turns while the leader is

@@ -1,31 +1,40 @@
-//! The ZooKeeper paths of one user key: the lock's node and its holders' nodes under it.
+//! The ZooKeeper paths of one user key: the lock's (or its semaphore's) node and its
+//! holders' nodes under it.
 
 use std::sync::Arc;
 
+use super::turn::NodeKind;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
 use crate::key::validate;
 
-/// The paths that belong to one user key: the lock's node `/<namespace>/{<key>}` (a
-/// container node, which ZooKeeper deletes once it is empty), under which each hold is an
-/// ephemeral sequential node named after the session that holds it.
+/// The paths that belong to one user key: the lock's node `/<namespace>/{<key>}`, or its
+/// semaphore's `/<namespace>/{<key>}:permits` (container nodes, which ZooKeeper deletes
+/// once they are empty), under which each hold is an ephemeral sequential node named after
+/// the session that holds it.
 ///
 /// The key is one path segment: its `/` and `%` are percent-escaped, and the braces
 /// around it keep it from being `.` or `..`, so no key reaches outside its namespace and
-/// two keys never share a node.
+/// two keys never share a node (a lock's segment ends with `}`, a semaphore's never does).
 #[derive(Debug)]
 pub(crate) struct ZkKey {
     /// The key as the application gave it.
     user: String,
-    /// The lock's node: the core's name of the lock, and the waiters' channel.
+    /// The lock's (or the semaphore's) node: the core's name of the lock, and the waiters'
+    /// channel.
     pub(crate) path: Arc<str>,
 }
 
 impl ZkKey {
-    /// The paths of `user` under `root`; refuses (400) the characters ZooKeeper refuses in
+    /// The paths of `user`'s lock (its semaphore if `semaphore`) under `root`; refuses (400) the characters ZooKeeper refuses in
     /// a path (besides the control characters every store refuses): the private use area
     /// U+E000 to U+F8FF and U+FFF0 to U+FFFF.
-    pub(crate) fn new(root: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
+    pub(crate) fn new(
+        root: &str,
+        user: String,
+        max_len: usize,
+        semaphore: bool,
+    ) -> Result<Self, KeyError> {
         validate(&user, max_len)?;
         if user
             .chars()
@@ -42,6 +51,9 @@ impl ZkKey {
         path.push_str("/{");
         escape_into(&mut path, &user);
         path.push('}');
+        if semaphore {
+            path.push_str(":permits");
+        }
         Ok(ZkKey {
             path: path.into(),
             user,
@@ -81,25 +93,27 @@ pub(crate) fn root(namespace: &str) -> Option<String> {
     Some(out)
 }
 
-/// The prefix of the hold nodes the session `session` creates; ZooKeeper appends the
-/// sequence number (ten digits, or nineteen past `i32::MAX`).
+/// The prefix of the nodes the session `session` creates: a writer's or a permit's; a
+/// shared holder's carries [`READ_MARK`] after it. ZooKeeper appends the sequence number
+/// (ten digits, or nineteen past `i32::MAX`).
 pub(crate) fn hold_prefix(session: i64) -> String {
     format!("{session:016x}-")
 }
 
-/// A hold node's sequence number, from its name; `None` for a name this crate never
-/// gives.
-pub(crate) fn sequence(name: &str) -> Option<i64> {
-    name.rsplit_once('-')?.1.parse().ok()
-}
+/// What follows the session's prefix in a shared holder's node name.
+pub(crate) const READ_MARK: &str = "r-";
 
-/// The node among `children` that holds the lock: the lowest sequence number.
-pub(crate) fn lowest(children: &[String]) -> Option<&str> {
-    children
-        .iter()
-        .filter_map(|c| sequence(c).map(|s| (s, c.as_str())))
-        .min()
-        .map(|(_, c)| c)
+/// A node's kind and sequence number, from its name (`<session>-<sequence>` or
+/// `<session>-r-<sequence>`); `None` for a name this crate never gives.
+pub(crate) fn node(name: &str) -> Option<(NodeKind, i64)> {
+    let (rest, sequence) = name.rsplit_once('-')?;
+    let sequence = sequence.parse().ok()?;
+    let kind = if rest.ends_with("-r") {
+        NodeKind::Read
+    } else {
+        NodeKind::Write
+    };
+    Some((kind, sequence))
 }
 
 #[cfg(test)]
@@ -110,19 +124,19 @@ mod tests {
     fn keys_are_one_segment_under_the_namespace() {
         let ns = root("ns/x").unwrap();
         assert_eq!(ns, "/ns%2Fx");
-        let key = ZkKey::new(&ns, "../a/b%".into(), 1024).unwrap();
+        let key = ZkKey::new(&ns, "../a/b%".into(), 1024, false).unwrap();
         assert_eq!(&*key.path, "/ns%2Fx/{..%2Fa%2Fb%25}");
+        let permits = ZkKey::new(&ns, "a}:permits".into(), 1024, true).unwrap();
+        assert_eq!(&*permits.path, "/ns%2Fx/{a}:permits}:permits");
         assert!(root("..").is_none());
         assert!(matches!(
-            ZkKey::new("/ns", "a\u{e000}".into(), 1024),
+            ZkKey::new("/ns", "a\u{e000}".into(), 1024, false),
             Err(KeyError::Malformed { .. })
         ));
-        let names = vec![
-            format!("{}0000000012", hold_prefix(7)),
-            format!("{}0000000003", hold_prefix(-2)),
-            "stray".to_owned(),
-        ];
-        assert_eq!(lowest(&names), Some(names[1].as_str()));
-        assert_eq!(sequence(&names[0]), Some(12));
+        let write = format!("{}0000000012", hold_prefix(7));
+        let read = format!("{}{READ_MARK}0000000003", hold_prefix(-2));
+        assert_eq!(node(&write), Some((NodeKind::Write, 12)));
+        assert_eq!(node(&read), Some((NodeKind::Read, 3)));
+        assert_eq!(node("stray"), None);
     }
 }

@@ -22,18 +22,20 @@ impl ZkStore {
         if listed.len() != batch.len() {
             return Err(ZkError::Unexpected("a renewal listing"));
         }
-        // For each hold, its node of this session, if the lock has one.
-        let nodes: Vec<Option<String>> = batch
+        // For each hold, the nodes of this session in its lock (one per holder of the
+        // session: several shared holders, a writer's exclusive and shared holds).
+        let nodes: Vec<Vec<String>> = batch
             .iter()
             .zip(listed)
             .map(|(due, listed)| match listed {
                 MultiReadResult::Children { children } => Ok(children
                     .into_iter()
-                    .find(|c| c.starts_with(&mine))
-                    .map(|name| child(&due.key.0, &name))),
+                    .filter(|c| c.starts_with(&mine))
+                    .map(|name| child(&due.key.0, &name))
+                    .collect()),
                 MultiReadResult::Error {
                     err: ClientError::NoNode,
-                } => Ok(None),
+                } => Ok(Vec::new()),
                 MultiReadResult::Error { err } => Err(ZkError::from(err)),
                 _ => Err(ZkError::Unexpected("a renewal listing")),
             })
@@ -42,27 +44,28 @@ impl ZkStore {
         for path in nodes.iter().flatten() {
             reads.add_get_data(path)?;
         }
-        let mut read = if nodes.iter().any(Option::is_some) {
+        let mut read = if nodes.iter().any(|n| !n.is_empty()) {
             reads.commit().await?.into_iter()
         } else {
             Vec::new().into_iter()
         };
         let mut held = Vec::with_capacity(batch.len());
-        for (due, node) in batch.iter().zip(&nodes) {
-            let ours = match (node, node.as_ref().and_then(|_| read.next())) {
-                (None, _) => false,
-                (Some(_), Some(MultiReadResult::Data { data, .. })) => {
-                    HoldValue::parse(&data).is_some_and(|v| v.holder == due.key.1.as_str())
-                }
-                (
-                    Some(_),
+        for (due, nodes) in batch.iter().zip(&nodes) {
+            let mut ours = false;
+            for _ in nodes {
+                match read.next() {
+                    // A hold of its holder (a writer still in line, count 0, is none).
+                    Some(MultiReadResult::Data { data, .. }) => {
+                        ours |= HoldValue::parse(&data)
+                            .is_some_and(|v| v.holder == due.key.1.as_str() && v.count > 0);
+                    }
                     Some(MultiReadResult::Error {
                         err: ClientError::NoNode,
-                    }),
-                ) => false,
-                (Some(_), Some(MultiReadResult::Error { err })) => return Err(err.into()),
-                (Some(_), _) => return Err(ZkError::Unexpected("a renewal read")),
-            };
+                    }) => {}
+                    Some(MultiReadResult::Error { err }) => return Err(err.into()),
+                    _ => return Err(ZkError::Unexpected("a renewal read")),
+                }
+            }
             held.push(ours);
         }
         Ok(held)

@@ -736,12 +736,15 @@ macro_rules! on_etcd {
     };
 }
 
-/// [`for_each_store!`] and [`on_etcd!`]: the bodies every store runs, etcd included.
+/// [`for_each_store!`], [`on_etcd!`] and `on_zookeeper_stores!` (support/zookeeper.rs):
+/// the bodies before `;` on every store, those after it on every store but the consensus
+/// stores, where a hold lives under its backend's lease or session whatever lease it asked.
 #[macro_export]
-macro_rules! for_each_store_and_etcd {
-    ($($name:ident),* $(,)?) => {
-        $crate::for_each_store!($($name),*);
+macro_rules! for_each_store_and_consensus {
+    ($($name:ident),* $(,)? ; not on etcd or zookeeper: $($other:ident),* $(,)?) => {
+        $crate::for_each_store!($($name,)* $($other),*);
         $crate::on_etcd!($($name),*);
+        $crate::on_zookeeper_stores!($($name),*);
     };
 }
 

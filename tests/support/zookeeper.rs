@@ -257,3 +257,28 @@ pub async fn backend_in(namespace: &str) -> tower_lock::ZooKeeperBackend {
 pub async fn backend() -> tower_lock::ZooKeeperBackend {
     backend_in(&fresh_namespace()).await
 }
+
+/// The ZooKeeper arm of [`for_each_store!`](crate::for_each_store): `on_zookeeper::NAME`
+/// runs a body `async fn NAME<B: LockBackend>(b: [B; 3])` with three backends (three
+/// sessions: three processes, as far as the locks can tell) of [`shared`], in a namespace
+/// of the test's own.
+#[macro_export]
+macro_rules! on_zookeeper_stores {
+    ($($name:ident),* $(,)?) => {
+        mod on_zookeeper {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use $crate::support::zookeeper;
+                    let namespace = zookeeper::fresh_namespace();
+                    let b = [
+                        zookeeper::backend_in(&namespace).await,
+                        zookeeper::backend_in(&namespace).await,
+                        zookeeper::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+    };
+}

@@ -1,0 +1,259 @@
+//! One acquisition attempt, of any kind: the lock's line read, the holder's own node
+//! re-entered, or a node created and kept if its turn has come (see [`turn`]).
+
+use std::sync::Arc;
+
+use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError};
+
+use super::error::ZkError;
+use super::keys::{READ_MARK, ZkKey, hold_prefix};
+use super::line::{Line, line, record_writer, shared_token};
+use super::store::{ROUNDS, ZkStore, child, token};
+use super::turn::{NodeKind, Turn, Wants, turn};
+use crate::core::hold_value::HoldValue;
+use crate::core::holder;
+use crate::core::store::{Attempt, Attempted};
+use crate::lock::Kind;
+
+/// What a round of an attempt came to: an answer, or go round again (the line changed
+/// under it).
+type Round = Option<Attempted>;
+
+fn held(queued: bool) -> Round {
+    Some(Attempted::Held { left: None, queued })
+}
+
+impl ZkStore {
+    /// One attempt (see the module docs of `zookeeper`).
+    pub(super) async fn attempt_once(
+        &self,
+        key: &ZkKey,
+        attempt: &Attempt,
+    ) -> Result<Attempted, ZkError> {
+        let wants = match attempt.kind {
+            Kind::Exclusive => Wants::Write,
+            Kind::Shared => Wants::Read,
+            Kind::Permit(n) => Wants::Permit(n),
+        };
+        for _ in 0..ROUNDS {
+            let client = self.session.client();
+            // This session's values: the holder's own node, the owner's other holds.
+            let now = line(&client, &key.path, |_, mine| mine).await?;
+            if let Some(at) = now.find(attempt.holder.as_str()) {
+                if let Some(answer) = self.again(&client, key, &now, at, attempt, wants).await? {
+                    return Ok(answer);
+                }
+                continue;
+            }
+            if wants == Wants::Write {
+                let reader = holder(Kind::Shared, &attempt.owner);
+                if now.holds_as(NodeKind::Read, reader.as_str()) {
+                    return Ok(Attempted::UpgradeRefused);
+                }
+                if let Some(at) = now.my_writer() {
+                    // Another request of this process holds or waits: the core queues
+                    // behind it.
+                    if !self.watch(&client, &key.path, &now.0[at].name).await? {
+                        continue;
+                    }
+                    return Ok(Attempted::Held {
+                        left: None,
+                        queued: false,
+                    });
+                }
+            }
+            let order = now.order(attempt.owner.as_str());
+            // The turn of a node created now, last in line.
+            let stays = match turn(&order, order.len(), wants) {
+                Turn::Granted => false,
+                Turn::Waits { keep, .. } if keep && attempt.waits.is_some() => true,
+                Turn::Waits { behind, .. } => {
+                    // No node: it would leave at once.
+                    if self.watch_all(&client, key, &now, &behind).await? {
+                        return Ok(Attempted::Held {
+                            left: None,
+                            queued: false,
+                        });
+                    }
+                    continue;
+                }
+            };
+            if let Some(answer) = self.enter(&client, key, attempt, wants, stays).await? {
+                return Ok(answer);
+            }
+        }
+        Err(ZkError::Contended)
+    }
+
+    /// An attempt by a holder that has a node already: a re-entry of its hold, or the
+    /// next look of a writer that waits in line.
+    async fn again(
+        &self,
+        client: &Client,
+        key: &ZkKey,
+        now: &Line,
+        at: usize,
+        attempt: &Attempt,
+        wants: Wants,
+    ) -> Result<Round, ZkError> {
+        let entry = &now.0[at];
+        let Some((mut value, stat)) = entry.value.clone() else {
+            return Ok(None);
+        };
+        let path = child(&key.path, &entry.name);
+        // A writer in line: its turn may have come.
+        let in_line = value.count == 0;
+        if in_line {
+            let order = now.order(attempt.owner.as_str());
+            if let Turn::Waits { behind, .. } = turn(&order, at, wants) {
+                let watched = self.watch_all(client, key, now, &behind).await?;
+                return Ok(watched.then(|| held(true)).flatten());
+            }
+        }
+        value.count += 1;
+        if !write(client, &path, &value, stat.version).await? {
+            return Ok(None);
+        }
+        if in_line {
+            record_writer(client, &key.path, token(&stat)).await?;
+        }
+        let token = match wants {
+            Wants::Read => shared_token(client, &key.path).await?,
+            Wants::Write | Wants::Permit(_) => token(&stat),
+        };
+        Ok(Some(Attempted::Acquired {
+            token,
+            count: value.count,
+        }))
+    }
+
+    /// Creates the holder's node, last in line, and keeps it if its turn has come, or if
+    /// it `stays` in line (a writer that waits behind shared holders); else deletes it.
+    async fn enter(
+        &self,
+        client: &Client,
+        key: &ZkKey,
+        attempt: &Attempt,
+        wants: Wants,
+        stays: bool,
+    ) -> Result<Round, ZkError> {
+        let lock = &key.path;
+        // The lock's node lives while it has nodes, and goes some time after.
+        let container = CreateMode::Container.with_acls(Acls::anyone_all());
+        match client.create(lock, &[], &container).await {
+            Ok(_) | Err(ClientError::NodeExists) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let mut prefix = hold_prefix(client.session_id().0);
+        if wants == Wants::Read {
+            prefix.push_str(READ_MARK);
+        }
+        // A writer in line waits with a count of 0: no hold yet.
+        let mut value = HoldValue::new(attempt.holder.as_str());
+        value.count = u64::from(!stays);
+        let hold = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+        let (stat, sequence) = match client
+            .create(&child(lock, &prefix), value.encode().as_bytes(), &hold)
+            .await
+        {
+            Ok(created) => created,
+            // The empty container was deleted in between: again.
+            Err(ClientError::NoNode) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let name = format!("{prefix}{sequence}");
+        let path = child(lock, &name);
+        // A reader needs the owner's own write node, if any, to tell a downgrade; a reader
+        // or a permit its session's holders, to tell its twin (below).
+        let owner = attempt.owner.as_str();
+        let now = line(client, lock, |_, mine| mine && wants != Wants::Write).await?;
+        let Some(at) = now.place(&name) else {
+            return Ok(None);
+        };
+        let kind = now.0[at].kind;
+        let twin = now.0[..at].iter().any(|e| {
+            e.mine
+                && e.kind == kind
+                && e.value
+                    .as_ref()
+                    .is_none_or(|(v, _)| v.holder == attempt.holder.as_str())
+        });
+        if twin {
+            // Another attempt of this holder (a re-entry beside the holder's own queued
+            // attempt) got its node in first: this one goes, and the next round re-enters
+            // that one (or, for another request's writer, waits behind it).
+            match client.delete(&path, None).await {
+                Ok(()) | Err(ClientError::NoNode) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match turn(&now.order(owner), at, wants) {
+            Turn::Granted => {
+                value.count = 1;
+                if stays && !write(client, &path, &value, stat.version).await? {
+                    return Ok(None);
+                }
+                let token = match wants {
+                    Wants::Write => {
+                        record_writer(client, lock, token(&stat)).await?;
+                        token(&stat)
+                    }
+                    Wants::Read => shared_token(client, lock).await?,
+                    Wants::Permit(_) => token(&stat),
+                };
+                Ok(Some(Attempted::Acquired { token, count: 1 }))
+            }
+            Turn::Waits { behind, keep } if keep && attempt.waits.is_some() => {
+                value.count = 0;
+                if !stays && !write(client, &path, &value, stat.version).await? {
+                    return Ok(None);
+                }
+                let watched = self.watch_all(client, key, &now, &behind).await?;
+                Ok(watched.then(|| held(true)).flatten())
+            }
+            Turn::Waits { behind, .. } => {
+                // Another node came first: this one leaves nothing behind and waits.
+                match client.delete(&path, None).await {
+                    Ok(()) | Err(ClientError::NoNode) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                let watched = self.watch_all(client, key, &now, &behind).await?;
+                Ok(watched.then(|| held(false)).flatten())
+            }
+        }
+    }
+
+    /// Watches the nodes at places `behind` in `now`: `false` when one of them is gone
+    /// already (the attempt goes round again).
+    async fn watch_all(
+        &self,
+        client: &Client,
+        key: &ZkKey,
+        now: &Line,
+        behind: &[usize],
+    ) -> Result<bool, ZkError> {
+        let lock: &Arc<str> = &key.path;
+        for &at in behind {
+            if !self.watch(client, lock, &now.0[at].name).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Writes `value` to the node at `path` if it is still at `version`: `false` when it
+/// changed or went meanwhile (the attempt goes round again).
+async fn write(
+    client: &Client,
+    path: &str,
+    value: &HoldValue,
+    version: i32,
+) -> Result<bool, ZkError> {
+    let data = value.encode();
+    match client.set_data(path, data.as_bytes(), Some(version)).await {
+        Ok(_) => Ok(true),
+        Err(ClientError::BadVersion | ClientError::NoNode) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
