@@ -422,8 +422,9 @@ async fn readers_and_a_writer_wait_on_one_node_each_without_polling() {
     all_served(std::iter::once(writer).chain(readers)).await;
 }
 
-/// A permit waiter watches the permits it waits behind, each once per instance however
-/// many of its tasks wait, never the semaphore's children, and leaves no node behind.
+/// A permit waiter watches the permits it waits behind, never the semaphore's children,
+/// and leaves no node behind; the other waiting tasks of its instance wait behind it in the
+/// process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permit_waiters_watch_the_held_permits_once_without_polling() {
     let server = ZkServer::start();
@@ -434,9 +435,16 @@ async fn permit_waiters_watch_the_held_permits_once_without_polling() {
     ];
     let nodes = server.mntr("zk_znode_count");
     let mut waiters = Vec::new();
-    for _ in 0..5 {
+    for queued in 0..5 {
         let acquire = waiting.lock("k").permits(2).wait(Duration::from_secs(60));
-        waiters.push(spawn_waiter(&server, 2, acquire).await);
+        // The first waits in ZooKeeper (it tries, watches, tries again); the others try
+        // once and wait behind it in their process.
+        let attempts = if queued == 0 { 2 } else { 1 };
+        waiters.push(spawn_waiter(&server, attempts, acquire).await);
+        support::eventually("the waiter waits behind the first", || async {
+            waiting.stats().local_waiters == queued
+        })
+        .await;
     }
     let watches = server.four("wchc").expect("wchc");
     assert_eq!(server.mntr("zk_watch_count"), 2, "{watches}");

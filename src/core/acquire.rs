@@ -216,11 +216,13 @@ impl<S: Store> Core<S> {
         // A permit waits behind the process's other waiting tasks for the same semaphore:
         // one of them at a time waits in the store (see `queue::gate`).
         let _passage = match c.kind {
-            Kind::Permit(_) => match self.queues.permit_gate(c.key.lock(), deadline).await {
-                Some(passage) => Some(passage),
-                None => return Err(c.timed_out(pttl)),
-            },
-            Kind::Exclusive | Kind::Shared => None,
+            Kind::Permit(_) if !self.store.lines_up_permit_waiters() => {
+                match self.queues.permit_gate(c.key.lock(), deadline).await {
+                    Some(passage) => Some(passage),
+                    None => return Err(c.timed_out(pttl)),
+                }
+            }
+            Kind::Permit(_) | Kind::Exclusive | Kind::Shared => None,
         };
         // Subscribe, then try again before sleeping: a release published between the
         // failed attempt and the subscription would otherwise be missed (Redisson #5761).

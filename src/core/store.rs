@@ -129,6 +129,14 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         false
     }
 
+    /// Whether the store lines permit waiters up itself, each attempt that will wait keeping
+    /// its place in the store and a release waking the waiter whose turn it is (etcd's
+    /// waiting keys): then every waiting task must wait in the store, and the core's gate
+    /// (one waiting task per process, `queue::gate`) is not used.
+    fn lines_up_permit_waiters(&self) -> bool {
+        false
+    }
+
     /// Whether a hold its holder was told is lost may still be kept by the store (its
     /// holds live under one lease for all of them, which outlives a hold that asked for
     /// no renewal, or whose deadline passed while the lease did not): its release is then

@@ -364,6 +364,12 @@ impl Store for EtcdStore {
         true
     }
 
+    fn lines_up_permit_waiters(&self) -> bool {
+        // A permit waiter keeps its key in line, and a freed permit wakes the oldest
+        // waiter of each backend (see permits.rs).
+        true
+    }
+
     fn lease(&self, _lease: Duration) -> Duration {
         self.lease.hold_lease()
     }
