@@ -662,42 +662,38 @@ macro_rules! for_each_store {
     };
 }
 
+/// `MODULE::NAME` for each body `async fn NAME<B: LockBackend>(b: [B; 3])`, run with three
+/// backends of the binary's shared server of `support::STORE` (its `fresh_namespace` and
+/// `backend_in`), in a namespace of the test's own.
+#[macro_export]
+macro_rules! on_three_backends_of {
+    ($module:ident, $store:ident; $($name:ident),* $(,)?) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use $crate::support::$store;
+                    let namespace = $store::fresh_namespace();
+                    let b = [
+                        $store::backend_in(&namespace).await,
+                        $store::backend_in(&namespace).await,
+                        $store::backend_in(&namespace).await,
+                    ];
+                    super::$name(b).await;
+                }
+            )*
+        }
+    };
+}
+
 /// [`for_each_store!`] on the SQL stores only: `on_postgres::NAME` gets three backends of
 /// the binary's shared PostgreSQL in a namespace of the test's own, `on_mariadb::NAME`
 /// three of its shared MariaDB.
 #[macro_export]
 macro_rules! on_sql {
     ($($name:ident),* $(,)?) => {
-        mod on_postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use $crate::support::postgres;
-                    let namespace = postgres::fresh_namespace();
-                    let b = [
-                        postgres::backend_in(&namespace).await,
-                        postgres::backend_in(&namespace).await,
-                        postgres::backend_in(&namespace).await,
-                    ];
-                    super::$name(b).await;
-                }
-            )*
-        }
-        mod on_mariadb {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use $crate::support::mariadb;
-                    let namespace = mariadb::fresh_namespace();
-                    let b = [
-                        mariadb::backend_in(&namespace).await,
-                        mariadb::backend_in(&namespace).await,
-                        mariadb::backend_in(&namespace).await,
-                    ];
-                    super::$name(b).await;
-                }
-            )*
-        }
+        $crate::on_three_backends_of!(on_postgres, postgres; $($name),*);
+        $crate::on_three_backends_of!(on_mariadb, mariadb; $($name),*);
     };
 }
 
@@ -718,21 +714,7 @@ macro_rules! for_each_records_store {
 #[macro_export]
 macro_rules! on_etcd {
     ($($name:ident),* $(,)?) => {
-        mod on_etcd {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use $crate::support::etcd;
-                    let namespace = etcd::fresh_namespace();
-                    let b = [
-                        etcd::backend_in(&namespace).await,
-                        etcd::backend_in(&namespace).await,
-                        etcd::backend_in(&namespace).await,
-                    ];
-                    super::$name(b).await;
-                }
-            )*
-        }
+        $crate::on_three_backends_of!(on_etcd, etcd; $($name),*);
     };
 }
 

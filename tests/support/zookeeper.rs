@@ -265,20 +265,6 @@ pub async fn backend() -> tower_lock::ZooKeeperBackend {
 #[macro_export]
 macro_rules! on_zookeeper_stores {
     ($($name:ident),* $(,)?) => {
-        mod on_zookeeper {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use $crate::support::zookeeper;
-                    let namespace = zookeeper::fresh_namespace();
-                    let b = [
-                        zookeeper::backend_in(&namespace).await,
-                        zookeeper::backend_in(&namespace).await,
-                        zookeeper::backend_in(&namespace).await,
-                    ];
-                    super::$name(b).await;
-                }
-            )*
-        }
+        $crate::on_three_backends_of!(on_zookeeper, zookeeper; $($name),*);
     };
 }
