@@ -519,3 +519,75 @@ async fn force_release_frees_the_key_and_its_holders_see_lost() {
     assert!(next.fencing_token() > guard.fencing_token());
     kept.release().await.expect("released");
 }
+
+#[tokio::test]
+async fn digest_auth_keeps_the_locks_nodes_to_the_services_identity() {
+    let namespace = zk::fresh_namespace();
+    let with = |user: &str, password: &str| {
+        zk::builder_on(&zk::shared().hosts())
+            .namespace(&namespace)
+            .digest(user, password)
+    };
+    let refused = with("app:x", "secret").build().await;
+    assert!(
+        matches!(refused, Err(BuildError::Setting { name: "digest", .. })),
+        "{refused:?}"
+    );
+    let service = with("app", "secret").build().await.expect("backend");
+    let guard = service.lock("order-1").try_once().await.expect("free");
+
+    // Another instance of the service, configured alike, sees the hold.
+    let twin = with("app", "secret").build().await.expect("backend");
+    assert!(matches!(
+        twin.lock("order-1").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+
+    // A wrong password is another identity; so is no authentication at all: both are
+    // refused at build, naming the right they lack.
+    for other in [
+        with("app", "wrong").build().await,
+        zk::builder_on(&zk::shared().hosts())
+            .namespace(&namespace)
+            .build()
+            .await,
+    ] {
+        let Err(error @ BuildError::Rights { .. }) = &other else {
+            panic!("another identity is refused at build: {other:?}");
+        };
+        assert!(error.to_string().contains(&namespace), "{error}");
+    }
+
+    // Nor can a raw client of no identity read or delete the hold.
+    let raw = zookeeper_client::Client::connect(&zk::shared().hosts())
+        .await
+        .expect("raw client");
+    let lock = format!("/{namespace}/{{order-1}}");
+    assert!(
+        matches!(
+            raw.get_children(&lock).await,
+            Err(zookeeper_client::Error::NoAuth)
+        ),
+        "the lock's node is closed to others"
+    );
+    let admin = zookeeper_client::Client::connector()
+        .with_auth("digest", b"app:secret")
+        .connect(&zk::shared().hosts())
+        .await
+        .expect("authenticated client");
+    let (holds, _) = admin.get_children(&lock).await.expect("the service lists");
+    assert_eq!(holds.len(), 1, "{holds:?}");
+    assert!(matches!(
+        raw.delete(&format!("{lock}/{}", holds[0]), None).await,
+        Err(zookeeper_client::Error::NoAuth)
+    ));
+    assert!(!guard.is_lost());
+    guard.release().await.expect("released");
+    twin.lock("order-1")
+        .try_once()
+        .await
+        .expect("free after the release")
+        .release()
+        .await
+        .expect("released");
+}

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError};
+use zookeeper_client::{Client, CreateMode, Error as ClientError};
 
 use super::error::ZkError;
 use super::keys::{READ_MARK, ZkKey, hold_prefix};
@@ -139,7 +139,7 @@ impl ZkStore {
     ) -> Result<Round, ZkError> {
         let lock = &key.path;
         // The lock's node lives while it has nodes, and goes some time after.
-        let container = CreateMode::Container.with_acls(Acls::anyone_all());
+        let container = CreateMode::Container.with_acls(self.session.acls());
         match client.create(lock, &[], &container).await {
             Ok(_) | Err(ClientError::NodeExists) => {}
             Err(e) => return Err(e.into()),
@@ -151,7 +151,7 @@ impl ZkStore {
         // A writer in line waits with a count of 0: no hold yet.
         let mut value = HoldValue::new(attempt.holder.as_str());
         value.count = u64::from(!stays);
-        let hold = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+        let hold = CreateMode::EphemeralSequential.with_acls(self.session.acls());
         let (stat, sequence) = match client
             .create(&child(lock, &prefix), value.encode().as_bytes(), &hold)
             .await

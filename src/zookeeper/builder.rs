@@ -5,12 +5,12 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use zookeeper_client::{Acls, Client, CreateMode, Error as ClientError};
+use zookeeper_client::{Client, CreateMode, Error as ClientError};
 
 use super::ZooKeeperBackend;
 use super::error::ZkError;
 use super::keys::{hold_prefix, root};
-use super::session::{Connect, Session, follow_until_shutdown};
+use super::session::{Connect, Digest, Session, follow_until_shutdown};
 use super::store::ZkStore;
 use crate::core::runtime::Daemon;
 use crate::core::telemetry::{self, Namespace};
@@ -25,6 +25,7 @@ use crate::key::validate_namespace;
 pub struct ZooKeeperBackendBuilder {
     hosts: String,
     namespace: String,
+    digest: Option<Digest>,
     session_timeout: Duration,
     max_key_len: usize,
     connect_timeout: Duration,
@@ -37,6 +38,7 @@ impl ZooKeeperBackendBuilder {
         ZooKeeperBackendBuilder {
             hosts,
             namespace: "tower-lock".to_owned(),
+            digest: None,
             session_timeout: Duration::from_secs(10),
             max_key_len: DEFAULT_MAX_KEY_LEN,
             connect_timeout: Duration::from_secs(2),
@@ -51,6 +53,25 @@ impl ZooKeeperBackendBuilder {
     /// characters, nor be `.` or `..`.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();
+        self
+    }
+
+    /// Authenticates every session of the backend as `user` with `password` (ZooKeeper's
+    /// built-in `digest` scheme, `addauth digest user:password`), and creates every node
+    /// with the ACL `creator_all`: only sessions of that identity (the instances of the
+    /// service, configured alike) may read, write or delete the locks' nodes. Without it,
+    /// nodes are created open to anyone (`world:anyone`).
+    ///
+    /// ZooKeeper accepts any digest identity, so a wrong password is not refused as such:
+    /// it is another identity, which `build()` refuses when the namespace's node belongs
+    /// to the right one (it cannot create nodes under it). Refused at build: an empty user,
+    /// or one containing `:`. Use TLS or a trusted network: the digest scheme sends the
+    /// password in clear on a plain connection.
+    pub fn digest(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.digest = Some(Digest {
+            user: user.into(),
+            password: password.into(),
+        });
         self
     }
 
@@ -100,9 +121,10 @@ impl ZooKeeperBackendBuilder {
             hosts: self.hosts.clone(),
             session_timeout: self.session_timeout,
             connect_timeout: self.connect_timeout,
+            digest: self.digest.clone(),
         };
         let client = connect.open().await.map_err(|e| refused(&addr, e))?;
-        self.prove(&client, &root)
+        self.prove(&client, &root, connect.acls())
             .await
             .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
         let metrics = Namespace::new(&self.namespace);
@@ -176,6 +198,14 @@ impl ZooKeeperBackendBuilder {
                 });
             }
         }
+        if let Some(Digest { user, .. }) = &self.digest {
+            if user.is_empty() || user.contains(':') {
+                return refuse(
+                    "digest",
+                    "the user must be non-empty and must not contain `:`",
+                );
+            }
+        }
         if self.session_timeout < Duration::from_secs(1) {
             return refuse("session_timeout", "it must be at least 1 s");
         }
@@ -194,7 +224,12 @@ impl ZooKeeperBackendBuilder {
     /// Checks the chroot, creates the namespace's node if missing, and creates and
     /// deletes a node under it: `Err(Ok(_))` names what is wrong, `Err(Err(_))` is a failed
     /// call.
-    async fn prove(&self, client: &Client, root: &str) -> Result<(), Result<BuildError, ZkError>> {
+    async fn prove(
+        &self,
+        client: &Client,
+        root: &str,
+        acls: zookeeper_client::Acls<'static>,
+    ) -> Result<(), Result<BuildError, ZkError>> {
         let call = |e: ClientError| Err(ZkError::Client(e));
         if client.check_stat("/").await.map_err(call)?.is_none() {
             return Err(Ok(BuildError::Setting {
@@ -205,20 +240,23 @@ impl ZooKeeperBackendBuilder {
         }
         let rights = |e: ClientError| match e {
             ClientError::NoAuth => Ok(BuildError::Rights {
-                user: String::new(),
+                user: self
+                    .digest
+                    .as_ref()
+                    .map_or_else(String::new, |digest| digest.user.clone()),
                 right: format!("create and delete nodes under `{root}`"),
                 addr: self.hosts.clone(),
                 source: Box::new(e),
             }),
             e => Err(ZkError::Client(e)),
         };
-        let persistent = CreateMode::Persistent.with_acls(Acls::anyone_all());
+        let persistent = CreateMode::Persistent.with_acls(acls);
         match client.create(root, &[], &persistent).await {
             Ok(_) | Err(ClientError::NodeExists) => {}
             Err(e) => return Err(rights(e)),
         }
         let probe = format!("{root}/{}probe", hold_prefix(client.session_id().0));
-        let ephemeral = CreateMode::Ephemeral.with_acls(Acls::anyone_all());
+        let ephemeral = CreateMode::Ephemeral.with_acls(acls);
         client
             .create(&probe, &[], &ephemeral)
             .await

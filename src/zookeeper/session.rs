@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
-use zookeeper_client::{Client, Error as ClientError, SessionState};
+use zookeeper_client::{Acls, Client, Error as ClientError, SessionState};
 
 use super::error::ZkError;
 use crate::core::recheck::Recheck;
@@ -28,20 +28,53 @@ pub(crate) struct Connect {
     pub(crate) hosts: String,
     pub(crate) session_timeout: Duration,
     pub(crate) connect_timeout: Duration,
+    /// The identity every session authenticates as (the `digest` scheme), if any.
+    pub(crate) digest: Option<Digest>,
+}
+
+/// A `digest` identity: `user:password`, which ZooKeeper hashes into the id its ACLs name.
+#[derive(Clone)]
+pub(crate) struct Digest {
+    pub(crate) user: String,
+    pub(crate) password: String,
+}
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password.
+        f.debug_struct("Digest")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Connect {
     /// Opens a new session, within the connect timeout.
     pub(crate) async fn open(&self) -> Result<Client, ZkError> {
-        let connecting = Client::connector()
+        let mut connector = Client::connector()
             .with_session_timeout(self.session_timeout)
             .with_connection_timeout(self.connect_timeout)
             // Every host tried once, then the error: the backend decides when to go again.
-            .with_fail_eagerly()
-            .connect(&self.hosts);
+            .with_fail_eagerly();
+        if let Some(Digest { user, password }) = &self.digest {
+            connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        }
+        let connecting = connector.connect(&self.hosts);
         match timeout(self.connect_timeout, connecting).await {
             Ok(connected) => Ok(connected?),
             Err(_) => Err(ZkError::Client(ClientError::Timeout)),
+        }
+    }
+}
+
+impl Connect {
+    /// The ACL of every node the backend creates: only the backend's identity may read,
+    /// write or delete it when the session authenticates (`digest`), anyone otherwise.
+    pub(crate) fn acls(&self) -> Acls<'static> {
+        if self.digest.is_some() {
+            Acls::creator_all()
+        } else {
+            Acls::anyone_all()
         }
     }
 }
@@ -69,6 +102,11 @@ impl Session {
     /// The current session's client.
     pub(crate) fn client(&self) -> Client {
         self.current.borrow().clone()
+    }
+
+    /// The ACL of every node the backend creates (see [`Connect::acls`]).
+    pub(crate) fn acls(&self) -> Acls<'static> {
+        self.connect.acls()
     }
 
     /// The current session's id.
