@@ -1,5 +1,6 @@
 //! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down,
-//! no polling, and the oversell test across three instances. The semantics every store
+//! a holder partitioned from etcd (stops before its lock is freed, the margin printed), no
+//! polling, and the oversell test across three instances. The semantics every store
 //! keeps run in semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
 //! holds and permits in etcd in etcd_shared.rs.
 
@@ -12,6 +13,7 @@ use axum::extract::Request;
 use axum::routing::post;
 use support::child::{self, ChildProcess};
 use support::etcd::{self, EtcdCluster, EtcdServer};
+use support::netns::{CutOffHolder, Net};
 use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
@@ -239,6 +241,8 @@ async fn a_revoked_lease_reports_every_hold_under_it_lost_and_frees_the_keys() {
 
 const ENDPOINT: &str = "TOWER_LOCK_TEST_ETCD";
 const NAMESPACE: &str = "TOWER_LOCK_TEST_NAMESPACE";
+/// `report-lost`: the holder reports when its hold is lost (optional: it holds on).
+const WAKES: &str = "TOWER_LOCK_TEST_WAKES";
 
 #[tokio::test]
 #[ignore = "entry point of the child processes that the tests spawn"]
@@ -252,8 +256,80 @@ async fn child_process() {
             .expect("backend");
         let guard = backend.lock("k").try_once().await.expect("uncontended");
         child::report(&format!("held {}", guard.fencing_token()));
+        if std::env::var(WAKES).as_deref() == Ok("report-lost") {
+            // Cut off from etcd: reports when its hold is given up.
+            tokio::time::timeout(HANG, guard.lost())
+                .await
+                .expect("lost fires");
+            child::report(&format!("lost {}", support::netns::now_micros()));
+        }
         std::future::pending::<()>().await;
     }
+}
+
+/// A holder on its own host, whose way to etcd is cut (the Jepsen hosts of
+/// `support::netns`): the holder gives its hold up (`lost()`, its handler aborted) before
+/// etcd ends its lease and frees the lock for others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_partitioned_from_etcd_stops_before_its_lock_is_freed() {
+    const TEST: &str = "etcd partition";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    let endpoint = etcd::shared().endpoint();
+    let namespace = etcd::fresh_namespace();
+    let mut holder = CutOffHolder::start(
+        endpoint
+            .trim_start_matches("http://")
+            .parse()
+            .expect("host:port"),
+        |netns, store| {
+            let settings = [
+                (ENDPOINT, format!("http://{store}")),
+                (NAMESPACE, namespace.clone()),
+                (WAKES, "report-lost".to_owned()),
+            ];
+            ChildProcess::spawn_in(netns, "child_process", "holder", &settings)
+        },
+    )
+    .await;
+    // Watches the lock's directory from the revision after the grant: the first deletion
+    // is the lease's end (the holder, cut off, cannot release).
+    let mut observer = client(&endpoint).await;
+    let options = etcd_client::WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(i64::try_from(holder.token).expect("a revision") + 1);
+    let mut events = observer
+        .watch(format!("{namespace}:{{k}}/"), Some(options))
+        .await
+        .expect("watch");
+    let lost = holder.cut().await;
+    let freed = loop {
+        let reply = tokio::time::timeout(HANG, events.message())
+            .await
+            .expect("the lease ends")
+            .expect("watch stream")
+            .expect("watch open");
+        if reply.created() {
+            continue;
+        }
+        if reply
+            .events()
+            .iter()
+            .any(|e| e.event_type() == etcd_client::EventType::Delete)
+        {
+            break support::netns::now_micros();
+        }
+    };
+    support::netns::report_margin("etcd", lost, freed);
+    let next = etcd::backend_in(&namespace)
+        .await
+        .lock("k")
+        .try_once()
+        .await
+        .expect("free once the lease ended");
+    assert!(next.fencing_token() > holder.token);
 }
 
 #[tokio::test]

@@ -1,7 +1,9 @@
 //! ZooKeeper: what `build()` refuses, what the session does for the holds under it, the
 //! leader of a three-server ensemble killed mid-run,
 //! ZooKeeper down, no polling and no herd (exclusive, read/write and permit waiters), a
-//! holder killed with SIGKILL, and the oversell test across three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
+//! holder killed with SIGKILL, a holder partitioned from the ensemble (stops before its
+//! lock is freed, the margin printed), digest authentication, and the oversell test across
+//! three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
 
 mod support;
 
@@ -11,6 +13,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::routing::post;
 use support::child::{self, ChildProcess};
+use support::netns::{CutOffHolder, Net};
 use support::zookeeper::{self as zk, ZkEnsemble, ZkServer};
 use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
 
@@ -142,8 +145,68 @@ async fn child_process() {
             other.release().await.expect("released");
             return;
         }
+        if child::setting(WAKES) == "report-lost" {
+            // Cut off from the ensemble: reports when its hold is given up.
+            tokio::time::timeout(HANG, guard.lost())
+                .await
+                .expect("lost fires");
+            child::report(&format!("lost {}", support::netns::now_micros()));
+        }
         std::future::pending::<()>().await;
     }
+}
+
+/// A holder on its own host, whose way to the ensemble is cut (the Jepsen hosts of
+/// `support::netns`): the holder gives its hold up (`lost()`, its handler aborted) before
+/// the ensemble expires its session and frees the lock for others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_partitioned_from_the_ensemble_stops_before_its_lock_is_freed() {
+    const TEST: &str = "zookeeper partition";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    let server = zk::shared();
+    let namespace = zk::fresh_namespace();
+    let mut holder = CutOffHolder::start(
+        server.hosts().parse().expect("host:port"),
+        |netns, store| {
+            let settings = [
+                (HOSTS, store.to_string()),
+                (NAMESPACE, namespace.clone()),
+                (WAKES, "report-lost".to_owned()),
+            ];
+            ChildProcess::spawn_in(netns, "child_process", "holder", &settings)
+        },
+    )
+    .await;
+    let observer = zookeeper_client::Client::connect(&server.hosts())
+        .await
+        .expect("observer");
+    let lock = format!("/{namespace}/{{k}}");
+    let (holds, _) = observer.get_children(&lock).await.expect("the lock's node");
+    let [hold] = holds.as_slice() else {
+        panic!("one hold: {holds:?}");
+    };
+    let (stat, deleted) = observer
+        .check_and_watch_stat(&format!("{lock}/{hold}"))
+        .await
+        .expect("watch");
+    assert!(stat.is_some(), "the hold's node exists");
+    let lost = holder.cut().await;
+    let event = tokio::time::timeout(HANG, deleted.changed())
+        .await
+        .expect("the session expires");
+    let freed = support::netns::now_micros();
+    assert_eq!(event.event_type, zookeeper_client::EventType::NodeDeleted);
+    support::netns::report_margin("ZooKeeper", lost, freed);
+    let next = zk::backend_in(&namespace)
+        .await
+        .lock("k")
+        .try_once()
+        .await
+        .expect("free once the session expired");
+    assert!(next.fencing_token() > holder.token);
 }
 
 #[tokio::test]

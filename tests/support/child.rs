@@ -98,6 +98,15 @@ impl ChildProcess {
         .expect("the child reports within 60 s")
     }
 
+    /// The number in the next report, which must read `{word} {number}` (`held 42`).
+    pub async fn next_number(&mut self, word: &str) -> u64 {
+        let report = self.next_report().await;
+        report
+            .as_deref()
+            .and_then(|r| r.strip_prefix(word)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("expected `{word} <number>` from the child: {report:?}"))
+    }
+
     /// Every remaining report, until the child exits.
     pub async fn remaining_reports(&mut self) -> Vec<String> {
         let mut reports = Vec::new();

@@ -136,6 +136,17 @@ impl Net {
         self.set_link(a, b, "up");
     }
 
+    /// Cuts `host` off from the network: its end of its uplink goes down, so what it sends
+    /// goes nowhere and nothing reaches it, while the root end (and every service the test
+    /// binds there) stays up for the test. For good: the host's routes go with the link.
+    pub fn isolate(&self, host: &str) {
+        let uplink = self.find(None, host);
+        ip(&in_ns(
+            Some(&self.ns(host)),
+            &["link", "set", &uplink.if_b, "down"],
+        ));
+    }
+
     fn set_link(&self, a: &str, b: &str, state: &str) {
         let link = self.direct(a, b);
         let a_ns = link.a.as_ref().map(|a| self.ns(a));
@@ -171,6 +182,70 @@ impl Drop for Net {
             let _ = run_ok(Command::new("ip").args(["netns", "del", &self.ns(host)]));
         }
     }
+}
+
+/// The wall clock in microseconds since the epoch: the clock a test and the children it
+/// runs on other hosts of one machine share.
+pub fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A holder process on a host of its own (`app`) whose only way to its store is a
+/// forwarder on the root end of the host's uplink: the test cuts it off with [`cut`].
+///
+/// [`cut`]: CutOffHolder::cut
+pub struct CutOffHolder {
+    // The child goes before the hosts and the forwarder.
+    child: super::child::ChildProcess,
+    /// The grant's fencing token the child reported (`held N`).
+    pub token: u64,
+    _proxy: super::proxy::FaultProxy,
+    net: Net,
+}
+
+impl CutOffHolder {
+    /// Starts the host and the forwarder to `store`, then the child `spawn` starts in the
+    /// host's namespace, given the forwarder's address; waits for its `held N`.
+    pub async fn start(
+        store: SocketAddr,
+        spawn: impl FnOnce(&str, SocketAddr) -> super::child::ChildProcess,
+    ) -> Self {
+        let net = Net::new(&["app"]);
+        let proxy =
+            super::proxy::FaultProxy::start(SocketAddr::from((net.root_ip("app"), 0)), store).await;
+        let mut child = spawn(&net.ns("app"), proxy.addr());
+        let token = child.next_number("held").await;
+        CutOffHolder {
+            child,
+            token,
+            _proxy: proxy,
+            net,
+        }
+    }
+
+    /// Cuts the host off, and returns when the child says its hold was lost (`lost T`,
+    /// [`now_micros`] in the child).
+    pub async fn cut(&mut self) -> u64 {
+        self.net.isolate("app");
+        self.child.next_number("lost").await
+    }
+}
+
+/// Prints how long before the store freed a partitioned holder's lock (seen at `freed`)
+/// the holder stopped (its `lost()` at `lost`), and checks that it stopped first.
+pub fn report_margin(store: &str, lost: u64, freed: u64) {
+    let margin = freed as i64 - lost as i64;
+    println!(
+        "{store}: the partitioned holder stopped {:.1} ms before the store freed its lock",
+        margin as f64 / 1000.0
+    );
+    assert!(
+        lost < freed,
+        "{store}: the holder stopped {} µs after the store freed its lock",
+        -margin
+    );
 }
 
 /// Prints why a test that needs hosts did not run (visible with `--nocapture`, and on
