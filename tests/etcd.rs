@@ -578,3 +578,89 @@ async fn several_keys_at_once_and_a_hold_without_watchdog() {
         .expect("its key deleted in etcd too");
     assert!(next.fencing_token() > token);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_take_the_lock_in_the_order_they_began_waiting() {
+    let namespace = etcd::fresh_namespace();
+    let holder = etcd::backend_in(&namespace).await;
+    let mut instances = Vec::new();
+    for _ in 0..4 {
+        instances.push(etcd::backend_in(&namespace).await);
+    }
+    let observer = client(&etcd::shared().endpoint()).await;
+    let (observer, namespace) = (&observer, &namespace);
+    // Each waiting instance keeps one key in line (`q...`) in the lock's directory.
+    let in_line = |key: &'static str| async move {
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        let reply = observer
+            .kv_client()
+            .get(format!("{namespace}:{{{key}}}/q"), Some(options))
+            .await
+            .expect("count the line");
+        usize::try_from(reply.count()).expect("a count")
+    };
+    support::turns::instances_take_the_lock_in_the_order_they_began_waiting(
+        holder, instances, in_line,
+    )
+    .await;
+}
+
+/// A waiter that gives up while etcd cannot be reached takes its key out of line once etcd
+/// answers again: its key lives under its backend's lease, which outlives the outage, and
+/// would otherwise keep every later waiter behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gives_up_during_an_outage_leaves_the_line_when_etcd_is_back() {
+    let mut server = EtcdServer::start();
+    let instance = || async {
+        etcd::builder_on(&[server.endpoint()])
+            .lease_ttl(Duration::from_secs(30))
+            .command_timeout(Duration::from_millis(500))
+            .build()
+            .await
+            .expect("backend")
+    };
+    let (holder, quitter, next) = (instance().await, instance().await, instance().await);
+    let observer = client(&server.endpoint()).await;
+    let in_line = || async {
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        observer
+            .kv_client()
+            .get("tower-lock:{k}/q", Some(options))
+            .await
+            .map(|reply| reply.count())
+            .unwrap_or(-1)
+    };
+    let held = holder.lock("k").try_once().await.expect("uncontended");
+    let waiting = quitter.clone();
+    let waiter = tokio::spawn(async move { waiting.lock("k").wait(HANG * 6).await });
+    support::eventually("the waiter is in line", || async { in_line().await == 1 }).await;
+    server.kill();
+    // The waiter's backend has seen the outage: its calls fail now, rather than wait for
+    // a connection.
+    support::eventually("the waiter's backend finds etcd down", || async {
+        quitter.inspect("other").await.is_err()
+    })
+    .await;
+    // Its request cancelled while etcd is down (or already ended by the outage, with
+    // 503): either way it gave up, and its withdrawal cannot be sent now.
+    waiter.abort();
+    let gave_up = waiter.await;
+    assert!(gave_up.as_ref().map_or(true, |r| r.is_err()), "{gave_up:?}");
+    server.start_again();
+    support::eventually("the waiter's key left the line", || async {
+        in_line().await == 0
+    })
+    .await;
+    // Whether the holder kept its hold through the outage or lost it, the next waiter is
+    // served once it is released.
+    drop(held.release().await);
+    let served = tokio::time::timeout(HANG, next.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("served");
+    served.release().await.expect("released");
+}

@@ -53,29 +53,24 @@ async fn waiting_instances_take_a_free_key_in_the_order_they_began_waiting() {
     for _ in 0..4 {
         instances.push(server.backend().await);
     }
-    let held = holder.lock(KEY).try_once().await.expect("uncontended");
-    // They begin waiting one at a time, the last-built instance first: an order that is
-    // neither the order of their connections nor of their subscriptions' setup.
-    let mut waiters = Vec::new();
-    for (i, instance) in instances.iter().rev().enumerate() {
-        waiters.push(spawn_waiter(instance));
-        // Subscribed after the refused attempt that put it in the line.
-        server.wait_for_subscribers(KEY, i as i64 + 1).await;
-    }
-    assert_eq!(line(&server).await.len(), 4, "four instances in line");
-    let mut last = held.fencing_token();
-    held.release().await.expect("holder releases");
-    for (i, waiter) in waiters.into_iter().enumerate() {
-        let guard = served(waiter).await;
-        assert!(
-            guard.fencing_token() > last,
-            "instance {i} is served in the order it began waiting: token {} after {last}",
-            guard.fencing_token()
-        );
-        last = guard.fencing_token();
-        guard.release().await.expect("releases");
-    }
-    assert!(line(&server).await.is_empty(), "the line is empty again");
+    // The line of the key the shared body uses.
+    let in_line = |key: &'static str| {
+        let server = &server;
+        async move {
+            let line: Vec<String> = redis::cmd("ZRANGE")
+                .arg(format!("tower-lock:{{{key}}}:line"))
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut server.conn().await)
+                .await
+                .expect("ZRANGE");
+            line.len()
+        }
+    };
+    support::turns::instances_take_the_lock_in_the_order_they_began_waiting(
+        holder, instances, in_line,
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -361,8 +361,8 @@ async fn waiters_do_not_poll_while_the_lock_is_held() {
     .await;
     let watches = server.four("wchc").expect("wchc");
     assert_eq!(watches.matches("/{k}/").count(), 2, "{watches}");
-    // Waiters leave no node behind (no node per waiter, nothing to clean up).
-    assert_eq!(server.mntr("zk_znode_count"), nodes);
+    // Each waiting instance keeps one node in line, whatever its waiters number.
+    assert_eq!(server.mntr("zk_znode_count"), nodes + 2);
     assert!(listings(&server) > 0, "the attempts' listings are counted");
     no_attempt_for_a_while(&server).await;
     guard.release().await.expect("release");
@@ -653,4 +653,34 @@ async fn digest_auth_keeps_the_locks_nodes_to_the_services_identity() {
         .release()
         .await
         .expect("released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_take_the_lock_in_the_order_they_began_waiting() {
+    let namespace = zk::fresh_namespace();
+    let holder = zk::backend_in(&namespace).await;
+    let mut instances = Vec::new();
+    for _ in 0..4 {
+        instances.push(zk::backend_in(&namespace).await);
+    }
+    let observer = zookeeper_client::Client::connect(&zk::shared().hosts())
+        .await
+        .expect("observer");
+    let observer = &observer;
+    let namespace = &namespace;
+    // Each waiting instance keeps one node in line behind the holder's.
+    let in_line = |key: &'static str| async move {
+        match observer
+            .get_children(&format!("/{namespace}/{{{key}}}"))
+            .await
+        {
+            Ok((nodes, _)) => nodes.len().saturating_sub(1),
+            Err(zookeeper_client::Error::NoNode) => 0,
+            Err(e) => panic!("the lock's nodes: {e}"),
+        }
+    };
+    support::turns::instances_take_the_lock_in_the_order_they_began_waiting(
+        holder, instances, in_line,
+    )
+    .await;
 }

@@ -7,11 +7,17 @@
 //! others waiting for as long as the backend's lease lives.
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp};
 
 use super::behind::Behind;
 use crate::core::wakeups::Wakeups;
+
+/// The first pause before a failed withdrawal is sent again; it doubles up to
+/// [`MAX_WITHDRAW_BACKOFF`].
+const WITHDRAW_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_WITHDRAW_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What an acquisition needs to take its key out of line, and that key.
 pub(crate) struct Line {
@@ -52,8 +58,8 @@ impl Line {
     }
 
     /// The acquisition ended: its key in line, if any, is deleted (which wakes whoever
-    /// waits behind it) in a task of the runtime it is dropped on; without one, it goes
-    /// with the lease.
+    /// waits behind it) in a task of the runtime it is dropped on, sent again until etcd
+    /// answers; without a runtime, it goes with the lease.
     pub(crate) fn leave(&mut self) {
         let left = self.left.get_mut().unwrap_or_else(PoisonError::into_inner);
         let Some((key, value)) = left.take() else {
@@ -64,12 +70,23 @@ impl Line {
         };
         let mut kv = self.kv.clone();
         runtime.spawn(async move {
-            let withdraw = Txn::new()
-                .when([Compare::value(key.clone(), CompareOp::Equal, value)])
-                .and_then([TxnOp::delete(key.clone(), None)]);
-            if let Err(e) = kv.txn(withdraw).await {
-                // Its lease takes it at the latest; meanwhile it keeps others waiting.
-                tracing::debug!(%key, error = %e, "etcd: a key waiting in line was not withdrawn");
+            // Sent again until etcd answers: the key lives under the backend's lease, which
+            // lives as long as the backend, and until it goes everyone behind it waits (an
+            // election, a lost connection). Either answer settles it: deleted, or changed
+            // since (taken over as a hold, or gone with its lease).
+            let mut backoff = WITHDRAW_BACKOFF;
+            loop {
+                let withdraw = Txn::new()
+                    .when([Compare::value(key.clone(), CompareOp::Equal, value.clone())])
+                    .and_then([TxnOp::delete(key.clone(), None)]);
+                match kv.txn(withdraw).await {
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::debug!(%key, error = %e, "etcd: a key waiting in line was not withdrawn; again");
+                    }
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_WITHDRAW_BACKOFF);
             }
         });
     }

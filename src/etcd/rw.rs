@@ -30,7 +30,9 @@ impl EtcdStore {
 
     /// One exclusive attempt: puts this backend's hold if the lock has no key at all, in
     /// one transaction; else reads the lock's keys, re-enters the holder's own hold, or
-    /// lets in (or puts) the holder's key waiting in line.
+    /// lets in (or puts) the holder's key waiting in line: a waiting exclusive
+    /// acquisition always waits in line, behind the key just before its own, so that
+    /// waiting instances take the lock in the order they came (etcd's recipe).
     pub(super) async fn attempt_exclusive(
         &self,
         key: &EtcdKey,
@@ -86,12 +88,21 @@ impl EtcdStore {
                         }
                     }
                 }
-                // (A hold is younger than the keys waiting before it took its turn.)
-                self.wait_behind(key, attempt, hold, read_at);
-                return Ok(Attempted::Held {
-                    left: None,
-                    queued: queued.is_some(),
-                });
+                if let Some(at) = queued {
+                    // In line: behind the key just before its own (a hold that came from
+                    // the line is younger than the keys waiting before it took its turn).
+                    self.wait_behind(key, attempt, behind(at), read_at);
+                    return Ok(Attempted::Held {
+                        left: None,
+                        queued: true,
+                    });
+                }
+                if attempt.waits.is_none_or(|w| w.is_zero()) {
+                    self.wait_behind(key, attempt, hold, read_at);
+                    return Ok(held);
+                }
+                // It waits: in line below, so that waiting instances take the lock in the
+                // order they came.
             }
             let reader = format!("r:{holder}");
             if keys.iter().any(|kv| {
@@ -141,8 +152,9 @@ impl EtcdStore {
             if attempt.waits.is_none_or(|w| w.is_zero()) {
                 return Ok(held);
             }
-            // Kept out by shared holders or waiting writers: in line behind them (taken out
-            // when the acquisition ends, known before it is sent: the reply may not come).
+            // Kept out by a holder, shared holders or waiting writers: in line behind them
+            // (taken out when the acquisition ends, known before it is sent: the reply may
+            // not come).
             let value = HoldValue::new(holder).encode();
             key.left_in_line(waiting.clone(), value.clone());
             let line_up = Txn::new()

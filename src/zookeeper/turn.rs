@@ -34,8 +34,9 @@ pub(crate) enum Wants {
 pub(crate) enum Turn {
     Granted,
     /// Not yet: the nodes (their places) whose deletion may let it in, each watched once;
-    /// `keep`: a writer kept out by shared holders only keeps its node while it waits, so
-    /// that new shared holders line up behind it (a stream of readers cannot starve it).
+    /// `keep`: a writer that waits keeps its node, so that the processes waiting for an
+    /// exclusive lock take it in the order they came (Curator's `InterProcessMutex`), and
+    /// new shared holders line up behind it (a stream of readers cannot starve it).
     Waits {
         behind: Vec<usize>,
         keep: bool,
@@ -46,8 +47,9 @@ pub(crate) enum Turn {
 /// nodes.len()` for a node not created yet, which would come last), as Curator's recipes
 /// decide it:
 ///
-/// - a writer is granted when it is the lowest; else it watches the node just before it
-///   (every node before it must go, so waiting for any one of them misses nothing);
+/// - a writer is granted when it is the lowest; else it keeps its node in line (when it
+///   waits at all) and watches the node just before it (every node before it must go, so
+///   waiting for any one of them misses nothing): writers go first come, first served;
 /// - a reader is granted when no write node is before it, its owner's own excepted; else
 ///   it watches the nearest such write node (the last of them to go, in line order);
 /// - a permit is granted among the `n` lowest nodes; else it watches those `n`: any of
@@ -61,7 +63,7 @@ pub(crate) fn turn(nodes: &[Node], mine: usize, wants: Wants) -> Turn {
         Wants::Write if before.is_empty() => Turn::Granted,
         Wants::Write => Turn::Waits {
             behind: vec![before.len() - 1],
-            keep: before.iter().all(|n| n.kind == NodeKind::Read),
+            keep: true,
         },
         Wants::Read => match before
             .iter()
@@ -115,11 +117,14 @@ mod tests {
     fn a_writer_goes_when_lowest_and_watches_its_predecessor() {
         assert_eq!(turn(&[], 0, Wants::Write), Turn::Granted);
         assert_eq!(turn(&[W], 0, Wants::Write), Turn::Granted);
-        // Behind a writer: it leaves, and waits for the holder's node.
-        assert_eq!(turn(&[W], 1, Wants::Write), waits(&[0], false));
-        // Behind readers only: it stays in line, watching the reader just before it.
+        // Behind a writer or readers: it stays in line, watching the node just before it.
+        assert_eq!(turn(&[W], 1, Wants::Write), waits(&[0], true));
+        assert_eq!(turn(&[W, W], 2, Wants::Write), waits(&[1], true));
         assert_eq!(turn(&[R, R], 2, Wants::Write), waits(&[1], true));
-        assert_eq!(turn(&[R, W, R], 3, Wants::Write), waits(&[2], false));
+        assert_eq!(turn(&[R, W, R], 3, Wants::Write), waits(&[2], true));
+        // Its turn comes when every node before it has gone.
+        assert_eq!(turn(&[W, W], 1, Wants::Write), waits(&[0], true));
+        assert_eq!(turn(&[W], 0, Wants::Write), Turn::Granted);
     }
 
     #[test]

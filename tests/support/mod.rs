@@ -21,6 +21,7 @@ pub mod shop;
 pub mod sql;
 pub mod tls;
 pub mod tls_sentinel;
+pub mod turns;
 pub mod zookeeper;
 
 use std::io::{Read, Write};
