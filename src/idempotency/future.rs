@@ -86,7 +86,8 @@ where
             Ok(Acquired::Checked(guard)) => break (guard, true),
             Ok(Acquired::Unchecked(guard)) => break (guard, false),
             // A request with this key completed between the lookup and the lock: its
-            // record, read next, is the answer. (Read again only if it expired meanwhile.)
+            // record, read next, is the answer (if it expired meanwhile, the lock is
+            // tried again).
             Ok(Acquired::Recorded) if recorded < MAX_RECORDED => recorded += 1,
             Ok(Acquired::Recorded) => {
                 let error = LockError::backend("idempotency record", NotARecord::Unread);
