@@ -113,7 +113,7 @@ mod sealed {
 
     use crate::error::LockError;
     use crate::lock::inspect::{LockInfo, Primitive};
-    use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
+    use crate::lock::{Acquired, BoxFuture, LockGuard, LockOwner, LockRequest};
 
     /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).
     pub trait Sealed {
@@ -129,6 +129,17 @@ mod sealed {
             self: Arc<Self>,
             request: LockRequest,
         ) -> BoxFuture<'static, Result<LockGuard, LockError>>;
+
+        /// As [`acquire`](Self::acquire), for the idempotency layer: a store that can check
+        /// the key's record as it takes a new hold takes none while it exists. The default
+        /// checks nothing.
+        fn acquire_unless_recorded(
+            self: Arc<Self>,
+            request: LockRequest,
+        ) -> BoxFuture<'static, Result<Acquired, LockError>> {
+            let acquiring = self.acquire(request);
+            Box::pin(async move { acquiring.await.map(Acquired::Unchecked) })
+        }
 
         /// A new owner: one per request.
         fn new_owner(&self) -> LockOwner;

@@ -1,13 +1,16 @@
 //! A quorum of five independent redis-servers (RedLock), started once for this binary
 //! (`support/quorum.rs`): build-time refusals, the flash sale across three instances, and
 //! waiters that do not poll. `quorum/faults.rs`: masters killed and restarted under load;
-//! `quorum/pause.rs`: a holder paused past its validity. The shared semantics bodies run on
+//! `quorum/pause.rs`: a holder paused past its validity; `quorum/records.rs`: idempotency
+//! records on every master. The shared semantics bodies run on
 //! the quorum in their own binaries (`on_quorum::*`, `quorum::*`).
 
 #[path = "quorum/faults.rs"]
 mod faults;
 #[path = "quorum/pause.rs"]
 mod pause;
+#[path = "quorum/records.rs"]
+mod records;
 mod support;
 
 use std::net::SocketAddr;

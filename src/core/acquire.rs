@@ -17,7 +17,7 @@ use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
 use crate::backend::Backend;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{Acquired, BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
 /// What one attempt found, as the acquisition acts on it.
 enum Outcome {
@@ -26,6 +26,8 @@ enum Outcome {
     Held(Option<Duration>),
     /// Free, and left to the other instances that wait for it (a yielding attempt).
     LeftToOthers,
+    /// The key's idempotency record exists: nothing was taken.
+    Recorded,
 }
 
 /// A hold an attempt took.
@@ -41,8 +43,24 @@ struct Taken {
 impl<S: Store> Backend for Core<S> {
     fn acquire(
         self: Arc<Self>,
-        request: LockRequest,
+        mut request: LockRequest,
     ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
+        request.unless_recorded = false;
+        let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
+        Box::pin(observe.run(move || async move {
+            match self.acquire_traced(request).await? {
+                Acquired::Checked(guard) | Acquired::Unchecked(guard) => Ok(guard),
+                // Not asked for: no attempt checked a record.
+                Acquired::Recorded => Err(LockError::backend("acquire", UnaskedRecordCheck)),
+            }
+        }))
+    }
+
+    fn acquire_unless_recorded(
+        self: Arc<Self>,
+        mut request: LockRequest,
+    ) -> BoxFuture<'static, Result<Acquired, LockError>> {
+        request.unless_recorded &= self.store.checks_records();
         let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
         Box::pin(observe.run(move || self.acquire_traced(request)))
     }
@@ -97,7 +115,7 @@ impl<S: Store> Backend for Core<S> {
 }
 
 impl<S: Store> Core<S> {
-    async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<LockGuard, LockError> {
+    async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<Acquired, LockError> {
         if request.kind == Kind::Permit(0) {
             return Err(LockError::ZeroPermits { key: request.key });
         }
@@ -128,6 +146,7 @@ impl<S: Store> Core<S> {
             started,
             deadline,
             kind: request.kind,
+            unless_recorded: request.unless_recorded && request.kind == Kind::Exclusive,
             queued_writer: AtomicU8::new(NOT_QUEUED),
             core: self.clone(),
         };
@@ -145,7 +164,8 @@ impl<S: Store> Core<S> {
                 c.store_owner = reentry.store_owner().cloned();
                 (None, Some(reentry))
             }
-            Turn::HandedOver(guard) => return Ok(guard),
+            // Given by the previous holder, whose record, if it stored one, is there now.
+            Turn::HandedOver(guard) => return Ok(Acquired::Unchecked(guard)),
             Turn::Busy => return Err(Box::pin(self.busy(&c)).await),
             Turn::Full => {
                 return Err(LockError::QueueFull {
@@ -181,7 +201,7 @@ impl<S: Store> Core<S> {
         c: &Contender<S>,
         slot: Option<Slot>,
         reentry: Option<Reentry>,
-    ) -> Result<LockGuard, LockError> {
+    ) -> Result<Acquired, LockError> {
         // Tokens are reserved for a run of holders in memory when other tasks of this
         // process wait for the key.
         let reserve = || match &slot {
@@ -197,6 +217,7 @@ impl<S: Store> Core<S> {
                 Outcome::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
                 Outcome::Held(p) => pttl = p,
                 Outcome::LeftToOthers => {}
+                Outcome::Recorded => return Ok(Acquired::Recorded),
             }
         }
         let Some(deadline) = c.deadline else {
@@ -261,6 +282,7 @@ impl<S: Store> Core<S> {
                     yield_until = None;
                 }
                 Outcome::LeftToOthers => pttl = None,
+                Outcome::Recorded => return Ok(Acquired::Recorded),
             }
             if Instant::now() >= deadline {
                 return Err(c.timed_out(pttl));
@@ -268,14 +290,16 @@ impl<S: Store> Core<S> {
         }
     }
 
-    /// The guard of a hold `c` took.
+    /// The guard of a hold `c` took; checked when the attempt that took it as a new hold
+    /// checked the key's record.
     fn taken(
         self: &Arc<Self>,
         c: &Contender<S>,
         taken: Taken,
         slot: Option<Slot>,
         reentry: Option<Reentry>,
-    ) -> LockGuard {
+    ) -> Acquired {
+        let checked = c.unless_recorded && !taken.reentry && reentry.is_none();
         // A re-entry by a holder that got the lock in memory keeps that holder's token.
         let granted = Granted {
             token: reentry
@@ -287,8 +311,14 @@ impl<S: Store> Core<S> {
             continues: None,
         };
         let claim = (c.claim.clone(), c.kind);
-        self.guard(c.key.clone(), claim, granted, slot, reentry)
-            .reentry(taken.reentry)
+        let guard = self
+            .guard(c.key.clone(), claim, granted, slot, reentry)
+            .reentry(taken.reentry);
+        if checked {
+            Acquired::Checked(guard)
+        } else {
+            Acquired::Unchecked(guard)
+        }
     }
 
     /// Makes one attempt.
@@ -319,6 +349,7 @@ impl<S: Store> Core<S> {
                 .map(|deadline| deadline.saturating_duration_since(Instant::now())),
             reserve,
             yielding,
+            record: c.unless_recorded,
             serial: self.owners.serial(),
         };
         let sent_at = Instant::now();
@@ -350,6 +381,11 @@ impl<S: Store> Core<S> {
                 Ok(Outcome::Held(left))
             }
             Ok(Attempted::LeftToOthers) => Ok(Outcome::LeftToOthers),
+            Ok(Attempted::Recorded) => {
+                // The store took the attempt out of the waiting ones.
+                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
+                Ok(Outcome::Recorded)
+            }
             Ok(Attempted::UpgradeRefused) => Err(LockError::UpgradeRefused {
                 key: c.key.user().to_owned(),
             }),
@@ -375,6 +411,8 @@ pub(super) struct Contender<S: Store> {
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
     pub(super) kind: Kind,
+    /// Each attempt checks the key's idempotency record (see [`Attempt::record`]).
+    pub(super) unless_recorded: bool,
     /// Whether this exclusive acquisition is registered as a waiting writer (a store
     /// registers one that shared holders keep out; until it gets the lock, new shared
     /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
@@ -423,3 +461,15 @@ impl<S: Store> Contender<S> {
         }
     }
 }
+
+/// A record check's answer to an acquisition that did not ask for one.
+#[derive(Debug)]
+struct UnaskedRecordCheck;
+
+impl std::fmt::Display for UnaskedRecordCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the store answered a record check that was not asked for")
+    }
+}
+
+impl std::error::Error for UnaskedRecordCheck {}

@@ -9,7 +9,7 @@ use tracing::Instrument;
 use super::telemetry::{Labels, Namespace, Outcome};
 use crate::error::LockError;
 use crate::lock::retry::RetryAfter;
-use crate::lock::{LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{Acquired, LockGuard, LockOwner, LockRequest, Mode};
 
 /// What every backend records of an acquisition: the `lock.acquire` span (how long it
 /// waited, its outcome and token) and the metrics.
@@ -49,13 +49,14 @@ impl Observe {
     /// Takes a closure rather than the future: a future passed in would be stored twice in
     /// this one's state (once as captured, once as awaited), and every task queued for a
     /// key carries this state.
-    pub(crate) fn run<F, Fut>(
+    pub(crate) fn run<T, F, Fut>(
         self,
         acquire: F,
-    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'static
+    ) -> impl Future<Output = Result<T, LockError>> + Send + 'static
     where
+        T: Observed,
         F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<LockGuard, LockError>> + Send + 'static,
+        Fut: Future<Output = Result<T, LockError>> + Send + 'static,
     {
         let Observe {
             span,
@@ -75,8 +76,9 @@ impl Observe {
                 "waited_ms",
                 u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
             );
-            let outcome = match &mut result {
-                Ok(guard) => {
+            let outcome = match result.as_mut().map(Observed::guard) {
+                Ok(None) => Outcome::Recorded,
+                Ok(Some(guard)) => {
                     span.record("token", guard.fencing_token());
                     guard.count_hold(labels.hold());
                     guard.time_hold(retry.clock());
@@ -99,6 +101,27 @@ impl Observe {
             result
         }
         .instrument(span)
+    }
+}
+
+/// What an acquisition comes to: a guard, or (the idempotency layer's) none.
+pub(crate) trait Observed: Send + 'static {
+    /// The hold taken, if any.
+    fn guard(&mut self) -> Option<&mut LockGuard>;
+}
+
+impl Observed for LockGuard {
+    fn guard(&mut self) -> Option<&mut LockGuard> {
+        Some(self)
+    }
+}
+
+impl Observed for Acquired {
+    fn guard(&mut self) -> Option<&mut LockGuard> {
+        match self {
+            Acquired::Checked(guard) | Acquired::Unchecked(guard) => Some(guard),
+            Acquired::Recorded => None,
+        }
     }
 }
 

@@ -146,6 +146,13 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         false
     }
 
+    /// Whether an attempt can check the key's idempotency record as it takes a new hold
+    /// ([`Attempt::record`]), in the same atomic step: then the idempotency layer reads the
+    /// record once before the lock, not again once it holds a hold taken that way.
+    fn checks_records(&self) -> bool {
+        false
+    }
+
     /// The lease a hold asking for `lease` gets (a store may bound it).
     fn lease(&self, lease: Duration) -> Duration {
         lease
@@ -222,6 +229,10 @@ pub(crate) struct Attempt {
     /// store that keeps waiting holders in line and gives a free key only to the head of
     /// the line (Redis) needs no yield: it treats a yielding attempt as any other.
     pub(crate) yielding: Option<u64>,
+    /// Check the key's idempotency record as the hold is taken: while it exists, take no
+    /// new hold and answer [`Attempted::Recorded`] (only for a store that
+    /// [`checks_records`](Store::checks_records), an exclusive hold of the idempotency layer).
+    pub(crate) record: bool,
     /// A number this backend never used before: the attempt's id, so that a store that
     /// runs a call twice takes one hold, and the id of the release that gives back a hold
     /// the store must undo itself (`holder@serial`, `holder#serial`).
@@ -246,13 +257,16 @@ pub(crate) enum Attempted {
     LeftToOthers,
     /// The owner holds the key shared and asked for it exclusively.
     UpgradeRefused,
+    /// The key's idempotency record exists ([`Attempt::record`]): nothing was taken, and
+    /// the attempt left the store's waiting writers and line.
+    Recorded,
 }
 
 impl Attempted {
     /// Reads an attempt's reply in the integer-array form that the Redis scripts and the
     /// SQL functions share: `{1, token, count}`, `{0, ms}`, `{0, ms, 1}` (registered as a
     /// waiting writer), `{2, ms}` (refused for `ms` more, as if held: a restart guard),
-    /// `{4}`, `{5}`. `None` for anything else, a hold included that cannot be read as one.
+    /// `{4}`, `{5}`, `{6}` (recorded). `None` for anything else, a hold included that cannot be read as one.
     pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
         let left = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
         Some(match *reply {
@@ -274,6 +288,7 @@ impl Attempted {
             },
             [4] => Attempted::UpgradeRefused,
             [5] => Attempted::LeftToOthers,
+            [6] => Attempted::Recorded,
             _ => return None,
         })
     }

@@ -10,6 +10,9 @@
 pub(crate) enum Outcome {
     Acquired,
     Reentered,
+    /// The idempotency layer's acquisition found the key's record in the store, and took
+    /// nothing (the request is replayed).
+    Recorded,
     Contended,
     PermitsTaken,
     UpgradeRefused,
@@ -46,6 +49,7 @@ impl Outcome {
         match self {
             Outcome::Acquired => "acquired",
             Outcome::Reentered => "reentered",
+            Outcome::Recorded => "recorded",
             Outcome::Contended => "contended",
             Outcome::PermitsTaken => "permits_taken",
             Outcome::UpgradeRefused => "upgrade_refused",

@@ -20,7 +20,7 @@ use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::future::lost_error;
 use crate::lock::held::push_outer;
-use crate::lock::{HeldLock, LockGuard, LockRequest};
+use crate::lock::{Acquired, HeldLock, LockGuard, LockRequest, Mode};
 
 /// What the store says of a key for a request.
 enum Found {
@@ -71,30 +71,40 @@ where
     let key = scoped_key(&(config.scope)(&parts), &key);
     let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
 
-    // A completed request is replayed without touching its lock, so that retries of a
-    // finished request never contend with each other.
-    match lookup(&config, &key, fingerprint).await {
-        Ok(Found::Nothing) => {}
-        Ok(Found::Replay(response)) => return Ok(response),
-        Err(e) => return Ok(config.reject(e)),
-    }
-    let lock = LockRequest::new(config.store.clone(), key.clone()).lease(config.lease);
-    let acquired = match config.wait {
-        None => lock.try_once().await,
-        Some(wait) => lock.wait(wait).await,
-    };
-    let guard = match acquired {
-        Ok(guard) => guard,
-        Err(LockError::Contended { retry_after, .. }) => {
-            return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
+    let mode = config.wait.map_or(Mode::TryOnce, Mode::Wait);
+    let mut recorded = 0;
+    let (guard, checked) = loop {
+        // A completed request is replayed without touching its lock, so that retries of a
+        // finished request never contend with each other.
+        match lookup(&config, &key, fingerprint).await {
+            Ok(Found::Nothing) => {}
+            Ok(Found::Replay(response)) => return Ok(response),
+            Err(e) => return Ok(config.reject(e)),
         }
-        Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
+        let lock = LockRequest::new(config.store.clone(), key.clone()).lease(config.lease);
+        match lock.unless_recorded(mode).await {
+            Ok(Acquired::Checked(guard)) => break (guard, true),
+            Ok(Acquired::Unchecked(guard)) => break (guard, false),
+            // A request with this key completed between the lookup and the lock: its
+            // record, read next, is the answer (if it expired meanwhile, the lock is
+            // tried again).
+            Ok(Acquired::Recorded) if recorded < MAX_RECORDED => recorded += 1,
+            Ok(Acquired::Recorded) => {
+                let error = LockError::backend("idempotency record", NotARecord::Unread);
+                return Ok(config.reject(IdempotencyError::Lock(error)));
+            }
+            Err(LockError::Contended { retry_after, .. }) => {
+                return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
+            }
+            Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
+        }
     };
     let lost = LockError::Lost { key: key.clone() };
     let locked = Locked {
         key,
         fingerprint,
         guard,
+        checked,
     };
     let finish = finish(config.clone(), inner, parts, body, locked);
     if !config.finish_when_client_gone {
@@ -112,11 +122,17 @@ where
     }
 }
 
+/// How many times a request may find its key recorded by the lock and then find no
+/// record to replay (it expired in between) before it gives up with a 503.
+const MAX_RECORDED: u32 = 2;
+
 /// A request that holds its key's lock.
 struct Locked {
     key: String,
     fingerprint: Fingerprint,
     guard: LockGuard,
+    /// The store found no record as it took the hold (see [`Acquired::Checked`]).
+    checked: bool,
 }
 
 /// The rest of a request once it holds the lock: the record read again, the handler, the
@@ -130,6 +146,7 @@ async fn finish<S, ReqBody, ResBody>(
         key,
         fingerprint,
         guard,
+        checked,
     }: Locked,
 ) -> Result<Response<IdempotencyBody>, S::Error>
 where
@@ -138,8 +155,14 @@ where
     ResBody::Error: Into<BoxError>,
 {
     // The first request may have finished between the lookup and the lock: it stores its
-    // record before it releases, so the record is there now if it ever will be.
-    match lookup(&config, &key, fingerprint).await {
+    // record before it releases, so the record is there now if it ever will be. A store
+    // that checked it in the step that took the hold found none.
+    let found = if checked {
+        Ok(Found::Nothing)
+    } else {
+        lookup(&config, &key, fingerprint).await
+    };
+    match found {
         Ok(Found::Nothing) => {}
         Ok(Found::Replay(response)) => {
             release(guard).await;
@@ -224,7 +247,7 @@ async fn lookup(
     let Some(record) = Record::decode(raw) else {
         return Err(IdempotencyError::Lock(LockError::backend(
             "idempotency record",
-            NotARecord,
+            NotARecord::Unreadable,
         )));
     };
     if record.fingerprint != fingerprint {
@@ -298,13 +321,23 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
-/// A stored record this crate cannot read.
+/// A stored record the layer cannot replay.
 #[derive(Debug)]
-struct NotARecord;
+enum NotARecord {
+    /// It cannot be read.
+    Unreadable,
+    /// The lock found it, again and again, and the store then did not return it.
+    Unread,
+}
 
 impl std::fmt::Display for NotARecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the stored idempotency record cannot be read")
+        f.write_str(match self {
+            NotARecord::Unreadable => "the stored idempotency record cannot be read",
+            NotARecord::Unread => {
+                "the lock found the idempotency record, and then the store did not return it"
+            }
+        })
     }
 }
 

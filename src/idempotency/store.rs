@@ -7,13 +7,16 @@
 //! - [`fetch`](Records::fetch): the record stored for a key, if any. Read before the lock
 //!   is taken (a completed key is replayed without touching its lock, so retries of a
 //!   finished request never contend) and again once it is held (the first request may
-//!   have finished between the two).
+//!   have finished between the two), unless the store checked it as it took the hold
+//!   (`Store::checks_records`: Redis's acquisition script takes no new hold while the
+//!   record exists, and the layer replays it instead).
 //! - [`store`](Records::store): writes the record, with its retention, only if the hold
 //!   that ran the handler still holds the key, in one atomic step: a lock lost while the
 //!   handler ran stores nothing. The hold is then released as any other.
 //!
-//! Storing strictly before releasing is what makes the two reads enough: whoever takes
-//! the lock after the first holder released it finds the record.
+//! Storing strictly before releasing is what makes the two reads enough (or the read and
+//! the check): whoever takes the lock after the first holder released it finds the
+//! record.
 
 use std::sync::Arc;
 
@@ -21,7 +24,7 @@ use crate::backend::LockBackend;
 
 /// A backend that keeps idempotency records beside its locks, for
 /// [`IdempotencyLayer`](crate::IdempotencyLayer): [`RedisBackend`](crate::RedisBackend)
-/// (the record in the lock's hash slot, expired by Redis),
+/// (the record in the lock's hash slot, expired by Redis; on a quorum, on every master),
 /// [`MemoryBackend`](crate::MemoryBackend), and, with their features, `PostgresBackend`
 /// and `MySqlBackend` (a row of the lock table's `_records` table per key, its expiry on
 /// the server's clock, deleted by the backend's janitor once expired). The etcd and

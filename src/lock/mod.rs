@@ -39,6 +39,22 @@ pub const DEFAULT_MAX_LOCAL_WAITERS: usize = 1024;
 /// deadlines cannot overflow an `Instant` and a lease always fits `PEXPIRE`.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// What an acquisition of the idempotency layer came to (see
+/// `Backend::acquire_unless_recorded`). `pub` but not exported, so that the sealed
+/// `Backend` trait can name it.
+#[derive(Debug)]
+pub enum Acquired {
+    /// The lock, taken in the store by an attempt that found no record of the key in the
+    /// same atomic step: no record but its holder's can appear while it holds the key, so
+    /// the record need not be read again.
+    Checked(LockGuard),
+    /// The lock, got without that check (a store that cannot make it, a hold handed over
+    /// by the previous holder of this process, a re-entry): the record must be read again.
+    Unchecked(LockGuard),
+    /// The key's record exists: nothing was taken.
+    Recorded,
+}
+
 /// The identity a lock is held under: `instance-uuid:sequence`, one per request.
 ///
 /// Two acquisitions of the same key by the same owner re-enter the lock (its count goes
@@ -132,6 +148,9 @@ pub struct LockRequest {
     pub(crate) route: Route,
     /// What a refusal for contention says about when to try again.
     pub(crate) retry: RetryAfter,
+    /// Take no new hold while the key's idempotency record exists, if the store can check
+    /// it as it takes the hold (see [`Acquired`]).
+    pub(crate) unless_recorded: bool,
 }
 
 impl LockRequest {
@@ -147,6 +166,7 @@ impl LockRequest {
             kind: Kind::Exclusive,
             route: Route::default(),
             retry: RetryAfter::Lease,
+            unless_recorded: false,
         }
     }
 
@@ -304,11 +324,21 @@ impl LockRequest {
             kind: self.kind,
             route: self.route.clone(),
             retry: self.retry.clone(),
+            unless_recorded: false,
         }
     }
 
     pub(crate) fn into_future(self) -> BoxFuture<'static, Result<LockGuard, LockError>> {
         Arc::clone(&self.store).acquire(self)
+    }
+
+    /// The idempotency layer's acquisition (see [`Acquired`]): waits as `mode` says.
+    pub(crate) fn unless_recorded(
+        mut self,
+        mode: Mode,
+    ) -> BoxFuture<'static, Result<Acquired, LockError>> {
+        self.unless_recorded = true;
+        Arc::clone(&self.store).acquire_unless_recorded(self.mode(mode))
     }
 }
 

@@ -59,6 +59,12 @@ impl LockKey {
         ]
     }
 
+    /// The key's idempotency record (see record_store.lua), beside the lock in its hash
+    /// slot.
+    pub(crate) fn record(&self) -> String {
+        format!("{}:record", self.lock)
+    }
+
     fn named(tagged: String, user: String) -> Self {
         LockKey {
             fence: format!("{tagged}:fence"),

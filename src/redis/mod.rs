@@ -275,8 +275,8 @@ impl RedisBackend {
         }
     }
 
-    /// The store of the backend's deployment, or of a quorum's first master (where a quorum
-    /// keeps idempotency records for now: on that master alone, not on a majority).
+    /// The store of the backend's deployment, or of a quorum's first master (whose settings,
+    /// such as the namespace and the longest key, every master shares).
     fn lead(&self) -> &Arc<RedisStore> {
         match &self.inner {
             Inner::Single(core) => &core.store,

@@ -1,5 +1,6 @@
 //! Idempotency records in Redis: a string `namespace:{key}:record` beside the key's lock
-//! hash, in its hash slot, expired by Redis after its retention.
+//! hash, in its hash slot, expired by Redis after its retention. On a quorum every master
+//! keeps one (see `quorum/records.rs`).
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -8,8 +9,10 @@ use bytes::Bytes;
 use redis::Script;
 use tokio::time::timeout;
 
+use super::connection::pool::CommandError;
 use super::keys::LockKey;
-use super::{RedisBackend, UnexpectedReply};
+use super::store::RedisStore;
+use super::{Inner, RedisBackend, UnexpectedReply};
 use crate::error::LockError;
 use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
 use crate::lock::{BoxFuture, HeldLock};
@@ -37,17 +40,17 @@ impl Records for RedisBackend {
     fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
         let backend = self.clone();
         Box::pin(async move {
-            let store = backend.lead();
-            let mut get = redis::cmd("GET");
-            get.arg(record_key(&backend.lock_key(key)?));
-            let reply = timeout(
-                store.command_timeout,
-                store.pool.query::<Option<Vec<u8>>>(&get),
-            )
-            .await
-            .map_err(|e| LockError::backend("idempotency record", e))?
-            .map_err(|e| LockError::backend("idempotency record", e))?;
-            Ok(reply.map(Bytes::from))
+            let key = backend.lock_key(key)?;
+            match &backend.inner {
+                Inner::Single(core) => {
+                    let store = &core.store;
+                    timeout(store.command_timeout, store.record(&key))
+                        .await
+                        .map_err(|e| LockError::backend("idempotency record", e))?
+                        .map_err(|e| LockError::backend("idempotency record", e))
+                }
+                Inner::Quorum(core) => core.store.record(&key).await,
+            }
         })
     }
 
@@ -60,34 +63,63 @@ impl Records for RedisBackend {
     ) -> BoxFuture<'static, Result<bool, LockError>> {
         let backend = self.clone();
         Box::pin(async move {
-            let store = backend.lead();
             let key = backend.lock_key(key)?;
-            let mut invocation = STORE.key(&*key.lock);
-            invocation
-                .key(record_key(&key))
-                .arg(held.fencing_token())
-                .arg(
-                    u64::try_from(retention.as_millis())
-                        .unwrap_or(u64::MAX)
-                        .max(1),
-                )
-                .arg(record.as_ref());
-            let reply = timeout(store.command_timeout, store.pool.invoke::<i64>(&invocation))
-                .await
-                .map_err(|e| LockError::backend("idempotency record", e))?
-                .map_err(|e| LockError::backend("idempotency record", e))?;
-            match reply {
-                1 => Ok(true),
-                0 => Ok(false),
-                _ => Err(LockError::backend(
-                    "idempotency record",
-                    UnexpectedReply("record_store"),
-                )),
+            let written = Written {
+                token: held.fencing_token(),
+                retention,
+                record,
+            };
+            match &backend.inner {
+                Inner::Single(core) => {
+                    let store = &core.store;
+                    timeout(store.command_timeout, store.store_record(&key, &written))
+                        .await
+                        .map_err(|e| LockError::backend("idempotency record", e))?
+                        .map_err(|e| LockError::backend("idempotency record", e))
+                }
+                Inner::Quorum(core) => core.store.store_record(&key, &written).await,
             }
         })
     }
 }
 
-fn record_key(key: &LockKey) -> String {
-    format!("{}:record", key.lock)
+/// A record to store, under the hold of `token`.
+pub(crate) struct Written {
+    pub(crate) token: u64,
+    pub(crate) retention: Duration,
+    pub(crate) record: Bytes,
+}
+
+impl RedisStore {
+    /// The record of `key` on this server, if any.
+    pub(crate) async fn record(&self, key: &LockKey) -> Result<Option<Bytes>, CommandError> {
+        let mut get = redis::cmd("GET");
+        get.arg(key.record());
+        let reply = self.pool.query::<Option<Vec<u8>>>(&get).await?;
+        Ok(reply.map(Bytes::from))
+    }
+
+    /// Stores `written` on this server if the hold of its token still holds `key` here
+    /// (see record_store.lua); returns whether it stored it.
+    pub(crate) async fn store_record(
+        &self,
+        key: &LockKey,
+        written: &Written,
+    ) -> Result<bool, CommandError> {
+        let mut invocation = STORE.key(&*key.lock);
+        invocation
+            .key(key.record())
+            .arg(written.token)
+            .arg(
+                u64::try_from(written.retention.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+            )
+            .arg(written.record.as_ref());
+        match self.pool.invoke::<i64>(&invocation).await? {
+            1 => Ok(true),
+            0 => Ok(false),
+            _ => Err(CommandError::Unexpected(UnexpectedReply("record_store"))),
+        }
+    }
 }

@@ -227,6 +227,10 @@ impl Store for RedisStore {
         self.scripts.sharded
     }
 
+    fn checks_records(&self) -> bool {
+        true
+    }
+
     fn lease(&self, lease: Duration) -> Duration {
         // The restart guard outwaits only leases up to its maximum.
         self.restart_guard.map_or(lease, |max| lease.min(max))
@@ -295,6 +299,9 @@ impl RedisStore {
                     .arg(self.turn_grace.map_or(0, millis));
                 if attempt.reserve > 0 {
                     invocation.arg(attempt.reserve);
+                }
+                if attempt.record {
+                    invocation.key(key.record());
                 }
                 invocation
             }

@@ -1,10 +1,13 @@
 //! Where records live and how long: beside the lock in Redis with their retention, the
-//! memory store's expiry, the record script's check, what a replay costs.
+//! memory store's expiry, the record script's check, what a first request and a replay
+//! cost, and a record that appears while a request waits for the lock.
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
+
 use super::support::{RedisServer, eventually, lock_key};
-use super::{Payments, app, pay_with, scoped};
+use super::{Payments, app, first_inside, pay_with, scoped};
 use tower_lock::{IdempotencyLayer, MemoryBackend};
 
 async fn pttl(server: &RedisServer, key: &str) -> i64 {
@@ -106,31 +109,184 @@ async fn the_redis_record_script_stores_only_under_the_hold_that_ran_the_handler
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_costs_one_get_and_never_touches_the_lock() {
+async fn a_first_request_costs_a_get_and_one_script_before_its_handler_and_a_replay_one_get() {
     let server = RedisServer::start();
     let payments = Payments::default();
     let app = app(IdempotencyLayer::new(server.backend().await), &payments);
-    let calls = async || {
-        let reads = server.command_calls(&["get"]).await;
-        let scripts = server.command_calls(&["evalsha", "eval"]).await;
-        (reads, scripts)
-    };
-    // Warmed up: the record script loaded (EVALSHA, NOSCRIPT, EVAL the first time).
+    // Warmed up: the scripts loaded (EVALSHA, NOSCRIPT, EVAL the first time).
     assert_eq!(pay_with(&app, "k0", "{}").await.status, 201);
-    let before = calls().await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.status, 201);
-    let first = calls().await;
-    assert_eq!(pay_with(&app, "k1", "{}").await.body, "charged 2 for {}");
-    let replay = calls().await;
+    let lock = lock_key(&scoped("acme", "k1"));
+    let (first, sent) = commands_sent(&server, &lock, pay_with(&app, "k1", "{}")).await;
+    assert_eq!(first.status, 201);
+    let (replay, replay_sent) = commands_sent(&server, &lock, pay_with(&app, "k1", "{}")).await;
+    assert_eq!(replay.body, "charged 2 for {}");
+    let names = |sent: &[Vec<String>]| -> Vec<String> {
+        sent.iter().map(|c| c[0].to_lowercase()).collect()
+    };
     println!(
-        "first request: {} GET, {} scripts; replay: {} GET, {} scripts",
-        first.0 - before.0,
-        first.1 - before.1,
-        replay.0 - first.0,
-        replay.1 - first.1
+        "first request: {} round trips ({:?}), {} before its handler; replay: {:?}",
+        sent.len(),
+        names(&sent),
+        sent.len() - 2,
+        names(&replay_sent)
     );
-    // Take, store, release. (Its GETs are the two reads of the record, before and after
-    // taking the lock, and those the lock's scripts make: Redis counts those too.)
-    assert_eq!(first.1 - before.1, 3);
-    assert_eq!((replay.0 - first.0, replay.1 - first.1), (1, 0));
+    // The record read, then one script that checks it and takes the lock (its record key
+    // is its sixth key); then the record stored and the lock released.
+    assert_eq!(names(&sent), ["get", "evalsha", "evalsha", "evalsha"]);
+    assert_eq!(
+        sent[1].get(2).map(String::as_str),
+        Some("6"),
+        "{:?}",
+        sent[1]
+    );
+    assert_eq!(sent[1].get(8), Some(&format!("{lock}:record")));
+    assert_eq!(
+        names(&replay_sent),
+        ["get"],
+        "a replay never touches the lock"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stored_while_a_request_waits_for_the_lock_is_replayed_not_run_again() {
+    let server = RedisServer::start();
+    let payments = Payments::default();
+    let (backend, other) = (server.backend().await, server.backend().await);
+    let wait = Duration::from_secs(20);
+    let app = app(
+        IdempotencyLayer::new(backend.clone()).wait_for_first(wait),
+        &payments,
+    );
+    // A record for k1's request: k0's, of the same tenant, path and body.
+    assert_eq!(pay_with(&app, "k0", "{}").await.status, 201);
+    let held = other
+        .lock(scoped("acme", "k1"))
+        .wait(wait)
+        .await
+        .expect("k1 held by another instance");
+    let request = tokio::spawn({
+        let app = app.clone();
+        async move { pay_with(&app, "k1", "{}").await }
+    });
+    // Past its lookup (which found nothing) and its first attempt: it waits for a release.
+    eventually("the request waits for the lock", || async {
+        backend.stats().channels_with_waiters == 1
+    })
+    .await;
+    // The record appears between its lookup and the attempt that finds the lock free.
+    let mut conn = server.conn().await;
+    let record: Vec<u8> = redis::cmd("GET")
+        .arg(format!("{}:record", lock_key(&scoped("acme", "k0"))))
+        .query_async(&mut conn)
+        .await
+        .expect("k0's record");
+    let () = redis::cmd("SET")
+        .arg(format!("{}:record", lock_key(&scoped("acme", "k1"))))
+        .arg(record)
+        .query_async(&mut conn)
+        .await
+        .expect("k1's record");
+    held.release().await.expect("released");
+    let reply = tokio::time::timeout(wait, request)
+        .await
+        .expect("answered")
+        .expect("request");
+    assert_eq!(reply.body, "charged 1 for {}");
+    assert_eq!(reply.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 1, "the handler ran for k0 only");
+    assert!(
+        server.keys().await.iter().all(|k| !k.contains(":line")),
+        "the request left the line of waiting holders: {:?}",
+        server.keys().await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_handed_the_hold_in_the_same_instance_reads_the_record_and_replays() {
+    let server = RedisServer::start();
+    let payments = Payments::gated();
+    let gate = payments.gate.clone().expect("gated");
+    let backend = server.backend().await;
+    let app = app(
+        IdempotencyLayer::new(backend.clone()).wait_for_first(Duration::from_secs(20)),
+        &payments,
+    );
+    let first = first_inside(&app, &gate).await;
+    let duplicate = tokio::spawn({
+        let app = app.clone();
+        async move { pay_with(&app, "k1", "{}").await }
+    });
+    // Queued in this process behind the first: its hold comes from the first's release
+    // (in memory, or by the release script), not from an attempt that checked the record.
+    eventually("the duplicate queues behind the first", || async {
+        backend.stats().local_waiters == 1
+    })
+    .await;
+    gate.open();
+    assert_eq!(first.await.expect("first").status, 201);
+    let reply = duplicate.await.expect("duplicate");
+    assert_eq!(reply.body, "charged 1 for {}");
+    assert_eq!(reply.headers["idempotency-replayed"], "true");
+    assert_eq!(payments.runs(), 1);
+}
+
+/// What the clients of `server` sent that names `key` while `during` ran, in the order
+/// the server ran it (`MONITOR`), each as its words: what scripts ran inside left out.
+async fn commands_sent<F: Future>(
+    server: &RedisServer,
+    key: &str,
+    during: F,
+) -> (F::Output, Vec<Vec<String>>) {
+    let client = redis::Client::open(server.url()).expect("url");
+    let mut monitor = client
+        .get_async_monitor()
+        .await
+        .expect("MONITOR")
+        .into_on_message::<String>();
+    let mut conn = server.conn().await;
+    let mut echo = async |marker: &str| {
+        let _: String = redis::cmd("ECHO")
+            .arg(marker)
+            .query_async(&mut conn)
+            .await
+            .expect("ECHO");
+    };
+    echo("commands-sent-begin").await;
+    let output = during.await;
+    echo("commands-sent-end").await;
+    let mut sent = Vec::new();
+    let mut begun = false;
+    loop {
+        let line = tokio::time::timeout(Duration::from_secs(10), monitor.next())
+            .await
+            .expect("MONITOR lines")
+            .expect("MONITOR open");
+        if line.contains("\"commands-sent-begin\"") {
+            begun = true;
+        } else if line.contains("\"commands-sent-end\"") {
+            return (output, sent);
+        } else if begun && !line.contains(" lua] ") && line.contains(key) {
+            sent.push(words(&line));
+        }
+    }
+}
+
+/// The quoted words of a `MONITOR` line (`123.45 [0 127.0.0.1:5000] "get" "k"`).
+fn words(line: &str) -> Vec<String> {
+    let Some((_, command)) = line.split_once("] ") else {
+        return Vec::new();
+    };
+    let mut words = Vec::new();
+    let mut word: Option<String> = None;
+    let mut chars = command.chars();
+    while let Some(c) = chars.next() {
+        match (c, &mut word) {
+            ('"', None) => word = Some(String::new()),
+            ('"', Some(_)) => words.extend(word.take()),
+            ('\\', Some(w)) => w.extend(chars.next()),
+            (c, Some(w)) => w.push(c),
+            (_, None) => {}
+        }
+    }
+    words
 }

@@ -32,6 +32,8 @@ struct Tally {
     queued: bool,
     left_to_others: bool,
     upgrade_refused: bool,
+    /// A master has the key's idempotency record.
+    recorded: bool,
     failures: Vec<MasterFailure>,
     /// What each master's call went out on, by the master's index.
     conns: Vec<(usize, Conn)>,
@@ -49,7 +51,8 @@ impl QuorumStore {
         let sent_at = Instant::now();
         let mut tally = self.tally(&key, &attempt).await;
         let need = self.needed(attempt.kind);
-        if tally.granted.len() >= need && !tally.upgrade_refused {
+        let refused = tally.upgrade_refused || tally.recorded;
+        if tally.granted.len() >= need && !refused {
             // Calls still under way may grant too: a hold on more masters than a majority is
             // released and renewed with the others.
             drop(tally.late);
@@ -75,6 +78,18 @@ impl QuorumStore {
         let late = std::mem::take(&mut tally.late);
         self.undo_late(&key, &attempt, late);
         let undone = self.undo_all(&key, &attempt, tally.conns).await;
+        // Records are stored on a majority, which shares a master with any majority that
+        // could grant: one master's record is the key's, whatever the others granted.
+        if tally.recorded {
+            if attempt.waits.is_some() {
+                // The masters that did not find the record may keep this acquisition as a
+                // waiting writer (registered by this attempt or an earlier one): it waits no
+                // more.
+                self.withdraw_writer(&key, attempt.holder.clone(), false)
+                    .await;
+            }
+            return (Ok(Attempted::Recorded), Some(undone));
+        }
         if tally.upgrade_refused {
             return (Ok(Attempted::UpgradeRefused), Some(undone));
         }
@@ -135,6 +150,10 @@ impl QuorumStore {
                 }
                 Ok(Attempted::UpgradeRefused) => {
                     tally.upgrade_refused = true;
+                    false
+                }
+                Ok(Attempted::Recorded) => {
+                    tally.recorded = true;
                     false
                 }
                 Err(e) => {
@@ -259,6 +278,7 @@ fn copy(attempt: &Attempt) -> Attempt {
         waits: attempt.waits,
         reserve: attempt.reserve,
         yielding: attempt.yielding,
+        record: attempt.record,
         serial: attempt.serial,
     }
 }

@@ -12,6 +12,7 @@ mod attempt;
 pub(crate) mod error;
 mod fencing;
 mod operator;
+mod records;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -189,6 +190,10 @@ impl Store for QuorumStore {
                 })
                 .collect())
         })
+    }
+
+    fn checks_records(&self) -> bool {
+        true
     }
 
     fn subscribe(&self, key: &LockKey) -> Waiter {

@@ -25,6 +25,8 @@
 --          waiters up in its own order, and no order might win a majority)
 -- ARGV[8]  how many fencing tokens to reserve above a new acquisition's own, for later
 --          holders of the same process that get the lock in memory (may be left off: 0)
+-- KEYS[6]  (may be left off) the key's idempotency record (record_store.lua), for an
+--          acquisition of the idempotency layer: while it exists, no new hold is taken
 --
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
@@ -32,16 +34,18 @@
 -- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
 -- when held shared and this acquisition registered as a waiting writer (pttl: until the
 -- first shared holder's own lease ends; also when refused and registered in the line of
--- waiting holders, the lock held or free for the head's turn), or {4} when the
+-- waiting holders, the lock held or free for the head's turn), {4} when the
 -- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
--- would wait for each other forever).
+-- would wait for each other forever), or {6} when KEYS[6] exists and the attempt would
+-- take a new hold: it takes nothing, and leaves the waiting writers and the line.
 local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
+local held
 if kind == 'hash' then
   -- One read for every case below.
-  local held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1],
+  held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1],
     'exp:r:' .. ARGV[1])
   -- A run of this attempt took its hold already: answer as that run did, taking nothing.
   -- (The attempt's field goes with the owner's: a release that frees the lock deletes the
@@ -56,6 +60,25 @@ if kind == 'hash' then
     extend_lease(KEYS[1], ARGV[2])
     return {1, tonumber(held[3]), count}
   end
+end
+
+-- The idempotency layer's request whose key has a record is a retry of a completed one:
+-- it is replayed, and takes no hold (the holder that stored the record did so before
+-- releasing, so a hold taken here with no record cannot miss one stored before it).
+-- A waiter that leaves the line this way wakes nobody: every waiter was woken by the
+-- release that followed the record, and one that checks no record waits for a head's
+-- turn at most the grace.
+if KEYS[6] and redis.call('exists', KEYS[6]) == 1 then
+  if ARGV[6] ~= '0' then
+    redis.call('zrem', KEYS[3], ARGV[1])
+    if ARGV[7] ~= '0' then
+      leave_line(KEYS[4], KEYS[5], ARGV[1])
+    end
+  end
+  return {6}
+end
+
+if kind == 'hash' then
   -- Held by others: exclusively, or shared (shared_acquire.lua).
   local now = held[5] and now_ms()
   -- (A shared hold of this owner whose own lease ran out is pruned below, not refused.)
