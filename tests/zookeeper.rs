@@ -619,6 +619,7 @@ async fn digest_auth_keeps_the_locks_nodes_to_the_services_identity() {
             panic!("another identity is refused at build: {other:?}");
         };
         assert!(error.to_string().contains(&namespace), "{error}");
+        assert!(error.to_string().contains("digest"), "{error}");
     }
 
     // Nor can a raw client of no identity read or delete the hold.

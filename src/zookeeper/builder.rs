@@ -244,7 +244,14 @@ impl ZooKeeperBackendBuilder {
                     .digest
                     .as_ref()
                     .map_or_else(String::new, |digest| digest.user.clone()),
-                right: format!("create and delete nodes under `{root}`"),
+                right: format!(
+                    "create and delete nodes under `{root}` ({})",
+                    if self.digest.is_some() {
+                        "its ACL names another identity: check the digest user and password"
+                    } else {
+                        "its ACL asks for an identity: see `digest`"
+                    }
+                ),
                 addr: self.hosts.clone(),
                 source: Box::new(e),
             }),
