@@ -215,7 +215,7 @@ impl RedisBackendBuilder {
         Ok(match &self.target {
             Target::Url(url) => {
                 let client = self.tls.client(url)?;
-                let peer = peer_of(client.get_connection_info(), None);
+                let peer = Peer::of(client.get_connection_info(), None);
                 (Topology::Server(client), peer)
             }
             // Each master of a quorum is built as a single server (see quorum.rs).
@@ -238,7 +238,7 @@ impl RedisBackendBuilder {
                 })?;
                 // The cluster client checked that there are seeds and that they agree.
                 let first = info_of(nodes.first().map(String::as_str).unwrap_or_default())?;
-                let peer = peer_of(&first, Some(addrs(nodes)?));
+                let peer = Peer::of(&first, Some(addrs(nodes)?));
                 (Topology::Cluster(cluster), peer)
             }
             Target::Sentinel { urls, master_name } => {
@@ -256,7 +256,7 @@ impl RedisBackendBuilder {
                     source: Box::new(RedisCause::from(e)),
                 })?;
                 // The master's client logs in with the master's credentials.
-                let peer = peer_of(master.get_connection_info(), None);
+                let peer = Peer::of(master.get_connection_info(), None);
                 (Topology::Sentinel(Arc::new(group)), peer)
             }
         })
@@ -320,15 +320,4 @@ async fn refuse_cluster_node(pool: &Pool) -> Result<(), BuildError> {
         });
     }
     Ok(())
-}
-
-/// Who connects with `info` and where (`addr` when several servers are tried alike).
-fn peer_of(info: &redis::ConnectionInfo, addr: Option<String>) -> Peer {
-    let settings = info.redis_settings();
-    Peer {
-        user: settings.username().unwrap_or("default").to_owned(),
-        addr: addr.unwrap_or_else(|| info.addr().to_string()),
-        tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
-        db: settings.db(),
-    }
 }

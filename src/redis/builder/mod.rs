@@ -6,6 +6,7 @@ mod cluster_checks;
 mod coverage;
 mod diagnose;
 mod quorum;
+mod replica_checks;
 
 use std::time::Duration;
 
