@@ -17,6 +17,9 @@
 //! hears nothing; the backoffs above are then the fallback. The announcement also redoes
 //! the releases the old master took after the promotion (see `replay.rs`).
 //!
+//! At build the sentinels are also asked for the master's replicas, whose eviction policy
+//! is checked (`builder/replica_checks.rs`); they are reached as the master is.
+//!
 //! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener and the master. Each
 //! sentinel's connection info carries the builder's certificates; the master's come from
 //! the sentinels as a bare address, which redis-rs' `Sentinel` reaches with the system
