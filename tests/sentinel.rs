@@ -43,6 +43,8 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     locks_are_taken_and_released_on_the_master(&set).await;
     an_unknown_master_name_fails_the_build(&set).await;
     data_nodes_require_a_password(&mut set).await;
+    an_evicting_replica_is_refused_unless_allowed(&set).await;
+    a_replica_flagged_down_is_not_checked(&set).await;
     a_planned_switchover_moves_the_backend(&set).await;
     a_switchover_leaves_newer_holds_alone(&set).await;
     a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(&set).await;
@@ -100,6 +102,73 @@ async fn data_nodes_require_a_password(set: &mut SentinelSet) {
         .expect("the master's password from the builder");
     let guard = backend.lock("auth").try_once().await.expect("lock taken");
     guard.release().await.expect("released");
+}
+
+/// The replica may evict keys: the sentinels would promote it into a master that evicts
+/// held locks. The build refuses it, naming the replica (reached with the master's
+/// password), unless allowed; with its policy set back, the build passes.
+async fn an_evicting_replica_is_refused_unless_allowed(set: &SentinelSet) {
+    let replica = replica_of(set).await;
+    set_policy(set, replica, "allkeys-lru").await;
+    let builder = || sentinel_builder(set).master_password(MASTER_PASSWORD);
+    let error = builder().build().await.expect_err("refused");
+    let text = support::chain(&error);
+    let at = format!("127.0.0.1:{}", replica.port());
+    assert!(
+        matches!(&error, BuildError::Eviction { policy, addr }
+            if policy == "allkeys-lru" && *addr == at),
+        "{text}"
+    );
+    println!("evicting replica: {text}");
+    builder()
+        .allow_eviction()
+        .build()
+        .await
+        .expect("allowed knowingly");
+    set_policy(set, replica, "noeviction").await;
+    builder().build().await.expect("every node keeps its keys");
+}
+
+/// A replica the sentinels flag down (stopped) is left out of the check, as they would not
+/// promote it: an evicting policy there does not fail the build, nor does it wait for the
+/// replica's answer.
+async fn a_replica_flagged_down_is_not_checked(set: &SentinelSet) {
+    let replica = replica_of(set).await;
+    set_policy(set, replica, "allkeys-lru").await;
+    replica.pause();
+    eventually("every sentinel flags the stopped replica down", || async {
+        let flags = set.replica_flags(replica.port()).await;
+        flags.len() == 3 && flags.iter().all(|f| f.contains("s_down"))
+    })
+    .await;
+    let built = sentinel_builder(set)
+        .master_password(MASTER_PASSWORD)
+        .build()
+        .await;
+    replica.resume();
+    built.expect("a replica flagged down is not asked");
+    set_policy(set, replica, "noeviction").await;
+    set.wait_until_ready().await;
+}
+
+/// The data node that is not the master now.
+async fn replica_of(set: &SentinelSet) -> &RedisServer {
+    let master = set.master_port().await;
+    set.servers()
+        .iter()
+        .find(|s| s.port() != master)
+        .expect("a replica")
+}
+
+/// `CONFIG SET maxmemory-policy` on `server`.
+async fn set_policy(set: &SentinelSet, server: &RedisServer, policy: &str) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(policy)
+        .query_async(&mut set.data_conn(server).await)
+        .await
+        .expect("CONFIG SET maxmemory-policy");
 }
 
 /// The lease of the locks taken across the planned switchover: long, so that a key left

@@ -112,13 +112,15 @@ pub enum BuildError {
         source: Box<dyn StdError + Send + Sync>,
     },
     /// The server's `maxmemory-policy` may evict keys, held locks among them (every lock
-    /// key has a TTL, so `volatile-*` policies evict them too). Only `noeviction` keeps
-    /// locks; [`allow_eviction`](crate::RedisBackendBuilder::allow_eviction) accepts
-    /// another policy knowingly.
+    /// key has a TTL, so `volatile-*` policies evict them too). The server is the one the
+    /// backend writes to (a primary), or a replica that a failover may promote into one.
+    /// Only `noeviction` keeps locks;
+    /// [`allow_eviction`](crate::RedisBackendBuilder::allow_eviction) accepts another
+    /// policy knowingly.
     Eviction {
         /// The server's policy, for example `allkeys-lru`.
         policy: String,
-        /// The server with that policy.
+        /// The server with that policy: a primary, or a replica of one.
         addr: String,
     },
     /// The database lacks the lock table and its functions (`found: None`), or has another

@@ -20,8 +20,8 @@ pub async fn build_checks_hold_on_every_primary(cluster: &Cluster) {
     an_acl_user_with_namespace_rights_builds_and_locks_on_every_shard(cluster).await;
     each_missing_sharded_right_is_named_at_build(cluster).await;
     a_primary_that_denies_channels_is_named(cluster).await;
-    a_user_missing_on_one_primary_is_refused(cluster).await;
-    an_evicting_primary_is_refused_unless_allowed(cluster).await;
+    a_user_missing_on_one_node_is_refused(cluster).await;
+    an_evicting_node_is_refused_unless_allowed(cluster).await;
     full_coverage_is_warned_about_at_build(cluster).await;
     revoked_channel_rights_do_not_make_the_shard_subscriber_spin(cluster).await;
 }
@@ -104,51 +104,67 @@ async fn a_primary_that_denies_channels_is_named(cluster: &Cluster) {
     }
 }
 
-/// The user exists on two of the three primaries (and every replica): the third refuses
-/// its credentials, and the error says so and which node it is.
-async fn a_user_missing_on_one_primary_is_refused(cluster: &Cluster) {
-    let missing = cluster.primaries()[1];
-    let mut changes = NodeChanges::new(cluster);
-    let others: Vec<u16> = cluster
-        .live()
-        .into_iter()
-        .filter(|&p| p != missing)
-        .collect();
-    changes.set_user(&others, "app", &APP_RULES);
-    let error = build(
-        "missing on one primary",
-        builder_as(cluster, "app", "secret"),
-    )
-    .await
-    .expect_err("refused");
-    let text = chain(&error);
-    assert!(matches!(error, BuildError::Auth { .. }), "{text}");
-    assert!(
-        text.contains("`app`") && text.contains(&format!(":{missing}")),
-        "{text}"
-    );
+/// The user exists on every node but one: a primary, or a replica (which a failover would
+/// make a primary that refuses it). That node refuses its credentials, and the error says
+/// so and which node it is.
+async fn a_user_missing_on_one_node_is_refused(cluster: &Cluster) {
+    let primary = cluster.primaries()[1];
+    let cases = [
+        (primary, "missing on one primary"),
+        (cluster.replica_of(primary), "missing on one replica"),
+    ];
+    for (missing, what) in cases {
+        let mut changes = NodeChanges::new(cluster);
+        let others: Vec<u16> = cluster
+            .live()
+            .into_iter()
+            .filter(|&p| p != missing)
+            .collect();
+        changes.set_user(&others, "app", &APP_RULES);
+        let error = build(what, builder_as(cluster, "app", "secret"))
+            .await
+            .expect_err("refused");
+        let text = chain(&error);
+        assert!(
+            matches!(&error, BuildError::Auth { user, addr, .. }
+                if user == "app" && addr == &format!("127.0.0.1:{missing}")),
+            "{what}: {text}"
+        );
+    }
 }
 
-/// One primary may evict keys: refused, naming the policy, unless allowed.
-async fn an_evicting_primary_is_refused_unless_allowed(cluster: &Cluster) {
-    let evicting = cluster.primaries()[2];
-    let mut changes = NodeChanges::new(cluster);
-    changes.set_policy(evicting, "allkeys-lru");
-    let error = build("allkeys-lru on one primary", cluster_builder(cluster))
-        .await
-        .expect_err("refused");
-    let text = chain(&error);
-    assert!(
-        matches!(&error, BuildError::Eviction { policy, addr }
-            if policy == "allkeys-lru" && addr == &format!("127.0.0.1:{evicting}")),
-        "{text}"
-    );
-    let backend = build("allowed", cluster_builder(cluster).allow_eviction())
-        .await
-        .expect("allowed knowingly");
-    let key = key_on(cluster, evicting, "evicting:");
-    let guard = backend.lock(key).try_once().await.expect("lock");
-    guard.release().await.expect("release");
+/// One node may evict keys: a primary, or a replica (which a failover would make a primary
+/// that evicts held locks). Refused, naming the policy and the node, unless allowed; with
+/// its policy set back, the build passes.
+async fn an_evicting_node_is_refused_unless_allowed(cluster: &Cluster) {
+    let primary = cluster.primaries()[2];
+    let cases = [
+        (primary, "allkeys-lru on one primary"),
+        (cluster.replica_of(primary), "allkeys-lru on one replica"),
+    ];
+    for (evicting, what) in cases {
+        let mut changes = NodeChanges::new(cluster);
+        changes.set_policy(evicting, "allkeys-lru");
+        let error = build(what, cluster_builder(cluster))
+            .await
+            .expect_err("refused");
+        let text = chain(&error);
+        assert!(
+            matches!(&error, BuildError::Eviction { policy, addr }
+                if policy == "allkeys-lru" && addr == &format!("127.0.0.1:{evicting}")),
+            "{what}: {text}"
+        );
+        let backend = build("allowed", cluster_builder(cluster).allow_eviction())
+            .await
+            .expect("allowed knowingly");
+        let key = key_on(cluster, primary, "evicting:");
+        let guard = backend.lock(key).try_once().await.expect("lock");
+        guard.release().await.expect("release");
+        drop(changes);
+        build("set back", cluster_builder(cluster))
+            .await
+            .expect("every node keeps its keys");
+    }
 }
 
 /// `cluster-require-full-coverage yes` (Redis' default) on one primary makes every shard

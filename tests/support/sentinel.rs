@@ -239,6 +239,31 @@ impl SentinelSet {
         panic!("no sentinel names the master");
     }
 
+    /// The flags each sentinel that answers reports for the replica on `port` (`slave`,
+    /// `slave,s_down`, ...); none from a sentinel that does not list it.
+    pub async fn replica_flags(&self, port: u16) -> Vec<String> {
+        let mut flags = Vec::new();
+        for url in self.sentinel_urls() {
+            let Ok(mut conn) = connect(&url).await else {
+                continue;
+            };
+            let replicas: Vec<HashMap<String, String>> = redis::cmd("SENTINEL")
+                .arg("REPLICAS")
+                .arg(MASTER_NAME)
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            let port = port.to_string();
+            flags.extend(
+                replicas
+                    .into_iter()
+                    .filter(|r| r.get("port") == Some(&port))
+                    .filter_map(|mut r| r.remove("flags")),
+            );
+        }
+        flags
+    }
+
     /// The data nodes (master and replica, in either role).
     pub fn servers(&self) -> &[RedisServer] {
         &self.servers

@@ -45,11 +45,21 @@ impl RedisBackendBuilder {
     /// `SUBSCRIBE` on its channels, or the error says which right is missing. The checks
     /// run on a probe key of the namespace and leave nothing behind.
     ///
+    /// A replica that a failover may promote must be `noeviction` too (unless
+    /// `allow_eviction`), or it becomes a master that evicts held locks: on Sentinel, every
+    /// replica the sentinels report (the first that answers `SENTINEL REPLICAS`) except
+    /// those they flag down or disconnected, which they would not promote; on a Redis
+    /// Cluster, every replica of the slot map (which leaves out those the cluster flags as
+    /// failed). Each is asked for its `INFO memory` with the master's credentials and TLS
+    /// settings (a cluster's seed URL's); one that cannot be reached, refuses them or
+    /// refuses `INFO` fails the build too, as a primary would, and the error names it.
+    ///
     /// On a Redis Cluster, where ACL users and settings are per node, every primary that
     /// owns hash slots is checked on its own: the user must log in to it, its
     /// `maxmemory-policy` must be `noeviction`, and a probe key in its own slots must pass
     /// the scripts, `SPUBLISH` and `SSUBSCRIBE`; the error names the
-    /// primary that refused. Replicas are not checked. Each primary's
+    /// primary that refused. Replicas are checked for their eviction policy only (and so
+    /// that the user may log in to them). Each primary's
     /// `cluster-require-full-coverage` is read too (when the user may run `CONFIG GET`):
     /// where it is `yes`, Redis' default, every shard refuses commands while any hash slot
     /// is uncovered (one primary down until its replica takes over), so every lock answers
@@ -215,7 +225,7 @@ impl RedisBackendBuilder {
         Ok(match &self.target {
             Target::Url(url) => {
                 let client = self.tls.client(url)?;
-                let peer = peer_of(client.get_connection_info(), None);
+                let peer = Peer::of(client.get_connection_info(), None);
                 (Topology::Server(client), peer)
             }
             // Each master of a quorum is built as a single server (see quorum.rs).
@@ -238,7 +248,7 @@ impl RedisBackendBuilder {
                 })?;
                 // The cluster client checked that there are seeds and that they agree.
                 let first = info_of(nodes.first().map(String::as_str).unwrap_or_default())?;
-                let peer = peer_of(&first, Some(addrs(nodes)?));
+                let peer = Peer::of(&first, Some(addrs(nodes)?));
                 (Topology::Cluster(cluster), peer)
             }
             Target::Sentinel { urls, master_name } => {
@@ -256,7 +266,7 @@ impl RedisBackendBuilder {
                     source: Box::new(RedisCause::from(e)),
                 })?;
                 // The master's client logs in with the master's credentials.
-                let peer = peer_of(master.get_connection_info(), None);
+                let peer = Peer::of(master.get_connection_info(), None);
                 (Topology::Sentinel(Arc::new(group)), peer)
             }
         })
@@ -320,15 +330,4 @@ async fn refuse_cluster_node(pool: &Pool) -> Result<(), BuildError> {
         });
     }
     Ok(())
-}
-
-/// Who connects with `info` and where (`addr` when several servers are tried alike).
-fn peer_of(info: &redis::ConnectionInfo, addr: Option<String>) -> Peer {
-    let settings = info.redis_settings();
-    Peer {
-        user: settings.username().unwrap_or("default").to_owned(),
-        addr: addr.unwrap_or_else(|| info.addr().to_string()),
-        tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
-        db: settings.db(),
-    }
 }

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use redis::AsyncConnectionConfig;
 use tokio::time::timeout;
 
 use super::diagnose::Peer;
@@ -38,8 +39,9 @@ pub(crate) struct ServerChecks<'a> {
 
 impl ServerChecks<'_> {
     /// Runs every check: on a cluster, each primary lets the user log in (see
-    /// `cluster_checks.rs`); the scripts load; the eviction policy of every primary (unless
-    /// `allow_eviction`); then the probes: the scripts on a probe key, and `SUBSCRIBE` on
+    /// `cluster_checks.rs`); the scripts load; the eviction policy of every primary and of
+    /// every replica that may take over from one (unless `allow_eviction`, see
+    /// `replica_checks.rs`); then the probes: the scripts on a probe key, and `SUBSCRIBE` on
     /// its channel, or on a cluster the same sharded, once per shard.
     pub(crate) async fn run(
         &self,
@@ -67,6 +69,7 @@ impl ServerChecks<'_> {
         }
         if !allow_eviction {
             self.eviction_policy().await?;
+            self.replicas_keep_locks(topology, shards.as_ref()).await?;
         }
         if let Some(shards) = shards {
             return self.probe_shards(shards).await;
@@ -128,25 +131,26 @@ impl ServerChecks<'_> {
             .pool
             .query_each_primary(redis::cmd("INFO").arg("memory"))
             .await
-            .map_err(|e| {
-                self.failure(
-                    e,
-                    "run INFO (it tells the maxmemory-policy; `allow_eviction` skips this)",
-                )
-            })?;
+            .map_err(|e| self.info_failure(e))?;
         for (node, info) in infos {
-            let policy = info
-                .lines()
-                .find_map(|line| line.strip_prefix("maxmemory_policy:"))
-                .map_or("(not reported)", str::trim);
-            if policy != "noeviction" {
-                return Err(BuildError::Eviction {
-                    policy: policy.to_owned(),
-                    addr: node.unwrap_or_else(|| self.peer.addr.clone()),
-                });
-            }
+            keeps_locks(&info, || node.unwrap_or_else(|| self.peer.addr.clone()))?;
         }
         Ok(())
+    }
+
+    /// The error of a failed `INFO memory`: a refusal names the right.
+    pub(crate) fn info_failure(&self, error: CommandError) -> BuildError {
+        self.failure(
+            error,
+            "run INFO (it tells the maxmemory-policy; `allow_eviction` skips this)",
+        )
+    }
+
+    /// The settings of a connection of its own to one node, with the backend's timeouts.
+    pub(crate) fn node_config(&self) -> AsyncConnectionConfig {
+        AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.command_timeout))
     }
 
     /// Takes, renews and releases the probe lock, then takes and gives back a permit of
@@ -284,4 +288,20 @@ impl ServerChecks<'_> {
         }
         self.peer.failure(error)
     }
+}
+
+/// Refuses the server whose `INFO memory` is `info` (at `addr`) unless its
+/// `maxmemory-policy` is `noeviction`.
+pub(crate) fn keeps_locks(info: &str, addr: impl FnOnce() -> String) -> Result<(), BuildError> {
+    let policy = info
+        .lines()
+        .find_map(|line| line.strip_prefix("maxmemory_policy:"))
+        .map_or("(not reported)", str::trim);
+    if policy == "noeviction" {
+        return Ok(());
+    }
+    Err(BuildError::Eviction {
+        policy: policy.to_owned(),
+        addr: addr(),
+    })
 }

@@ -13,8 +13,9 @@
 //! - `SSUBSCRIBE` (then `SUNSUBSCRIBE`) on the probe key's channel, as the sharded
 //!   subscriber will.
 //!
-//! A failure names the primary. Replicas are not checked (they may be down while the
-//! cluster serves); a replica without the user fails its shard after a failover.
+//! A failure names the primary. The replicas the slot map lists (it leaves out those the
+//! cluster flags as failed) are checked for their eviction policy only, on a connection of
+//! their own (`replica_checks.rs`), which also refuses one without the user.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
-use redis::{AsyncConnectionConfig, FromRedisValue, PushInfo, RedisError, Value};
+use redis::{FromRedisValue, PushInfo, RedisError, Value};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::timeout;
 
@@ -44,13 +45,16 @@ pub(crate) struct Shards {
     /// somewhere to go.
     _pushes: UnboundedReceiver<PushInfo>,
     primaries: Vec<Primary>,
+    /// The replicas of the slot map (`host`, `port`), each once.
+    pub(crate) replicas: Vec<(String, u16)>,
 }
 
-/// A primary of a `CLUSTER SLOTS` reply and the slot ranges it owns.
+/// A primary of a `CLUSTER SLOTS` reply, the slot ranges it owns and its replicas.
 struct SlotOwner {
     host: String,
     port: u16,
     ranges: Vec<(u16, u16)>,
+    replicas: Vec<(String, u16)>,
 }
 
 /// A primary that owns hash slots, and a probe key in one of its slots.
@@ -96,7 +100,15 @@ impl ServerChecks<'_> {
             }
         }
         let mut primaries = Vec::with_capacity(owners.len());
-        for (SlotOwner { host, port, .. }, probe) in owners.into_iter().zip(probes) {
+        let mut replicas = Vec::new();
+        for (owner, probe) in owners.into_iter().zip(probes) {
+            let SlotOwner {
+                host,
+                port,
+                replicas: of_owner,
+                ..
+            } = owner;
+            replicas.extend(of_owner);
             let Some(probe) = probe else {
                 // Not reachable with a well-formed slot map; the primary is left unprobed.
                 tracing::warn!(%host, port, "no probe key found for a primary's slots");
@@ -114,6 +126,7 @@ impl ServerChecks<'_> {
             conn,
             _pushes: pushes,
             primaries,
+            replicas,
         })
     }
 
@@ -123,6 +136,7 @@ impl ServerChecks<'_> {
             mut conn,
             _pushes,
             primaries,
+            ..
         } = shards;
         for primary in &primaries {
             self.probe_shard(&mut conn, &primary.probe)
@@ -152,12 +166,9 @@ impl ServerChecks<'_> {
     /// [`on_primary`] names the node.
     async fn log_in(&self, nodes: &ClusterNodes, host: &str, port: u16) -> Result<(), BuildError> {
         let client = nodes.node_client(host, port)?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.connect_timeout))
-            .set_response_timeout(Some(self.command_timeout));
         let failed = |e| self.peer.failure(CommandError::Redis(e));
         let mut conn = client
-            .get_multiplexed_async_connection_with_config(&config)
+            .get_multiplexed_async_connection_with_config(&self.node_config())
             .await
             .map_err(failed)?;
         redis::cmd("PING")
@@ -198,7 +209,8 @@ fn command_outcome<T>(
     }
 }
 
-/// The primaries (`host`, `port`) of a `CLUSTER SLOTS` reply, each with its slot ranges.
+/// The primaries (`host`, `port`) of a `CLUSTER SLOTS` reply, each with its slot ranges
+/// and its replicas (each once).
 fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
     let unexpected = || {
         CommandError::Redis(RedisError::from((
@@ -215,6 +227,10 @@ fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
         else {
             return Err(unexpected());
         };
+        // The replicas of the range follow its primary.
+        let replicas = fields
+            .map(|node| node_address(node).ok_or_else(unexpected))
+            .collect::<Result<Vec<_>, _>>()?;
         let parsed = (
             u16::from_redis_value(start),
             u16::from_redis_value(end),
@@ -223,13 +239,24 @@ fn slot_owners(reply: Value) -> Result<Vec<SlotOwner>, CommandError> {
         let (Ok(start), Ok(end), Some((host, port))) = parsed else {
             return Err(unexpected());
         };
-        match owners.iter_mut().find(|o| o.host == host && o.port == port) {
-            Some(owner) => owner.ranges.push((start, end)),
-            None => owners.push(SlotOwner {
-                host,
-                port,
-                ranges: vec![(start, end)],
-            }),
+        let at = owners
+            .iter()
+            .position(|o| o.host == host && o.port == port)
+            .unwrap_or_else(|| {
+                owners.push(SlotOwner {
+                    host,
+                    port,
+                    ranges: Vec::new(),
+                    replicas: Vec::new(),
+                });
+                owners.len() - 1
+            });
+        let owner = &mut owners[at];
+        owner.ranges.push((start, end));
+        for replica in replicas {
+            if !owner.replicas.contains(&replica) {
+                owner.replicas.push(replica);
+            }
         }
     }
     Ok(owners)
@@ -270,24 +297,24 @@ mod tests {
     }
 
     #[test]
-    fn slot_owners_groups_ranges_by_primary_and_reads_unknown_hosts_as_the_seeds() {
+    fn slot_owners_groups_ranges_and_replicas_by_primary_and_reads_unknown_hosts_as_the_seeds() {
         let a = || node(Value::BulkString(b"10.0.0.1".to_vec()), 7000);
         let replica = || node(Value::BulkString(b"10.0.0.9".to_vec()), 7009);
         let reply = Value::Array(vec![
             range(0, 99, a(), replica()),
-            range(100, 199, node(Value::Nil, 7001), replica()),
+            range(100, 199, node(Value::Nil, 7001), node(Value::Nil, 7002)),
             range(200, 16383, a(), replica()),
         ]);
         let owners = slot_owners(reply).expect("parsed");
         let found: Vec<String> = owners
             .iter()
-            .map(|o| format!("{}:{} {:?}", o.host, o.port, o.ranges))
+            .map(|o| format!("{}:{} {:?} {:?}", o.host, o.port, o.ranges, o.replicas))
             .collect();
         assert_eq!(
             found,
             [
-                "10.0.0.1:7000 [(0, 99), (200, 16383)]",
-                ":7001 [(100, 199)]"
+                r#"10.0.0.1:7000 [(0, 99), (200, 16383)] [("10.0.0.9", 7009)]"#,
+                r#":7001 [(100, 199)] [("", 7002)]"#
             ]
         );
         assert!(slot_owners(Value::Array(vec![Value::Int(1)])).is_err());

@@ -38,6 +38,17 @@ pub(crate) struct Peer {
 }
 
 impl Peer {
+    /// Who connects with `info` and where (`addr` when several servers are tried alike).
+    pub(crate) fn of(info: &redis::ConnectionInfo, addr: Option<String>) -> Self {
+        let settings = info.redis_settings();
+        Peer {
+            user: settings.username().unwrap_or("default").to_owned(),
+            addr: addr.unwrap_or_else(|| info.addr().to_string()),
+            tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
+            db: settings.db(),
+        }
+    }
+
     /// The error of a failed build-time command: refused credentials, a failed TLS
     /// handshake, or a connection failure of the kind the error shows.
     pub(crate) fn failure(&self, error: CommandError) -> BuildError {

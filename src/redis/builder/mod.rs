@@ -6,6 +6,7 @@ mod cluster_checks;
 mod coverage;
 mod diagnose;
 mod quorum;
+mod replica_checks;
 
 use std::time::Duration;
 
@@ -267,7 +268,13 @@ impl RedisBackendBuilder {
     }
 
     /// Accepts a server whose `maxmemory-policy` may evict keys; by default `build` refuses
-    /// every policy but `noeviction` with [`BuildError::Eviction`].
+    /// every policy but `noeviction` with [`BuildError::Eviction`], on the server (every
+    /// primary of a cluster) and on every replica a failover may promote (Sentinel's and a
+    /// cluster's, see [`build`](Self::build)).
+    ///
+    /// With it, `build` reads no eviction policy at all: the replicas are then not
+    /// contacted, so a replica that is unreachable or refuses the credentials is not
+    /// noticed either.
     ///
     /// What it costs: under memory pressure Redis may evict a held lock (every lock key has
     /// a lease, so `volatile-*` policies evict them as readily as `allkeys-*`), and a second

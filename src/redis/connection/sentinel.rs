@@ -17,18 +17,25 @@
 //! hears nothing; the backoffs above are then the fallback. The announcement also redoes
 //! the releases the old master took after the promotion (see `replay.rs`).
 //!
+//! At build the sentinels are also asked for the master's replicas, whose eviction policy
+//! is checked (`builder/replica_checks.rs`); they are reached as the master is.
+//!
 //! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener and the master. Each
 //! sentinel's connection info carries the builder's certificates; the master's come from
 //! the sentinels as a bare address, which redis-rs' `Sentinel` reaches with the system
 //! roots only, so with certificates the lookup goes through its `SentinelClient`, which
 //! takes them for the master too (but one login for all sentinels).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
-use redis::{ConnectionInfo, RedisResult};
+use redis::{
+    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo,
+    RedisError, RedisResult,
+};
 use tokio::sync::{Mutex, watch};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
@@ -51,6 +58,11 @@ pub(crate) struct SentinelGroup {
     sentinels: Vec<ConnectionInfo>,
     master_name: String,
     master: SentinelNodeConnectionInfo,
+    /// How the master is logged in to, and so its replicas (see [`replica`](Self::replica)).
+    master_login: RedisConnectionInfo,
+    /// Whether the data nodes are reached over TLS, with `tls`.
+    use_tls: bool,
+    tls: TlsSettings,
     /// Counts the promotions of this group the listener has heard of.
     promotions: watch::Sender<u64>,
 }
@@ -129,6 +141,9 @@ impl SentinelGroup {
             sentinels,
             master_name: master_name.to_owned(),
             master,
+            master_login: settings,
+            use_tls,
+            tls: tls.clone(),
             promotions: watch::Sender::new(0),
         })
     }
@@ -146,6 +161,60 @@ impl SentinelGroup {
         };
         tracing::debug!(master = ?master.get_connection_info().addr(), "sentinels named the master");
         Ok(master)
+    }
+
+    /// The replicas of the master as the first sentinel that answers `SENTINEL REPLICAS`
+    /// reports them (`ip`, `port`), leaving out those it flags down (`s_down`, `o_down`) or
+    /// `disconnected`: the sentinels promote none of those. On failure, the last sentinel
+    /// asked and its error.
+    ///
+    /// redis-rs' `async_get_replica_clients` is not used: it connects to each replica in
+    /// turn and leaves out, without a word, one it cannot reach or log in to.
+    pub(crate) async fn replicas(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> Result<Vec<(String, u16)>, (&ConnectionInfo, RedisError)> {
+        let mut failed = None;
+        for sentinel in &self.sentinels {
+            let asked = async {
+                let mut conn = redis::Client::open(sentinel.clone())?
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await?;
+                redis::cmd("SENTINEL")
+                    .arg("REPLICAS")
+                    .arg(&self.master_name)
+                    .query_async::<Vec<HashMap<String, String>>>(&mut conn)
+                    .await
+            };
+            match asked.await {
+                Ok(replicas) => return Ok(replicas.iter().filter_map(promotable).collect()),
+                Err(error) => failed = Some((sentinel, error)),
+            }
+        }
+        // Without sentinels (which `new` refuses) none reports a replica.
+        failed.map_or(Ok(Vec::new()), Err)
+    }
+
+    /// A client of the replica at `host:port` that logs in as the master's client does, and
+    /// over TLS with the same certificates when the master is reached so.
+    pub(crate) fn replica(&self, host: &str, port: u16) -> Result<redis::Client, BuildError> {
+        let host = host.to_owned();
+        let addr = match self.use_tls {
+            true => ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: false,
+                tls_params: None,
+            },
+            false => ConnectionAddr::Tcp(host, port),
+        };
+        let info = addr
+            .into_connection_info()
+            .map_err(|e| BuildError::Url {
+                source: Box::new(e),
+            })?
+            .set_redis_settings(self.master_login.clone());
+        self.tls.node(info)
     }
 
     /// Changes whenever a sentinel announces that another server became the master.
@@ -220,6 +289,22 @@ impl SentinelGroup {
         }
         Ok(())
     }
+}
+
+/// The address of a replica of a `SENTINEL REPLICAS` reply, unless it is flagged down or
+/// disconnected (or names no address, which no sentinel sends).
+fn promotable(replica: &HashMap<String, String>) -> Option<(String, u16)> {
+    let flags = replica.get("flags")?;
+    if flags
+        .split(',')
+        .any(|flag| matches!(flag, "s_down" | "o_down" | "disconnected"))
+    {
+        return None;
+    }
+    Some((
+        replica.get("ip")?.clone(),
+        replica.get("port")?.parse().ok()?,
+    ))
 }
 
 /// redis-rs' `SentinelClient` for TLS with the builder's certificates: to the sentinels (as

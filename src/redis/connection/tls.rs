@@ -89,8 +89,13 @@ impl TlsSettings {
             },
             _ => redis::ConnectionAddr::Tcp(host, port),
         };
-        let info = info.set_addr(addr);
-        if is_tls_url(seed) || !self.is_empty() {
+        self.node(info.set_addr(addr))
+    }
+
+    /// A client of the node `info` describes (its address, credentials and database, as
+    /// the seed's or the master's), over TLS with these settings when its address is TLS.
+    pub(crate) fn node(&self, info: redis::ConnectionInfo) -> Result<redis::Client, BuildError> {
+        if matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) || !self.is_empty() {
             return self.tls_client(info);
         }
         redis::Client::open(info).map_err(url_error)
