@@ -6,6 +6,8 @@ mod support;
 
 #[path = "idempotency/crash.rs"]
 mod crash;
+#[path = "idempotency/etcd.rs"]
+mod etcd;
 #[path = "idempotency/records.rs"]
 mod records;
 #[path = "idempotency/sql.rs"]

@@ -20,6 +20,7 @@ use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::future::lost_error;
 use crate::lock::held::push_outer;
+use crate::lock::retry::UNSEEN;
 use crate::lock::{HeldLock, LockGuard, LockRequest};
 
 /// What the store says of a key for a request.
@@ -86,6 +87,10 @@ where
     let guard = match acquired {
         Ok(guard) => guard,
         Err(LockError::Contended { retry_after, .. }) => {
+            // A store that cannot tell the holder's remaining lease (etcd, ZooKeeper: the
+            // hold lives under its backend's lease or session) gets what the lock layer
+            // says before it has seen a hold end.
+            let retry_after = retry_after.or(Some(UNSEEN));
             return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
         }
         Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
@@ -201,7 +206,12 @@ where
         Ok(false) => {
             tracing::warn!(key = %key, "idempotency: lock lost before the record was stored; not stored")
         }
-        Err(e) => tracing::warn!(key = %key, error = %e, "idempotency: record not stored"),
+        // As an error, with its causes: a backend error names only what it was doing.
+        Err(e) => tracing::warn!(
+            key = %key,
+            error = &e as &(dyn std::error::Error + 'static),
+            "idempotency: record not stored"
+        ),
     }
     release(guard).await;
     Ok(Response::from_parts(parts, boxed(Full::new(body))))

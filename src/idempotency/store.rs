@@ -24,8 +24,10 @@ use crate::backend::LockBackend;
 /// (the record in the lock's hash slot, expired by Redis),
 /// [`MemoryBackend`](crate::MemoryBackend), and, with their features, `PostgresBackend`
 /// and `MySqlBackend` (a row of the lock table's `_records` table per key, its expiry on
-/// the server's clock, deleted by the backend's janitor once expired). The etcd and
-/// ZooKeeper stores keep no records.
+/// the server's clock, deleted by the backend's janitor once expired) and `EtcdBackend` (a
+/// key in the lock's directory on a lease of its own, deleted by etcd after the retention,
+/// rounded up to whole seconds; a record over etcd's request limit, 1.5 MiB by default,
+/// is not stored). The ZooKeeper store keeps no records.
 ///
 /// Sealed, as [`LockBackend`] is.
 pub trait IdempotencyBackend: LockBackend + sealed::Sealed {}
