@@ -20,11 +20,8 @@ use super::error::EtcdError;
 use super::keys::{EtcdKey, hold_key, record_key};
 use super::store::EtcdStore;
 use crate::error::LockError;
-use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
+use crate::idempotency::{IdempotencyBackend, RECORD_CONTEXT, Records, RecordsOf, bounded};
 use crate::lock::{BoxFuture, HeldLock};
-
-/// What a failed call is reported as.
-const CONTEXT: &str = "idempotency record";
 
 /// The longest TTL etcd grants a lease (its `MaxLeaseTTL`, 9,000,000,000 s).
 const MAX_LEASE_TTL_SECS: i64 = 9_000_000_000;
@@ -45,10 +42,8 @@ impl Records for EtcdBackend {
         );
         Box::pin(async move {
             let name = store.lock_name(key)?;
-            let mut reply = timeout(bound, store.kv().get(record_key(&name), None))
-                .await
-                .map_err(|e| LockError::backend(CONTEXT, e))?
-                .map_err(|e| LockError::backend(CONTEXT, EtcdError::from(e)))?;
+            let get = async { store.kv().get(record_key(&name), None).await };
+            let mut reply = bounded(bound, async { get.await.map_err(EtcdError::from) }).await?;
             let record = reply.take_kvs().into_iter().next();
             Ok(record.map(|kv| Bytes::from(kv.into_key_value().1)))
         })
@@ -91,14 +86,13 @@ impl EtcdStore {
         retention: Duration,
         bound: Duration,
     ) -> Result<bool, LockError> {
-        let fail = |e: EtcdError| LockError::backend(CONTEXT, e);
-        let late = |e| LockError::backend(CONTEXT, e);
+        let fail = |e: EtcdError| LockError::backend(RECORD_CONTEXT, e);
+        let late = |e| LockError::backend(RECORD_CONTEXT, e);
         let bytes = record.len();
         let mut leases = self.client.lease_client();
-        let lease = timeout(bound, leases.grant(ttl_secs(retention), None))
-            .await
-            .map_err(late)?
-            .map_err(|e| fail(e.into()))?
+        let grant = async { leases.grant(ttl_secs(retention), None).await };
+        let lease = bounded(bound, async { grant.await.map_err(EtcdError::from) })
+            .await?
             .id();
         // A hold lives under the lease its backend has now: one under an earlier lease was
         // lost with it. A token no revision can equal compares unequal.

@@ -6,12 +6,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::Script;
-use tokio::time::timeout;
 
 use super::keys::LockKey;
 use super::{RedisBackend, UnexpectedReply};
 use crate::error::LockError;
-use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
+use crate::idempotency::{IdempotencyBackend, RECORD_CONTEXT, Records, RecordsOf, bounded};
 use crate::lock::{BoxFuture, HeldLock};
 
 /// Stores a record while its writer holds the key (see record_store.lua).
@@ -40,13 +39,11 @@ impl Records for RedisBackend {
             let store = backend.lead();
             let mut get = redis::cmd("GET");
             get.arg(record_key(&backend.lock_key(key)?));
-            let reply = timeout(
+            let reply = bounded(
                 store.command_timeout,
                 store.pool.query::<Option<Vec<u8>>>(&get),
             )
-            .await
-            .map_err(|e| LockError::backend("idempotency record", e))?
-            .map_err(|e| LockError::backend("idempotency record", e))?;
+            .await?;
             Ok(reply.map(Bytes::from))
         })
     }
@@ -72,15 +69,13 @@ impl Records for RedisBackend {
                         .max(1),
                 )
                 .arg(record.as_ref());
-            let reply = timeout(store.command_timeout, store.pool.invoke::<i64>(&invocation))
-                .await
-                .map_err(|e| LockError::backend("idempotency record", e))?
-                .map_err(|e| LockError::backend("idempotency record", e))?;
+            let reply =
+                bounded(store.command_timeout, store.pool.invoke::<i64>(&invocation)).await?;
             match reply {
                 1 => Ok(true),
                 0 => Ok(false),
                 _ => Err(LockError::backend(
-                    "idempotency record",
+                    RECORD_CONTEXT,
                     UnexpectedReply("record_store"),
                 )),
             }

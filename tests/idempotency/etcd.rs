@@ -8,13 +8,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::routing::post;
 use tower_lock::{EtcdBackend, IdempotencyLayer};
 
 use super::support::etcd::{self, admin, keys_in, keys_under};
-use super::support::{eventually, warnings_of};
-use super::{Payments, app, pay_with, payment, scoped, send, tenant};
+use super::support::eventually;
+use super::{Payments, app, pay_with, scoped, tenant, twice_too_large_to_store};
 
 /// A backend in a namespace of its own, with a lease so long that its watchdog renews
 /// nothing while a test runs (a hold deleted by hand stays unnoticed by it).
@@ -117,38 +116,12 @@ async fn an_etcd_record_is_refused_when_the_hold_that_ran_the_handler_is_gone() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_over_etcds_request_limit_is_not_stored_and_the_warning_names_the_limit() {
     let (backend, namespace) = backend().await;
-    let payments = Payments::default();
     // Both over etcd's --max-request-bytes (1.5 MiB), the second over its gRPC message
     // limit too (that plus 512 KiB).
-    let sizes = [1_800_000, 3_000_000];
-    let answer = |body: Bytes| async move {
-        let size: usize = String::from_utf8_lossy(&body).parse().expect("a size");
-        vec![b'x'; size]
-    };
-    // Stopped with its client: the request's end runs in its task, where its warning is
-    // caught (else in a task of its own).
-    let layer = IdempotencyLayer::new(backend)
-        .max_response_body(4 << 20)
-        .stop_when_client_gone();
-    let app = Router::new()
-        .route("/big", post(answer))
-        .route_layer(layer.scope(tenant))
-        .with_state(payments);
-    for size in sizes {
-        for _ in 0..2 {
-            let request = payment("/big", Some(&format!("k{size}")), "acme", size.to_string());
-            let (reply, warnings) = warnings_of(send(&app, request)).await;
-            assert_eq!((reply.status, reply.body.len()), (200, size), "sent whole");
-            assert!(
-                reply.headers.get("idempotency-replayed").is_none(),
-                "not stored"
-            );
-            assert!(
-                warnings.contains("--max-request-bytes"),
-                "the warning names etcd's limit: {warnings}"
-            );
-        }
-        let fence = format!("{}/f", dir(&namespace, &format!("k{size}")));
-        assert_eq!(keys(&namespace, &format!("k{size}")).await, [fence]);
+    for size in [1_800_000, 3_000_000] {
+        let key = format!("k{size}");
+        twice_too_large_to_store(backend.clone(), &key, size, "--max-request-bytes").await;
+        let fence = format!("{}/f", dir(&namespace, &key));
+        assert_eq!(keys(&namespace, &key).await, [fence]);
     }
 }

@@ -730,14 +730,15 @@ macro_rules! on_sql {
     };
 }
 
-/// [`for_each_store!`] without the Redis quorum, and with etcd: on the stores that keep
-/// idempotency records (`IdempotencyBackend`).
+/// [`for_each_store!`] without the Redis quorum, and with etcd and ZooKeeper: on the stores
+/// that keep idempotency records (`IdempotencyBackend`).
 #[macro_export]
 macro_rules! for_each_records_store {
     ($($name:ident),* $(,)?) => {
         $crate::on_redis_and_memory!($($name),*);
         $crate::on_sql!($($name),*);
         $crate::on_etcd!($($name),*);
+        $crate::on_zookeeper_stores!($($name),*);
     };
 }
 
