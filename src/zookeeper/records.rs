@@ -19,7 +19,8 @@
 //! plus its retention, both on the ensemble's clock. The janitor reads that clock at every
 //! sweep (a write to the `records` node, whose new `mtime` is the ensemble's now), deletes
 //! what expired by it, and keeps the offset from this host's clock, by which a fetch judges
-//! a record it reads (an offset an RPC old at most, rather than this host's skew).
+//! a record it reads (off by the time the answer took, so late rather than early, instead
+//! of by this host's skew). Only a backend an `IdempotencyLayer` was made on sweeps.
 //!
 //! # Size
 //!
@@ -28,7 +29,7 @@
 //! not fit is refused here, before it is sent.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -74,6 +75,9 @@ pub(crate) struct Shelf {
     /// Per bucket, the earliest expiry (the ensemble's clock) of a record this backend
     /// stored there or its last sweep of it left; `i64::MAX` when none is known.
     due: [AtomicI64; BUCKETS as usize],
+    /// Whether an `IdempotencyLayer` was made on the backend: only then does it sweep
+    /// (a backend that only locks writes nothing for records).
+    used: AtomicBool,
 }
 
 impl Shelf {
@@ -84,6 +88,7 @@ impl Shelf {
             offset_ms: AtomicI64::new(0),
             next: AtomicU32::new(0),
             due: std::array::from_fn(|_| AtomicI64::new(i64::MAX)),
+            used: AtomicBool::new(false),
         }
     }
 
@@ -133,6 +138,9 @@ impl Shelf {
     /// deletes the expired records of the buckets known to have some, and of the next
     /// bucket in turn (those other backends stored); how many it deleted.
     pub(crate) async fn sweep(&self, client: Client) -> Result<i64, ZkError> {
+        if !self.used.load(Ordering::Relaxed) {
+            return Ok(0);
+        }
         let now = self.tick(&client).await?;
         let turn = self.next.fetch_add(1, Ordering::Relaxed) % BUCKETS;
         let mut deleted = 0;
@@ -223,6 +231,7 @@ pub(crate) async fn prepare(client: &Client, shelf: &Shelf) -> Result<(), Client
 
 impl RecordsOf for ZooKeeperBackend {
     fn records(&self) -> Arc<dyn Records> {
+        self.inner.store.shelf.used.store(true, Ordering::Relaxed);
         Arc::new(self.clone())
     }
 }
@@ -274,9 +283,9 @@ impl ZkStore {
             Err(ClientError::NoNode) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let (expires, record) = split(&data, stat.mtime).ok_or(ZkError::Foreign)?;
+        let (expires, _) = split(&data, stat.mtime).ok_or(ZkError::Foreign)?;
         if expires > self.shelf.now_ms() {
-            return Ok(Some(Bytes::copy_from_slice(record)));
+            return Ok(Some(Bytes::from(data).slice(HEADER..)));
         }
         match client.delete(&path, Some(stat.version)).await {
             Ok(()) | Err(ClientError::NoNode | ClientError::BadVersion) => {}
@@ -285,8 +294,12 @@ impl ZkStore {
         Ok(None)
     }
 
-    /// Stores `record` for `key` for `retention` if `holder`'s hold with the token `token`
-    /// is still this session's node: one multi, the hold node's version checked first.
+    /// Stores `record` for `key` for `retention` if `holder`'s hold with the token
+    /// `token_of_hold` is still this session's node: one multi, the version of the hold
+    /// node just read checked first. (A node deleted and created again under the same
+    /// name would pass: its name carries the session and the lock node's sequence, which
+    /// repeats only if ZooKeeper deleted the lock's emptied container and it was made
+    /// again between the read and the multi.)
     async fn store_record(
         &self,
         key: &ZkKey,
