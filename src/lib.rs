@@ -228,7 +228,8 @@ pub mod guide {
                  [performance]: crate::guide::performance\n",
                 postgres_link!(),
                 mysql_link!(),
-                etcd_link!()
+                etcd_link!(),
+                zookeeper_link!()
             )
         };
     }
@@ -281,6 +282,23 @@ pub mod guide {
     macro_rules! etcd_link {
         () => {
             "[etcd]: https://docs.rs/tower-lock/latest/tower_lock/guide/etcd/index.html\n"
+        };
+    }
+
+    /// The ZooKeeper guide is a page here only with the `zookeeper` feature; without it,
+    /// links to it go to the documentation built with every feature.
+    #[cfg(feature = "zookeeper")]
+    macro_rules! zookeeper_link {
+        () => {
+            "[zookeeper]: crate::guide::zookeeper\n"
+        };
+    }
+
+    /// See the `zookeeper` feature's form above.
+    #[cfg(not(feature = "zookeeper"))]
+    macro_rules! zookeeper_link {
+        () => {
+            "[zookeeper]: https://docs.rs/tower-lock/latest/tower_lock/guide/zookeeper/index.html\n"
         };
     }
 

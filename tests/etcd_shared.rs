@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::etcd::{self, EtcdServer};
+use support::etcd::{self, EtcdServer, admin, keys_in, keys_under};
 use tower_lock::{EtcdBackend, LockError, LockMode};
 
 /// Generous bound on anything that should happen at once: catches hangs only.
@@ -168,33 +168,6 @@ async fn a_freed_permit_wakes_one_waiter() {
     // Two releases; then each waiter woken once, when a permit is freed for it: its
     // attempt, its turn, its release (which frees the next one's permit).
     assert_eq!(txns(&server) - start, f64::from(6 * 3 + 2 + 6 * 3));
-}
-
-/// An etcd client of the test's own, on the binary's etcd.
-async fn admin() -> etcd_client::Client {
-    etcd_client::Client::connect([etcd::shared().endpoint()], None)
-        .await
-        .expect("the test's etcd client connects")
-}
-
-/// Every key under `prefix` in the binary's etcd.
-async fn keys_under(prefix: String) -> Vec<etcd_client::KeyValue> {
-    let options = etcd_client::GetOptions::new().with_prefix();
-    let mut found = admin()
-        .await
-        .get(prefix, Some(options))
-        .await
-        .expect("read");
-    found.take_kvs()
-}
-
-/// The keys of `namespace`'s lock (or semaphore) directory `dir`.
-async fn keys_in(namespace: &str, dir: &str) -> Vec<String> {
-    let found = keys_under(format!("{namespace}:{{{dir}/")).await;
-    found
-        .iter()
-        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,15 +1,20 @@
 //! `IdempotencyLayer` through axum, on a throwaway Redis, on `MemoryBackend` and on the
-//! binary's shared PostgreSQL and MariaDB: replays, duplicates in flight across three
-//! instances, mismatches, tenants, 5xx, bodies, expiry, lost locks and crashed instances.
+//! binary's shared PostgreSQL, MariaDB, etcd and ZooKeeper: replays, duplicates in flight
+//! across three instances, mismatches, tenants, 5xx, bodies, expiry, lost locks and
+//! crashed instances.
 
 mod support;
 
 #[path = "idempotency/crash.rs"]
 mod crash;
+#[path = "idempotency/etcd.rs"]
+mod etcd;
 #[path = "idempotency/records.rs"]
 mod records;
 #[path = "idempotency/sql.rs"]
 mod sql;
+#[path = "idempotency/zookeeper.rs"]
+mod zookeeper;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -429,6 +434,43 @@ async fn a_dropped_request_that_stops_with_its_client_leaves_no_record<B: Idempo
     let retry = pay_with(&apps[1], "k1", "{}").await;
     assert_eq!(retry.body, "charged 2 for {}");
     assert!(retry.headers.get("idempotency-replayed").is_none());
+}
+
+/// Sends a request with tenant acme's `key` whose response is `size` bytes, twice,
+/// through a layer on `backend` that keeps responses up to 4 MiB: each time the response
+/// comes whole and is not a replay (nothing was stored), and the layer's warning says
+/// `says`.
+async fn twice_too_large_to_store<B: IdempotencyBackend>(
+    backend: B,
+    key: &str,
+    size: usize,
+    says: &str,
+) {
+    let answer = |body: Bytes| async move {
+        let size: usize = String::from_utf8_lossy(&body).parse().expect("a size");
+        vec![b'x'; size]
+    };
+    // Stopped with its client: the request's end runs in its task, where its warning is
+    // caught (else in a task of its own).
+    let layer = IdempotencyLayer::new(backend)
+        .max_response_body(4 << 20)
+        .stop_when_client_gone();
+    let app: Router = Router::new()
+        .route("/big", post(answer))
+        .route_layer(layer.scope(tenant));
+    for _ in 0..2 {
+        let request = payment("/big", Some(key), "acme", size.to_string());
+        let (reply, warnings) = support::warnings_of(send(&app, request)).await;
+        assert_eq!((reply.status, reply.body.len()), (200, size), "sent whole");
+        assert!(
+            reply.headers.get("idempotency-replayed").is_none(),
+            "not stored"
+        );
+        assert!(
+            warnings.contains(says),
+            "the warning says {says}: {warnings}"
+        );
+    }
 }
 
 /// Waits until the lock of tenant acme's `key` is free.

@@ -1,6 +1,6 @@
-//! The janitor of a SQL store: deletes the rows of names that nobody has used for the
-//! fence retention, and expired idempotency records, so that keys that come and go leave
-//! bounded tables behind.
+//! The janitor of a store: deletes what keys that came and went left behind, so that it
+//! stays bounded: in SQL the rows of names that nobody has used for the fence retention
+//! and expired idempotency records; in ZooKeeper expired idempotency records.
 
 use std::time::Duration;
 
@@ -41,8 +41,8 @@ pub(crate) fn spawn(
                 loop {
                     match sweep(keep_ms, SWEEP_BATCH).await {
                         Ok(n) if n == i64::from(SWEEP_BATCH) => continue,
-                        Ok(n) => tracing::trace!(rows = n, "lock table swept"),
-                        Err(error) => tracing::debug!(%error, "lock table sweep failed"),
+                        Ok(n) => tracing::trace!(deleted = n, "lock store swept"),
+                        Err(error) => tracing::debug!(%error, "lock store sweep failed"),
                     }
                     break;
                 }

@@ -23,7 +23,7 @@ mod handoff;
 mod hold;
 #[cfg(any(feature = "etcd", feature = "zookeeper"))]
 pub(crate) mod hold_value;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "zookeeper"))]
 pub(crate) mod janitor;
 mod methods;
 pub(crate) mod observe;

@@ -36,6 +36,8 @@ pub(crate) enum EtcdError {
     /// A hold kept changing under a compare-and-swap (never for long: only this backend
     /// writes its own hold).
     Contended,
+    /// An idempotency record of this many bytes is more than etcd takes in one request.
+    RecordTooLarge(usize),
 }
 
 impl From<ClientError> for EtcdError {
@@ -53,6 +55,12 @@ impl fmt::Display for EtcdError {
             EtcdError::Foreign => f.write_str("the lock's key in etcd holds something else"),
             EtcdError::Contended => f.write_str("the hold kept changing during the call"),
             EtcdError::Unexpected(what) => write!(f, "unexpected etcd reply: {what}"),
+            EtcdError::RecordTooLarge(bytes) => write!(
+                f,
+                "the idempotency record ({bytes} bytes) is over etcd's request size limit \
+                 (--max-request-bytes, 1.5 MiB by default): not stored; lower the layer's \
+                 max_response_body or raise the limit"
+            ),
         }
     }
 }
@@ -72,6 +80,19 @@ impl EtcdError {
         match self {
             EtcdError::Client(e) => status_code(e),
             _ => None,
+        }
+    }
+
+    /// etcd refused a request for its size: over its `--max-request-bytes` ("request is
+    /// too large"), or over its gRPC message limit (that plus 512 KiB).
+    pub(crate) fn is_too_large(&self) -> bool {
+        match self {
+            EtcdError::Client(ClientError::GRpcStatus(status)) => match i32::from(status.code()) {
+                code::INVALID_ARGUMENT => status.message().contains("too large"),
+                code::RESOURCE_EXHAUSTED => status.message().contains("larger than max"),
+                _ => false,
+            },
+            _ => false,
         }
     }
 
@@ -116,7 +137,7 @@ impl Failure for EtcdError {
                 )
             ),
             EtcdError::LeaseLost | EtcdError::Contended => true,
-            EtcdError::Foreign | EtcdError::Unexpected(_) => false,
+            EtcdError::Foreign | EtcdError::Unexpected(_) | EtcdError::RecordTooLarge(_) => false,
         }
     }
 

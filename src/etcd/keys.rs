@@ -118,6 +118,9 @@ pub(crate) enum Entry {
     /// `f`: the fence record, written with every exclusive hold: its mod revision is the
     /// last writer's token, which shared holders carry.
     Fence,
+    /// `d`: the idempotency record of a request done under the lock, on a lease of its
+    /// own (its retention); below every holder's letter, so no range of holders has it.
+    Record,
 }
 
 impl Entry {
@@ -128,6 +131,7 @@ impl Entry {
             Entry::Reader => 'r',
             Entry::Permit => 'p',
             Entry::Fence => 'f',
+            Entry::Record => 'd',
         }
     }
 
@@ -140,6 +144,7 @@ impl Entry {
             b'r' => Entry::Reader,
             b'p' => Entry::Permit,
             b'f' => Entry::Fence,
+            b'd' => Entry::Record,
             _ => return None,
         })
     }
@@ -172,6 +177,11 @@ pub(crate) fn holder_key(name: &str, entry: Entry, lease: i64, holder: &str) -> 
 /// The key of the lock `name`'s fence record.
 pub(crate) fn fence_key(name: &str) -> String {
     format!("{name}/f")
+}
+
+/// The key of the lock `name`'s idempotency record.
+pub(crate) fn record_key(name: &str) -> String {
+    format!("{name}/{}", Entry::Record.letter())
 }
 
 /// The range (start, end) of the keys of the entries `from` up to (not including) `to` in
@@ -225,6 +235,11 @@ mod tests {
         let (start, end) = writers(&key.name);
         assert!(reader >= end && hold >= start);
         assert!(fence_key(&key.name) < start);
+        let record = record_key(&key.name);
+        assert_eq!(Entry::of(record.as_bytes()), Some(Entry::Record));
+        let (start, end) = holders(&key.name);
+        assert!(record < start && record != fence_key(&key.name) && record < end);
+        assert!(record.starts_with(&format!("{}/", key.name)));
         let semaphore = EtcdKey::new("ns", "a".into(), 1024, true, 8).unwrap();
         assert!(is_semaphore(&semaphore.name) && !is_semaphore(&key.name));
         assert!(!semaphore.name.starts_with(&format!("{}/", key.name)));

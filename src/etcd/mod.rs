@@ -39,6 +39,7 @@ mod keys;
 mod lease;
 mod line;
 mod permits;
+mod records;
 mod rw;
 mod store;
 mod watch;

@@ -11,15 +11,16 @@ use http_body::{Body, Frame};
 use http_body_util::{BodyExt, BodyStream, Either, Full, LengthLimitError, Limited, StreamBody};
 use tower_service::Service;
 
-use super::Config;
 use super::fingerprint::{Fingerprint, scoped_key};
 use super::record::{Record, kept_headers};
 use super::response::IdempotencyError;
 use super::service::{IdempotencyBody, InnerBody};
+use super::{Config, RECORD_CONTEXT};
 use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::future::lost_error;
 use crate::lock::held::push_outer;
+use crate::lock::retry::UNSEEN;
 use crate::lock::{Acquired, HeldLock, LockGuard, LockRequest, Mode};
 
 /// What the store says of a key for a request.
@@ -90,10 +91,14 @@ where
             // tried again).
             Ok(Acquired::Recorded) if recorded < MAX_RECORDED => recorded += 1,
             Ok(Acquired::Recorded) => {
-                let error = LockError::backend("idempotency record", NotARecord::Unread);
+                let error = LockError::backend(RECORD_CONTEXT, NotARecord::Unread);
                 return Ok(config.reject(IdempotencyError::Lock(error)));
             }
             Err(LockError::Contended { retry_after, .. }) => {
+                // A store that cannot tell the holder's remaining lease (etcd, ZooKeeper:
+                // the hold lives under its backend's lease or session) gets what the lock
+                // layer says before it has seen a hold end.
+                let retry_after = retry_after.or(Some(UNSEEN));
                 return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
             }
             Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
@@ -224,7 +229,12 @@ where
         Ok(false) => {
             tracing::warn!(key = %key, "idempotency: lock lost before the record was stored; not stored")
         }
-        Err(e) => tracing::warn!(key = %key, error = %e, "idempotency: record not stored"),
+        // As an error, with its causes: a backend error names only what it was doing.
+        Err(e) => tracing::warn!(
+            key = %key,
+            error = &e as &(dyn std::error::Error + 'static),
+            "idempotency: record not stored"
+        ),
     }
     release(guard).await;
     Ok(Response::from_parts(parts, boxed(Full::new(body))))

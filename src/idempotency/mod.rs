@@ -25,7 +25,7 @@ pub use self::response::{IdempotencyError, idempotency_rejection};
 pub use self::service::{IdempotencyBody, IdempotencyFuture, IdempotencyService, InnerBody};
 pub use self::store::IdempotencyBackend;
 use self::store::records_of;
-pub(crate) use self::store::{Records, RecordsOf};
+pub(crate) use self::store::{CONTEXT as RECORD_CONTEXT, Records, RecordsOf, bounded};
 use crate::backend::Backend;
 use crate::error::KeyError;
 use crate::lock::{DEFAULT_LEASE, MAX_DURATION};

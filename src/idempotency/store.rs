@@ -21,19 +21,42 @@
 use std::sync::Arc;
 
 use crate::backend::LockBackend;
+use crate::error::LockError;
 
 /// A backend that keeps idempotency records beside its locks, for
 /// [`IdempotencyLayer`](crate::IdempotencyLayer): [`RedisBackend`](crate::RedisBackend)
 /// (the record in the lock's hash slot, expired by Redis; on a quorum, on every master),
 /// [`MemoryBackend`](crate::MemoryBackend), and, with their features, `PostgresBackend`
 /// and `MySqlBackend` (a row of the lock table's `_records` table per key, its expiry on
-/// the server's clock, deleted by the backend's janitor once expired). The etcd and
-/// ZooKeeper stores keep no records.
+/// the server's clock, deleted by the backend's janitor once expired) and `EtcdBackend` (a
+/// key in the lock's directory on a lease of its own, deleted by etcd after the retention,
+/// rounded up to whole seconds; a record over etcd's request limit, 1.5 MiB by default,
+/// is not stored) and `ZooKeeperBackend` (a persistent node beside the locks, expired on
+/// the ensemble's clock and deleted by the backend's janitor; a record over
+/// `jute.maxbuffer`, 1 MiB by default, is not stored).
 ///
 /// Sealed, as [`LockBackend`] is.
 pub trait IdempotencyBackend: LockBackend + sealed::Sealed {}
 
 pub(crate) use self::sealed::{Records, Sealed as RecordsOf};
+
+/// What a failed call to a store of records is reported as.
+pub(crate) const CONTEXT: &str = "idempotency record";
+
+/// `call` to a store of records, bounded by `bound` (the backend's command timeout): its
+/// failure, or its timeout, as a backend error of the record.
+pub(crate) async fn bounded<T, E>(
+    bound: std::time::Duration,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, LockError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tokio::time::timeout(bound, call)
+        .await
+        .map_err(|e| LockError::backend(CONTEXT, e))?
+        .map_err(|e| LockError::backend(CONTEXT, e))
+}
 
 mod sealed {
     use std::time::Duration;

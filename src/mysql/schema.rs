@@ -202,4 +202,17 @@ mod tests {
                     && s.trim_end().ends_with("END"))
         );
     }
+
+    #[test]
+    fn the_version_is_created_last() {
+        // An instance that builds while another migrates skips migrating once the version
+        // is current: by then every procedure must be there (one built without the records'
+        // procedure was seen to fail its probe).
+        let all = statements(&sql(DEFAULT_TABLE).unwrap());
+        let last = all.last().expect("statements");
+        assert!(
+            last.starts_with("CREATE PROCEDURE tower_lock_schema_version()"),
+            "{last}"
+        );
+    }
 }

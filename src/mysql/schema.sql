@@ -86,10 +86,6 @@ CREATE TABLE IF NOT EXISTS tower_lock_records (
 
 DELIMITER //
 
-DROP PROCEDURE IF EXISTS tower_lock_schema_version //
-CREATE PROCEDURE tower_lock_schema_version() SQL SECURITY INVOKER
-SELECT 2 //
-
 -- Marks the waiters of p_channel woken and cuts their wake connections' park short.
 -- Called after the release's COMMIT: a wake connection that looks after this finds its
 -- row woken, one that is parked already is interrupted. Only rows not woken yet are
@@ -673,5 +669,11 @@ BEGIN
     SET records_gone = ROW_COUNT();
     SELECT GREATEST(gone, records_gone);
 END //
+
+-- Last: an instance that builds while another migrates sees this version only once every
+-- table and procedure above is there (it skips migrating when the version is current).
+DROP PROCEDURE IF EXISTS tower_lock_schema_version //
+CREATE PROCEDURE tower_lock_schema_version() SQL SECURITY INVOKER
+SELECT 2 //
 
 DELIMITER ;

@@ -7,14 +7,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::Script;
-use tokio::time::timeout;
 
 use super::connection::pool::CommandError;
 use super::keys::LockKey;
 use super::store::RedisStore;
 use super::{Inner, RedisBackend, UnexpectedReply};
 use crate::error::LockError;
-use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
+use crate::idempotency::{IdempotencyBackend, Records, RecordsOf, bounded};
 use crate::lock::{BoxFuture, HeldLock};
 
 /// Stores a record while its writer holds the key (see record_store.lua).
@@ -44,10 +43,7 @@ impl Records for RedisBackend {
             match &backend.inner {
                 Inner::Single(core) => {
                     let store = &core.store;
-                    timeout(store.command_timeout, store.record(&key))
-                        .await
-                        .map_err(|e| LockError::backend("idempotency record", e))?
-                        .map_err(|e| LockError::backend("idempotency record", e))
+                    bounded(store.command_timeout, store.record(&key)).await
                 }
                 Inner::Quorum(core) => core.store.record(&key).await,
             }
@@ -72,10 +68,7 @@ impl Records for RedisBackend {
             match &backend.inner {
                 Inner::Single(core) => {
                     let store = &core.store;
-                    timeout(store.command_timeout, store.store_record(&key, &written))
-                        .await
-                        .map_err(|e| LockError::backend("idempotency record", e))?
-                        .map_err(|e| LockError::backend("idempotency record", e))
+                    bounded(store.command_timeout, store.store_record(&key, &written)).await
                 }
                 Inner::Quorum(core) => core.store.store_record(&key, &written).await,
             }

@@ -8,15 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use sqlx::{Decode, Encode, Executor, IntoArguments, Type};
-use tokio::time::timeout;
 
 use super::{Calls, SqlError, SqlKey, SqlStore, millis, token};
 use crate::error::LockError;
-use crate::idempotency::Records;
+use crate::idempotency::{Records, bounded};
 use crate::lock::{BoxFuture, HeldLock};
-
-/// What a failed call is reported as.
-const CONTEXT: &str = "idempotency record";
 
 /// The records of a SQL store, each call bounded by the backend's command timeout.
 pub(crate) struct SqlRecords<D: Calls> {
@@ -50,10 +46,7 @@ where
             let fetch = sqlx::query_scalar::<_, Vec<u8>>(&store.sql.record_fetch)
                 .bind(&*key.name)
                 .fetch_optional(&store.pool);
-            let record = timeout(bound, fetch)
-                .await
-                .map_err(|e| LockError::backend(CONTEXT, e))?
-                .map_err(|e| LockError::backend(CONTEXT, SqlError::<D>::from(e)))?;
+            let record = bounded(bound, async { fetch.await.map_err(SqlError::<D>::from) }).await?;
             Ok(record.map(Bytes::from))
         })
     }
@@ -75,10 +68,7 @@ where
                 millis(retention),
                 &record,
             );
-            timeout(bound, call)
-                .await
-                .map_err(|e| LockError::backend(CONTEXT, e))?
-                .map_err(|e| LockError::backend(CONTEXT, e))
+            bounded(bound, call).await
         })
     }
 }

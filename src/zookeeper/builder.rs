@@ -10,14 +10,20 @@ use zookeeper_client::{Client, CreateMode, Error as ClientError};
 use super::ZooKeeperBackend;
 use super::error::ZkError;
 use super::keys::{hold_prefix, root};
+use super::records::{self, Shelf};
 use super::session::{Connect, Digest, Session, follow_until_shutdown};
 use super::store::ZkStore;
+use crate::core::janitor;
 use crate::core::runtime::Daemon;
 use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
 use crate::core::{Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, Parts, Settings};
 use crate::error::{BuildError, ConnectFailure};
 use crate::key::validate_namespace;
+
+/// How often the janitor sweeps expired idempotency records: the buckets known to hold
+/// some, and one more in turn.
+const SWEEP_PERIOD: Duration = Duration::from_secs(5);
 
 /// Configures a [`ZooKeeperBackend`]; created by [`ZooKeeperBackend::builder`].
 #[derive(Clone, Debug)]
@@ -124,7 +130,8 @@ impl ZooKeeperBackendBuilder {
             digest: self.digest.clone(),
         };
         let client = connect.open().await.map_err(|e| refused(&addr, e))?;
-        self.prove(&client, &root, connect.acls())
+        let shelf = Arc::new(Shelf::new(&root));
+        self.prove(&client, &root, connect.acls(), &shelf)
             .await
             .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
         let metrics = Namespace::new(&self.namespace);
@@ -152,6 +159,22 @@ impl ZooKeeperBackendBuilder {
                 parts.shutdown.clone(),
             )
         };
+        let janitor = {
+            let (session, shelf) = (session.clone(), shelf.clone());
+            let sweep: janitor::Sweep = Box::new(move |_, _| {
+                let (session, shelf) = (session.clone(), shelf.clone());
+                Box::pin(async move {
+                    let client = session.client();
+                    shelf.sweep(client).await.map_err(|e| e.to_string())
+                })
+            });
+            janitor::spawn(
+                sweep,
+                SWEEP_PERIOD * 4,
+                parts.shutdown.clone(),
+                &parts.runtime,
+            )
+        };
         let store = ZkStore {
             session,
             wakeups,
@@ -160,6 +183,8 @@ impl ZooKeeperBackendBuilder {
             namespace: self.namespace,
             root,
             max_key_len: self.max_key_len,
+            shelf,
+            janitor,
         };
         Ok(ZooKeeperBackend {
             inner: Core::new(store, parts),
@@ -221,14 +246,16 @@ impl ZooKeeperBackendBuilder {
         Ok(root)
     }
 
-    /// Checks the chroot, creates the namespace's node if missing, and creates and
-    /// deletes a node under it: `Err(Ok(_))` names what is wrong, `Err(Err(_))` is a failed
-    /// call.
+    /// Checks the chroot, creates the namespace's node if missing, creates and deletes a
+    /// node under it, creates the records' node if missing and reads the ensemble's clock
+    /// by a write to it, every node with `acls`: `Err(Ok(_))` names what is wrong,
+    /// `Err(Err(_))` is a failed call.
     async fn prove(
         &self,
         client: &Client,
         root: &str,
         acls: zookeeper_client::Acls<'static>,
+        shelf: &Shelf,
     ) -> Result<(), Result<BuildError, ZkError>> {
         let call = |e: ClientError| Err(ZkError::Client(e));
         if client.check_stat("/").await.map_err(call)?.is_none() {
@@ -269,7 +296,14 @@ impl ZooKeeperBackendBuilder {
             .await
             .map_err(rights)?;
         client.delete(&probe, None).await.map_err(rights)?;
-        Ok(())
+        records::prepare(client, shelf, acls)
+            .await
+            .map_err(rights)?;
+        match shelf.tick(client).await {
+            Ok(_) => Ok(()),
+            Err(ZkError::Client(e)) => Err(rights(e)),
+            Err(e) => Err(Err(e)),
+        }
     }
 }
 

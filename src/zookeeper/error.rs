@@ -18,6 +18,8 @@ pub(crate) enum ZkError {
     /// A hold kept changing under a versioned write (never for long: only this backend's
     /// session writes its own node).
     Contended,
+    /// An idempotency record of this many bytes is more than ZooKeeper takes in a request.
+    RecordTooLarge(usize),
 }
 
 impl From<ClientError> for ZkError {
@@ -34,6 +36,12 @@ impl fmt::Display for ZkError {
             ZkError::Foreign => f.write_str("the lock's node in ZooKeeper holds something else"),
             ZkError::Contended => f.write_str("the hold kept changing during the call"),
             ZkError::Unexpected(what) => write!(f, "unexpected ZooKeeper reply: {what}"),
+            ZkError::RecordTooLarge(bytes) => write!(
+                f,
+                "the idempotency record ({bytes} bytes) is over ZooKeeper's request size limit \
+                 (jute.maxbuffer, 1 MiB by default): not stored; lower the layer's \
+                 max_response_body"
+            ),
         }
     }
 }
@@ -93,7 +101,7 @@ impl Failure for ZkError {
                     | ClientError::NotReadOnly
             ),
             ZkError::Contended => true,
-            ZkError::Foreign | ZkError::Unexpected(_) => false,
+            ZkError::Foreign | ZkError::Unexpected(_) | ZkError::RecordTooLarge(_) => false,
         }
     }
 

@@ -67,6 +67,7 @@ mod builder;
 mod error;
 mod keys;
 mod line;
+mod records;
 mod release;
 mod renew;
 mod session;

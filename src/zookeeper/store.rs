@@ -9,6 +9,7 @@ use zookeeper_client::{Client, Error as ClientError, Stat};
 
 use super::error::ZkError;
 use super::keys::ZkKey;
+use super::records::Shelf;
 use super::session::Session;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Release, Released, Sent, Store};
@@ -38,6 +39,10 @@ pub(crate) struct ZkStore {
     /// The namespace's node.
     pub(crate) root: String,
     pub(crate) max_key_len: usize,
+    /// Where the namespace's idempotency records live, and the ensemble's clock.
+    pub(crate) shelf: Arc<Shelf>,
+    /// Deletes expired idempotency records.
+    pub(crate) janitor: Daemon,
 }
 
 /// A fencing token from a node's creation zxid (zxids start above zero).

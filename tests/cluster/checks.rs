@@ -1,16 +1,13 @@
 //! `build()` on a cluster checks every primary (ACL users, rights and settings are per
 //! node): scenarios on the shared cluster, each undoing its ACL and CONFIG changes.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tower_lock::{BuildError, RedisBackend, RedisBackendBuilder};
-use tracing::instrument::WithSubscriber;
 
 use crate::support::cluster::{Cluster, key_on};
 use crate::support::cluster_acl::{APP_RULES, NodeChanges, attempts, builder_as};
-use crate::support::{chain, timed_build as build};
+use crate::support::{chain, timed_build as build, warnings_of};
 
 /// Generous bound on anything that should end within a few seconds.
 const HANG: Duration = Duration::from_secs(20);
@@ -212,35 +209,8 @@ async fn full_coverage_is_warned_about_at_build(cluster: &Cluster) {
 
 /// Builds, returning the WARN and ERROR lines the build logged.
 async fn build_logging(builder: RedisBackendBuilder) -> (Result<RedisBackend, BuildError>, String) {
-    let lines = Lines::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer({
-            let lines = lines.clone();
-            move || lines.clone()
-        })
-        .finish();
-    let built = tokio::time::timeout(HANG, builder.build().with_subscriber(subscriber))
-        .await
-        .expect("build() ends");
-    let text = String::from_utf8(lines.0.lock().expect("lines").clone()).expect("UTF-8");
-    (built, text)
-}
-
-/// Where [`build_logging`]'s subscriber writes.
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Lines {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("lines").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+    let (built, text) = warnings_of(tokio::time::timeout(HANG, builder.build())).await;
+    (built.expect("build() ends"), text)
 }
 
 fn cluster_builder(cluster: &Cluster) -> RedisBackendBuilder {

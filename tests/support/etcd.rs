@@ -347,3 +347,30 @@ pub async fn backend_in(namespace: &str) -> tower_lock::EtcdBackend {
         .await
         .expect("backend connects to the test etcd")
 }
+
+/// An etcd client of the test's own, on the binary's etcd.
+pub async fn admin() -> etcd_client::Client {
+    etcd_client::Client::connect([shared().endpoint()], None)
+        .await
+        .expect("the test's etcd client connects")
+}
+
+/// Every key under `prefix` in the binary's etcd.
+pub async fn keys_under(prefix: String) -> Vec<etcd_client::KeyValue> {
+    let options = etcd_client::GetOptions::new().with_prefix();
+    let mut found = admin()
+        .await
+        .get(prefix, Some(options))
+        .await
+        .expect("read");
+    found.take_kvs()
+}
+
+/// The keys of `namespace`'s lock (or semaphore) directory `dir`.
+pub async fn keys_in(namespace: &str, dir: &str) -> Vec<String> {
+    let found = keys_under(format!("{namespace}:{{{dir}/")).await;
+    found
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect()
+}

@@ -522,6 +522,39 @@ where
     panic!("timed out waiting until {what}");
 }
 
+/// Runs `future`, returning its output and the WARN and ERROR lines the crate logged
+/// meanwhile (in its task: what it spawns logs elsewhere).
+pub async fn warnings_of<T>(future: impl std::future::Future<Output = T>) -> (T, String) {
+    use tracing::instrument::WithSubscriber;
+    let lines = Lines::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer({
+            let lines = lines.clone();
+            move || lines.clone()
+        })
+        .finish();
+    let output = future.with_subscriber(subscriber).await;
+    let text = String::from_utf8(lines.0.lock().expect("lines").clone()).expect("UTF-8");
+    (output, text)
+}
+
+/// Where [`warnings_of`]'s subscriber writes.
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lines").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Routes the crate's tracing to the test output, filtered by `RUST_LOG` (off by default).
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -698,13 +731,15 @@ macro_rules! on_sql {
     };
 }
 
-/// [`for_each_store!`] without the Redis quorum: on the stores that keep idempotency
-/// records (`IdempotencyBackend`).
+/// [`for_each_store!`] without the Redis quorum, and with etcd and ZooKeeper: on the stores
+/// that keep idempotency records (`IdempotencyBackend`).
 #[macro_export]
 macro_rules! for_each_records_store {
     ($($name:ident),* $(,)?) => {
         $crate::on_redis_and_memory!($($name),*);
         $crate::on_sql!($($name),*);
+        $crate::on_etcd!($($name),*);
+        $crate::on_zookeeper_stores!($($name),*);
     };
 }
 

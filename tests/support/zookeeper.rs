@@ -268,3 +268,11 @@ macro_rules! on_zookeeper_stores {
         $crate::on_three_backends_of!(on_zookeeper, zookeeper; $($name),*);
     };
 }
+
+/// A ZooKeeper client of the test's own (a session apart from every backend's), on
+/// [`shared`].
+pub async fn admin() -> zookeeper_client::Client {
+    zookeeper_client::Client::connect(&shared().hosts())
+        .await
+        .expect("the test's ZooKeeper client connects")
+}

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use super::QuorumStore;
 use super::error::QuorumError;
 use crate::error::LockError;
+use crate::idempotency::RECORD_CONTEXT;
 use crate::redis::keys::LockKey;
 use crate::redis::records::Written;
 
@@ -36,7 +37,7 @@ impl QuorumStore {
             return Ok(None);
         }
         let error = QuorumError::no_majority(answered, self.masters.len(), failures);
-        Err(LockError::backend("idempotency record", error))
+        Err(LockError::backend(RECORD_CONTEXT, error))
     }
 
     /// Stores `written` on every master at once where its hold still holds `key`: stored
@@ -53,7 +54,7 @@ impl QuorumStore {
             return Ok(true);
         }
         self.of_majority(replies)
-            .map_err(|e| LockError::backend("idempotency record", e))?;
+            .map_err(|e| LockError::backend(RECORD_CONTEXT, e))?;
         Ok(false)
     }
 }
