@@ -48,3 +48,34 @@ pub async fn an_acquisition_resent_after_the_release_takes_nothing(cluster: &Clu
         .await
         .expect("release");
 }
+
+/// An attempt that a release of its own instance overtook is sent again under a new serial,
+/// a few times at most: with the instance's last release recorded far ahead (as no real
+/// release can be), every try is refused, and `try_once` reports the key held, having
+/// taken nothing, rather than sending again for ever.
+pub async fn an_attempt_overtaken_again_and_again_takes_nothing_and_stops(cluster: &Cluster) {
+    let port = cluster.primaries()[1];
+    let key = key_on(cluster, port, "overtaken:");
+    let lock = format!("tower-lock:{{{key}}}");
+    let releases = format!("{lock}:releases");
+    let backend = cluster.backend().await;
+    let guard = backend.lock(key.clone()).try_once().await.expect("free");
+    let owner = guard.held().owner().as_str().to_owned();
+    let (instance, _) = owner.rsplit_once(':').expect("instance:sequence");
+    guard.release().await.expect("release");
+    cluster.run(port, &["HSET", &releases, instance, "1000000000000"]);
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        backend.lock(key.clone()).try_once(),
+    )
+    .await
+    .expect("the attempt stops sending again");
+    assert!(refused.is_err(), "refused every time: {refused:?}");
+    assert!(!cluster.exists_on(port, &lock), "nothing taken");
+    cluster.run(port, &["DEL", &releases]);
+    let next = backend.lock(key).try_once().await;
+    next.expect("taken once no release is ahead")
+        .release()
+        .await
+        .expect("release");
+}
