@@ -19,6 +19,10 @@ use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{Acquired, BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
 
+/// How many times in a row an attempt is sent again at once when a release of this
+/// backend overtook it ([`Attempted::Overtaken`]).
+const MAX_OVERTAKEN: u32 = 3;
+
 /// What one attempt found, as the acquisition acts on it.
 enum Outcome {
     Acquired(Taken),
@@ -339,23 +343,35 @@ impl<S: Store> Core<S> {
             ),
             None => command_timeout,
         };
-        let attempt = Attempt {
-            holder: holder(c.kind, c.store_owner()),
-            owner: c.store_owner().clone(),
-            kind: c.kind,
-            lease: c.claim.lease,
-            waits: c
-                .deadline
-                .map(|deadline| deadline.saturating_duration_since(Instant::now())),
-            reserve,
-            yielding,
-            record: c.unless_recorded,
-            serial: self.owners.serial(),
-        };
-        let sent_at = Instant::now();
-        let reply = match timeout(budget, AcquireCall::start(self, c, attempt)).await {
-            Ok(reply) => reply,
-            Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
+        let mut overtaken = 0;
+        let (reply, sent_at) = loop {
+            let attempt = Attempt {
+                holder: holder(c.kind, c.store_owner()),
+                owner: c.store_owner().clone(),
+                kind: c.kind,
+                lease: c.claim.lease,
+                waits: c
+                    .deadline
+                    .map(|deadline| deadline.saturating_duration_since(Instant::now())),
+                reserve,
+                yielding,
+                record: c.unless_recorded,
+                serial: self.owners.serial(),
+            };
+            let sent_at = Instant::now();
+            let reply = match timeout(budget, AcquireCall::start(self, c, attempt)).await {
+                Ok(reply) => reply,
+                Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
+            };
+            // Overtaken by a release of this backend sent after it: sent again at once under
+            // a new serial, which that release cannot overtake. Each refusal takes a new
+            // release of this backend's own, so a few tries settle it; past them the key is
+            // reported held with nothing left to wait for.
+            if matches!(reply, Ok(Attempted::Overtaken)) && overtaken < MAX_OVERTAKEN {
+                overtaken += 1;
+                continue;
+            }
+            break (reply, sent_at);
         };
         match reply {
             Ok(Attempted::Acquired { token, count }) => {
@@ -381,6 +397,10 @@ impl<S: Store> Core<S> {
                 Ok(Outcome::Held(left))
             }
             Ok(Attempted::LeftToOthers) => Ok(Outcome::LeftToOthers),
+            Ok(Attempted::Overtaken) => {
+                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
+                Ok(Outcome::Held(Some(Duration::ZERO)))
+            }
             Ok(Attempted::Recorded) => {
                 // The store took the attempt out of the waiting ones.
                 c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);

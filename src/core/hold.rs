@@ -100,6 +100,7 @@ impl<S: Store> Hold<S> {
             only_token: self.token.filter(|_| self.only_own_token),
             issued: self.issued(),
             reserve: self.core.reserve(),
+            serial: self.core.owners.serial(),
         }
     }
 

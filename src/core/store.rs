@@ -260,13 +260,19 @@ pub(crate) enum Attempted {
     /// The key's idempotency record exists ([`Attempt::record`]): nothing was taken, and
     /// the attempt left the store's waiting writers and line.
     Recorded,
+    /// A release of this backend came to the store before the attempt and was sent after
+    /// it ([`Release::serial`]): nothing was taken, and the attempt left the waiting
+    /// writers and the line. A copy of the attempt that a cluster client sent again late,
+    /// after its owner moved on, is refused this way; an attempt that is no copy tries
+    /// again at once under a new serial.
+    Overtaken,
 }
 
 impl Attempted {
     /// Reads an attempt's reply in the integer-array form that the Redis scripts and the
     /// SQL functions share: `{1, token, count}`, `{0, ms}`, `{0, ms, 1}` (registered as a
     /// waiting writer), `{2, ms}` (refused for `ms` more, as if held: a restart guard),
-    /// `{4}`, `{5}`, `{6}` (recorded). `None` for anything else, a hold included that cannot be read as one.
+    /// `{4}`, `{5}`, `{6}` (recorded), `{7}` (overtaken). `None` for anything else, a hold included that cannot be read as one.
     pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
         let left = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
         Some(match *reply {
@@ -289,6 +295,7 @@ impl Attempted {
             [4] => Attempted::UpgradeRefused,
             [5] => Attempted::LeftToOthers,
             [6] => Attempted::Recorded,
+            [7] => Attempted::Overtaken,
             _ => return None,
         })
     }
@@ -318,6 +325,11 @@ pub(crate) struct Release<'a> {
     pub(crate) issued: Option<u64>,
     /// Tokens to reserve above a handoff's own for the successor's run.
     pub(crate) reserve: u64,
+    /// A number taken from the counter of [`Attempt::serial`] when this release was made
+    /// (or the serial of the attempt it undoes): every attempt of this backend sent before
+    /// it has one up to it, so a store whose client may send an attempt again late can
+    /// refuse such a copy ([`Attempted::Overtaken`]).
+    pub(crate) serial: u64,
 }
 
 /// What a release did.

@@ -59,6 +59,12 @@ impl LockKey {
         ]
     }
 
+    /// The serial of each instance's latest release of the lock, on a cluster (see
+    /// release.lua and acquire.lua), beside the lock in its hash slot.
+    pub(crate) fn releases(&self) -> String {
+        format!("{}:releases", self.lock)
+    }
+
     /// The key's idempotency record (see record_store.lua), beside the lock in its hash
     /// slot.
     pub(crate) fn record(&self) -> String {

@@ -270,6 +270,8 @@ impl Replayer {
             token: Some(token),
             issued: None,
             reserve: 0,
+            // Replays are Sentinel's, whose client sends nothing again.
+            resent_guard: None,
         }
         .invocation(&config.scripts, config.fence_ttl);
         let reply: Vec<i64> = timeout(config.command_timeout, config.pool.invoke(&invocation))

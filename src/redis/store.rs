@@ -42,6 +42,10 @@ pub(crate) struct RedisStore {
     pub(crate) restart_guard: Option<Duration>,
     /// Replicas that must acknowledge an acquisition; `None`: none.
     pub(crate) sync_replicas: Option<SyncReplicas>,
+    /// This backend's instance id, on a cluster only: its releases are recorded beside each
+    /// lock, so that a copy of an earlier attempt that the cluster client sends again late
+    /// takes nothing (see acquire.lua); `None` elsewhere, whose clients send nothing again.
+    pub(crate) resent_guard: Option<Arc<str>>,
 }
 
 impl StoreKey for LockKey {
@@ -297,7 +301,13 @@ impl RedisStore {
                     .arg(attempt_id)
                     .arg(waits)
                     .arg(self.turn_grace.map_or(0, millis));
-                if attempt.reserve > 0 {
+                if let Some(instance) = &self.resent_guard {
+                    invocation
+                        .key(key.releases())
+                        .arg(attempt.reserve)
+                        .arg(&**instance)
+                        .arg(attempt.serial);
+                } else if attempt.reserve > 0 {
                     invocation.arg(attempt.reserve);
                 }
                 if attempt.record {
@@ -333,7 +343,7 @@ impl RedisStore {
     }
 
     /// The release script's call for `release`.
-    fn release_call<'a>(&self, key: &'a LockKey, release: &'a Release<'a>) -> ReleaseCall<'a> {
+    fn release_call<'a>(&'a self, key: &'a LockKey, release: &'a Release<'a>) -> ReleaseCall<'a> {
         ReleaseCall {
             key,
             owner: release.holder,
@@ -346,6 +356,10 @@ impl RedisStore {
             token: release.only_token,
             issued: release.issued,
             reserve: release.reserve,
+            resent_guard: self
+                .resent_guard
+                .as_deref()
+                .map(|instance| (instance, release.serial)),
         }
     }
 
@@ -369,6 +383,8 @@ impl RedisStore {
             only_token: None,
             issued: None,
             reserve: 0,
+            // What the attempt may have taken is given back: it refuses a copy of itself.
+            serial: attempt.serial,
         };
         let invocation = self
             .release_call(key, &release)

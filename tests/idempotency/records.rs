@@ -4,8 +4,7 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
-
+use super::support::monitor::commands_sent;
 use super::support::{RedisServer, eventually, lock_key};
 use super::{Payments, app, first_inside, pay_with, scoped};
 use tower_lock::{IdempotencyLayer, MemoryBackend};
@@ -116,9 +115,10 @@ async fn a_first_request_costs_a_get_and_one_script_before_its_handler_and_a_rep
     // Warmed up: the scripts loaded (EVALSHA, NOSCRIPT, EVAL the first time).
     assert_eq!(pay_with(&app, "k0", "{}").await.status, 201);
     let lock = lock_key(&scoped("acme", "k1"));
-    let (first, sent) = commands_sent(&server, &lock, pay_with(&app, "k1", "{}")).await;
+    let (first, sent) = commands_sent(&server.url(), &lock, pay_with(&app, "k1", "{}")).await;
     assert_eq!(first.status, 201);
-    let (replay, replay_sent) = commands_sent(&server, &lock, pay_with(&app, "k1", "{}")).await;
+    let (replay, replay_sent) =
+        commands_sent(&server.url(), &lock, pay_with(&app, "k1", "{}")).await;
     assert_eq!(replay.body, "charged 2 for {}");
     let names = |sent: &[Vec<String>]| -> Vec<String> {
         sent.iter().map(|c| c[0].to_lowercase()).collect()
@@ -228,65 +228,4 @@ async fn a_duplicate_handed_the_hold_in_the_same_instance_reads_the_record_and_r
     assert_eq!(reply.body, "charged 1 for {}");
     assert_eq!(reply.headers["idempotency-replayed"], "true");
     assert_eq!(payments.runs(), 1);
-}
-
-/// What the clients of `server` sent that names `key` while `during` ran, in the order
-/// the server ran it (`MONITOR`), each as its words: what scripts ran inside left out.
-async fn commands_sent<F: Future>(
-    server: &RedisServer,
-    key: &str,
-    during: F,
-) -> (F::Output, Vec<Vec<String>>) {
-    let client = redis::Client::open(server.url()).expect("url");
-    let mut monitor = client
-        .get_async_monitor()
-        .await
-        .expect("MONITOR")
-        .into_on_message::<String>();
-    let mut conn = server.conn().await;
-    let mut echo = async |marker: &str| {
-        let _: String = redis::cmd("ECHO")
-            .arg(marker)
-            .query_async(&mut conn)
-            .await
-            .expect("ECHO");
-    };
-    echo("commands-sent-begin").await;
-    let output = during.await;
-    echo("commands-sent-end").await;
-    let mut sent = Vec::new();
-    let mut begun = false;
-    loop {
-        let line = tokio::time::timeout(Duration::from_secs(10), monitor.next())
-            .await
-            .expect("MONITOR lines")
-            .expect("MONITOR open");
-        if line.contains("\"commands-sent-begin\"") {
-            begun = true;
-        } else if line.contains("\"commands-sent-end\"") {
-            return (output, sent);
-        } else if begun && !line.contains(" lua] ") && line.contains(key) {
-            sent.push(words(&line));
-        }
-    }
-}
-
-/// The quoted words of a `MONITOR` line (`123.45 [0 127.0.0.1:5000] "get" "k"`).
-fn words(line: &str) -> Vec<String> {
-    let Some((_, command)) = line.split_once("] ") else {
-        return Vec::new();
-    };
-    let mut words = Vec::new();
-    let mut word: Option<String> = None;
-    let mut chars = command.chars();
-    while let Some(c) = chars.next() {
-        match (c, &mut word) {
-            ('"', None) => word = Some(String::new()),
-            ('"', Some(_)) => words.extend(word.take()),
-            ('\\', Some(w)) => w.extend(chars.next()),
-            (c, Some(w)) => w.push(c),
-            (_, None) => {}
-        }
-    }
-    words
 }

@@ -10,6 +10,7 @@ pub mod etcd;
 pub mod failover;
 pub mod history;
 pub mod mariadb;
+pub mod monitor;
 pub mod netns;
 pub mod postgres;
 pub mod process;

@@ -135,6 +135,8 @@ impl RedisBackendBuilder {
             };
             Replays::spawn(config, parts.shutdown.clone(), &parts.runtime)
         });
+        // A cluster client sends a call again by itself (see acquire.lua).
+        let resent_guard = scripts.sharded.then(|| Arc::from(parts.owners.instance()));
         Ok(RedisStore {
             pool,
             scripts,
@@ -147,6 +149,7 @@ impl RedisBackendBuilder {
             turn_grace: (!self.quorum_master).then_some(self.turn_grace),
             restart_guard: self.restart_guard.then_some(self.max_lease),
             sync_replicas: self.sync_replicas,
+            resent_guard,
         })
     }
 }

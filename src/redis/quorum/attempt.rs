@@ -156,6 +156,12 @@ impl QuorumStore {
                     tally.recorded = true;
                     false
                 }
+                // Only a cluster's scripts refuse an overtaken attempt, and a quorum's
+                // masters are single servers: counted as held, to be tried again.
+                Ok(Attempted::Overtaken) => {
+                    tally.held.push(Some(Duration::ZERO));
+                    false
+                }
                 Err(e) => {
                     let may_have_run = e.may_have_run();
                     tally.failures.push(MasterFailure::Failed(e));

@@ -29,6 +29,9 @@ pub(crate) struct ReleaseCall<'a> {
     pub(crate) issued: Option<u64>,
     /// Tokens to reserve above the successor's own, for the run it starts.
     pub(crate) reserve: u64,
+    /// On a cluster, the owner's instance id and the release's serial, recorded so that a
+    /// late copy of an earlier attempt takes nothing (see release.lua).
+    pub(crate) resent_guard: Option<(&'a str, u64)>,
 }
 
 impl ReleaseCall<'_> {
@@ -66,19 +69,17 @@ impl ReleaseCall<'_> {
             .arg(millis(self.lease))
             .arg(&self.key.channel)
             .arg(u8::from(scripts.sharded));
-        if self.successor.is_none()
-            && !self.may_have_run
-            && token.is_empty()
-            && self.issued.is_none()
-        {
+        let plain = self.successor.is_none() && self.issued.is_none();
+        if plain && self.resent_guard.is_none() && !self.may_have_run && token.is_empty() {
             return invocation;
         }
         invocation.arg(token).arg(u8::from(self.may_have_run));
-        if self.successor.is_none() && self.issued.is_none() {
+        if plain && self.resent_guard.is_none() {
             return invocation;
         }
         // The fencing counter is written: by a handoff, and by a release after handoffs in
-        // memory (the counter goes back to the last token issued).
+        // memory (the counter goes back to the last token issued). On a cluster every
+        // release gets here, for the keys and arguments after it.
         invocation.key(&self.key.fence);
         match self.successor {
             Some(successor) => invocation
@@ -91,6 +92,12 @@ impl ReleaseCall<'_> {
             .arg(u8::from(self.streak_spent))
             .arg(self.issued.map(|t| t.to_string()).unwrap_or_default())
             .arg(self.reserve);
+        if let Some((instance, serial)) = self.resent_guard {
+            invocation
+                .key(self.key.releases())
+                .arg(instance)
+                .arg(serial);
+        }
         invocation
     }
 }

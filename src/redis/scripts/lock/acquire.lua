@@ -25,8 +25,20 @@
 --          waiters up in its own order, and no order might win a majority)
 -- ARGV[8]  how many fencing tokens to reserve above a new acquisition's own, for later
 --          holders of the same process that get the lock in memory (may be left off: 0)
--- KEYS[6]  (may be left off) the key's idempotency record (record_store.lua), for an
---          acquisition of the idempotency layer: while it exists, no new hold is taken
+-- The rest is given on a Redis Cluster only (ARGV[8] then given too); without it the
+-- record below is KEYS[6]:
+-- KEYS[6]  the key's releases: instance id -> the serial of the instance's latest release
+--          of the key (release.lua), kept as long as the fencing counter
+-- ARGV[9]  this backend's instance id (the part of ARGV[1] before its last ':')
+-- ARGV[10] this attempt's serial (the part of ARGV[5] after '@'): attempts and releases
+--          of one instance draw their serials from one counter, so a copy of this attempt
+--          that the cluster client sends again after a release of its instance has a
+--          serial up to that release's, and takes nothing (its owner moved on: a hold taken
+--          then would stay a lease with no holder)
+--
+-- KEYS[6], on a Redis Cluster KEYS[7]  (may be left off) the key's idempotency record
+--          (record_store.lua), for an acquisition of the idempotency layer: while it
+--          exists, no new hold is taken
 --
 -- Returns {1, token, count} when ARGV[1] now holds the lock (count > 1: a re-entry,
 -- token unchanged; also when a run of this same attempt took the hold already), {0, pttl}
@@ -36,8 +48,9 @@
 -- first shared holder's own lease ends; also when refused and registered in the line of
 -- waiting holders, the lock held or free for the head's turn), {4} when the
 -- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
--- would wait for each other forever), or {6} when KEYS[6] exists and the attempt would
--- take a new hold: it takes nothing, and leaves the waiting writers and the line.
+-- would wait for each other forever), or {6} when the record exists and the attempt would
+-- take a new hold: it takes nothing, and leaves the waiting writers and the line, or {7}
+-- when a release of the instance came after this attempt (ARGV[10]): the same.
 local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
@@ -62,19 +75,41 @@ if kind == 'hash' then
   end
 end
 
--- The idempotency layer's request whose key has a record is a retry of a completed one:
--- it is replayed, and takes no hold (the holder that stored the record did so before
--- releasing, so a hold taken here with no record cannot miss one stored before it).
--- A waiter that leaves the line this way wakes nobody: every waiter was woken by the
--- release that followed the record, and one that checks no record waits for a head's
--- turn at most the grace.
-if KEYS[6] and redis.call('exists', KEYS[6]) == 1 then
+local releases, record = nil, KEYS[6]
+if ARGV[9] then
+  releases, record = KEYS[6], KEYS[7]
+end
+-- An attempt that takes nothing leaves the waiting writers and the line.
+local function withdraw()
   if ARGV[6] ~= '0' then
     redis.call('zrem', KEYS[3], ARGV[1])
     if ARGV[7] ~= '0' then
       leave_line(KEYS[4], KEYS[5], ARGV[1])
     end
   end
+end
+
+-- A copy of an attempt sent again late by the cluster client, after its owner gave it up
+-- or released the hold it took: no one would release what it takes (nor wait in the line
+-- for it). Checked before the lock's state, so that a copy that finds the lock held
+-- leaves no waiter behind either. An attempt that is no copy but was overtaken by such a
+-- release (sent just before it) gets the same answer, and the core tries again at once.
+if releases then
+  local last = redis.call('hget', releases, ARGV[9])
+  if last and tonumber(ARGV[10]) <= tonumber(last) then
+    withdraw()
+    return {7}
+  end
+end
+
+-- The idempotency layer's request whose key has a record is a retry of a completed one:
+-- it is replayed, and takes no hold (the holder that stored the record did so before
+-- releasing, so a hold taken here with no record cannot miss one stored before it).
+-- A waiter that leaves the line this way wakes nobody: every waiter was woken by the
+-- release that followed the record, and one that checks no record waits for a head's
+-- turn at most the grace.
+if record and redis.call('exists', record) == 1 then
+  withdraw()
   return {6}
 end
 

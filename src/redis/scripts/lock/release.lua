@@ -38,6 +38,14 @@
 --          back to it, so that tokens reserved but not issued are not skipped, and a
 --          counter deleted meanwhile is restored ("")
 -- ARGV[13] how many tokens to reserve above a handoff's own for the successor's run ("0")
+-- KEYS[5]  on a Redis Cluster only (ARGV[6] to ARGV[13] and KEYS[4] then given too): the
+--          key's releases, instance id -> serial of the instance's latest release of the
+--          key, kept as long as the fencing counter (ARGV[10]). Every release that leaves
+--          the owner without a hold writes it, so that a copy of an earlier attempt of the
+--          instance that the cluster client sends again late takes nothing (acquire.lua)
+-- ARGV[14] the owner's instance id
+-- ARGV[15] this release's serial: attempts and releases of one instance draw serials from
+--          one counter, so every attempt sent before this release has one up to it
 --
 -- Returns {3, token} when the lock now belongs to ARGV[8] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
@@ -45,6 +53,18 @@
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release), or holds it under another token than ARGV[6].
 local only, retried, successor = ARGV[6] or '', ARGV[7] == '1', ARGV[8] or ''
+-- Kept for the instance on a cluster (KEYS[5]): never lowered, by a release that overtook
+-- another of the same instance. Written before the lock is: a release that this write
+-- fails (no memory left, no right to the key) leaves the lock as it was.
+local function mark_released()
+  if KEYS[5] then
+    local last = redis.call('hget', KEYS[5], ARGV[14])
+    if not last or tonumber(last) < tonumber(ARGV[15]) then
+      redis.call('hset', KEYS[5], ARGV[14], ARGV[15])
+    end
+    redis.call('pexpire', KEYS[5], ARGV[10])
+  end
+end
 -- One read for every case. The release id is looked for on every call: a retry sent on
 -- another connection may run before the original, which must then not decrement a second
 -- time. The token and the successor are read only when needed (each field read costs).
@@ -58,10 +78,13 @@ if held[1] then
   return {1}
 end
 if retried and successor ~= '' and held[5] then
+  mark_released()
   return {3, tonumber(held[4])}
 end
 local count = tonumber(held[2])
 if not count or (only ~= '' and tonumber(held[4]) ~= tonumber(only)) then
+  -- Also an attempt undone whose copy may still come.
+  mark_released()
   return {0}
 end
 local issued = ARGV[12] or ''
@@ -83,6 +106,7 @@ end
 -- shared_acquire.lua): they outlive this one, so the lock goes to shared mode, and new
 -- shared holds and waiting writers are told.
 if tonumber(held[3] or '0') > 0 then
+  mark_released()
   redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
   forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
   redis.call('hset', KEYS[1], 'mode', 'read')
@@ -102,6 +126,7 @@ if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) th
   if last then
     last = stored_token(last, 'the token of ' .. KEYS[1], 1 + block)
   end
+  mark_released()
   redis.call('del', KEYS[1])
   local token
   if last then
@@ -127,6 +152,7 @@ end
 -- the ACL user may no longer send (its channel rights revoked) fails the release with the
 -- lock still held, as the error then says, instead of freeing it and reporting a failure.
 -- Subscribers see the message only after the script, when the lock is gone.
+mark_released()
 settle_counter()
 redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
