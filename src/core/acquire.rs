@@ -8,16 +8,14 @@ use std::time::Duration;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
+use super::contender::{Contender, NOT_QUEUED, QUEUED};
 use super::handoff::Granted;
-use super::observe::Observe;
 use super::queue::{Claim, Reentry, Slot, Turn};
 use super::store::{Attempt, Attempted, Failure, StoreKey};
-use super::telemetry::Namespace;
 use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
 use crate::backend::Backend;
 use crate::error::LockError;
-use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{Acquired, BoxFuture, Kind, LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{Acquired, Kind, LockRequest, Mode};
 
 /// How many times in a row an attempt is sent again at once when a release of this
 /// backend overtook it ([`Attempted::Overtaken`]).
@@ -44,82 +42,11 @@ struct Taken {
     reentry: bool,
 }
 
-impl<S: Store> Backend for Core<S> {
-    fn acquire(
-        self: Arc<Self>,
-        mut request: LockRequest,
-    ) -> BoxFuture<'static, Result<LockGuard, LockError>> {
-        request.unless_recorded = false;
-        let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
-        Box::pin(observe.run(move || async move {
-            match self.acquire_traced(request).await? {
-                Acquired::Checked(guard) | Acquired::Unchecked(guard) => Ok(guard),
-                // Not asked for: no attempt checked a record.
-                Acquired::Recorded => Err(LockError::backend("acquire", UnaskedRecordCheck)),
-            }
-        }))
-    }
-
-    fn acquire_unless_recorded(
-        self: Arc<Self>,
-        mut request: LockRequest,
-    ) -> BoxFuture<'static, Result<Acquired, LockError>> {
-        request.unless_recorded &= self.store.checks_records();
-        let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
-        Box::pin(observe.run(move || self.acquire_traced(request)))
-    }
-
-    fn new_owner(&self) -> LockOwner {
-        self.owners.next()
-    }
-
-    fn metrics(&self) -> &Namespace {
-        &self.metrics
-    }
-
-    fn max_key_len(&self) -> usize {
-        self.settings.max_key_len
-    }
-
-    fn inspect(
-        self: Arc<Self>,
-        key: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let (inspect, limit) = (self.store.inspect(key, of), self.settings.command_timeout);
-        Box::pin(async move {
-            timeout(limit, inspect)
-                .await
-                .map_err(|elapsed| LockError::backend("inspect", elapsed))?
-        })
-    }
-
-    fn force_release(
-        self: Arc<Self>,
-        key: String,
-        of: Primitive,
-    ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
-        let freeing = self.store.force_release(key, of);
-        let limit = self.settings.command_timeout;
-        Box::pin(async move {
-            let freed = timeout(limit, freeing)
-                .await
-                .map_err(|elapsed| LockError::backend("force_release", elapsed))??;
-            if !freed.is_free() {
-                tracing::info!(
-                    key = %freed.key,
-                    mode = ?freed.mode,
-                    holders = freed.holders,
-                    "lock force-released"
-                );
-            }
-            Ok(freed)
-        })
-    }
-}
-
 impl<S: Store> Core<S> {
-    async fn acquire_traced(self: Arc<Self>, request: LockRequest) -> Result<Acquired, LockError> {
+    pub(super) async fn acquire_traced(
+        self: Arc<Self>,
+        request: LockRequest,
+    ) -> Result<Acquired, LockError> {
         if request.kind == Kind::Permit(0) {
             return Err(LockError::ZeroPermits { key: request.key });
         }
@@ -420,76 +347,3 @@ impl<S: Store> Core<S> {
         }
     }
 }
-
-/// One acquisition in progress.
-pub(super) struct Contender<S: Store> {
-    pub(super) key: Arc<S::Key>,
-    /// The owner the store knows the key's hold under, when this is a re-entry by a holder that
-    /// got the lock in memory from an earlier task of this process; else the claim's.
-    pub(super) store_owner: Option<LockOwner>,
-    pub(super) claim: Claim,
-    pub(super) started: Instant,
-    pub(super) deadline: Option<Instant>,
-    pub(super) kind: Kind,
-    /// Each attempt checks the key's idempotency record (see [`Attempt::record`]).
-    pub(super) unless_recorded: bool,
-    /// Whether this exclusive acquisition is registered as a waiting writer (a store
-    /// registers one that shared holders keep out; until it gets the lock, new shared
-    /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
-    pub(super) queued_writer: AtomicU8,
-    core: Arc<Core<S>>,
-}
-
-pub(super) const NOT_QUEUED: u8 = 0;
-/// A waiting attempt was sent whose reply was not read (or said nothing of it): it, or a
-/// run of it that a cluster client sent again, may have registered.
-pub(super) const MAYBE_QUEUED: u8 = 1;
-/// An attempt's reply said it registered.
-pub(super) const QUEUED: u8 = 2;
-
-impl<S: Store> Drop for Contender<S> {
-    /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
-    /// in again at once, rather than when its registration runs out with its wait, and
-    /// wakes those known to wait for it (when it may only have registered, its withdrawal
-    /// wakes nobody: a release message to every waiter of the key for each writer that
-    /// gave up would multiply the load of an overloaded key).
-    fn drop(&mut self) {
-        let queued = self.queued_writer.load(Ordering::Relaxed);
-        if queued == NOT_QUEUED {
-            return;
-        }
-        let owner = self.store_owner().clone();
-        let withdraw = self
-            .core
-            .store
-            .withdraw_writer(&self.key, owner, queued == QUEUED);
-        self.core.runtime.spawn(withdraw);
-    }
-}
-
-impl<S: Store> Contender<S> {
-    /// The owner the store's calls act for (see [`store_owner`](Self::store_owner)).
-    pub(super) fn store_owner(&self) -> &LockOwner {
-        self.store_owner.as_ref().unwrap_or(&self.claim.owner)
-    }
-
-    fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
-        LockError::TimedOut {
-            key: self.key.user().to_owned(),
-            waited: self.started.elapsed(),
-            retry_after,
-        }
-    }
-}
-
-/// A record check's answer to an acquisition that did not ask for one.
-#[derive(Debug)]
-struct UnaskedRecordCheck;
-
-impl std::fmt::Display for UnaskedRecordCheck {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the store answered a record check that was not asked for")
-    }
-}
-
-impl std::error::Error for UnaskedRecordCheck {}

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use super::acquire::{Contender, MAYBE_QUEUED, NOT_QUEUED};
+use super::contender::{Contender, MAYBE_QUEUED, NOT_QUEUED};
 use super::hold::Hold;
 use super::store::{Attempt, Attempted, Failure, Sent, StoreKey};
 use super::{Core, Store};

@@ -18,7 +18,9 @@
 //! - `observe.rs`, `telemetry.rs`: spans and metrics; `runtime.rs`: where tasks run.
 
 pub(crate) mod acquire;
+mod backend;
 mod call;
+mod contender;
 mod handoff;
 mod hold;
 #[cfg(any(feature = "etcd", feature = "zookeeper"))]

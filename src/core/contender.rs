@@ -1,0 +1,75 @@
+//! One acquisition in progress, and the waiting writer it may have registered, withdrawn
+//! when it stops waiting.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::queue::Claim;
+use super::store::StoreKey;
+use super::{Core, Store};
+use crate::error::LockError;
+use crate::lock::{Kind, LockOwner};
+
+/// One acquisition in progress.
+pub(super) struct Contender<S: Store> {
+    pub(super) key: Arc<S::Key>,
+    /// The owner the store knows the key's hold under, when this is a re-entry by a holder that
+    /// got the lock in memory from an earlier task of this process; else the claim's.
+    pub(super) store_owner: Option<LockOwner>,
+    pub(super) claim: Claim,
+    pub(super) started: Instant,
+    pub(super) deadline: Option<Instant>,
+    pub(super) kind: Kind,
+    /// Each attempt checks the key's idempotency record (see [`Attempt::record`]).
+    pub(super) unless_recorded: bool,
+    /// Whether this exclusive acquisition is registered as a waiting writer (a store
+    /// registers one that shared holders keep out; until it gets the lock, new shared
+    /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
+    pub(super) queued_writer: AtomicU8,
+    pub(super) core: Arc<Core<S>>,
+}
+
+pub(super) const NOT_QUEUED: u8 = 0;
+/// A waiting attempt was sent whose reply was not read (or said nothing of it): it, or a
+/// run of it that a cluster client sent again, may have registered.
+pub(super) const MAYBE_QUEUED: u8 = 1;
+/// An attempt's reply said it registered.
+pub(super) const QUEUED: u8 = 2;
+
+impl<S: Store> Drop for Contender<S> {
+    /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
+    /// in again at once, rather than when its registration runs out with its wait, and
+    /// wakes those known to wait for it (when it may only have registered, its withdrawal
+    /// wakes nobody: a release message to every waiter of the key for each writer that
+    /// gave up would multiply the load of an overloaded key).
+    fn drop(&mut self) {
+        let queued = self.queued_writer.load(Ordering::Relaxed);
+        if queued == NOT_QUEUED {
+            return;
+        }
+        let owner = self.store_owner().clone();
+        let withdraw = self
+            .core
+            .store
+            .withdraw_writer(&self.key, owner, queued == QUEUED);
+        self.core.runtime.spawn(withdraw);
+    }
+}
+
+impl<S: Store> Contender<S> {
+    /// The owner the store's calls act for (see [`store_owner`](Self::store_owner)).
+    pub(super) fn store_owner(&self) -> &LockOwner {
+        self.store_owner.as_ref().unwrap_or(&self.claim.owner)
+    }
+
+    pub(super) fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
+        LockError::TimedOut {
+            key: self.key.user().to_owned(),
+            waited: self.started.elapsed(),
+            retry_after,
+        }
+    }
+}
