@@ -249,12 +249,7 @@ fn path_key(req: &axum::extract::Request) -> Option<String> {
 async fn sync_replicas_refuses_a_lock_the_replica_did_not_acknowledge_and_leaves_it_free() {
     support::init_tracing();
     let set = Replicated::start().await;
-    let backend = RedisBackend::builder(set.master.url())
-        .command_timeout(2 * ACK_TIMEOUT)
-        .sync_replicas(1, ACK_TIMEOUT)
-        .build()
-        .await
-        .expect("connects");
+    let backend = acknowledged_backend(&set).await;
     let layer = tower_lock::LockLayer::new(backend.clone(), path_key).fail_fast();
     let app = axum::Router::new()
         .route("/quick/{key}", axum::routing::post(|| async { "done" }))
@@ -279,16 +274,8 @@ async fn sync_replicas_refuses_a_lock_the_replica_did_not_acknowledge_and_leaves
     let started = Instant::now();
     let refused = backend.lock("k").try_once().await;
     let took = started.elapsed();
-    let error = match refused {
-        Err(error @ LockError::Backend(_)) => error,
-        other => panic!("an unacknowledged lock is not granted: {other:?}"),
-    };
-    let cause = format!("{:#}", ErrorChain(&error));
+    let cause = unacknowledged(refused);
     println!("replica paused: refused after {took:?}: {cause}");
-    assert!(
-        cause.contains("acknowledged by 0 of 1 replicas within"),
-        "{cause}"
-    );
     assert!(
         !set.master.exists(&lock_key("k")).await,
         "given back on the master"
@@ -308,6 +295,104 @@ async fn sync_replicas_refuses_a_lock_the_replica_did_not_acknowledge_and_leaves
         .await
         .expect("acknowledged again");
     guard.release().await.expect("release");
+}
+
+/// A backend on `set`'s master whose writes must reach its replica within `ACK_TIMEOUT`.
+async fn acknowledged_backend(set: &Replicated) -> RedisBackend {
+    RedisBackend::builder(set.master.url())
+        .command_timeout(2 * ACK_TIMEOUT)
+        .sync_replicas(1, ACK_TIMEOUT)
+        .build()
+        .await
+        .expect("connects")
+}
+
+/// Renewals are acknowledged too: with the replica paused, the master takes every renewal
+/// but the replica, which a failover would promote, keeps the lease as it was last
+/// acknowledged, so the holder is told its lock is lost once that lease has run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_replicas_counts_an_unacknowledged_renewal_as_failed_and_the_hold_lost() {
+    support::init_tracing();
+    let set = Replicated::start().await;
+    let backend = acknowledged_backend(&set).await;
+    let lease = 3 * ACK_TIMEOUT;
+    let guard = backend
+        .lock("renewed")
+        .lease(lease)
+        .try_once()
+        .await
+        .expect("acknowledged");
+    set.replica.pause();
+    let paused = Instant::now();
+    timeout(HANG, guard.lost())
+        .await
+        .expect("the holder learns its renewals were not acknowledged");
+    println!(
+        "replica paused: the hold lost {:?} later (lease {lease:?})",
+        paused.elapsed()
+    );
+    assert!(
+        set.master.exists(&lock_key("renewed")).await,
+        "the master took the renewals: only their acknowledgement was missing"
+    );
+    set.replica.resume();
+    drop(guard);
+}
+
+/// A release that hands the key to the next task of its process through Redis (here: the
+/// task asked for another lease, so the hold cannot pass in memory) is a grant too: left
+/// unacknowledged, it is undone, and the task goes to Redis as any waiter, where its own
+/// acquisition is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_replicas_undoes_a_handoff_the_replica_did_not_acknowledge() {
+    support::init_tracing();
+    let set = Replicated::start().await;
+    let backend = acknowledged_backend(&set).await;
+    let first = backend
+        .lock("handed")
+        .lease(LEASE)
+        .try_once()
+        .await
+        .expect("acknowledged");
+    let next = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            backend
+                .lock("handed")
+                .lease(LEASE / 2)
+                .wait(HANG)
+                .await
+                .map(|guard| guard.fencing_token())
+        })
+    };
+    support::eventually("the next task is queued", || async {
+        backend.stats().local_waiters == 1
+    })
+    .await;
+    set.replica.pause();
+    first.release().await.expect("the release itself is done");
+    let refused = next.await.expect("the task ends");
+    let cause = unacknowledged(refused);
+    println!("replica paused: the next task refused: {cause}");
+    assert!(
+        !set.master.exists(&lock_key("handed")).await,
+        "the handoff and the acquisition were given back on the master"
+    );
+    set.replica.resume();
+}
+
+/// The cause of an acquisition refused because the replica did not acknowledge it.
+fn unacknowledged<T: std::fmt::Debug>(refused: Result<T, LockError>) -> String {
+    let error = match refused {
+        Err(error @ LockError::Backend(_)) => error,
+        other => panic!("no hold is granted unacknowledged: {other:?}"),
+    };
+    let cause = format!("{:#}", ErrorChain(&error));
+    assert!(
+        cause.contains("acquired but acknowledged by 0 of 1 replicas within"),
+        "{cause}"
+    );
+    cause
 }
 
 /// Every level of an error chain, joined by ": ".

@@ -12,7 +12,7 @@ use super::connection::pool::{CommandError, Conn, Pool};
 use super::keys::LockKey;
 use super::pubsub::Subscriber;
 use super::replay::Replays;
-use super::replicas::SyncReplicas;
+use super::replicas::{SyncReplicas, Write};
 use super::scripts::release_call::ReleaseCall;
 use super::scripts::{Scripts, millis};
 use crate::core::store::{
@@ -113,7 +113,7 @@ impl Store for RedisStore {
             };
             match (&attempted, store.sync_replicas) {
                 (Ok(Attempted::Acquired { .. }), Some(sync)) => {
-                    if let Err(e) = sync.wait(&mut conn, &key.lock).await {
+                    if let Err(e) = sync.wait(&mut conn, &key.lock, Write::Acquisition).await {
                         // Not known to be on enough replicas: given back before the attempt
                         // fails, on the same connection, so it runs first. If that cannot
                         // be done, the core undoes it behind the attempt (the error says
@@ -136,6 +136,11 @@ impl Store for RedisStore {
         release: &'a Release<'a>,
     ) -> BoxFuture<'a, Result<Released, CommandError>> {
         Box::pin(async move {
+            // Only a handoff grants anything: a release that frees may be lost on a
+            // failover and leave the lock to its lease, which is safe.
+            if let (Some(sync), Some(_)) = (self.sync_replicas, release.successor) {
+                return self.hand_over_acknowledged(key, release, sync).await;
+            }
             let invocation = self
                 .release_call(key, release)
                 .invocation(&self.scripts, self.fence_ttl);
@@ -168,7 +173,13 @@ impl Store for RedisStore {
                     .arg(due.key.1.as_str())
                     .arg(lease);
             }
-            let renewed = self.pool.invoke::<Vec<i64>>(&invocation).await?;
+            let renewed: Vec<i64> = match (self.sync_replicas, batch.first()) {
+                (Some(sync), Some(due)) => {
+                    sync.invoke(&self.pool, &invocation, &due.key.0, Write::Renewal)
+                        .await?
+                }
+                _ => self.pool.invoke(&invocation).await?,
+            };
             if renewed.len() != batch.len() || renewed.iter().any(|r| !matches!(r, 0 | 1)) {
                 return Err(CommandError::Unexpected(UnexpectedReply("renew")));
             }
@@ -343,7 +354,11 @@ impl RedisStore {
     }
 
     /// The release script's call for `release`.
-    fn release_call<'a>(&'a self, key: &'a LockKey, release: &'a Release<'a>) -> ReleaseCall<'a> {
+    pub(super) fn release_call<'a>(
+        &'a self,
+        key: &'a LockKey,
+        release: &'a Release<'a>,
+    ) -> ReleaseCall<'a> {
         ReleaseCall {
             key,
             owner: release.holder,
@@ -407,6 +422,6 @@ fn parse_attempt(reply: &[i64]) -> Result<Attempted, CommandError> {
 }
 
 /// What a release script's reply says (see release.lua for the replies).
-fn parse_release(reply: &[i64]) -> Result<Released, CommandError> {
+pub(super) fn parse_release(reply: &[i64]) -> Result<Released, CommandError> {
     Released::from_reply(reply).ok_or(CommandError::Unexpected(UnexpectedReply("release")))
 }

@@ -336,28 +336,36 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// After each acquisition, waits until `replicas` replicas have it (`WAIT replicas
-    /// timeout`, on the connection that ran the acquire script), for up to `timeout`; an
-    /// acquisition fewer replicas acknowledged in time is released again and fails with
-    /// [`LockError::Backend`](crate::LockError::Backend) (503 from the layer) whose cause
-    /// reads, say, "acquired but acknowledged by 0 of 1 replicas within 50ms". Off by
-    /// default. `replicas` must be at least 1 and `timeout` above zero and below the
-    /// [`command_timeout`](Self::command_timeout).
+    /// After each write that grants or extends a hold, waits until `replicas` replicas have
+    /// it (`WAIT replicas timeout`, on the connection that ran the script), for up to
+    /// `timeout`. Off by default. `replicas` must be at least 1 and `timeout` above zero
+    /// and below the [`command_timeout`](Self::command_timeout). A write fewer replicas
+    /// acknowledged in time does not count:
     ///
-    /// What it guarantees: a lock granted was on `replicas` replicas when it was granted,
-    /// so a failover to one of them keeps it, instead of granting it to someone else
-    /// while its holder runs. With the replicas down or lagging, acquisitions fail (the
-    /// lock service is unavailable) rather than be taken unreplicated.
+    /// - an acquisition is released again and fails with
+    ///   [`LockError::Backend`](crate::LockError::Backend) (503 from the layer) whose cause
+    ///   reads, say, "acquired but acknowledged by 0 of 1 replicas within 50ms";
+    /// - a renewal counts as failed: it is tried again, and the hold is lost
+    ///   ([`LockGuard::lost`](crate::LockGuard::lost)) once the lease last acknowledged has
+    ///   run out;
+    /// - a release's handoff through Redis to the next task of the same process is undone:
+    ///   the key is freed and that task asks Redis as any waiter. (Handoffs in memory write
+    ///   nothing: they pass a hold whose renewals were acknowledged.)
+    ///
+    /// What it guarantees: a hold, as granted and as extended, was on `replicas` replicas
+    /// when its holder was told, so a failover to one of them keeps it, instead of granting
+    /// it to someone else while its holder runs. With the replicas down or lagging,
+    /// acquisitions fail and held locks are lost one lease after their last acknowledged
+    /// renewal (the lock service is unavailable) rather than be kept unreplicated.
     ///
     /// What it does not: replication stays asynchronous. `WAIT` does not make Redis
     /// consistent: a failover may still promote a replica that did not acknowledge (Sentinel
-    /// and Cluster pick by replication offset, not by who acknowledged), renewals and a
-    /// release's handoff to the next task of the same process are not waited for, and an
+    /// and Cluster pick by replication offset, not by who acknowledged), and an
     /// acknowledged write can still be lost with a replica restarted without persistence.
     /// Holders learn of a lost lock soon after the failover (the backend re-checks held
-    /// locks when it reconnects); fencing tokens remain the safety net. Each acquisition
-    /// also keeps its pooled connection's pipeline waiting for up to `timeout` while
-    /// replicas acknowledge.
+    /// locks when it reconnects); fencing tokens remain the safety net. Each acquisition,
+    /// renewal call and handoff through Redis also keeps its pooled connection waiting for
+    /// up to `timeout` while replicas acknowledge.
     pub fn sync_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.sync_replicas = Some(SyncReplicas { replicas, timeout });
         self
