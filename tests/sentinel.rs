@@ -47,6 +47,7 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     a_replica_flagged_down_is_not_checked(&set).await;
     a_planned_switchover_moves_the_backend(&set).await;
     a_switchover_leaves_newer_holds_alone(&set).await;
+    a_switchover_releases_the_shared_holds_and_permits_it_lost(&set).await;
     a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(&set).await;
     three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
 }
@@ -369,17 +370,7 @@ async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
         held == 3
     })
     .await;
-    let subscribed = ours.stats().subscriber_connections_made;
-    let switched = switch_master_watch(set).await;
-    set.switchover().await;
-    switched
-        .await
-        .expect("switch watch")
-        .expect("the sentinels announce the switch");
-    eventually("our subscriber moves to the new master", || async {
-        ours.stats().subscriber_connections_made > subscribed
-    })
-    .await;
+    switch_over_and_follow(set, &ours).await;
     // The check of released keys runs at the announcement and takes milliseconds.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let new_master = set.master_port().await;
@@ -397,6 +388,130 @@ async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
     for guard in [other, again, outer] {
         guard.release().await.expect("released by its holder");
     }
+    set.demote(old_master).await;
+    set.wait_until_ready().await;
+}
+
+/// A planned switchover, once `backend` has heard of it (its subscriber moved).
+async fn switch_over_and_follow(set: &SentinelSet, backend: &RedisBackend) {
+    let subscribed = backend.stats().subscriber_connections_made;
+    let switched = switch_master_watch(set).await;
+    set.switchover().await;
+    switched
+        .await
+        .expect("switch watch")
+        .expect("the sentinels announce the switch");
+    eventually("the subscriber moves to the new master", || async {
+        backend.stats().subscriber_connections_made > subscribed
+    })
+    .await;
+}
+
+/// Shared holds and permits whose releases a failover lost (the promoted replica still has
+/// them) are released on the new master when the backend hears of the promotion, as
+/// exclusive holds are (see `a_planned_switchover_moves_the_backend`), instead of keeping
+/// their permits and readers a lease (here a minute) longer. The loss is made by hand: each
+/// hash, read from the master before the release, is written back on the replica (made
+/// writable for it) after the release reached it, so that the promotion brings it back.
+async fn a_switchover_releases_the_shared_holds_and_permits_it_lost(set: &SentinelSet) {
+    const LEASE: Duration = Duration::from_secs(60);
+    let backend = sentinel_builder(set)
+        .master_password(MASTER_PASSWORD)
+        .build()
+        .await
+        .expect("backend through sentinels");
+    let old_master = set.master_port().await;
+    let replica = set
+        .servers()
+        .iter()
+        .find(|s| s.port() != old_master)
+        .expect("the replica");
+    let reader = backend.lock("lost-read").shared().lease(LEASE).try_once();
+    let reader = reader.await.expect("shared hold");
+    let permit = backend
+        .lock("lost-permit")
+        .permits(2)
+        .lease(LEASE)
+        .try_once();
+    let permit = permit.await.expect("permit");
+    let keys = [
+        support::lock_key("lost-read"),
+        format!("{}:permits", support::lock_key("lost-permit")),
+    ];
+    let mut master = set.data_conn(set.server(old_master)).await;
+    let mut held = Vec::new();
+    for key in &keys {
+        let hash: Vec<String> = redis::cmd("HGETALL")
+            .arg(key)
+            .query_async(&mut master)
+            .await
+            .expect("HGETALL");
+        assert!(!hash.is_empty(), "{key} is held on the master");
+        held.push(hash);
+    }
+    reader.release().await.expect("release");
+    permit.release().await.expect("release");
+    let mut on_replica = set.data_conn(replica).await;
+    eventually("the replica has the releases", || async {
+        let held: i64 = redis::cmd("EXISTS")
+            .arg(&keys)
+            .query_async(&mut on_replica.clone())
+            .await
+            .expect("EXISTS");
+        held == 0
+    })
+    .await;
+    let mut write_back = redis::pipe();
+    write_back
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("replica-read-only")
+        .arg("no");
+    for (key, hash) in keys.iter().zip(&held) {
+        write_back.cmd("HSET").arg(key).arg(hash);
+        write_back
+            .cmd("PEXPIRE")
+            .arg(key)
+            .arg(LEASE.as_millis() as u64);
+    }
+    write_back
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("replica-read-only")
+        .arg("yes");
+    let _: () = write_back
+        .query_async(&mut on_replica)
+        .await
+        .expect("the holds written back on the replica");
+
+    switch_over_and_follow(set, &backend).await;
+    let new_master = set.master_port().await;
+    assert_eq!(new_master, replica.port(), "the replica was promoted");
+    let announced = Instant::now();
+    let conn = set.data_conn(replica).await;
+    eventually(
+        "the lost releases are done again on the new master",
+        || async {
+            let held: i64 = redis::cmd("EXISTS")
+                .arg(&keys)
+                .query_async(&mut conn.clone())
+                .await
+                .expect("EXISTS");
+            held == 0
+        },
+    )
+    .await;
+    println!(
+        "a shared hold and a permit the switchover brought back were released {:?} after \
+         the backend heard of it (lease {LEASE:?})",
+        announced.elapsed()
+    );
+    let again = backend.lock("lost-permit").permits(1).try_once().await;
+    again
+        .expect("the only permit of a semaphore of one is free")
+        .release()
+        .await
+        .expect("release");
     set.demote(old_master).await;
     set.wait_until_ready().await;
 }

@@ -236,12 +236,14 @@ impl<S: Store> Hold<S> {
         (sent_at, generation): (Instant, u64),
         run_spent: bool,
     ) -> Result<(), LockError> {
-        if let (Released::Freed | Released::HandedOver(_), Some(token), Kind::Exclusive) =
-            (released, self.token, self.kind)
-        {
-            self.core
-                .store
-                .released(&self.key, token, self.lease, generation);
+        if let (Released::Freed | Released::HandedOver(_), Some(token)) = (released, self.token) {
+            self.core.store.released(
+                &self.key,
+                (&self.holder, self.kind),
+                token,
+                self.lease,
+                generation,
+            );
         }
         match released {
             Released::HandedOver(token) => {

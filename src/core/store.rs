@@ -182,9 +182,18 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
 
-    /// A final release of an exclusive hold of `token` went through (freed or handed on):
-    /// a store that may lose it in a failover remembers it to do it again.
-    fn released(&self, _key: &Arc<Self::Key>, _token: u64, _lease: Duration, _generation: u64) {}
+    /// A final release of the hold of `token` (its holder as the store keeps it, and its
+    /// kind) went through (freed or handed on): a store that may lose it in a failover
+    /// remembers it to do it again.
+    fn released(
+        &self,
+        _key: &Arc<Self::Key>,
+        _hold: (&LockOwner, Kind),
+        _token: u64,
+        _lease: Duration,
+        _generation: u64,
+    ) {
+    }
 }
 
 /// A store's names of one user key.

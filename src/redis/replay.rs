@@ -24,9 +24,15 @@
 //! loses one count, the stale one, and keeps its own; the release id it is sent with
 //! (derived from owner and token) makes a retry of it a no-op.
 //!
+//! Shared holds and permits are held side by side, each under its own holder field, so
+//! their tokens give no order: each one released is remembered by key and holder, and
+//! released on the new master if that holder's field is there, no hold of that holder is
+//! alive in this process, and the token the script then checks is the released one (a
+//! permit's own token; a shared hold's, the last writer's token it was taken under).
+//!
 //! A release still in flight to the old master when the takeover is announced counts as
-//! soon as it completes. Keys are remembered up to [`MAX_KEYS`]; a stale hold of a key
-//! beyond that, or a nested one (re-entered at the promotion), waits for its lease as before.
+//! soon as it completes. Holds are remembered up to [`MAX_KEYS`]; a stale hold beyond that,
+//! or a nested one (re-entered at the promotion), waits for its lease as before.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,21 +49,26 @@ use super::scripts::Scripts;
 use super::scripts::release_call::ReleaseCall;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::watchdog::Watchdog;
-use crate::lock::LockOwner;
+use crate::lock::{Kind, LockOwner};
 
 /// How long a release is remembered: longer than the sentinels take from the promotion to
 /// its announcement (they poll the promoted replica's role every second).
 const REPLAY_WINDOW: Duration = Duration::from_secs(10);
 
-/// Upper bound on the keys remembered.
+/// Upper bound on the keys (and shared holds and permits) remembered.
 const MAX_KEYS: usize = 10_000;
 
 /// Keys checked on the new master at once.
 const KEYS_IN_FLIGHT: usize = 32;
 
-/// The newest final release of one key.
+/// What is remembered under: a key (its exclusive holds), or a key and the holder of a
+/// shared hold or permit of it.
+type Remembered = (Arc<str>, Option<LockOwner>);
+
+/// The newest final release of one key's exclusive holds, or of one shared hold or permit.
 struct Released {
     key: Arc<LockKey>,
+    kind: Kind,
     /// The newest token released.
     token: u64,
     /// The lease of that hold, re-applied if the stale hold keeps a count (see release.lua).
@@ -70,31 +81,47 @@ struct Released {
 
 #[derive(Default)]
 struct Shared {
-    recent: Mutex<HashMap<Arc<str>, Released>>,
+    recent: Mutex<HashMap<Remembered, Released>>,
     /// A release sent before a takeover completed after its announcement.
     late: Notify,
 }
 
 impl Shared {
-    fn recent(&self) -> MutexGuard<'_, HashMap<Arc<str>, Released>> {
+    fn recent(&self) -> MutexGuard<'_, HashMap<Remembered, Released>> {
         // Updates cannot panic half-way: a poisoned lock is consistent.
         self.recent.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The keys to check now that `generation` is announced, with the newest token released.
-    fn due(&self, generation: u64) -> Vec<(Arc<LockKey>, u64, Duration)> {
+    /// The holds to check now that `generation` is announced, with the newest token released.
+    fn due(&self, generation: u64) -> Vec<Due> {
         let mut recent = self.recent();
         let now = Instant::now();
         recent.retain(|_, r| now.saturating_duration_since(r.completed) <= REPLAY_WINDOW);
         recent
-            .values_mut()
-            .filter(|r| r.settled < generation)
-            .map(|r| {
+            .iter_mut()
+            .filter(|(_, r)| r.settled < generation)
+            .map(|((_, holder), r)| {
                 r.settled = generation;
-                (r.key.clone(), r.token, r.lease)
+                Due {
+                    key: r.key.clone(),
+                    holder: holder.clone(),
+                    kind: r.kind,
+                    token: r.token,
+                    lease: r.lease,
+                }
             })
             .collect()
     }
+}
+
+/// A remembered release to check on a new master.
+struct Due {
+    key: Arc<LockKey>,
+    /// The holder of a shared hold or permit; `None` for the key's exclusive holds.
+    holder: Option<LockOwner>,
+    kind: Kind,
+    token: u64,
+    lease: Duration,
 }
 
 /// The backend's memory of recent releases and the task that redoes them after a takeover.
@@ -137,15 +164,26 @@ impl Replays {
         }
     }
 
-    /// Remembers a final release of the hold of `token` on `key`, whose script was sent at
-    /// topology generation `sent`.
-    pub(super) fn record(&self, key: &Arc<LockKey>, token: u64, lease: Duration, sent: u64) {
+    /// Remembers a final release of the hold of `token` on `key` (by `holder`, of `kind`),
+    /// whose script was sent at topology generation `sent`.
+    pub(super) fn record(
+        &self,
+        key: &Arc<LockKey>,
+        (holder, kind): (&LockOwner, Kind),
+        token: u64,
+        lease: Duration,
+        sent: u64,
+    ) {
         self.task.ensure_running();
         let now = Instant::now();
         let late = sent < self.pool.topology().generation();
+        let remembered = (
+            key.lock.clone(),
+            (kind != Kind::Exclusive).then(|| holder.clone()),
+        );
         {
             let mut recent = self.shared.recent();
-            if let Some(known) = recent.get_mut(&key.lock) {
+            if let Some(known) = recent.get_mut(&remembered) {
                 known.token = known.token.max(token);
                 known.lease = lease;
                 known.completed = now;
@@ -160,12 +198,13 @@ impl Replays {
                 }
                 let released = Released {
                     key: key.clone(),
+                    kind,
                     token,
                     lease,
                     completed: now,
                     settled: sent,
                 };
-                recent.insert(key.lock.clone(), released);
+                recent.insert(remembered, released);
             }
         }
         if late {
@@ -199,9 +238,7 @@ impl Replayer {
                 "checking recently released keys on the new master"
             );
             let checks = futures_util::stream::iter(due)
-                .for_each_concurrent(KEYS_IN_FLIGHT, |(key, token, lease)| {
-                    self.check(key, token, lease)
-                });
+                .for_each_concurrent(KEYS_IN_FLIGHT, |due| self.check(due));
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = checks => {}
@@ -209,13 +246,18 @@ impl Replayer {
         }
     }
 
-    /// Releases the stale hold of `key` on the new master, if there is one (see the module
+    /// Releases the stale hold of `due` on the new master, if there is one (see the module
     /// docs), retrying within the window while no master answers.
-    async fn check(&self, key: Arc<LockKey>, released: u64, lease: Duration) {
+    async fn check(&self, due: Due) {
         let give_up = Instant::now() + REPLAY_WINDOW;
         let mut backoff = Duration::from_millis(20);
+        let key = &due.key;
         loop {
-            match self.release_stale(&key, released, lease).await {
+            let checked = match &due.holder {
+                None => self.release_stale(key, due.token, due.lease).await,
+                Some(holder) => self.release_stale_hold(&due, holder).await,
+            };
+            match checked {
                 Ok(()) => return,
                 Err(e) if !retryable(e.as_ref()) || Instant::now() + backoff >= give_up => {
                     let key = &key.user;
@@ -257,11 +299,45 @@ impl Replayer {
         if token > released || config.watchdog.is_held(&key.lock, &owner) {
             return Ok(());
         }
+        self.release_held(key, (&owner, Kind::Exclusive), token, lease)
+            .await
+    }
+
+    /// The shared hold or permit of `holder` that `due` released, if the new master has it
+    /// and this process holds nothing under that holder: released, of its token only.
+    async fn release_stale_hold(
+        &self,
+        due: &Due,
+        holder: &LockOwner,
+    ) -> Result<(), Option<CommandError>> {
+        let config = &self.config;
+        let mut read = redis::cmd("HEXISTS");
+        read.arg(&*due.key.lock).arg(holder.as_str());
+        let there: bool = timeout(config.command_timeout, config.pool.query(&read))
+            .await
+            .map_err(|_| None)?
+            .map_err(Some)?;
+        if !there || config.watchdog.is_held(&due.key.lock, holder) {
+            return Ok(());
+        }
+        self.release_held(&due.key, (holder, due.kind), due.token, due.lease)
+            .await
+    }
+
+    /// Sends the release script of `kind` for `owner`'s hold of `token` on `key`.
+    async fn release_held(
+        &self,
+        key: &LockKey,
+        (owner, kind): (&LockOwner, Kind),
+        token: u64,
+        lease: Duration,
+    ) -> Result<(), Option<CommandError>> {
+        let config = &self.config;
         let release_id = format!("{}#replay-{token}", owner.as_str());
         let invocation = ReleaseCall {
             key,
-            owner: &owner,
-            kind: crate::lock::Kind::Exclusive,
+            owner,
+            kind,
             release_id: &release_id,
             lease,
             successor: None,

@@ -271,10 +271,17 @@ impl Store for RedisStore {
         Box::pin(self.clone().free_by_force(user, of))
     }
 
-    fn released(&self, key: &Arc<LockKey>, token: u64, lease: Duration, generation: u64) {
-        // Replays after a failover cover exclusive holds (see replay.rs).
+    fn released(
+        &self,
+        key: &Arc<LockKey>,
+        hold: (&LockOwner, Kind),
+        token: u64,
+        lease: Duration,
+        generation: u64,
+    ) {
+        // Done again after a Sentinel failover (see replay.rs).
         if let Some(replays) = &self.replays {
-            replays.record(key, token, lease, generation);
+            replays.record(key, hold, token, lease, generation);
         }
     }
 }
