@@ -11,6 +11,27 @@ use tower_lock::RedisBackend;
 
 use super::redis_tool;
 
+/// A test cluster node's settings: a failover within a couple of seconds, a replica of any
+/// age promoted, the healthy shards serving while one has no primary, nothing on disk.
+pub const NODE_ARGS: [&str; 16] = [
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    "--cluster-node-timeout",
+    "1000",
+    "--cluster-replica-validity-factor",
+    "0",
+    "--cluster-require-full-coverage",
+    "no",
+    "--repl-diskless-sync-delay",
+    "0",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+];
+
 /// One node of the cluster.
 struct Node {
     port: u16,
@@ -61,13 +82,7 @@ impl Cluster {
             let child = redis_tool(
                 Command::new("redis-server")
                     .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--cluster-enabled", "yes"])
-                    .args(["--cluster-config-file", "nodes.conf"])
-                    .args(["--cluster-node-timeout", "1000"])
-                    .args(["--cluster-replica-validity-factor", "0"])
-                    .args(["--cluster-require-full-coverage", "no"])
-                    .args(["--repl-diskless-sync-delay", "0"])
-                    .args(["--save", "", "--appendonly", "no"])
+                    .args(NODE_ARGS)
                     .arg("--dir")
                     .arg(dir.path())
                     .stdout(Stdio::null())
@@ -348,7 +363,7 @@ pub fn key_on(cluster: &Cluster, port: u16, prefix: &str) -> String {
 }
 
 /// `n` free ports whose cluster bus port (+10000) is free too.
-fn cluster_ports(n: usize) -> Vec<u16> {
+pub fn cluster_ports(n: usize) -> Vec<u16> {
     let mut ports = Vec::new();
     let mut held = Vec::new();
     while ports.len() < n {

@@ -21,6 +21,7 @@ pub mod sentinel;
 pub mod shop;
 pub mod sql;
 pub mod tls;
+pub mod tls_cluster;
 pub mod tls_sentinel;
 pub mod turns;
 pub mod zookeeper;

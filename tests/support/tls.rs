@@ -34,6 +34,21 @@ impl Certs {
         certs
     }
 
+    /// redis-server's arguments to serve TLS with the server certificate and to trust this
+    /// CA (for client certificates, and as a client of other nodes).
+    pub fn server_args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = Vec::new();
+        for (flag, file) in [
+            ("--tls-cert-file", "server.crt"),
+            ("--tls-key-file", "server.key"),
+            ("--tls-ca-cert-file", "ca.crt"),
+        ] {
+            args.push(flag.into());
+            args.push(self.path(file).into());
+        }
+        args
+    }
+
     /// The path of `name` (`ca.crt`, `server.key`, ...).
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
@@ -154,12 +169,7 @@ impl TlsServer {
                 Command::new("redis-server")
                     .args(["--port", "0", "--bind", "127.0.0.1"])
                     .args(["--tls-port", &port.to_string()])
-                    .arg("--tls-cert-file")
-                    .arg(certs.path("server.crt"))
-                    .arg("--tls-key-file")
-                    .arg(certs.path("server.key"))
-                    .arg("--tls-ca-cert-file")
-                    .arg(certs.path("ca.crt"))
+                    .args(certs.server_args())
                     .args([
                         "--tls-auth-clients",
                         if auth_clients { "yes" } else { "no" },

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::checks::ServerChecks;
 use super::coverage;
-use super::diagnose::{Peer, diagnose};
+use super::diagnose::{Peer, diagnose, seed_handshake};
 use super::quorum::refuse_non_master;
 use super::{RedisBackendBuilder, Target};
 use crate::core::telemetry::{self, Namespace};
@@ -106,6 +106,12 @@ impl RedisBackendBuilder {
             server.clone(),
         );
         if let Err(error) = self.check(&pool, &scripts, &peer).await {
+            let error = match &topology {
+                Topology::Cluster(nodes) if peer.tls => {
+                    seed_handshake(error, nodes, self.connect_timeout).await
+                }
+                _ => error,
+            };
             return Err(diagnose(error, peer.tls, self.connect_timeout).await);
         }
         telemetry::describe_metrics();

@@ -21,6 +21,7 @@ use tokio::net::{TcpStream, lookup_host};
 use tokio::time::timeout;
 
 use crate::error::{BuildError, ConnectFailure};
+use crate::redis::connection::cluster::ClusterNodes;
 use crate::redis::connection::pool::{CommandError, ConnectError};
 use crate::redis::connection::tls::{NOT_TLS_LIKE, handshake_failure};
 
@@ -187,6 +188,41 @@ pub(crate) async fn diagnose(error: BuildError, tls: bool, limit: Duration) -> B
         },
         other => other,
     }
+}
+
+/// A TLS cluster's build error, made precise where redis-rs left it one line of text (its
+/// seeds' failures joined, a handshake's reason among them): each seed is connected to
+/// alone, as one server is, and the first whose TLS handshake fails is the error, with
+/// what went wrong (a client certificate missing, a certificate not trusted) named.
+pub(crate) async fn seed_handshake(
+    error: BuildError,
+    nodes: &ClusterNodes,
+    limit: Duration,
+) -> BuildError {
+    let BuildError::Connect {
+        addr,
+        failure: ConnectFailure::Other,
+        ..
+    } = &error
+    else {
+        return error;
+    };
+    let seeds = targets(addr).into_iter().map(|(host, port)| async move {
+        let client = nodes.node_client(host, port).ok()?;
+        let refused = match timeout(limit, client.get_multiplexed_async_connection()).await {
+            Ok(Err(refused)) => refused,
+            _ => return None,
+        };
+        let handshake = handshake_failure(&refused)?;
+        Some(BuildError::Tls {
+            reason: handshake.reason,
+            addr: Some(format!("{host}:{port}")),
+            certificate: handshake.certificate,
+            source: Some(CommandError::Redis(refused).into_cause()),
+        })
+    });
+    let found = join_all(seeds).await.into_iter().flatten().next();
+    found.unwrap_or(error)
 }
 
 fn not_tls(addr: String, source: Option<Box<dyn std::error::Error + Send + Sync>>) -> BuildError {
