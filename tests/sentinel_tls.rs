@@ -20,7 +20,7 @@ fn lock_key(key: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_over_tls_serves_locks_and_follows_a_switchover() {
     support::init_tracing();
-    let set = TlsSentinelSet::start();
+    let mut set = TlsSentinelSet::start();
     let backend = RedisBackend::sentinel([set.sentinel_url()], TLS_MASTER_NAME)
         .tls_root_cert(set.certs.pem("ca.crt"))
         .command_timeout(Duration::from_millis(500))
@@ -70,6 +70,51 @@ async fn sentinel_over_tls_serves_locks_and_follows_a_switchover() {
         "held on the new TLS master"
     );
     guard.release().await.expect("released");
+
+    // A crash: the new master killed once the old one replicates from it (made a replica
+    // by hand, as the sentinel would at its next round); the sentinel promotes it back.
+    let port = new_master.to_string();
+    let replicaof = set.cli(master, &["REPLICAOF", "127.0.0.1", &port]);
+    assert_eq!(replicaof.as_deref(), Some("OK"), "REPLICAOF");
+    support::eventually("the old master replicates from the new one", || async {
+        set.cli(new_master, &["INFO", "replication"])
+            .is_some_and(|info| info.contains("connected_slaves:1") && info.contains("online"))
+    })
+    .await;
+    let guard = backend.lock("crash").try_once().await.expect("lock taken");
+    let token = guard.fencing_token();
+    support::eventually("the replica has every write", || async {
+        set.replica_caught_up(new_master)
+    })
+    .await;
+    let subscribed = backend.stats().subscriber_connections_made;
+    let killed = std::time::Instant::now();
+    set.kill(new_master);
+    drop(guard);
+    let promoted = tokio::time::timeout(Duration::from_secs(30), async {
+        while set.master_port() != master {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    promoted.expect("the sentinel promotes the old master back");
+    support::eventually("the subscriber follows the promotion", || async {
+        backend.stats().subscriber_connections_made > subscribed
+    })
+    .await;
+    let again = backend.lock("crash").wait(Duration::from_secs(30)).await;
+    let again = again.expect("the key is served again on the promoted node");
+    println!(
+        "TLS sentinel: master killed -> key served again {:?}",
+        killed.elapsed()
+    );
+    assert!(again.fencing_token() > token, "tokens go on increasing");
+    assert_eq!(
+        set.cli(master, &["EXISTS", &lock_key("crash")]).as_deref(),
+        Some("1"),
+        "held on the promoted node"
+    );
+    again.release().await.expect("released");
 
     // Without the root certificate the sentinel's certificate does not verify.
     let refused = RedisBackend::sentinel([set.sentinel_url()], TLS_MASTER_NAME)

@@ -588,6 +588,23 @@ pub fn calls_in(commandstats: &str, commands: &[&str]) -> u64 {
         .sum()
 }
 
+/// Whether a master's `INFO replication` (`info`) shows its first replica at the master's
+/// own offset: it has acknowledged every write the master made.
+pub fn replica_caught_up(info: &str) -> bool {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_owned())
+    };
+    let own = field("master_repl_offset:");
+    let replica = field("slave0:").and_then(|v| {
+        v.split(',')
+            .find_map(|kv| kv.strip_prefix("offset="))
+            .map(str::to_owned)
+    });
+    own.is_some() && own == replica
+}
+
 /// The error chain as anyhow's `{:#}` prints it: every level's Display joined by ": ".
 pub fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut levels = vec![error.to_string()];

@@ -164,19 +164,7 @@ impl TlsCluster {
     /// Whether the replica of the primary on `primary` has acknowledged every write the
     /// primary has made (its offset in `INFO replication` is the primary's own).
     pub fn replica_caught_up(&self, primary: u16) -> bool {
-        let info = self.cli(primary, &["INFO", "replication"]);
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(|v| v.trim().to_owned())
-        };
-        let own = field("master_repl_offset:");
-        let replica = field("slave0:").and_then(|v| {
-            v.split(',')
-                .find_map(|kv| kv.strip_prefix("offset="))
-                .map(str::to_owned)
-        });
-        own.is_some() && own == replica
+        super::replica_caught_up(&self.cli(primary, &["INFO", "replication"]))
     }
 
     /// Waits until the node on `port` is a primary (its replica's failover won).

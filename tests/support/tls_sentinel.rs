@@ -99,6 +99,17 @@ impl TlsSentinelSet {
             .expect("the sentinel names the master")
     }
 
+    /// SIGKILL of the data node at `port`, as a crash would.
+    pub fn kill(&mut self, port: u16) {
+        self.servers.retain(|server| server.port != port);
+    }
+
+    /// Whether the replica of the master at `port` has acknowledged every write the master
+    /// made (its offset in `INFO replication` is the master's own).
+    pub fn replica_caught_up(&self, port: u16) -> bool {
+        super::replica_caught_up(&self.cli(port, &["INFO", "replication"]).unwrap_or_default())
+    }
+
     /// Runs a command on the data node at `port`.
     pub fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
         cli(port, &self.certs, args)
