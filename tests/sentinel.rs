@@ -2,8 +2,11 @@
 //! follows a failover (the master SIGKILLed, the replica promoted) without a restart.
 //!
 //! One deployment (master, replica, three sentinels) serves every scenario of this binary,
-//! driven in order by one test, and is killed when it ends.
+//! driven in order by one test, and is killed when it ends. Sentinels that have not heard
+//! of a promotion are in `sentinel/stale.rs`.
 
+#[path = "sentinel/stale.rs"]
+mod stale;
 mod support;
 
 use std::collections::BTreeMap;
@@ -49,6 +52,9 @@ async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     a_switchover_leaves_newer_holds_alone(&set).await;
     a_switchover_releases_the_shared_holds_and_permits_it_lost(&set).await;
     a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(&set).await;
+    stale::a_stale_sentinel_is_outvoted(&set).await;
+    stale::an_announced_master_is_trusted_over_stale_sentinels(&set).await;
+    stale::a_master_reporting_a_replica_is_refused(&set).await;
     three_instances_sell_exactly_the_stock_across_a_failover(&mut set).await;
 }
 

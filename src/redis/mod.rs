@@ -181,12 +181,16 @@ impl RedisBackend {
 
     /// Starts configuring a backend for the master that Redis Sentinel names `master_name`.
     ///
-    /// `sentinels` are the sentinels' URLs (`redis://[[user]:password@]host:port`), asked in
-    /// order. Each connection the backend opens asks them for the current master and checks
-    /// its `ROLE`, so after a failover the backend's connections and its subscriber move to
-    /// the promoted replica as they are replaced: connections to a dead master fail and are
-    /// retired, and a demoted master's `READONLY` reply retires its connection too. The
-    /// backend also listens to the sentinels' `+switch-master` announcement: from then on it
+    /// `sentinels` are the sentinels' URLs (`redis://[[user]:password@]host:port`). Each
+    /// connection the backend opens asks them all at once for the current master and takes
+    /// the address more than half of them name (a sentinel that has not heard of a
+    /// failover may still name the old master; without a majority the connection fails,
+    /// and the request gets 503), then checks the server's `ROLE` on that connection and
+    /// refuses a replica. So after a failover the backend's connections and its subscriber
+    /// move to the promoted replica as they are replaced: connections to a dead master fail
+    /// and are retired, and a demoted master's `READONLY` reply retires its connection too.
+    /// The backend also listens to the sentinels' `+switch-master` announcement: from then
+    /// on its new connections go to the announced master (while it answers as one), it
     /// uses no connection opened before (an old master cut off from the sentinels may still
     /// answer, and take writes), its subscriber moves and its waiters try again, and
     /// releases owed to the dead master are retried at once.
@@ -219,11 +223,10 @@ impl RedisBackend {
     /// [`tls_root_cert`](RedisBackendBuilder::tls_root_cert), and presenting
     /// [`tls_client_cert`](RedisBackendBuilder::tls_client_cert) where set. Sentinels
     /// configured with `tls-replication yes` talk TLS to the data nodes and to each other.
-    /// With those certificates every sentinel URL must carry the same username and password
-    /// (redis-rs then logs in to all sentinels as one user).
     ///
     /// `build` fails with [`BuildError::Sentinel`] when no sentinel can be reached, none
-    /// knows `master_name`, or the master they name is down.
+    /// knows `master_name`, no master has a majority, or the master they name is down or
+    /// reports itself a replica.
     ///
     /// Replication is asynchronous, so a failover loses the writes the replica had not
     /// received, and those that reached the old master after the promotion: a lock taken

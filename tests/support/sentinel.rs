@@ -9,11 +9,18 @@ use std::time::{Duration, Instant};
 
 use super::{RedisServer, eventually, redis_tool};
 
+// The partitions between sentinels and data nodes: another `impl SentinelSet`.
+#[path = "sentinel_partition.rs"]
+mod partition;
+
 /// The name the sentinels monitor the master under.
 pub const MASTER_NAME: &str = "towerlock";
 
-/// The ACL user the sentinels authenticate as once the data nodes require a password.
-pub const SENTINEL_USER: &str = "sentinel-user";
+/// The ACL user sentinel `i` authenticates as once the data nodes require a password: one
+/// each, so that a partition can cut some sentinels off a data node and not the others.
+fn sentinel_user(i: usize) -> String {
+    format!("sentinel-user-{i}")
+}
 
 /// One master, one replica and three sentinels watching them with quorum 2.
 pub struct SentinelSet {
@@ -70,24 +77,26 @@ impl SentinelSet {
         }
     }
 
-    /// Makes the data nodes require `password` (the sentinels keep none). The sentinels
-    /// authenticate as their own ACL user [`SENTINEL_USER`] with it, so that
+    /// Makes the data nodes require `password` (the sentinels keep none). Each sentinel
+    /// authenticates as its own ACL user ([`sentinel_user`]) with it, so that
     /// [`cut_sentinels_off`](Self::cut_sentinels_off) can lock them out alone; a replica
     /// authenticates to its master as the default user.
     pub async fn require_password(&mut self, password: &str) {
         for server in &self.servers {
             let mut conn = self.data_conn(server).await;
-            let _: () = redis::cmd("ACL")
-                .arg("SETUSER")
-                .arg(SENTINEL_USER)
-                .arg("on")
-                .arg(format!(">{password}"))
-                .arg("+@all")
-                .arg("~*")
-                .arg("&*")
-                .query_async(&mut conn)
-                .await
-                .expect("ACL SETUSER");
+            for i in 0..self.sentinels.len() {
+                let _: () = redis::cmd("ACL")
+                    .arg("SETUSER")
+                    .arg(sentinel_user(i))
+                    .arg("on")
+                    .arg(format!(">{password}"))
+                    .arg("+@all")
+                    .arg("~*")
+                    .arg("&*")
+                    .query_async(&mut conn)
+                    .await
+                    .expect("ACL SETUSER");
+            }
             for name in ["masterauth", "requirepass"] {
                 let _: () = redis::cmd("CONFIG")
                     .arg("SET")
@@ -98,9 +107,10 @@ impl SentinelSet {
                     .expect("CONFIG SET");
             }
         }
-        for sentinel in self.sentinel_urls() {
-            let mut conn = connect(&sentinel).await.expect("sentinel");
-            for (name, value) in [("auth-user", SENTINEL_USER), ("auth-pass", password)] {
+        for (i, sentinel) in self.sentinel_urls().iter().enumerate() {
+            let mut conn = connect(sentinel).await.expect("sentinel");
+            let user = sentinel_user(i);
+            for (name, value) in [("auth-user", user.as_str()), ("auth-pass", password)] {
                 let _: () = redis::cmd("SENTINEL")
                     .arg("SET")
                     .arg(MASTER_NAME)
@@ -113,57 +123,6 @@ impl SentinelSet {
         }
         self.password = Some(password.to_owned());
         // The sentinels reconnect to the data nodes with the password.
-        self.wait_until_ready().await;
-    }
-
-    /// Locks the sentinels out of the current master (their user is disabled and their
-    /// connections cut) while clients keep reaching it: to the sentinels it is down, so
-    /// they promote the replica and cannot demote the old master, which stays writable.
-    /// Returns the old master's port. Needs [`require_password`](Self::require_password).
-    pub async fn cut_sentinels_off(&self) -> u16 {
-        let port = self.master_port().await;
-        let mut conn = self.data_conn(self.server(port)).await;
-        let _: () = redis::cmd("ACL")
-            .arg("SETUSER")
-            .arg(SENTINEL_USER)
-            .arg("off")
-            .query_async(&mut conn)
-            .await
-            .expect("ACL SETUSER off");
-        let _: i64 = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("USER")
-            .arg(SENTINEL_USER)
-            .query_async(&mut conn)
-            .await
-            .expect("CLIENT KILL USER");
-        port
-    }
-
-    /// Undoes [`cut_sentinels_off`](Self::cut_sentinels_off) and makes the old master a
-    /// replica of the new one.
-    pub async fn reconnect_sentinels(&self, old_master: u16) {
-        let mut conn = self.data_conn(self.server(old_master)).await;
-        let _: () = redis::cmd("ACL")
-            .arg("SETUSER")
-            .arg(SENTINEL_USER)
-            .arg("on")
-            .query_async(&mut conn)
-            .await
-            .expect("ACL SETUSER on");
-        // A sentinel keeps a connection whose AUTH was refused and takes every -NOAUTH
-        // reply as the node being down: cut those connections (all but this one), so
-        // that the sentinels reconnect and authenticate.
-        for kind in ["normal", "pubsub"] {
-            let _: i64 = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("TYPE")
-                .arg(kind)
-                .query_async(&mut conn)
-                .await
-                .expect("CLIENT KILL TYPE");
-        }
-        self.demote(old_master).await;
         self.wait_until_ready().await;
     }
 
@@ -181,7 +140,12 @@ impl SentinelSet {
     /// A sentinel refuses (`NOGOODSLAVE`) until its view of the replica is fresh enough;
     /// such refusals are retried for a few seconds.
     pub async fn switchover(&self) {
-        let mut sentinel = connect(&self.sentinel_urls()[0]).await.expect("sentinel");
+        self.switchover_by(0).await;
+    }
+
+    /// [`switchover`](Self::switchover) asked of sentinel `i`.
+    pub async fn switchover_by(&self, i: usize) {
+        let mut sentinel = connect(&self.sentinel_urls()[i]).await.expect("sentinel");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let asked: redis::RedisResult<()> = redis::cmd("SENTINEL")
@@ -211,6 +175,31 @@ impl SentinelSet {
             .query_async(&mut self.data_conn(self.server(old_master)).await)
             .await
             .expect("REPLICAOF");
+    }
+
+    /// Sets how long every sentinel waits before it flags an unresponsive data node down,
+    /// or a master that reports itself a replica (that one 20 s later).
+    pub async fn set_down_after(&self, after: Duration) {
+        for url in self.sentinel_urls() {
+            let _: () = redis::cmd("SENTINEL")
+                .arg("SET")
+                .arg(MASTER_NAME)
+                .arg("down-after-milliseconds")
+                .arg(after.as_millis() as u64)
+                .query_async(&mut connect(&url).await.expect("sentinel"))
+                .await
+                .expect("SENTINEL SET down-after-milliseconds");
+        }
+    }
+
+    /// SIGSTOPs sentinel `i`: it accepts connections and answers nothing.
+    pub fn pause_sentinel(&self, i: usize) {
+        super::send_signal(self.sentinels[i].child.id(), "-STOP");
+    }
+
+    /// SIGCONT of sentinel `i` after [`pause_sentinel`](Self::pause_sentinel).
+    pub fn resume_sentinel(&self, i: usize) {
+        super::send_signal(self.sentinels[i].child.id(), "-CONT");
     }
 
     /// The sentinels' URLs, for [`tower_lock::RedisBackend::sentinel`].

@@ -266,9 +266,15 @@ impl RedisBackendBuilder {
                     username: self.master_username.as_deref(),
                     password: self.master_password.as_deref(),
                 };
-                let group = SentinelGroup::new(urls, master_name, master, &self.tls, use_tls)?;
+                let group = SentinelGroup::new(
+                    urls,
+                    master_name,
+                    master,
+                    (&self.tls, use_tls),
+                    (self.connect_timeout, self.command_timeout),
+                )?;
                 let sentinels = addrs(urls)?;
-                // redis-rs bounds each sentinel's connect and reply by its own timeouts.
+                // Each sentinel's connect and reply are bounded by the backend's timeouts.
                 let master = group.master().await.map_err(|e| BuildError::Sentinel {
                     master_name: master_name.clone(),
                     addr: sentinels,

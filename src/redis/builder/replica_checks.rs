@@ -38,7 +38,7 @@ impl ServerChecks<'_> {
                     .map_err(|(sentinel, error)| self.sentinel_failure(sentinel, error))?;
                 found
                     .iter()
-                    .map(|(host, port)| group.replica(host, *port))
+                    .map(|(host, port)| group.data_node(host, *port))
                     .collect::<Result<Vec<_>, _>>()?
             }
             Topology::Cluster(nodes) => shards

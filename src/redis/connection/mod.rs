@@ -4,6 +4,7 @@
 
 pub(crate) mod cluster;
 pub(crate) mod command_error;
+pub(crate) mod master_lookup;
 pub(crate) mod pool;
 pub(crate) mod sentinel;
 pub(crate) mod tls;

@@ -1,45 +1,54 @@
-//! Redis Sentinel: the master of a named group, looked up through the sentinels each time a
-//! connection is opened.
+//! Redis Sentinel: the master of a named group, found at each connection the backend opens.
 //!
-//! The lookup is redis-rs' own (`SENTINEL MASTERS` on each sentinel in turn, skipping a
-//! master flagged down, then `ROLE` on the named master to confirm it takes writes). The
-//! backend never caches the answer: a connection that fails (the master died, or it
-//! answered `READONLY` after a demotion) is retired by the pool, and the next one asks the
-//! sentinels again, which is how the backend follows a failover.
+//! Where the master is comes from two sources. The sentinels are asked, all at once, and a
+//! server counts as the master only when a majority of the configured sentinels name it
+//! (see `master_lookup.rs` for why the first answer is not enough). And the backend listens
+//! to `+switch-master` on one sentinel at a time: the address a promotion announces is
+//! *pinned*, and new connections go there without asking, whatever a sentinel that has
+//! not yet heard of the promotion says. The pin holds until a newer announcement, or
+//! until the pinned server stops answering as a master (it is down, or was demoted since),
+//! and the lookup is used again. Either way the server must answer `ROLE` as a master on
+//! the connection the backend is about to use, or the connection is refused.
 //!
-//! That alone would find the new master only when something retries: a release owed to
-//! the dead master, or the subscriber, may be sleeping in its backoff for up to a second or
-//! two after the promotion. So the backend also listens to `+switch-master` on one sentinel
-//! at a time and announces each promotion of its group ([`SentinelGroup::promotions`]):
-//! the subscriber reconnects at once and owed releases retry at once. On the failover test
-//! (tests/sentinel.rs) that brought the first served request from about 0.7 s after the
-//! promotion down to about 20 ms. A listener whose sentinel connection went half-open
-//! hears nothing; the backoffs above are then the fallback. The announcement also redoes
-//! the releases the old master took after the promotion (see `replay.rs`).
+//! The backend never caches a connection's master otherwise: a connection that fails (the
+//! master died, or it answered `READONLY` after a demotion) is retired by the pool, and
+//! the next one finds the master again, which is how the backend follows a failover.
+//!
+//! The announcement also makes the backend follow a promotion at once instead of when
+//! something retries: a release owed to the dead master, or the subscriber, may be
+//! sleeping in its backoff for up to a second or two after it. Each promotion of the group
+//! is announced to [`SentinelGroup::promotions`]: the subscriber reconnects at once and
+//! owed releases retry at once. On the failover test (tests/sentinel.rs) that brought the
+//! first served request from about 0.7 s after the promotion down to about 20 ms. A
+//! listener whose sentinel connection went half-open hears nothing; the backoffs above are
+//! then the fallback. The announcement also redoes the releases the old master took after
+//! the promotion (see `replay.rs`).
 //!
 //! At build the sentinels are also asked for the master's replicas, whose eviction policy
 //! is checked (`builder/replica_checks.rs`); they are reached as the master is.
 //!
-//! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener and the master. Each
-//! sentinel's connection info carries the builder's certificates; the master's come from
-//! the sentinels as a bare address, which redis-rs' `Sentinel` reaches with the system
-//! roots only, so with certificates the lookup goes through its `SentinelClient`, which
-//! takes them for the master too (but one login for all sentinels).
+//! TLS (`rediss://` sentinel URLs) covers the sentinels, the listener, the master and its
+//! replicas, with the builder's certificates where given: each sentinel's connection info
+//! carries them, and the data nodes, which the sentinels name by a bare address, are given
+//! them with the master's login. The protocol is redis-rs' throughout; only the choice of
+//! the address is the backend's.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
+use redis::aio::MultiplexedConnection;
 use redis::{
-    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo,
-    RedisError, RedisResult,
+    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo,
+    RedisConnectionInfo, RedisError, RedisResult,
 };
-use tokio::sync::{Mutex, watch};
+use tokio::sync::watch;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
+use super::master_lookup::{self, Addr};
 use super::pool::FailureEpoch;
 use super::tls::TlsSettings;
 use crate::error::BuildError;
@@ -52,30 +61,22 @@ pub(crate) struct MasterAuth<'a> {
 
 /// The sentinels of one master group and how to reach the master they name.
 pub(crate) struct SentinelGroup {
-    /// redis-rs' lookup keeps one connection per sentinel; lookups take turns on it.
-    lookup: Mutex<Lookup>,
-    /// The sentinels again, for the `+switch-master` listener.
+    /// Each sentinel's address, login and TLS settings (no database: a sentinel has none).
     sentinels: Vec<ConnectionInfo>,
     master_name: String,
-    master: SentinelNodeConnectionInfo,
-    /// How the master is logged in to, and so its replicas (see [`replica`](Self::replica)).
+    /// How the master is logged in to, and so its replicas (see [`data_node`](Self::data_node)).
     master_login: RedisConnectionInfo,
     /// Whether the data nodes are reached over TLS, with `tls`.
     use_tls: bool,
     tls: TlsSettings,
+    /// The connect and command timeouts, for the sentinels and the build's master client.
+    timeouts: AsyncConnectionConfig,
+    /// How long one sentinel's answer may take, connecting included: the command timeout.
+    ask_bound: Duration,
+    /// The master the last `+switch-master` of the group announced, while it answers as one.
+    announced: Mutex<Option<Addr>>,
     /// Counts the promotions of this group the listener has heard of.
     promotions: watch::Sender<u64>,
-}
-
-/// redis-rs' two ways to ask the sentinels for the master.
-enum Lookup {
-    /// Each sentinel is reached with its own URL's credentials; a TLS master is verified
-    /// against the system roots.
-    Plain(Sentinel),
-    /// TLS with the builder's certificates, which redis-rs applies to the master only
-    /// through its `SentinelClient`; that one logs in to every sentinel as the same user.
-    #[cfg(feature = "tls")]
-    Certified(redis::sentinel::SentinelClient),
 }
 
 impl SentinelGroup {
@@ -84,15 +85,15 @@ impl SentinelGroup {
     /// with each URL's credentials and no database (a sentinel has none, and refuses
     /// `SELECT`). With `rediss://` URLs (`use_tls`, see [`TlsSettings::check_sentinel`])
     /// the sentinels and the master are reached over TLS, with the certificates of `tls`.
+    /// A sentinel is connected to within `connect_timeout`, and its answer, connecting
+    /// included, is awaited for `command_timeout` at most.
     pub(crate) fn new(
         urls: &[String],
         master_name: &str,
         auth: MasterAuth<'_>,
-        tls: &TlsSettings,
-        use_tls: bool,
+        (tls, use_tls): (&TlsSettings, bool),
+        (connect_timeout, command_timeout): (Duration, Duration),
     ) -> Result<Self, BuildError> {
-        let url_error =
-            |source: Box<dyn std::error::Error + Send + Sync>| BuildError::Url { source };
         if master_name.is_empty() {
             return Err(BuildError::Setting {
                 name: "sentinel",
@@ -117,11 +118,6 @@ impl SentinelGroup {
         if let Some(password) = auth.password {
             settings = settings.set_password(password);
         }
-        let mut master =
-            SentinelNodeConnectionInfo::default().set_redis_connection_info(settings.clone());
-        if use_tls {
-            master = master.set_tls_mode(redis::TlsMode::Secure);
-        }
         let sentinels: Vec<ConnectionInfo> = infos
             .into_iter()
             .map(|info| {
@@ -129,38 +125,81 @@ impl SentinelGroup {
                 info.set_redis_settings(settings)
             })
             .collect();
-        let lookup = match use_tls && !tls.is_empty() {
-            #[cfg(feature = "tls")]
-            true => Lookup::Certified(certified(&sentinels, master_name, &settings, tls)?),
-            _ => Lookup::Plain(
-                Sentinel::build(sentinels.clone()).map_err(|e| url_error(Box::new(e)))?,
-            ),
-        };
         Ok(SentinelGroup {
-            lookup: Mutex::new(lookup),
             sentinels,
             master_name: master_name.to_owned(),
-            master,
             master_login: settings,
             use_tls,
             tls: tls.clone(),
+            timeouts: AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(connect_timeout))
+                .set_response_timeout(Some(command_timeout)),
+            ask_bound: command_timeout,
+            announced: Mutex::new(None),
             promotions: watch::Sender::new(0),
         })
     }
 
-    /// The client of the master the sentinels name now, confirmed by its `ROLE`.
+    /// The client of the master, confirmed by its `ROLE` (see [`connect`](Self::connect)).
     pub(crate) async fn master(&self) -> RedisResult<redis::Client> {
-        let master = match &mut *self.lookup.lock().await {
-            Lookup::Plain(sentinel) => {
-                sentinel
-                    .async_master_for(&self.master_name, Some(&self.master))
-                    .await?
+        let (client, _) = self.connect(&self.timeouts).await?;
+        Ok(client)
+    }
+
+    /// A connection (with `config`) to the master: the one the last promotion announced,
+    /// else the one a majority of the sentinels name; refused unless it answers as a master.
+    pub(crate) async fn connect(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<(redis::Client, MultiplexedConnection)> {
+        let pinned = self.announced.lock().map(|a| a.clone()).unwrap_or_default();
+        if let Some(addr) = pinned {
+            match self.open_master(&addr, config).await {
+                Ok(opened) => return Ok(opened),
+                Err(error) => {
+                    tracing::info!(
+                        %error,
+                        master = %format_args!("{}:{}", addr.0, addr.1),
+                        "the announced master does not answer as one; asking the sentinels",
+                    );
+                    // Unless a newer announcement replaced it meanwhile.
+                    if let Ok(mut announced) = self.announced.lock() {
+                        if announced.as_ref() == Some(&addr) {
+                            *announced = None;
+                        }
+                    }
+                }
             }
-            #[cfg(feature = "tls")]
-            Lookup::Certified(client) => client.async_get_client().await?,
-        };
-        tracing::debug!(master = ?master.get_connection_info().addr(), "sentinels named the master");
-        Ok(master)
+        }
+        let addr = master_lookup::elect(
+            &self.sentinels,
+            &self.master_name,
+            &self.timeouts,
+            self.ask_bound,
+        )
+        .await?;
+        tracing::debug!(master = %format_args!("{}:{}", addr.0, addr.1), "sentinels named the master");
+        self.open_master(&addr, config).await
+    }
+
+    /// Connects to the server at `addr` as the master is reached and checks its `ROLE`.
+    async fn open_master(
+        &self,
+        addr: &Addr,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<(redis::Client, MultiplexedConnection)> {
+        let client = self.data_node(&addr.0, addr.1).map_err(|e| {
+            RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "cannot make a client of the master",
+                e.to_string(),
+            ))
+        })?;
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(config)
+            .await?;
+        master_lookup::confirm_master(&mut conn, addr).await?;
+        Ok((client, conn))
     }
 
     /// The replicas of the master as the first sentinel that answers `SENTINEL REPLICAS`
@@ -195,9 +234,9 @@ impl SentinelGroup {
         failed.map_or(Ok(Vec::new()), Err)
     }
 
-    /// A client of the replica at `host:port` that logs in as the master's client does, and
-    /// over TLS with the same certificates when the master is reached so.
-    pub(crate) fn replica(&self, host: &str, port: u16) -> Result<redis::Client, BuildError> {
+    /// A client of the data node (the master or a replica) at `host:port` that logs in as
+    /// the master is, over TLS with the builder's certificates when the sentinels are.
+    pub(crate) fn data_node(&self, host: &str, port: u16) -> Result<redis::Client, BuildError> {
         let host = host.to_owned();
         let addr = match self.use_tls {
             true => ConnectionAddr::TcpTls {
@@ -281,11 +320,19 @@ impl SentinelGroup {
         // Payload: "<master name> <old ip> <old port> <new ip> <new port>".
         while let Some(message) = messages.next().await {
             let payload = String::from_utf8_lossy(message.get_payload_bytes());
-            if payload.split(' ').next() == Some(self.master_name.as_str()) {
-                tracing::info!(switch = %payload, "the sentinels promoted a new master");
-                failure_epoch.raise();
-                self.promotions.send_modify(|n| *n += 1);
+            let fields: Vec<&str> = payload.split(' ').collect();
+            if fields.first() != Some(&self.master_name.as_str()) {
+                continue;
             }
+            tracing::info!(switch = %payload, "the sentinels promoted a new master");
+            // Pinned before the announcement, so that what it wakes connects there.
+            if let [_, _, _, host, port] = fields[..] {
+                if let (Ok(port), Ok(mut announced)) = (port.parse(), self.announced.lock()) {
+                    *announced = Some((host.to_owned(), port));
+                }
+            }
+            failure_epoch.raise();
+            self.promotions.send_modify(|n| *n += 1);
         }
         Ok(())
     }
@@ -305,64 +352,6 @@ fn promotable(replica: &HashMap<String, String>) -> Option<(String, u16)> {
         replica.get("ip")?.clone(),
         replica.get("port")?.parse().ok()?,
     ))
-}
-
-/// redis-rs' `SentinelClient` for TLS with the builder's certificates: to the sentinels (as
-/// the user of the first URL, the only one it takes) and to the master (as `master`).
-#[cfg(feature = "tls")]
-fn certified(
-    sentinels: &[ConnectionInfo],
-    master_name: &str,
-    master: &redis::RedisConnectionInfo,
-    tls: &TlsSettings,
-) -> Result<redis::sentinel::SentinelClient, BuildError> {
-    use redis::TlsMode;
-    use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
-    let login = |info: &ConnectionInfo| {
-        let settings = info.redis_settings();
-        (
-            settings.username().map(str::to_owned),
-            settings.password().map(str::to_owned),
-        )
-    };
-    let (username, password) = sentinels.first().map(login).unwrap_or_default();
-    if sentinels
-        .iter()
-        .any(|info| login(info) != (username.clone(), password.clone()))
-    {
-        return Err(BuildError::tls_settings(
-            "with TLS certificates every sentinel URL must carry the same username and \
-             password",
-        ));
-    }
-    let built = |e: redis::RedisError| BuildError::Url {
-        source: Box::new(e),
-    };
-    let addrs = sentinels.iter().map(|info| info.addr().clone());
-    let certificates = || {
-        tls.certificates()
-            .ok_or(BuildError::tls_settings("no TLS certificates were given"))
-    };
-    let mut builder = SentinelClientBuilder::new(addrs, master_name, SentinelServerType::Master)
-        .map_err(built)?
-        .set_client_to_sentinel_tls_mode(TlsMode::Secure)
-        .set_client_to_sentinel_certificates(certificates()?)
-        .set_client_to_redis_tls_mode(TlsMode::Secure)
-        .set_client_to_redis_certificates(certificates()?)
-        .set_client_to_redis_db(master.db());
-    if let Some(username) = username {
-        builder = builder.set_client_to_sentinel_username(username);
-    }
-    if let Some(password) = password {
-        builder = builder.set_client_to_sentinel_password(password);
-    }
-    if let Some(username) = master.username() {
-        builder = builder.set_client_to_redis_username(username);
-    }
-    if let Some(password) = master.password() {
-        builder = builder.set_client_to_redis_password(password);
-    }
-    builder.build().map_err(built)
 }
 
 impl fmt::Debug for SentinelGroup {

@@ -46,11 +46,9 @@ impl Topology {
             Topology::Cluster(nodes) => nodes.connect().await.map(AnyConn::Cluster),
             // A master connection is a plain one: commands on it need no routing.
             Topology::Sentinel(group) => group
-                .master()
-                .await?
-                .get_multiplexed_async_connection_with_config(config)
+                .connect(config)
                 .await
-                .map(AnyConn::Server),
+                .map(|(_, conn)| AnyConn::Server(conn)),
         }
     }
 
