@@ -165,9 +165,9 @@ pub async fn a_lock_follows_its_slot_through_a_step_by_step_reshard(cluster: &Cl
         "the fencing counters moved"
     );
     eprintln!(
-        "reshard: the waiter was without a subscription for at most {:?} (SETSLOT NODE sent \
-         to the source -> SSUBSCRIBE confirmed on the target); release on the new owner -> \
-         waiter served {:?}",
+        "reshard: the waiter was without a subscription for {:?} (SETSLOT NODE sent to the \
+         source -> SSUBSCRIBE confirmed on the target); release on the new owner -> waiter \
+         served {:?}",
         resubscribed.saturating_duration_since(left_source.into()),
         served_after
     );

@@ -3,6 +3,8 @@
 //! IMPORTING on the target and MIGRATING on the source, its keys moved with `MIGRATE`
 //! (some, then the rest), then its new owner announced to every primary.
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
 use std::time::Instant;
 
 use super::cluster::Cluster;
@@ -71,7 +73,7 @@ impl<'c> Migration<'c> {
 
     /// `SETSLOT NODE` on the target, then the source (which drops the slot's sharded
     /// subscriptions then), then the other primaries; waits until the slot map says so.
-    /// Returns when the source was told (just before `redis-cli` sent it the command).
+    /// Returns when the command went out to the source, on a connection opened before.
     pub fn finish(self) -> Instant {
         let others = self
             .cluster
@@ -80,12 +82,26 @@ impl<'c> Migration<'c> {
             .filter(|p| ![self.to, self.from].contains(p));
         let node = ["CLUSTER", "SETSLOT", &self.slot, "NODE", &self.to_id];
         self.cluster.run(self.to, &node);
+        let mut source = TcpStream::connect(("127.0.0.1", self.from)).expect("connect");
         let left_source = Instant::now();
-        self.cluster.run(self.from, &node);
+        let reply = send(&mut source, &node);
+        assert_eq!(reply, "+OK", "SETSLOT NODE on the source");
         for port in others {
             self.cluster.run(port, &node);
         }
         self.cluster.wait_until_slot_served(&self.slot, self.to);
         left_source
     }
+}
+
+/// Sends `args` as one RESP command on `conn` and returns the first line of the reply.
+fn send(conn: &mut TcpStream, args: &[&str]) -> String {
+    let mut command = format!("*{}\r\n", args.len());
+    for arg in args {
+        command.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+    }
+    conn.write_all(command.as_bytes()).expect("send");
+    let mut reply = String::new();
+    BufReader::new(conn).read_line(&mut reply).expect("reply");
+    reply.trim_end().to_owned()
 }
