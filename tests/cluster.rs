@@ -11,6 +11,8 @@ mod idempotency;
 mod late_resend;
 #[path = "cluster/lost_node.rs"]
 mod lost_node;
+#[path = "cluster/reshard.rs"]
+mod reshard;
 mod support;
 
 use std::net::SocketAddr;
@@ -46,6 +48,7 @@ async fn cluster_scenarios() {
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
+    reshard::a_lock_follows_its_slot_through_a_step_by_step_reshard(&cluster).await;
     checks::build_checks_hold_on_every_primary(&cluster).await;
     an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
     a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;

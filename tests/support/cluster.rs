@@ -197,6 +197,11 @@ impl Cluster {
             .trim()
             .parse()
             .expect("CLUSTER KEYSLOT");
+        self.slot_owner(slot)
+    }
+
+    /// The port of the primary that owns `slot`.
+    pub fn slot_owner(&self, slot: u16) -> u16 {
         self.slot_owners()
             .into_iter()
             .find(|((start, end), _)| (*start..=*end).contains(&slot))
@@ -259,33 +264,18 @@ impl Cluster {
     }
 
     /// Moves the slot of `key` with its keys from its primary to the primary on `to`, as
-    /// `redis-cli --cluster reshard` does for each slot: IMPORTING / MIGRATING, MIGRATE of
-    /// every key, then the new owner announced to every primary.
+    /// `redis-cli --cluster reshard` does for each slot, in one go.
     pub fn move_slot(&self, key: &str, to: u16) {
-        let from = self.primary_of(key);
-        let slot = query(from, &["CLUSTER", "KEYSLOT", key]).trim().to_owned();
-        let id = |port: u16| query(port, &["CLUSTER", "MYID"]).trim().to_owned();
-        let (from_id, to_id) = (id(from), id(to));
-        query(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
-        query(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
-        let keys = query(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
-        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
-        if !keys.is_empty() {
-            let to_port = to.to_string();
-            let mut migrate = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
-            migrate.extend(keys);
-            let reply = query(from, &migrate);
-            assert!(reply.trim() == "OK", "MIGRATE: {reply}");
-        }
-        let others = self
-            .primaries()
-            .into_iter()
-            .filter(|p| ![to, from].contains(p));
-        for port in [to, from].into_iter().chain(others) {
-            query(port, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
-        }
+        let migration = super::reshard::Migration::begin(self, key, to);
+        migration.migrate_rest();
+        migration.finish();
+    }
+
+    /// Waits until the first live node's slot map says the primary on `to` serves `slot`.
+    pub fn wait_until_slot_served(&self, slot: &str, to: u16) {
+        let slot: u16 = slot.parse().expect("a slot number");
         wait_until(&format!("slot {slot} served by {to}"), || {
-            self.primary_of(key) == to
+            self.slot_owner(slot) == to
         });
     }
 

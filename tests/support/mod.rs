@@ -17,6 +17,7 @@ pub mod process;
 pub mod proxy;
 pub mod quorum;
 pub mod replica;
+pub mod reshard;
 pub mod sentinel;
 pub mod shop;
 pub mod sql;

@@ -10,11 +10,24 @@
 //! read fails before the reply, whether or not the command ran: the lock scripts are made
 //! safe to run twice for one call (acquire.lua's attempt id, release.lua's release id and
 //! handoff check, which `hold.rs` always asks for on a cluster).
+//!
+//! While a slot moves to another primary (`redis-cli --cluster reshard`: the slot marked
+//! MIGRATING on its owner and IMPORTING on the target, its keys moved with `MIGRATE`, then
+//! its new owner announced), a script whose keys are not all on one node is refused with
+//! `TRYAGAIN`: some moved and some not, or, after `ASK` to the target, some missing there
+//! (a lock's line or writers often do not exist). A lock's keys are split that way until
+//! the last ones moved. redis-rs sends a refused command again only twice, 10-100 ms
+//! apart (and may give up on the source's `ASK` it was following), so [`ClusterConn`]
+//! keeps sending it, within the command timeout: nothing ran, and an acquisition would
+//! otherwise fail (a waiter given up, a 503) for a slot that settles a few milliseconds
+//! later.
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::tls::TlsSettings;
 use crate::error::BuildError;
@@ -58,8 +71,11 @@ impl ClusterNodes {
 
     /// Opens a command connection: one multiplexed connection per node, with the
     /// backend's connect and command timeouts (set on the client).
-    pub(crate) async fn connect(&self) -> RedisResult<ClusterConnection> {
-        self.commands.get_async_connection().await
+    pub(crate) async fn connect(&self) -> RedisResult<ClusterConn> {
+        Ok(ClusterConn {
+            conn: self.commands.get_async_connection().await?,
+            settle: self.command_timeout,
+        })
     }
 
     /// A client of the node at `host:port` (from the slot map), with the seeds' credentials
@@ -142,21 +158,60 @@ pub(crate) fn by_slot<T>(items: Vec<T>, key: impl Fn(&T) -> &str) -> Vec<Vec<T>>
     slots.into_values().collect()
 }
 
-/// Sends one command. `INFO` goes to one primary: redis-rs would ask every primary and
-/// answer with a map of replies, which no caller of a single command can read.
-pub(crate) fn req_packed_command<'a>(
-    conn: &'a mut ClusterConnection,
-    cmd: &'a Cmd,
-) -> RedisFuture<'a, Value> {
-    let is_info = cmd.args_iter().next().is_some_and(
-        |name| matches!(name, redis::Arg::Simple(n) if n.eq_ignore_ascii_case(b"INFO")),
-    );
-    if is_info {
-        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
-        Box::pin(conn.route_command(cmd.clone(), routing))
-    } else {
-        conn.req_packed_command(cmd)
+/// A command connection to a cluster: redis-rs' connection, whose commands refused while
+/// their slot moves are sent again until it settles (see the module's documentation).
+#[derive(Clone)]
+pub(crate) struct ClusterConn {
+    pub(crate) conn: ClusterConnection,
+    /// How long after its first send a command refused while its slot moves is sent
+    /// again: the command timeout.
+    settle: Duration,
+}
+
+/// The first pause before a command refused while its slot moves is sent again; doubled
+/// each time, up to [`TRY_AGAIN_MAX_PAUSE`].
+const TRY_AGAIN_PAUSE: Duration = Duration::from_millis(10);
+const TRY_AGAIN_MAX_PAUSE: Duration = Duration::from_millis(100);
+
+impl ClusterConn {
+    /// Sends one command, again while the cluster refuses it because its slot is moving,
+    /// for up to the command timeout. `INFO` goes to one primary: redis-rs would ask every primary
+    /// and answer with a map of replies, which no caller of a single command can read.
+    pub(crate) fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let is_info = cmd.args_iter().next().is_some_and(
+            |name| matches!(name, redis::Arg::Simple(n) if n.eq_ignore_ascii_case(b"INFO")),
+        );
+        if is_info {
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+            return Box::pin(self.conn.route_command(cmd.clone(), routing));
+        }
+        Box::pin(async move {
+            let give_up = Instant::now() + self.settle;
+            let mut pause = TRY_AGAIN_PAUSE;
+            loop {
+                match self.conn.req_packed_command(cmd).await {
+                    Err(e) if is_slot_moving(&e) && Instant::now() + pause < give_up => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(TRY_AGAIN_MAX_PAUSE);
+                    }
+                    reply => return reply,
+                }
+            }
+        })
     }
+}
+
+/// Whether the cluster refused a command because its slot is moving: its keys are split
+/// between the two nodes (`TRYAGAIN`), or redis-rs ran out of retries while following the
+/// node's redirection (`ASK`, or `MOVED` before its slot map caught up). It did not run.
+fn is_slot_moving(e: &RedisError) -> bool {
+    [
+        redis::ServerErrorKind::TryAgain,
+        redis::ServerErrorKind::Ask,
+        redis::ServerErrorKind::Moved,
+    ]
+    .into_iter()
+    .any(|kind| e.kind() == kind.into())
 }
 
 /// Sends `cmd` to the primary that owns the slot of `key`.

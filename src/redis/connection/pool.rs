@@ -276,7 +276,9 @@ impl Pool {
     ) -> Result<Vec<(Option<String>, T)>, CommandError> {
         let mut conn = self.connection().await?;
         let replies = match &mut conn.conn {
-            AnyConn::Cluster(cluster) => super::cluster::query_each_primary(cluster, cmd).await,
+            AnyConn::Cluster(cluster) => {
+                super::cluster::query_each_primary(&mut cluster.conn, cmd).await
+            }
             server => cmd
                 .query_async::<Value>(server)
                 .await
@@ -342,7 +344,7 @@ impl Conn {
         cmd: &redis::Cmd,
     ) -> Result<T, CommandError> {
         let result = match &mut self.conn {
-            AnyConn::Cluster(cluster) => super::cluster::query_at(cluster, key, cmd)
+            AnyConn::Cluster(cluster) => super::cluster::query_at(&mut cluster.conn, key, cmd)
                 .await
                 .and_then(|v| T::from_redis_value(v).map_err(RedisError::from)),
             server => cmd.query_async(server).await,

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +18,7 @@ use super::pool::FailureEpoch;
 use super::sentinel::SentinelGroup;
 use crate::core::store::Takeovers;
 
-use super::cluster::{self, ClusterNodes};
+use super::cluster::{self, ClusterConn, ClusterNodes};
 
 /// The Redis deployment a backend talks to.
 // One per backend, cloned only into its pool and subscriber: the size of a variant does
@@ -137,8 +136,9 @@ pub(crate) enum AnyConn {
     /// A multiplexed connection to one server.
     Server(MultiplexedConnection),
     /// A cluster connection: one multiplexed connection per node, commands routed by key,
-    /// MOVED and ASK followed, and the slot map refreshed by redis-rs.
-    Cluster(ClusterConnection),
+    /// MOVED and ASK followed, and the slot map refreshed by redis-rs; TRYAGAIN waited out
+    /// (see `cluster.rs`).
+    Cluster(ClusterConn),
 }
 
 impl AnyConn {
@@ -154,7 +154,7 @@ impl ConnectionLike for AnyConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             AnyConn::Server(conn) => conn.req_packed_command(cmd),
-            AnyConn::Cluster(conn) => cluster::req_packed_command(conn, cmd),
+            AnyConn::Cluster(conn) => conn.req_packed_command(cmd),
         }
     }
 
@@ -166,14 +166,14 @@ impl ConnectionLike for AnyConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             AnyConn::Server(conn) => conn.req_packed_commands(pipeline, offset, count),
-            AnyConn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+            AnyConn::Cluster(conn) => conn.conn.req_packed_commands(pipeline, offset, count),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             AnyConn::Server(conn) => conn.get_db(),
-            AnyConn::Cluster(conn) => conn.get_db(),
+            AnyConn::Cluster(conn) => conn.conn.get_db(),
         }
     }
 }
