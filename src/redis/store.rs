@@ -38,6 +38,10 @@ pub(crate) struct RedisStore {
     /// How long the head of a key's line of waiting holders has to take its turn after a
     /// release (see line.lua); `None`: no line (a quorum's masters).
     pub(crate) turn_grace: Option<Duration>,
+    /// How long a release's grant of a freed key to the head of its line lasts unclaimed
+    /// (see release.lua); `None`: releases grant nothing (no line, or acquisitions that
+    /// must reach replicas first).
+    pub(crate) grant_lease: Option<Duration>,
     /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
     pub(crate) restart_guard: Option<Duration>,
     /// Replicas that must acknowledge an acquisition; `None`: none.
@@ -108,7 +112,7 @@ impl Store for RedisStore {
                 conn.invoke::<Vec<i64>>(&invocation).await
             };
             let attempted = match reply {
-                Ok(reply) => parse_attempt(&reply),
+                Ok(reply) => parse_attempt(&reply, store.turn_grace.is_some()),
                 Err(e) => return (Err(e), Some(conn)),
             };
             match (&attempted, store.sync_replicas) {
@@ -187,7 +191,12 @@ impl Store for RedisStore {
     }
 
     fn subscribe(&self, key: &LockKey) -> Waiter {
-        self.subscriber.register(&key.channel)
+        self.subscriber.register(&key.channel, None)
+    }
+
+    fn subscribe_as(&self, key: &LockKey, holder: &LockOwner) -> Waiter {
+        let holder = self.grant_lease.map(|_| holder.clone());
+        self.subscriber.register(&key.channel, holder)
     }
 
     fn remaining(self: &Arc<Self>, key: &Arc<LockKey>) -> BoxFuture<'static, Option<Duration>> {
@@ -360,6 +369,7 @@ impl RedisStore {
                 .resent_guard
                 .as_deref()
                 .map(|instance| (instance, release.serial)),
+            grant: self.grant_lease.zip(self.turn_grace),
         }
     }
 
@@ -396,10 +406,33 @@ impl RedisStore {
     }
 }
 
-/// What an acquire script's reply says (see acquire.lua for the replies).
-fn parse_attempt(reply: &[i64]) -> Result<Attempted, CommandError> {
-    if let [2, wait] = reply {
-        tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions");
+/// What an acquire script's reply says (see acquire.lua for the replies); `lined`: the
+/// store keeps a line of waiting holders.
+fn parse_attempt(reply: &[i64], lined: bool) -> Result<Attempted, CommandError> {
+    let ms = |ms: i64| u64::try_from(ms).ok();
+    match *reply {
+        [2, wait] => tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions"),
+        [0, left, 1, at] if lined && at >= 0 => {
+            return Ok(Attempted::Lined {
+                left: ms(left).map(Duration::from_millis),
+                at: at.unsigned_abs(),
+            });
+        }
+        [8, token, left, reserved] if token >= 0 && reserved >= 0 => {
+            return Ok(Attempted::Granted {
+                token: token.unsigned_abs(),
+                left: Duration::from_millis(ms(left).unwrap_or(0)),
+                reserved: reserved.unsigned_abs(),
+            });
+        }
+        // Registered as a waiting writer, in no line (a quorum's master).
+        [0, left, 1, _] => {
+            return Ok(Attempted::Held {
+                left: ms(left).map(Duration::from_millis),
+                queued: true,
+            });
+        }
+        _ => {}
     }
     // A reply that cannot be read (a hold included, from a proxy or server that mangles
     // replies) fails the attempt, and the core gives back what it may have taken.
