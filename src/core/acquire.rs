@@ -9,7 +9,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
 use super::contender::{Contender, NOT_QUEUED, QUEUED};
-use super::grant::grant_taken;
+use super::grant::{found_granted, grant_taken};
 use super::handoff::Granted;
 use super::queue::{Claim, Reentry, Slot, Turn};
 use super::store::{Attempt, Attempted, Failure, StoreKey};
@@ -118,20 +118,6 @@ impl<S: Store> Core<S> {
         // Boxed, so that the many tasks waiting in a queue do not each carry the space of
         // the store's round trips that only the one contender makes.
         Box::pin(self.contend(&c, slot, reentry)).await
-    }
-
-    /// The answer to a try while another task of this backend has the key: no attempt,
-    /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
-    async fn busy(&self, c: &Contender<S>) -> LockError {
-        let remaining = self.store.remaining(&c.key);
-        let retry_after = timeout(self.settings.command_timeout, remaining)
-            .await
-            .ok()
-            .flatten();
-        LockError::Contended {
-            key: c.key.user().to_owned(),
-            retry_after,
-        }
     }
 
     /// Takes the lock in the store: try -> subscribe -> try again -> wait for a release or for
@@ -371,18 +357,12 @@ impl<S: Store> Core<S> {
                 token,
                 left,
                 reserved,
-            }) => {
-                // Out of the line: the release that granted it took it out.
-                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-                Ok(Outcome::Granted(Taken {
-                    token,
-                    reserved: token.saturating_add(reserved),
-                    sent_at,
-                    reentry: false,
-                    // It ran no sooner than it was sent, and found the grant that long.
-                    unclaimed: Some(sent_at + left),
-                }))
-            }
+            }) => Ok(Outcome::Granted(found_granted(
+                c,
+                (token, reserved),
+                left,
+                sent_at,
+            ))),
             Ok(Attempted::Held { left, queued }) => {
                 // Kept out by shared holders, and now queued ahead of new ones.
                 if queued {

@@ -61,6 +61,26 @@ pub(super) fn grant_taken<S: Store>(
     })
 }
 
+/// The hold an attempt sent at `sent_at` made of a grant it found in the store (its token
+/// and the tokens reserved above it), with `left` of it to run.
+pub(super) fn found_granted<S: Store>(
+    c: &Contender<S>,
+    (token, reserved): (u64, u64),
+    left: Duration,
+    sent_at: Instant,
+) -> Taken {
+    // Out of the line: the release that granted it took it out.
+    c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
+    Taken {
+        token,
+        reserved: token.saturating_add(reserved),
+        sent_at,
+        reentry: false,
+        // It ran no sooner than it was sent, and found the grant that long.
+        unclaimed: Some(sent_at + left),
+    }
+}
+
 impl<S: Store> Core<S> {
     /// One attempt for `c`. A re-entry that finds its outer hold granted and not claimed
     /// yet (the watchdog's claim still in flight) claims it, then re-enters.

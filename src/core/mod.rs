@@ -36,6 +36,7 @@ pub(crate) mod recheck;
 mod release;
 pub(crate) mod runtime;
 pub(crate) mod store;
+mod takeovers;
 pub(crate) mod telemetry;
 pub(crate) mod wakeups;
 pub(crate) mod watchdog;

@@ -13,6 +13,7 @@ mod quorum;
 mod records;
 mod replay;
 mod replicas;
+mod replies;
 mod run_id;
 mod scripts;
 mod store;

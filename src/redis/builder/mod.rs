@@ -213,7 +213,8 @@ impl RedisBackendBuilder {
     /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
     /// release goes to Redis: if another instance waits for the key (it is in the key's
     /// line of waiting instances, see [`turn_grace`](Self::turn_grace)), the lock is
-    /// released for real and the instances that wait take it in turn; otherwise one script
+    /// granted to the first of them (see [`grant_lease`](Self::grant_lease)) and the
+    /// instances that wait take it in turn; otherwise one script
     /// hands it to the next task under a new hold and a new block of tokens, and the turns
     /// go on.
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
@@ -253,12 +254,11 @@ impl RedisBackendBuilder {
     /// (default [`DEFAULT_GRANT_LEASE`]).
     ///
     /// A release that frees a key while instances wait in its line grants it to the head
-    /// in the same script: the grantee's waiting task is told by the release message and
-    /// holds the key without another call, and its first renewal, at once, claims it for
-    /// its full lease. A grantee that died or no longer listens keeps the key this long at
-    /// most (the other waiters look again then). Refused at build if zero or longer than
-    /// [`max_lease`](Self::max_lease). Neither a quorum nor
-    /// [`sync_replicas`](Self::sync_replicas) grants: a key is freed and taken as before.
+    /// in the same script: the grantee's task holds it on the release's message, without
+    /// another call, and its first renewal, at once, claims it for its full lease. A
+    /// grantee that died keeps the key this long at most. Refused at build if zero or
+    /// above [`max_lease`](Self::max_lease). A quorum and
+    /// [`sync_replicas`](Self::sync_replicas) grant nothing.
     pub fn grant_lease(mut self, lease: Duration) -> Self {
         self.grant_lease = lease;
         self

@@ -14,6 +14,10 @@
 -- lease, or its own wait); a release that frees the lock moves every `until` back to
 -- now, since every live waiter wakes on it: so a dead waiter costs the others at most
 -- the grace after a release, however long the leases are.
+--
+-- A release may instead grant the free lock to the live head (release.lua): the head leaves
+-- the line, and the others' `until` moves to when the grant would run out unclaimed, which
+-- is when they look again (line_granted).
 
 -- The live head of the line and what is left of its turn in milliseconds, or nil when
 -- nobody waits. Drops dead heads.
