@@ -11,7 +11,8 @@ use std::time::Duration;
 use support::RedisServer;
 use support::child::{self, ChildProcess};
 use support::history::{self, Hold, Registers, Write};
-use support::netns::now_micros;
+use support::netns::{Net, now_micros};
+use support::proxy::FaultProxy;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};
@@ -71,6 +72,19 @@ async fn lock_field(server: &RedisServer, field: &str) -> Option<String> {
         .expect("HGET")
 }
 
+/// The token of the key's grant to `head`, which the release just made.
+async fn granted_to(server: &RedisServer, head: &str) -> u64 {
+    assert_eq!(
+        lock_field(server, "granted").await.as_deref(),
+        Some(head),
+        "the release granted the key to the head of the line"
+    );
+    lock_field(server, "token")
+        .await
+        .and_then(|t| t.parse().ok())
+        .expect("the grant's token")
+}
+
 /// A task of `backend` that takes the key, says so with its token, and holds it until told
 /// (or at once); returns its hold.
 fn holder_task(backend: &RedisBackend, instance: usize) -> Waiting {
@@ -96,6 +110,16 @@ async fn release(held: LockGuard, instance: usize, start: u64) -> Hold {
     hold
 }
 
+/// Once `calls` script calls ran: each waiter's attempt before it subscribes and the one
+/// after its subscription is confirmed, after which it sleeps until woken (an attempt
+/// still in flight when a test pauses the child would run at any time).
+async fn settled(server: &RedisServer, calls: u64) {
+    support::eventually("the waiters made their attempts", || async {
+        server.command_calls(&["evalsha"]).await == calls
+    })
+    .await;
+}
+
 /// What [`holder_task`] returns: its token once it holds the key, the signal to release
 /// it, and the task.
 type Waiting = (
@@ -106,25 +130,54 @@ type Waiting = (
 
 /// The key held by an instance of the test (since `started`), a child waiting at the head
 /// of its line (`head`) and a waiter of another instance behind it.
-async fn lined_up(server: &RedisServer) -> (LockGuard, u64, ChildProcess, String, Waiting) {
+async fn lined_up(
+    server: &RedisServer,
+    spawn: impl FnOnce() -> ChildProcess,
+) -> (LockGuard, u64, ChildProcess, String, Waiting) {
     let (holder, next) = (server.backend().await, server.backend().await);
     let held = holder.lock(KEY).try_once().await.expect("uncontended");
     let started = now_micros();
-    let mut grantee = ChildProcess::spawn("child_process", "waiter", &[(URL, server.url())]);
+    // The script calls the child's build makes on a probe key, as this build does.
+    let built = server.command_calls(&["evalsha"]).await;
+    drop(server.backend().await);
+    let now = server.command_calls(&["evalsha"]).await;
+    let before = now + (now - built);
+    let mut grantee = spawn();
     assert_eq!(grantee.next_report().await.as_deref(), Some("waiting"));
     server.wait_for_subscribers(KEY, 1).await;
     support::eventually("the child waits in line", || async {
         line(server).await.len() == 1
     })
     .await;
+    settled(server, before + 2).await;
     let waiting = holder_task(&next, 1);
     server.wait_for_subscribers(KEY, 2).await;
     support::eventually("the next waiter is in line", || async {
         line(server).await.len() == 2
     })
     .await;
+    settled(server, before + 4).await;
     let head = line(server).await[0].clone();
     (held, started, grantee, head, waiting)
+}
+
+/// `held` (since `started`) released while the head of the line cannot answer: the release
+/// grants the key to `head`, and the next waiter takes it (`taken`) once the grant ran out,
+/// under a later token. Returns the released hold.
+async fn moves_on(
+    server: &RedisServer,
+    (held, started): (LockGuard, u64),
+    head: &str,
+    taken: oneshot::Receiver<u64>,
+) -> Hold {
+    let held = release(held, 0, started).await;
+    let granted = granted_to(server, head).await;
+    let token = timeout(HANG, taken)
+        .await
+        .expect("the key moves on after the grant lease")
+        .expect("taken");
+    assert!(token > granted, "{token} after the grant's {granted}");
+    held
 }
 
 fn assert_no_violation(holds: &[Hold]) {
@@ -135,22 +188,15 @@ fn assert_no_violation(holds: &[Hold]) {
 #[tokio::test]
 async fn a_key_granted_to_an_instance_killed_right_after_the_grant_moves_on_to_the_next_waiter() {
     let server = RedisServer::start();
-    let (held, started, mut grantee, head, (taken, go, waiter)) = lined_up(&server).await;
+    let spawn = || ChildProcess::spawn("child_process", "waiter", &[(URL, server.url())]);
+    let (held, started, mut grantee, head, (taken, go, waiter)) = lined_up(&server, spawn).await;
 
     // Stopped, the child can neither claim the grant nor hold; killed once the grant is in
     // Redis.
     grantee.pause();
     let held = release(held, 0, started).await;
     let released = Instant::now();
-    assert_eq!(
-        lock_field(&server, "granted").await.as_deref(),
-        Some(head.as_str()),
-        "the release granted the key to the head of the line"
-    );
-    let granted: u64 = lock_field(&server, "token")
-        .await
-        .and_then(|t| t.parse().ok())
-        .expect("the grant's token");
+    let granted = granted_to(&server, &head).await;
     assert!(granted > held.token, "the grant's token is a new one");
     grantee.kill().await;
 
@@ -216,22 +262,14 @@ async fn a_switch_between_instances_costs_the_grantee_no_acquire_call() {
 #[tokio::test]
 async fn a_grantee_that_hears_of_its_grant_after_it_ran_out_does_not_use_it() {
     let server = RedisServer::start();
-    let (held, started, mut grantee, head, (taken, go, waiter)) = lined_up(&server).await;
+    let spawn = || ChildProcess::spawn("child_process", "waiter", &[(URL, server.url())]);
+    let (held, started, mut grantee, head, (taken, go, waiter)) = lined_up(&server, spawn).await;
 
     // Paused, as a process that the scheduler, a GC or a partition holds up: the grant's
     // message waits in its socket while the grant runs out and the next waiter takes the
     // key.
     grantee.pause();
-    let held = release(held, 0, started).await;
-    let granted: u64 = lock_field(&server, "token")
-        .await
-        .and_then(|t| t.parse().ok())
-        .expect("the grant's token");
-    let token = timeout(HANG, taken)
-        .await
-        .expect("the key moves on after the grant lease")
-        .expect("taken");
-    assert!(token > granted, "{token} after the grant's {granted}");
+    let held = moves_on(&server, (held, started), &head, taken).await;
     grantee.resume();
     // It reads the grant's message now: too late to use, it tries again and waits in line
     // behind the key's holder.
@@ -248,4 +286,40 @@ async fn a_grantee_that_hears_of_its_grant_after_it_ran_out_does_not_use_it() {
     let child = Hold::decode(&report).expect("a hold");
     assert!(child.token > next.token, "tokens strictly increase");
     assert_no_violation(&[held, next, child]);
+}
+
+/// The grantee's host is cut off from the network (the Jepsen hosts: a network namespace
+/// whose only way to Redis is a forwarder on its uplink) while it waits at the head of the
+/// line: the grant's message never reaches it, the grant runs out, and the next waiter
+/// takes the key; tokens strictly increase and holds never overlap.
+#[tokio::test]
+async fn a_key_granted_to_an_instance_partitioned_away_moves_on_to_the_next_waiter() {
+    const TEST: &str = "grant to a partitioned instance";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    let server = RedisServer::start();
+    let net = Net::new(&["app"]);
+    let redis = std::net::SocketAddr::from(([127, 0, 0, 1], server.port()));
+    let proxy = FaultProxy::start((net.root_ip("app"), 0).into(), redis).await;
+    let url = format!("redis://{}", proxy.addr());
+    let spawn = || ChildProcess::spawn_in(&net.ns("app"), "child_process", "waiter", &[(URL, url)]);
+    let (held, started, mut grantee, head, (taken, go, waiter)) = lined_up(&server, spawn).await;
+
+    net.isolate("app");
+    let held = moves_on(&server, (held, started), &head, taken).await;
+    let _ = go.send(());
+    let next = waiter.await.expect("no panic");
+    grantee.kill().await;
+    // Whatever the child reported holding (nothing: it never heard of the grant).
+    let child: Vec<Hold> = grantee
+        .remaining_reports()
+        .await
+        .iter()
+        .filter_map(|r| Hold::decode(r))
+        .collect();
+    let mut holds = vec![held, next];
+    holds.extend(child);
+    assert_no_violation(&holds);
 }

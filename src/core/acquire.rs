@@ -357,12 +357,10 @@ impl<S: Store> Core<S> {
                 token,
                 left,
                 reserved,
-            }) => Ok(Outcome::Granted(found_granted(
-                c,
-                (token, reserved),
-                left,
-                sent_at,
-            ))),
+            }) => Ok(match found_granted(c, (token, reserved), left, sent_at) {
+                Some(taken) => Outcome::Granted(taken),
+                None => Outcome::Held(Some(left)),
+            }),
             Ok(Attempted::Held { left, queued }) => {
                 // Kept out by shared holders, and now queued ahead of new ones.
                 if queued {

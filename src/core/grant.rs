@@ -62,23 +62,28 @@ pub(super) fn grant_taken<S: Store>(
 }
 
 /// The hold an attempt sent at `sent_at` made of a grant it found in the store (its token
-/// and the tokens reserved above it), with `left` of it to run.
+/// and the tokens reserved above it), with `left` of it to run; `None` when its reply came
+/// too late to use it (the process was paused): the grant is waited out, as a lease.
 pub(super) fn found_granted<S: Store>(
     c: &Contender<S>,
     (token, reserved): (u64, u64),
     left: Duration,
     sent_at: Instant,
-) -> Taken {
+) -> Option<Taken> {
     // Out of the line: the release that granted it took it out.
     c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-    Taken {
+    let ends = sent_at + left;
+    if ends <= Instant::now() + left / 4 {
+        return None;
+    }
+    Some(Taken {
         token,
         reserved: token.saturating_add(reserved),
         sent_at,
         reentry: false,
         // It ran no sooner than it was sent, and found the grant that long.
-        unclaimed: Some(sent_at + left),
-    }
+        unclaimed: Some(ends),
+    })
 }
 
 impl<S: Store> Core<S> {
