@@ -200,7 +200,8 @@ pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
 pub use crate::redis::{
-    DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend, RedisBackendBuilder,
+    DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend,
+    RedisBackendBuilder,
 };
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]

@@ -5,6 +5,8 @@
 mod checks;
 #[path = "cluster/family.rs"]
 mod family;
+#[path = "cluster/grant.rs"]
+mod grant;
 #[path = "cluster/idempotency.rs"]
 mod idempotency;
 #[path = "cluster/late_resend.rs"]
@@ -45,6 +47,7 @@ async fn cluster_scenarios() {
     family::shared_holds_and_permits_live_on_their_shard(&cluster).await;
     idempotency::records_live_on_the_shard_of_their_lock_and_replay(&cluster).await;
     waiters_do_not_poll_and_a_release_reaches_only_its_shard(&cluster).await;
+    grant::a_release_grants_the_key_to_the_waiting_instance(&cluster).await;
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;

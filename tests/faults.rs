@@ -913,8 +913,11 @@ async fn hold_with_a_local_queue() {
     };
     // A run of handoffs in memory is bounded by its count only: every queued task would get
     // the key in memory if that were allowed.
+    // A lease well above the nemesis' pauses (see `increment`), the grant's too: a hold
+    // that a release granted runs on it until its first renewal.
     let backend = support::builder(&child::setting(URL))
         .max_local_handoff_time(Duration::from_secs(60))
+        .grant_lease(Duration::from_secs(10))
         .build()
         .await
         .expect("backend connects to the test server");
@@ -1277,8 +1280,11 @@ const COUNTERS: [&str; 2] = ["counter-a", "counter-b"];
 /// bounded by their count only, since the default time bound (20 ms) could end every run
 /// before its first handoff on a loaded machine.
 async fn increment_counters() {
+    // A lease well above the nemesis' pauses (see `increment`), the grant's too: a hold
+    // that a release granted runs on it until its first renewal.
     let backend = support::builder(&child::setting(URL))
         .max_local_handoff_time(Duration::from_secs(60))
+        .grant_lease(Duration::from_secs(10))
         .build()
         .await
         .expect("backend connects to the test server");

@@ -13,7 +13,6 @@ use tokio::time::timeout;
 use tower_lock::{LockError, LockGuard, RedisBackend};
 
 const KEY: &str = "stock:7";
-const LINE: &str = "tower-lock:{stock:7}:line";
 const WAIT: Duration = Duration::from_secs(20);
 /// Only to catch a hang.
 const HANG: Duration = Duration::from_secs(10);
@@ -28,13 +27,7 @@ fn spawn_waiter(backend: &RedisBackend) -> JoinHandle<Result<LockGuard, LockErro
 
 /// The holders in the key's line, head first.
 async fn line(server: &RedisServer) -> Vec<String> {
-    redis::cmd("ZRANGE")
-        .arg(LINE)
-        .arg(0)
-        .arg(-1)
-        .query_async(&mut server.conn().await)
-        .await
-        .expect("ZRANGE")
+    server.line(KEY).await
 }
 
 async fn served(waiter: JoinHandle<Result<LockGuard, LockError>>) -> LockGuard {

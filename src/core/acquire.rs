@@ -9,9 +9,11 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::call::AcquireCall;
 use super::contender::{Contender, NOT_QUEUED, QUEUED};
+use super::grant::{found_granted, grant_taken};
 use super::handoff::Granted;
 use super::queue::{Claim, Reentry, Slot, Turn};
 use super::store::{Attempt, Attempted, Failure, StoreKey};
+use super::wakeups::Wake;
 use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
 use crate::backend::Backend;
 use crate::error::LockError;
@@ -22,24 +24,32 @@ use crate::lock::{Acquired, Kind, LockRequest, Mode};
 const MAX_OVERTAKEN: u32 = 3;
 
 /// What one attempt found, as the acquisition acts on it.
-enum Outcome {
+pub(super) enum Outcome {
     Acquired(Taken),
     /// Held by another owner, for about this much longer (`None`: no expiry set).
     Held(Option<Duration>),
+    /// The same, and the attempt is in the store's line of waiting holders: sent at this
+    /// instant, it ran at this time of the store's clock (milliseconds), which times a
+    /// grant that comes later (see `grant.rs`).
+    Lined(Option<Duration>, (Instant, u64)),
+    /// A release granted the key to this holder, not claimed yet (see `grant.rs`).
+    Granted(Taken),
     /// Free, and left to the other instances that wait for it (a yielding attempt).
     LeftToOthers,
     /// The key's idempotency record exists: nothing was taken.
     Recorded,
 }
 
-/// A hold an attempt took.
-struct Taken {
-    token: u64,
+/// A hold an attempt took (or a release granted).
+pub(super) struct Taken {
+    pub(super) token: u64,
     /// Tokens reserved above `token` for a run of this process's holders.
-    reserved: u64,
-    sent_at: Instant,
+    pub(super) reserved: u64,
+    pub(super) sent_at: Instant,
     /// The owner held the lock already: this hold re-entered it.
-    reentry: bool,
+    pub(super) reentry: bool,
+    /// A grant not claimed yet: it lasts until then (see `grant.rs`).
+    pub(super) unclaimed: Option<Instant>,
 }
 
 impl<S: Store> Core<S> {
@@ -110,20 +120,6 @@ impl<S: Store> Core<S> {
         Box::pin(self.contend(&c, slot, reentry)).await
     }
 
-    /// The answer to a try while another task of this backend has the key: no attempt,
-    /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
-    async fn busy(&self, c: &Contender<S>) -> LockError {
-        let remaining = self.store.remaining(&c.key);
-        let retry_after = timeout(self.settings.command_timeout, remaining)
-            .await
-            .ok()
-            .flatten();
-        LockError::Contended {
-            key: c.key.user().to_owned(),
-            retry_after,
-        }
-    }
-
     /// Takes the lock in the store: try -> subscribe -> try again -> wait for a release or for
     /// the holder's lease -> loop. Holding `slot`, this is the only task of the backend
     /// doing so for the key; the slot goes into the guard.
@@ -143,10 +139,15 @@ impl<S: Store> Core<S> {
         // A slot passed on by a release that ended this process's run skips the first try
         // (see below): the other instances, woken by that release, go first.
         let yielded = slot.as_ref().and_then(Slot::yielded);
+        // The last attempt that put this acquisition in the store's line (see `grant.rs`).
+        let mut lined = None;
         if yielded.is_none() {
-            match self.attempt(c, (reserve(), None)).await? {
-                Outcome::Acquired(taken) => return Ok(self.taken(c, taken, slot, reentry)),
+            match self.attempt_as(c, &reentry, (reserve(), None)).await? {
+                Outcome::Acquired(taken) | Outcome::Granted(taken) => {
+                    return Ok(self.taken(c, taken, slot, reentry));
+                }
                 Outcome::Held(p) => pttl = p,
+                Outcome::Lined(p, seen) => (pttl, lined) = (p, Some(seen)),
                 Outcome::LeftToOthers => {}
                 Outcome::Recorded => return Ok(Acquired::Recorded),
             }
@@ -180,7 +181,12 @@ impl<S: Store> Core<S> {
         // failed attempt and the subscription would otherwise be missed (Redisson #5761).
         // The waiter starts with a permit when its channel is already subscribed, and gets
         // one when the subscription is confirmed, so the next attempt follows either way.
-        let waiter = self.store.subscribe(&c.key);
+        // An exclusive acquisition that waits in the store's line may be granted the key by
+        // a release (see `grant.rs`).
+        let waiter = match (c.kind, &reentry) {
+            (Kind::Exclusive, None) => self.store.subscribe_as(&c.key, c.store_owner()),
+            _ => self.store.subscribe(&c.key),
+        };
         // The release that ended this process's run woke the other instances: until one of
         // them takes the key (this task finds it held, or the store finds the fencing
         // counter moved past the value that release left), or for at most a run's time
@@ -190,20 +196,38 @@ impl<S: Store> Core<S> {
             let until = (Instant::now() + self.settings.max_local_handoff_time).min(deadline);
             (until, fence)
         });
+        let mut wake_by = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
         loop {
-            let mut nap = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+            let mut nap = wake_by;
             if let Some((until, _)) = yield_until.filter(|(until, _)| Instant::now() < *until) {
                 nap = nap.min(until);
             }
-            tokio::select! {
-                _ = waiter.woken() => {}
-                _ = sleep_until(nap) => {}
+            let woken = tokio::select! {
+                wake = waiter.woken() => wake,
+                _ = sleep_until(nap) => Wake::Try,
+            };
+            match woken {
+                // The key is this acquisition's, unless the grant came too late to use.
+                Wake::Granted(grant) => {
+                    if let Some(taken) = lined.and_then(|seen| grant_taken(c, grant, seen)) {
+                        drop(waiter);
+                        return Ok(self.taken(c, taken, slot, reentry));
+                    }
+                }
+                // Another holder was granted the key: nothing to try before its grant
+                // would run out unclaimed.
+                Wake::Recheck(at) => {
+                    wake_by = wake_by.min(at);
+                    continue;
+                }
+                Wake::Try => {}
             }
             let yielding = yield_until
                 .filter(|(until, _)| Instant::now() < *until)
                 .map(|(_, fence)| fence);
-            match self.attempt(c, (reserve(), yielding)).await? {
-                Outcome::Acquired(taken) => {
+            lined = None;
+            match self.attempt_as(c, &reentry, (reserve(), yielding)).await? {
+                Outcome::Acquired(taken) | Outcome::Granted(taken) => {
                     drop(waiter);
                     return Ok(self.taken(c, taken, slot, reentry));
                 }
@@ -212,9 +236,14 @@ impl<S: Store> Core<S> {
                     pttl = p;
                     yield_until = None;
                 }
+                Outcome::Lined(p, seen) => {
+                    (pttl, lined) = (p, Some(seen));
+                    yield_until = None;
+                }
                 Outcome::LeftToOthers => pttl = None,
                 Outcome::Recorded => return Ok(Acquired::Recorded),
             }
+            wake_by = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
             if Instant::now() >= deadline {
                 return Err(c.timed_out(pttl));
             }
@@ -230,7 +259,9 @@ impl<S: Store> Core<S> {
         slot: Option<Slot>,
         reentry: Option<Reentry>,
     ) -> Acquired {
-        let checked = c.unless_recorded && !taken.reentry && reentry.is_none();
+        // (A grant did not check the record: the holder that released may have stored one.)
+        let checked =
+            c.unless_recorded && !taken.reentry && reentry.is_none() && taken.unclaimed.is_none();
         // A re-entry by a holder that got the lock in memory keeps that holder's token.
         let granted = Granted {
             token: reentry
@@ -239,6 +270,7 @@ impl<S: Store> Core<S> {
                 .unwrap_or(taken.token),
             reserved: taken.reserved,
             sent_at: taken.sent_at,
+            unclaimed: taken.unclaimed,
             continues: None,
         };
         let claim = (c.claim.clone(), c.kind);
@@ -256,7 +288,7 @@ impl<S: Store> Core<S> {
     /// `reserve`: tokens to reserve for a run in memory; `yielding`: the key is left to
     /// other instances that wait for it until its fencing counter passes this value (see
     /// [`Attempt::yielding`]).
-    async fn attempt(
+    pub(super) async fn attempt(
         self: &Arc<Self>,
         c: &Contender<S>,
         (reserve, yielding): (u64, Option<u64>),
@@ -314,8 +346,21 @@ impl<S: Store> Core<S> {
                     },
                     sent_at,
                     reentry: count > 1,
+                    unclaimed: None,
                 }))
             }
+            Ok(Attempted::Lined { left, at }) => {
+                c.queued_writer.store(QUEUED, Ordering::Relaxed);
+                Ok(Outcome::Lined(left, (sent_at, at)))
+            }
+            Ok(Attempted::Granted {
+                token,
+                left,
+                reserved,
+            }) => Ok(match found_granted(c, (token, reserved), left, sent_at) {
+                Some(taken) => Outcome::Granted(taken),
+                None => Outcome::Held(Some(left)),
+            }),
             Ok(Attempted::Held { left, queued }) => {
                 // Kept out by shared holders, and now queued ahead of new ones.
                 if queued {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use tokio::time::Instant;
+use tokio::time::{Instant, timeout};
 
 use super::queue::Claim;
 use super::store::StoreKey;
@@ -69,6 +69,22 @@ impl<S: Store> Contender<S> {
         LockError::TimedOut {
             key: self.key.user().to_owned(),
             waited: self.started.elapsed(),
+            retry_after,
+        }
+    }
+}
+
+impl<S: Store> Core<S> {
+    /// The answer to a try while another task of this backend has the key: no attempt,
+    /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
+    pub(super) async fn busy(&self, c: &Contender<S>) -> LockError {
+        let remaining = self.store.remaining(&c.key);
+        let retry_after = timeout(self.settings.command_timeout, remaining)
+            .await
+            .ok()
+            .flatten();
+        LockError::Contended {
+            key: c.key.user().to_owned(),
             retry_after,
         }
     }

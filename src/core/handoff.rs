@@ -37,6 +37,8 @@ pub(crate) struct Granted {
     pub(super) reserved: u64,
     /// When the acquisition or handoff that granted it was sent.
     pub(super) sent_at: Instant,
+    /// A grant by a release not claimed yet, which lasts until then (see `grant.rs`).
+    pub(super) unclaimed: Option<Instant>,
     /// The run of this process's holders it goes on with, when a handoff through the store
     /// granted it before the run was over.
     pub(super) continues: Option<Run>,

@@ -11,7 +11,8 @@
 //! - `hold.rs`, `release.rs`: the guard's hold and its release on every exit path,
 //!   retried, idempotent, finished in the background when nobody waits for it, never
 //!   outlived by renewal.
-//! - `handoff.rs`: runs of this process's holders taking turns under one hold in the store.
+//! - `handoff.rs`: runs of this process's holders taking turns under one hold in the store;
+//!   `grant.rs`: keys a release in the store granted to a waiting acquisition.
 //! - `watchdog/`: batched renewal every lease/3, the stop margin before a lease ends, and
 //!   `lost()`; `recheck.rs`: the re-check of every hold when the store may have lost data.
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
@@ -21,6 +22,7 @@ pub(crate) mod acquire;
 mod backend;
 mod call;
 mod contender;
+mod grant;
 mod handoff;
 mod hold;
 #[cfg(any(feature = "etcd", feature = "zookeeper"))]
@@ -34,6 +36,7 @@ pub(crate) mod recheck;
 mod release;
 pub(crate) mod runtime;
 pub(crate) mod store;
+mod takeovers;
 pub(crate) mod telemetry;
 pub(crate) mod wakeups;
 pub(crate) mod watchdog;

@@ -35,6 +35,8 @@ use std::error::Error as StdError;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub(crate) use super::takeovers::Takeovers;
+
 use super::queue::Claim;
 use super::wakeups::Waiter;
 use super::watchdog::Due;
@@ -100,6 +102,14 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
 
     /// Registers a waiter for releases of `key`.
     fn subscribe(&self, key: &Self::Key) -> Waiter;
+
+    /// Registers the waiter of an acquisition that waits in the store's line of waiting
+    /// holders as `holder`: a store that grants a freed key to the line's head tells it
+    /// the grant ([`Wake::Granted`](super::wakeups::Wake)). The same as
+    /// [`subscribe`](Self::subscribe) by default.
+    fn subscribe_as(&self, key: &Self::Key, _holder: &LockOwner) -> Waiter {
+        self.subscribe(key)
+    }
 
     /// How long the key's current holder may still hold it, for `Retry-After` when another
     /// task of this process has the key: `None` when unknown (the default: a store whose
@@ -264,6 +274,19 @@ pub(crate) enum Attempted {
     },
     /// Free, and left to the other instances that wait for it (a yielding attempt).
     LeftToOthers,
+    /// As [`Held`](Self::Held) with `queued`, and the attempt is in the store's line of
+    /// waiting holders, as of the store's clock `at` (milliseconds): a grant made later
+    /// than that is timed from the attempt (see `Store::subscribe_as`).
+    Lined { left: Option<Duration>, at: u64 },
+    /// A release granted the key to this holder, which has not claimed it: it is the
+    /// holder's for `left` more unless claimed, under `token`, with `reserved` tokens
+    /// above it for a run of holders in memory. Nothing was taken: the acquisition makes
+    /// it a hold, or a re-entry claims it first.
+    Granted {
+        token: u64,
+        left: Duration,
+        reserved: u64,
+    },
     /// The owner holds the key shared and asked for it exclusively.
     UpgradeRefused,
     /// The key's idempotency record exists ([`Attempt::record`]): nothing was taken, and
@@ -366,36 +389,5 @@ impl Released {
             [0] => Released::NotHeld,
             _ => return None,
         })
-    }
-}
-
-/// See [`Store::takeovers`]: a generation count and its changes.
-pub(crate) struct Takeovers(Option<tokio::sync::watch::Receiver<u64>>);
-
-impl Takeovers {
-    /// A store that announces no takeovers.
-    pub(crate) fn none() -> Self {
-        Takeovers(None)
-    }
-
-    /// Takeovers announced through `generations`.
-    pub(crate) fn from(generations: tokio::sync::watch::Receiver<u64>) -> Self {
-        Takeovers(Some(generations))
-    }
-
-    /// How many takeovers were announced so far.
-    pub(crate) fn generation(&self) -> u64 {
-        self.0.as_ref().map_or(0, |g| *g.borrow())
-    }
-
-    /// Resolves at the next announced takeover; never, for a store that makes none.
-    /// Cancel-safe.
-    pub(crate) async fn next(&mut self) {
-        if let Some(generations) = &mut self.0
-            && generations.changed().await.is_ok()
-        {
-            return;
-        }
-        std::future::pending().await
     }
 }

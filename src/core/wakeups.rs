@@ -7,20 +7,74 @@
 //! Every waiter owns a [`Notify`], whose stored permit means "try the lock again": a
 //! release message, a confirmed subscription or a reconnect all hand out permits, and a
 //! permit that arrives before the waiter parks is kept rather than lost (Redisson #5761).
+//!
+//! A store that grants a freed key to the next waiting holder (Redis, see release.lua)
+//! tells the grantee's waiter through [`Registry::granted`]: that waiter gets the grant
+//! and makes it a hold without another call, and the key's other waiters are not woken,
+//! only told when to look again if the grant runs out unclaimed ([`Wake::Recheck`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
+use tokio::time::{Duration, Instant};
 
 use super::telemetry::Namespace;
+use crate::lock::LockOwner;
+
+/// A key granted to a waiting holder by a release in the store, as its message said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub(crate) token: u64,
+    /// Tokens reserved above `token` for a run of the grantee's holders in memory.
+    pub(crate) reserved: u64,
+    /// The store's clock when the release granted it, in milliseconds.
+    pub(crate) at: u64,
+    /// How long the grant lasts from `at` unless its holder claims it.
+    pub(crate) lease: Duration,
+}
+
+/// What woke a waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wake {
+    /// The lock may have been freed (or the subscription came up): try again.
+    Try,
+    /// A release granted the key to this waiter's holder.
+    Granted(Grant),
+    /// A release granted the key to another holder: try again by then, unless woken
+    /// before (the grant may run out unclaimed).
+    Recheck(Instant),
+}
+
+/// One waiter's wake-ups.
+struct Wakeup {
+    /// Try again (see the module's doc).
+    notify: Notify,
+    /// The holder a grant for this waiter names (`None`: it takes no grants).
+    holder: Option<LockOwner>,
+    /// A grant or a recheck, told through `hinted`.
+    hint: std::sync::Mutex<Option<Wake>>,
+    hinted: Notify,
+}
+
+impl Wakeup {
+    fn hint(&self, wake: Wake) {
+        let mut hint = self.hint.lock().unwrap_or_else(|e| e.into_inner());
+        // A recheck never replaces a grant not yet taken.
+        if !matches!(*hint, Some(Wake::Granted(_))) {
+            *hint = Some(wake);
+        }
+        drop(hint);
+        self.hinted.notify_one();
+    }
+}
 
 /// Channels with waiters and the listening connection's state.
 #[derive(Default)]
 pub(crate) struct Registry {
     /// Channels with waiters, each waiter's wakeup keyed by its id.
-    pub(crate) channels: HashMap<String, HashMap<u64, Arc<Notify>>>,
+    channels: HashMap<String, HashMap<u64, Arc<Wakeup>>>,
     /// Channels the current connection has confirmed. A waiter that registers on one of
     /// these can try again at once: any later release reaches it.
     pub(crate) active: HashSet<String>,
@@ -33,7 +87,7 @@ pub(crate) struct Registry {
 impl Registry {
     pub(crate) fn wake_channel(&self, channel: &str) {
         if let Some(waiters) = self.channels.get(channel) {
-            waiters.values().for_each(|n| n.notify_one());
+            waiters.values().for_each(|w| w.notify.notify_one());
         }
     }
 
@@ -41,7 +95,33 @@ impl Registry {
         self.channels
             .values()
             .flat_map(HashMap::values)
-            .for_each(|n| n.notify_one());
+            .for_each(|w| w.notify.notify_one());
+    }
+
+    /// A release on `channel` granted the key to `holder`: its waiter gets the grant; the
+    /// channel's other waiters look again when the grant would run out unclaimed, counted
+    /// from now (it was made before its message came). Returns whether a waiter of this
+    /// backend took it.
+    pub(crate) fn granted(&self, channel: &str, holder: &str, grant: Grant) -> bool {
+        let Some(waiters) = self.channels.get(channel) else {
+            return false;
+        };
+        let recheck = Instant::now() + grant.lease;
+        let mut taken = false;
+        for waiter in waiters.values() {
+            if waiter.holder.as_ref().is_some_and(|h| h.as_str() == holder) {
+                taken = true;
+                waiter.hint(Wake::Granted(grant));
+            } else {
+                waiter.hint(Wake::Recheck(recheck));
+            }
+        }
+        taken
+    }
+
+    /// Whether `channel` has waiters.
+    pub(crate) fn has_waiters(&self, channel: &str) -> bool {
+        self.channels.contains_key(channel)
     }
 
     /// The channels to subscribe (waiters, not active) and to give up (active, no
@@ -121,18 +201,33 @@ impl Wakeups {
     /// Registers a waiter on `channel`. If the channel is already subscribed the waiter
     /// starts with a permit, so its first wait returns at once and it tries again.
     pub(crate) fn register(&self, channel: &str) -> Waiter {
+        self.register_waiter(channel, None)
+    }
+
+    /// Registers a waiter on `channel` that takes the grants a release makes to `holder`
+    /// (see [`Registry::granted`]).
+    pub(crate) fn register_as(&self, channel: &str, holder: LockOwner) -> Waiter {
+        self.register_waiter(channel, Some(holder))
+    }
+
+    fn register_waiter(&self, channel: &str, holder: Option<LockOwner>) -> Waiter {
         let id = self.0.next_id.fetch_add(1, Ordering::Relaxed);
-        let notify = Arc::new(Notify::new());
+        let wakeup = Arc::new(Wakeup {
+            notify: Notify::new(),
+            holder,
+            hint: std::sync::Mutex::new(None),
+            hinted: Notify::new(),
+        });
         let mut registry = self.registry();
         let already_active = registry.active.contains(channel);
         registry
             .channels
             .entry(channel.to_owned())
             .or_default()
-            .insert(id, notify.clone());
+            .insert(id, wakeup.clone());
         drop(registry);
         if already_active {
-            notify.notify_one();
+            wakeup.notify.notify_one();
         } else {
             self.mark_changed();
         }
@@ -140,7 +235,7 @@ impl Wakeups {
             wakeups: self.clone(),
             channel: channel.to_owned(),
             id,
-            notify,
+            wakeup,
             also: Vec::new(),
         }
     }
@@ -208,25 +303,36 @@ pub(crate) struct Waiter {
     wakeups: Wakeups,
     channel: String,
     id: u64,
-    notify: Arc<Notify>,
+    wakeup: Arc<Wakeup>,
     /// Further registrations whose wake-ups count as this one's (a quorum of stores).
     also: Vec<Waiter>,
 }
 
 impl Waiter {
-    /// Resolves when the lock may have been freed (or the subscription came up); the caller
-    /// must then try again, as a wakeup is a hint, not a handoff.
-    pub(crate) async fn woken(&self) {
+    /// Resolves when the lock may have been freed (or the subscription came up): the
+    /// caller must then try again, as a wakeup is a hint, not a handoff; or with a grant
+    /// to this waiter's holder, or a time to look again by (see [`Wake`]).
+    pub(crate) async fn woken(&self) -> Wake {
         if self.also.is_empty() {
-            return self.notify.notified().await;
+            let wakeup = &self.wakeup;
+            // A grant goes first: the key is this waiter's already.
+            tokio::select! {
+                biased;
+                _ = wakeup.hinted.notified() => {
+                    let hint = wakeup.hint.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    return hint.unwrap_or(Wake::Try);
+                }
+                _ = wakeup.notify.notified() => return Wake::Try,
+            }
         }
         let all = || std::iter::once(self).chain(&self.also);
-        futures_util::future::select_all(all().map(|w| Box::pin(w.notify.notified()))).await;
+        futures_util::future::select_all(all().map(|w| Box::pin(w.wakeup.notify.notified()))).await;
         // One try answers every wake-up that came before it: a release on N stores wakes
         // once, not N times.
         for waiter in all() {
-            let _ = futures_util::FutureExt::now_or_never(waiter.notify.notified());
+            let _ = futures_util::FutureExt::now_or_never(waiter.wakeup.notify.notified());
         }
+        Wake::Try
     }
 
     /// One waiter woken by whichever of `first` and `rest` is woken first.

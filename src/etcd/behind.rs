@@ -173,7 +173,7 @@ impl Waits {
         };
         while let Some((_, channel)) = line.pop_front() {
             self.waiting.remove(&channel);
-            if registry.channels.contains_key(&channel) {
+            if registry.has_waiters(&channel) {
                 registry.wake_channel(&channel);
                 self.woken.insert(channel);
                 break;

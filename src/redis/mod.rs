@@ -13,6 +13,7 @@ mod quorum;
 mod records;
 mod replay;
 mod replicas;
+mod replies;
 mod run_id;
 mod scripts;
 mod store;
@@ -20,7 +21,7 @@ mod store;
 use std::fmt;
 use std::sync::Arc;
 
-pub use self::builder::{DEFAULT_TURN_GRACE, RedisBackendBuilder};
+pub use self::builder::{DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, RedisBackendBuilder};
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::quorum::QuorumStore;
 use self::store::RedisStore;

@@ -348,6 +348,8 @@ impl Replayer {
             reserve: 0,
             // Replays are Sentinel's, whose client sends nothing again.
             resent_guard: None,
+            // A hold the failover kept by mistake is freed, its waiters woken.
+            grant: None,
         }
         .invocation(&config.scripts, config.fence_ttl);
         let reply: Vec<i64> = timeout(config.command_timeout, config.pool.invoke(&invocation))

@@ -17,8 +17,9 @@ use tokio::time::timeout;
 
 use super::connection::pool::{CommandError, Conn, Pool};
 use super::keys::LockKey;
+use super::replies::parse_release;
 use super::scripts::millis;
-use super::store::{RedisStore, parse_release};
+use super::store::RedisStore;
 use crate::core::store::{Release, Released, Store};
 use crate::lock::Kind;
 

@@ -13,6 +13,7 @@ use super::keys::LockKey;
 use super::pubsub::Subscriber;
 use super::replay::Replays;
 use super::replicas::{SyncReplicas, Write};
+use super::replies::{parse_attempt, parse_release};
 use super::scripts::release_call::ReleaseCall;
 use super::scripts::{Scripts, millis};
 use crate::core::store::{
@@ -38,6 +39,10 @@ pub(crate) struct RedisStore {
     /// How long the head of a key's line of waiting holders has to take its turn after a
     /// release (see line.lua); `None`: no line (a quorum's masters).
     pub(crate) turn_grace: Option<Duration>,
+    /// How long a release's grant of a freed key to the head of its line lasts unclaimed
+    /// (see release.lua); `None`: releases grant nothing (no line, or acquisitions that
+    /// must reach replicas first).
+    pub(crate) grant_lease: Option<Duration>,
     /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
     pub(crate) restart_guard: Option<Duration>,
     /// Replicas that must acknowledge an acquisition; `None`: none.
@@ -108,7 +113,7 @@ impl Store for RedisStore {
                 conn.invoke::<Vec<i64>>(&invocation).await
             };
             let attempted = match reply {
-                Ok(reply) => parse_attempt(&reply),
+                Ok(reply) => parse_attempt(&reply, store.turn_grace.is_some()),
                 Err(e) => return (Err(e), Some(conn)),
             };
             match (&attempted, store.sync_replicas) {
@@ -198,7 +203,12 @@ impl Store for RedisStore {
     }
 
     fn subscribe(&self, key: &LockKey) -> Waiter {
-        self.subscriber.register(&key.channel)
+        self.subscriber.register(&key.channel, None)
+    }
+
+    fn subscribe_as(&self, key: &LockKey, holder: &LockOwner) -> Waiter {
+        let holder = self.grant_lease.map(|_| holder.clone());
+        self.subscriber.register(&key.channel, holder)
     }
 
     fn remaining(self: &Arc<Self>, key: &Arc<LockKey>) -> BoxFuture<'static, Option<Duration>> {
@@ -382,6 +392,7 @@ impl RedisStore {
                 .resent_guard
                 .as_deref()
                 .map(|instance| (instance, release.serial)),
+            grant: self.grant_lease.zip(self.turn_grace),
         }
     }
 
@@ -416,19 +427,4 @@ impl RedisStore {
             _ => Err(conn),
         }
     }
-}
-
-/// What an acquire script's reply says (see acquire.lua for the replies).
-fn parse_attempt(reply: &[i64]) -> Result<Attempted, CommandError> {
-    if let [2, wait] = reply {
-        tracing::debug!(wait_ms = wait, "restart guard refuses new acquisitions");
-    }
-    // A reply that cannot be read (a hold included, from a proxy or server that mangles
-    // replies) fails the attempt, and the core gives back what it may have taken.
-    Attempted::from_reply(reply).ok_or(CommandError::Unexpected(UnexpectedReply("acquire")))
-}
-
-/// What a release script's reply says (see release.lua for the replies).
-pub(super) fn parse_release(reply: &[i64]) -> Result<Released, CommandError> {
-    Released::from_reply(reply).ok_or(CommandError::Unexpected(UnexpectedReply("release")))
 }

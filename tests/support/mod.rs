@@ -248,6 +248,17 @@ impl RedisServer {
             .expect("EXISTS")
     }
 
+    /// The holders in the line of `user`'s lock (see line.lua), head first.
+    pub async fn line(&self, user: &str) -> Vec<String> {
+        redis::cmd("ZRANGE")
+            .arg(format!("{}:line", lock_key(user)))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut self.conn().await)
+            .await
+            .expect("ZRANGE")
+    }
+
     /// Every key in the database, sorted.
     pub async fn keys(&self) -> Vec<String> {
         self.sorted(redis::cmd("KEYS").arg("*")).await

@@ -21,6 +21,20 @@ pub(crate) struct Due {
     pub(super) rechecks: u64,
 }
 
+impl Due {
+    /// A renewal outside the watchdog's rounds, of `key` for `lease`: the claim of a
+    /// granted hold that a re-entry cannot wait for (see `grant.rs`).
+    pub(crate) fn claim(key: HoldKey, lease: Duration) -> Self {
+        Due {
+            key,
+            generation: 0,
+            lease,
+            renew: true,
+            rechecks: 0,
+        }
+    }
+}
+
 /// Sends one renewal call and applies its reply. The holds of `batch` are marked in
 /// flight (see `collect_due`) until this returns, which it does within `command_timeout`.
 pub(super) async fn renew_batch<S: Store>(
@@ -50,6 +64,7 @@ pub(super) async fn renew_batch<S: Store>(
                 let settled = due.rechecks == rechecks;
                 if still_held && due.renew {
                     entry.confirmed = sent_at;
+                    entry.unclaimed = None;
                     if settled {
                         entry.recheck = false;
                         entry.next = sent_at + entry.lease / 3;

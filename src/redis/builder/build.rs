@@ -153,6 +153,10 @@ impl RedisBackendBuilder {
             command_timeout: self.command_timeout,
             fence_ttl: self.fence_ttl,
             turn_grace: (!self.quorum_master).then_some(self.turn_grace),
+            // A grant is made on the master alone: acquisitions that must reach replicas
+            // first take the key as before.
+            grant_lease: (!self.quorum_master && self.sync_replicas.is_none())
+                .then_some(self.grant_lease),
             restart_guard: self.restart_guard.then_some(self.max_lease),
             sync_replicas: self.sync_replicas,
             resent_guard,
@@ -298,6 +302,12 @@ impl RedisBackendBuilder {
         }
         if self.max_lease < Duration::from_millis(3) {
             return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
+        }
+        if self.grant_lease.is_zero() || self.grant_lease > self.max_lease {
+            return refuse(
+                "grant_lease",
+                "it must be above zero and no longer than `max_lease`",
+            );
         }
         if let Some(sync) = self.sync_replicas {
             if sync.replicas == 0 {

@@ -26,6 +26,11 @@ use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 /// tens of round trips on a busy network, far below any lease.
 pub const DEFAULT_TURN_GRACE: Duration = Duration::from_millis(250);
 
+/// The default [`grant_lease`](RedisBackendBuilder::grant_lease): a quarter of a second,
+/// like the turn grace: tens of round trips under load for the grantee to hear of the
+/// grant and claim it, and all that a grantee that died costs the next waiter.
+pub const DEFAULT_GRANT_LEASE: Duration = Duration::from_millis(250);
+
 /// Configures a [`RedisBackend`]; created by [`RedisBackend::builder`].
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `build` is awaited"]
@@ -42,6 +47,7 @@ pub struct RedisBackendBuilder {
     max_local_handoffs: u32,
     max_local_handoff_time: Duration,
     turn_grace: Duration,
+    grant_lease: Duration,
     tls: TlsSettings,
     allow_eviction: bool,
     restart_guard: bool,
@@ -105,6 +111,7 @@ impl RedisBackendBuilder {
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
             max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
             turn_grace: DEFAULT_TURN_GRACE,
+            grant_lease: DEFAULT_GRANT_LEASE,
             tls: TlsSettings::default(),
             allow_eviction: false,
             restart_guard,
@@ -206,7 +213,8 @@ impl RedisBackendBuilder {
     /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
     /// release goes to Redis: if another instance waits for the key (it is in the key's
     /// line of waiting instances, see [`turn_grace`](Self::turn_grace)), the lock is
-    /// released for real and the instances that wait take it in turn; otherwise one script
+    /// granted to the first of them (see [`grant_lease`](Self::grant_lease)) and the
+    /// instances that wait take it in turn; otherwise one script
     /// hands it to the next task under a new hold and a new block of tokens, and the turns
     /// go on.
     pub fn max_local_handoffs(mut self, max: u32) -> Self {
@@ -239,6 +247,20 @@ impl RedisBackendBuilder {
     /// waiters in their own order, and no order might win a majority.
     pub fn turn_grace(mut self, grace: Duration) -> Self {
         self.turn_grace = grace.clamp(Duration::from_millis(1), MAX_DURATION);
+        self
+    }
+
+    /// How long a key granted to the next waiting instance stays its own unclaimed
+    /// (default [`DEFAULT_GRANT_LEASE`]).
+    ///
+    /// A release that frees a key while instances wait in its line grants it to the head
+    /// in the same script: the grantee's task holds it on the release's message, without
+    /// another call, and its first renewal, at once, claims it for its full lease. A
+    /// grantee that died keeps the key this long at most. Refused at build if zero or
+    /// above [`max_lease`](Self::max_lease). A quorum and
+    /// [`sync_replicas`](Self::sync_replicas) grant nothing.
+    pub fn grant_lease(mut self, lease: Duration) -> Self {
+        self.grant_lease = lease;
         self
     }
 

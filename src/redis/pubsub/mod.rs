@@ -21,7 +21,8 @@ use super::connection::pool::FailureEpoch;
 use super::connection::topology::{Topology, TopologyChanges};
 use super::run_id::ServerIdentity;
 use crate::core::runtime::{Daemon, Spawner};
-use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::wakeups::{Disconnected, Grant, Waiter, Wakeups};
+use crate::lock::LockOwner;
 
 mod shard;
 
@@ -43,15 +44,40 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    /// A message on `channel`: a release wakes the channel's waiters; an announced
-    /// force-release re-checks every held lock.
-    pub(super) fn received(&self, channel: &str) {
+    /// A message on `channel`: a release wakes the channel's waiters, a grant goes to
+    /// its holder's waiter (see release.lua); an announced force-release re-checks every
+    /// held lock.
+    pub(super) fn received(&self, channel: &str, payload: &[u8]) {
         if self.admin.is(channel) {
             self.admin.announced();
-        } else {
-            self.wakeups.registry().wake_channel(channel);
+            return;
+        }
+        let registry = self.wakeups.registry();
+        match parse_grant(payload) {
+            Some((holder, grant)) => {
+                registry.granted(channel, holder, grant);
+            }
+            None => registry.wake_channel(channel),
         }
     }
+}
+
+/// A grant's message: "granted <holder> <token> <reserved> <server ms> <lease ms>"; `None`
+/// for a release's ("released") or anything else, which wakes every waiter.
+fn parse_grant(payload: &[u8]) -> Option<(&str, Grant)> {
+    let mut fields = std::str::from_utf8(payload).ok()?.split(' ');
+    if fields.next()? != "granted" {
+        return None;
+    }
+    let holder = fields.next()?;
+    let mut number = || fields.next()?.parse::<u64>().ok();
+    let grant = Grant {
+        token: number()?,
+        reserved: number()?,
+        at: number()?,
+        lease: Duration::from_millis(number()?),
+    };
+    Some((holder, grant))
 }
 
 /// Handle to the backend's subscriber task.
@@ -93,11 +119,15 @@ impl Subscriber {
         Subscriber { wakeups, task }
     }
 
-    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
-    pub(crate) fn register(&self, channel: &str) -> Waiter {
+    /// Registers a waiter on `channel` that takes the grants made to `holder` (see
+    /// [`Wakeups::register_as`]; `None`: no grants).
+    pub(crate) fn register(&self, channel: &str, holder: Option<LockOwner>) -> Waiter {
         // A waiter on another runtime than the one the subscriber ran on.
         self.task.ensure_running();
-        self.wakeups.register(channel)
+        match holder {
+            Some(holder) => self.wakeups.register_as(channel, holder),
+            None => self.wakeups.register(channel),
+        }
     }
 
     /// The waiters and the connection's state.
@@ -261,7 +291,7 @@ async fn serve(
             _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {
                 let message = message.ok_or("connection closed")?;
-                shared.received(message.get_channel_name());
+                shared.received(message.get_channel_name(), message.get_payload_bytes());
             }
             _ = ping.tick() => {
                 // A half-open TCP connection never errors by itself; an unanswered ping

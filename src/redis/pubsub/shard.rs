@@ -184,7 +184,11 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, server
     match push.kind {
         PushKind::SMessage | PushKind::Message => {
             if let Some(channel) = channel() {
-                shared.received(channel);
+                let payload = match push.data.get(1) {
+                    Some(Value::BulkString(payload)) => payload.as_slice(),
+                    _ => &[],
+                };
+                shared.received(channel, payload);
             }
         }
         // redis-rs subscribed a channel again after a reconnect or a slot map change: a
@@ -203,7 +207,7 @@ fn on_push(shared: &Shared, push: PushInfo, failure_epoch: &FailureEpoch, server
             }
             let mut registry = shared.wakeups.registry();
             // Not one this backend gave up (it has waiters): the server ended it.
-            if registry.channels.contains_key(channel) && registry.active.remove(channel) {
+            if registry.has_waiters(channel) && registry.active.remove(channel) {
                 tracing::debug!(%channel, "shard ended a lock channel subscription");
                 registry.wake_channel(channel);
                 drop(registry);

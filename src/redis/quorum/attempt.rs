@@ -162,6 +162,16 @@ impl QuorumStore {
                     tally.held.push(Some(Duration::ZERO));
                     false
                 }
+                // A quorum's masters keep no line and make no grants (see `store.rs`).
+                Ok(Attempted::Lined { left, .. }) => {
+                    tally.held.push(left);
+                    tally.queued = true;
+                    false
+                }
+                Ok(Attempted::Granted { left, .. }) => {
+                    tally.held.push(Some(left));
+                    false
+                }
                 Err(e) => {
                     let may_have_run = e.may_have_run();
                     tally.failures.push(MasterFailure::Failed(e));

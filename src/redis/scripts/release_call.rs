@@ -32,6 +32,9 @@ pub(crate) struct ReleaseCall<'a> {
     /// On a cluster, the owner's instance id and the release's serial, recorded so that a
     /// late copy of an earlier attempt takes nothing (see release.lua).
     pub(crate) resent_guard: Option<(&'a str, u64)>,
+    /// The grant lease and the turn grace: a release that frees the lock grants it to the
+    /// head of the line of waiting holders (see release.lua); `None`: it frees it.
+    pub(crate) grant: Option<(Duration, Duration)>,
 }
 
 impl ReleaseCall<'_> {
@@ -70,16 +73,18 @@ impl ReleaseCall<'_> {
             .arg(&self.key.channel)
             .arg(u8::from(scripts.sharded));
         let plain = self.successor.is_none() && self.issued.is_none();
-        if plain && self.resent_guard.is_none() && !self.may_have_run && token.is_empty() {
+        // A release that may grant, or on a cluster, needs every argument.
+        let full = self.resent_guard.is_some() || self.grant.is_some();
+        if plain && !full && !self.may_have_run && token.is_empty() {
             return invocation;
         }
         invocation.arg(token).arg(u8::from(self.may_have_run));
-        if plain && self.resent_guard.is_none() {
+        if plain && !full {
             return invocation;
         }
-        // The fencing counter is written: by a handoff, and by a release after handoffs in
-        // memory (the counter goes back to the last token issued). On a cluster every
-        // release gets here, for the keys and arguments after it.
+        // The fencing counter is written: by a handoff, a grant, and by a release after
+        // handoffs in memory (the counter goes back to the last token issued). On a cluster
+        // and where releases grant, every release gets here, for the arguments after it.
         invocation.key(&self.key.fence);
         match self.successor {
             Some(successor) => invocation
@@ -92,11 +97,24 @@ impl ReleaseCall<'_> {
             .arg(u8::from(self.streak_spent))
             .arg(self.issued.map(|t| t.to_string()).unwrap_or_default())
             .arg(self.reserve);
-        if let Some((instance, serial)) = self.resent_guard {
+        match (self.resent_guard, self.grant) {
+            (Some((instance, serial)), _) => {
+                invocation
+                    .key(self.key.releases())
+                    .arg(instance)
+                    .arg(serial);
+            }
+            // Their places, before the grant's.
+            (None, Some(_)) => {
+                invocation.arg("").arg("");
+            }
+            (None, None) => {}
+        }
+        if let Some((lease, grace)) = self.grant {
             invocation
-                .key(self.key.releases())
-                .arg(instance)
-                .arg(serial);
+                .key(self.key.writers())
+                .arg(millis(lease))
+                .arg(millis(grace));
         }
         invocation
     }

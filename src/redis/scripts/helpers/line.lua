@@ -14,22 +14,36 @@
 -- lease, or its own wait); a release that frees the lock moves every `until` back to
 -- now, since every live waiter wakes on it: so a dead waiter costs the others at most
 -- the grace after a release, however long the leases are.
+--
+-- A release may instead grant the free lock to the live head (release.lua): the head leaves
+-- the line, and the others' `until` moves to when the grant would run out unclaimed, which
+-- is when they look again (line_granted).
 
--- The head's turn: nil when `holder` may take a free lock now, else how many
--- milliseconds are left of the head's turn. Drops dead heads.
-local function turn_of(line, till, holder, now, grace)
+-- The live head of the line and what is left of its turn in milliseconds, or nil when
+-- nobody waits. Drops dead heads.
+local function line_head(line, till, now, grace)
   while true do
     local head = redis.call('zrange', line, 0, 0)[1]
-    if not head or head == holder then
+    if not head then
       return nil
     end
     local left = tonumber(redis.call('zscore', till, head) or '0') + grace - now
     if left > 0 then
-      return left
+      return head, left
     end
     redis.call('zrem', line, head)
     redis.call('zrem', till, head)
   end
+end
+
+-- The head's turn: nil when `holder` may take a free lock now, else how many
+-- milliseconds are left of the head's turn. Drops dead heads.
+local function turn_of(line, till, holder, now, grace)
+  local head, left = line_head(line, till, now, grace)
+  if not head or head == holder then
+    return nil
+  end
+  return left
 end
 
 -- Registers `holder` at the end of the line (or keeps its place), known to wait for
@@ -60,6 +74,16 @@ local function line_woken(till)
   local now = now_ms()
   for _, waiter in ipairs(redis.call('zrangebyscore', till, '(' .. now, '+inf')) do
     redis.call('zadd', till, now, waiter)
+  end
+end
+
+-- A release granted the lock to the head of the line (release.lua): the other waiters
+-- are not woken, but told to look again when the grant would run out unclaimed (its
+-- holder died, or never heard of it), `ms` from now; each live waiter's `until` moves
+-- there, so that a dead grantee costs them at most the grant's lease and the grace.
+local function line_granted(till, now, ms, grace)
+  for _, waiter in ipairs(redis.call('zrangebyscore', till, '(' .. (now - grace), '+inf')) do
+    redis.call('zadd', till, now + ms, waiter)
   end
 end
 

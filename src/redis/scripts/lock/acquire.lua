@@ -46,7 +46,10 @@
 -- guard refuses a new acquisition for `wait` more milliseconds (guard.lua), {0, pttl, 1}
 -- when held shared and this acquisition registered as a waiting writer (pttl: until the
 -- first shared holder's own lease ends; also when refused and registered in the line of
--- waiting holders, the lock held or free for the head's turn), {4} when the
+-- waiting holders, the lock held or free for the head's turn), {0, pttl, 1, now} when
+-- it registered in that line (now: the server's clock in milliseconds, against which the
+-- holder times a grant it is sent, see release.lua), {8, token, pttl, reserved} when a
+-- release granted the lock to ARGV[1] and it was not claimed yet, {4} when the
 -- owner holds the key shared (a shared hold cannot be upgraded: two readers doing so
 -- would wait for each other forever), or {6} when the record exists and the attempt would
 -- take a new hold: it takes nothing, and leaves the waiting writers and the line, or {7}
@@ -59,12 +62,20 @@ local held
 if kind == 'hash' then
   -- One read for every case below.
   held = redis.call('hmget', KEYS[1], ARGV[5], ARGV[1], 'token', 'mode', 'r:' .. ARGV[1],
-    'exp:r:' .. ARGV[1])
+    'exp:r:' .. ARGV[1], 'granted')
   -- A run of this attempt took its hold already: answer as that run did, taking nothing.
   -- (The attempt's field goes with the owner's: a release that frees the lock deletes the
   -- hash, a handoff rebuilds it.)
   if held[1] and held[2] then
     return {1, tonumber(held[3]), tonumber(held[2])}
+  end
+  -- A release granted the lock to this holder (release.lua), which has not claimed it:
+  -- the acquisition that waited missed the message (or this is a re-entry of the hold it
+  -- made of it, before its first renewal claimed it). Nothing is written: the core
+  -- takes the grant, or claims it before it re-enters.
+  if held[2] and held[7] == ARGV[1] then
+    return {8, tonumber(held[3]), redis.call('pttl', KEYS[1]),
+      tonumber(redis.call('hget', KEYS[1], 'reserved') or '0')}
   end
   if held[2] then
     local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
@@ -128,8 +139,9 @@ if kind == 'hash' then
       if pttl >= 0 and pttl < ms then
         ms = pttl
       end
-      join_line(KEYS[4], KEYS[5], ARGV[1], now_ms(), ms, tonumber(ARGV[6]), tonumber(ARGV[7]))
-      return {0, pttl, 1}
+      now = now_ms()
+      join_line(KEYS[4], KEYS[5], ARGV[1], now, ms, tonumber(ARGV[6]), tonumber(ARGV[7]))
+      return {0, pttl, 1, now}
     end
     return {0, pttl}
   end
@@ -150,7 +162,7 @@ if kind == 'hash' then
     end
     -- Woken when the first shared lease ends, if no release comes before: a crashed
     -- reader keeps the writer out no longer than its own lease.
-    return {0, earliest - now, 1}
+    return {0, earliest - now, 1, now}
   end
   -- Every shared holder's lease ran out (they crashed): the lock is free.
   redis.call('del', KEYS[1])
@@ -168,7 +180,7 @@ if lined then
     -- It tries again when the head's turn is over, unless woken before.
     local wait = tonumber(ARGV[6])
     join_line(KEYS[4], KEYS[5], ARGV[1], now, math.min(wait, left), wait, grace)
-    return {0, left, 1}
+    return {0, left, 1, now}
   end
 end
 

@@ -46,6 +46,23 @@
 -- ARGV[14] the owner's instance id
 -- ARGV[15] this release's serial: attempts and releases of one instance draw serials from
 --          one counter, so every attempt sent before this release has one up to it
+--          (ARGV[14] and ARGV[15] are "" elsewhere when ARGV[16] is given)
+-- ARGV[16] the grant lease in milliseconds, or "0" (or left off) to grant nothing: a
+--          release that frees the lock while another holder waits live in the line KEYS[2]
+--          (as turn_of judges, line.lua) grants it to the line's head instead, under a
+--          new fencing token (as a new acquisition gets one, from the counter that
+--          ARGV[12] settles first, ARGV[13] reserved above it), for that long, and publishes "granted <holder> <token> <reserved> <server ms>
+--          <lease ms>" instead of "released": the head's process makes it a hold
+--          without a call (its first renewal claims it, renew.lua), and the other waiters
+--          are not woken, only told to look again when the grant would run out
+-- ARGV[17] the grace the head of the line has for its turn, in milliseconds (line.lua)
+-- KEYS[5], on a Redis Cluster KEYS[6] (given with ARGV[16])  the waiting writers of the
+--          key's read/write lock (shared_acquire.lua): a grantee registered there no
+--          longer waits
+--
+-- The grant is kept in the hash as "granted" = holder until claimed: an attempt of the
+-- holder that missed the message finds it there (acquire.lua), and a waiter that gives up
+-- frees it at once (withdraw.lua).
 --
 -- Returns {3, token} when the lock now belongs to ARGV[8] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
@@ -57,7 +74,7 @@ local only, retried, successor = ARGV[6] or '', ARGV[7] == '1', ARGV[8] or ''
 -- another of the same instance. Written before the lock is: a release that this write
 -- fails (no memory left, no right to the key) leaves the lock as it was.
 local function mark_released()
-  if KEYS[5] then
+  if (ARGV[14] or '') ~= '' then
     local last = redis.call('hget', KEYS[5], ARGV[14])
     if not last or tonumber(last) < tonumber(ARGV[15]) then
       redis.call('hset', KEYS[5], ARGV[14], ARGV[15])
@@ -147,6 +164,43 @@ if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) th
   end
   redis.call('pexpire', KEYS[1], ARGV[9])
   return {3, tonumber(token)}
+end
+-- Granted to the live head of the line (see ARGV[16]), announced before the lock is
+-- written for the reason a release below publishes first.
+local grant = tonumber(ARGV[16] or '0')
+if grant > 0 and redis.call('exists', KEYS[2]) == 1 then
+  local now, grace = now_ms(), tonumber(ARGV[17])
+  local head = line_head(KEYS[2], KEYS[3], now, grace)
+  if head == ARGV[1] then
+    leave_line(KEYS[2], KEYS[3], head)
+    head = line_head(KEYS[2], KEYS[3], now, grace)
+  end
+  if head then
+    -- A new token as for a new acquisition (from the counter, which a release after
+    -- turns in memory first sets back to the last token issued): the hold's own may be
+    -- older than a token issued in memory that this release does not know of (a
+    -- re-entry's release).
+    local block = tonumber(ARGV[13] or '0')
+    mark_released()
+    settle_counter()
+    local token = next_token(KEYS[4], ARGV[10], block)
+    if block ~= 0 then
+      redis.call('incrby', KEYS[4], block)
+    end
+    redis.call(sharded and 'spublish' or 'publish', ARGV[4], string.format(
+      'granted %s %s %d %d %d', head, token, block, now, grant))
+    redis.call('del', KEYS[1])
+    if block ~= 0 then
+      redis.call('hset', KEYS[1], head, 1, 'token', token, 'granted', head, 'reserved', block)
+    else
+      redis.call('hset', KEYS[1], head, 1, 'token', token, 'granted', head)
+    end
+    redis.call('pexpire', KEYS[1], grant)
+    leave_line(KEYS[2], KEYS[3], head)
+    redis.call('zrem', (ARGV[14] or '') ~= '' and KEYS[6] or KEYS[5], head)
+    line_granted(KEYS[3], now, grant, grace)
+    return {2}
+  end
 end
 -- Published before the delete: a script that fails keeps what it did so far, so a PUBLISH
 -- the ACL user may no longer send (its channel rights revoked) fails the release with the

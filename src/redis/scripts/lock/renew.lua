@@ -15,18 +15,24 @@
 -- ARGV[2i]), 0 when it does not (expired, deleted, or replaced by a value of another
 -- type), so that one bad key cannot fail the renewal of the others.
 --
+-- A hold that a release granted (release.lua) is claimed by its first renewal: the
+-- "granted" mark goes, and the lease becomes the holder's own.
+--
 -- A holder with a lease of its own (shared holds, semaphore permits; see holders.lua) is
 -- held only while that lease runs, and a renewal moves it too.
 local renewed = {}
 local now
 for i, key in ipairs(KEYS) do
   local owner = ARGV[2 * i - 1]
-  local held = redis.pcall('hmget', key, owner, 'exp:' .. owner)
+  local held = redis.pcall('hmget', key, owner, 'exp:' .. owner, 'granted')
   renewed[i] = 0
   if type(held) == 'table' and held[1] then
     local ends = tonumber(held[2])
     if ends then
       now = now or now_ms()
+    end
+    if held[3] == owner then
+      redis.call('hdel', key, 'granted')
     end
     if not ends or ends > now then
       if ARGV[2 * i] == '0' then

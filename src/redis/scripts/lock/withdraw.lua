@@ -12,9 +12,17 @@
 --          (new shared holds queue behind it)
 --
 -- The key's waiters are also woken when the holder left the line of a free lock: it may
--- have been the head, whose turn the others wait for. Returns 1 when they were woken.
+-- have been the head, whose turn the others wait for; and when a release had granted the
+-- lock to the holder, which gives up without having claimed it (release.lua): the grant
+-- is freed at once rather than when its lease runs out. Returns 1 when they were woken.
 local writer = redis.call('zrem', KEYS[2], ARGV[1]) == 1
 local lined = leave_line(KEYS[3], KEYS[4], ARGV[1])
+if redis.call('hget', KEYS[1], 'granted') == ARGV[1] then
+  redis.call(ARGV[3] == '1' and 'spublish' or 'publish', ARGV[2], 'released')
+  redis.call('del', KEYS[1])
+  line_woken(KEYS[4])
+  return 1
+end
 if (writer and ARGV[4] == '1') or (lined and redis.call('exists', KEYS[1]) == 0) then
   redis.call(ARGV[3] == '1' and 'spublish' or 'publish', ARGV[2], 'released')
   return 1
