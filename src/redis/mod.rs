@@ -4,6 +4,7 @@
 
 mod admin;
 mod builder;
+mod calls;
 mod connection;
 mod fence;
 mod inspect;
