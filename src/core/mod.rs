@@ -4,39 +4,28 @@
 //! primitive calls (one attempt, one release, a batch renewal, wake-ups for a key's
 //! waiters, what its errors mean) and speaks only its own protocol. [`Core`] drives it:
 //!
-//! - `acquire.rs`: the acquisition: the key's local queue first (one contender per key per
+//! - `acquire/`: the acquisition: the key's local queue first (one contender per key per
 //!   process, `queue/`), then try -> subscribe -> try again -> wait for a wake-up or the
-//!   holder's lease -> loop (never sleep-and-poll).
-//! - `call.rs`: one attempt, cancel-safe: a reply nobody took is given back.
-//! - `hold.rs`, `release.rs`: the guard's hold and its release on every exit path,
-//!   retried, idempotent, finished in the background when nobody waits for it, never
-//!   outlived by renewal.
-//! - `handoff.rs`: runs of this process's holders taking turns under one hold in the store;
-//!   `grant.rs`: keys a release in the store granted to a waiting acquisition.
+//!   holder's lease -> loop (never sleep-and-poll); `call.rs`, one attempt, cancel-safe (a
+//!   reply nobody took is given back); `contender.rs`, the contender in the store;
+//!   `grant.rs`, keys a release in the store granted to a waiting acquisition.
+//! - `hold/`: the guard's hold and its release on every exit path (`release.rs`), retried,
+//!   idempotent, finished in the background when nobody waits for it, never outlived by
+//!   renewal; `handoff.rs`, runs of this process's holders taking turns under one hold in
+//!   the store; `value.rs`, a hold as the consensus stores keep it.
 //! - `watchdog/`: batched renewal every lease/3, the stop margin before a lease ends, and
-//!   `lost()`; `recheck.rs`: the re-check of every hold when the store may have lost data.
+//!   `lost()`; `recheck.rs`, the re-check of every hold when the store may have lost data.
+//! - `store/`: the [`Store`] trait, the backends' shared methods and operator calls, and
+//!   the takeovers a store announces.
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
-//! - `observe.rs`, `telemetry.rs`: spans and metrics; `runtime.rs`: where tasks run.
+//! - `telemetry/`: metrics, and spans and owner ids (`observe.rs`); `runtime/`: where
+//!   tasks run, and the janitor that sweeps expired rows and records.
 
 pub(crate) mod acquire;
-mod backend;
-mod call;
-mod contender;
-mod grant;
-mod handoff;
-mod hold;
-#[cfg(any(feature = "etcd", feature = "zookeeper"))]
-pub(crate) mod hold_value;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "zookeeper"))]
-pub(crate) mod janitor;
-mod methods;
-pub(crate) mod observe;
+pub(crate) mod hold;
 pub(crate) mod queue;
-pub(crate) mod recheck;
-mod release;
 pub(crate) mod runtime;
 pub(crate) mod store;
-mod takeovers;
 pub(crate) mod telemetry;
 pub(crate) mod wakeups;
 pub(crate) mod watchdog;
@@ -46,14 +35,14 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub(crate) use self::methods::lock_backend_methods;
-use self::observe::OwnerIds;
 use self::queue::Queues;
-use self::recheck::Recheck;
 use self::runtime::Spawner;
 pub(crate) use self::store::Store;
+pub(crate) use self::store::methods::lock_backend_methods;
 use self::telemetry::Namespace;
+use self::telemetry::observe::OwnerIds;
 use self::watchdog::Watchdog;
+use self::watchdog::recheck::Recheck;
 use crate::lock::{Kind, LockOwner};
 
 /// Default bound on consecutive handoffs within one process under one hold in the store

@@ -6,7 +6,7 @@ use etcd_client::{KeyValue, Txn, TxnOp};
 use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, fence_key, holders, permits};
 use super::store::{EtcdStore, found, in_order, token};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::store::StoreKey;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};

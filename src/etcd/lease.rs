@@ -27,7 +27,7 @@ use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::EtcdError;
-use crate::core::recheck::Recheck;
+use crate::core::watchdog::recheck::Recheck;
 
 /// The current lease and what etcd last confirmed of it.
 #[derive(Clone, Copy, Debug)]

@@ -10,7 +10,7 @@ use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTar
 use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, holder_key, permits};
 use super::store::{EtcdStore, ROUNDS, found, revision, token};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::store::{Attempt, Attempted};
 
 impl EtcdStore {

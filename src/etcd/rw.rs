@@ -14,7 +14,7 @@ use etcd_client::{Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp};
 use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, fence_key, hold_key, holder_key, holders, writers};
 use super::store::{EtcdStore, ROUNDS, found, holder_of, in_order, revision, token};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::store::{Attempt, Attempted};
 
 impl EtcdStore {

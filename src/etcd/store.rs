@@ -16,7 +16,7 @@ use super::keys::{Entry, EtcdKey, hold_key, holder_key, is_semaphore};
 use super::lease::Lease;
 use super::line::Line;
 use super::watch::Listener;
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Release, Released, Sent, Store};
 use crate::core::wakeups::Waiter;

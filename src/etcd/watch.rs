@@ -17,9 +17,9 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::behind::Behind;
-use crate::core::recheck::Recheck;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::watchdog::recheck::Recheck;
 
 /// Handle to the backend's watch task.
 pub(crate) struct Listener {

@@ -26,9 +26,9 @@ use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::{INTERRUPTED, number};
-use crate::core::recheck::Recheck;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::watchdog::recheck::Recheck;
 
 /// Settings of the wake connection.
 #[derive(Debug, Clone)]

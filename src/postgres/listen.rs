@@ -14,9 +14,9 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::recheck::Recheck;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::watchdog::recheck::Recheck;
 
 /// Timing of the listening connection.
 #[derive(Debug, Clone)]

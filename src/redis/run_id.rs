@@ -17,7 +17,7 @@ use redis::RedisError;
 
 use super::connection::pool::is_transport;
 use super::connection::topology::AnyConn;
-use crate::core::recheck::Recheck;
+use crate::core::watchdog::recheck::Recheck;
 
 /// What the backend knows of the Redis server process it talks to; raises the core's
 /// re-check of held locks when that may have changed.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Calls;
-use crate::core::janitor;
+use crate::core::runtime::janitor;
 use crate::core::runtime::{Daemon, Spawner};
 
 /// Starts the janitor with the `sweep` statement (see [`Calls::sweep`]).

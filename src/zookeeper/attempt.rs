@@ -10,7 +10,7 @@ use super::keys::{READ_MARK, ZkKey, hold_prefix};
 use super::line::{Line, line, record_writer, shared_token};
 use super::store::{ROUNDS, ZkStore, child, token};
 use super::turn::{NodeKind, Turn, Wants, turn};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::holder;
 use crate::core::store::{Attempt, Attempted};
 use crate::lock::Kind;

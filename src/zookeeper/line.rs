@@ -7,7 +7,7 @@ use super::error::ZkError;
 use super::keys::{hold_prefix, node};
 use super::store::{child, holds, token};
 use super::turn::{Node, NodeKind};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 
 /// One node of a lock.
 pub(super) struct Entry {

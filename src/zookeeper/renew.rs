@@ -6,7 +6,7 @@ use zookeeper_client::{Client, Error as ClientError, MultiReadResult};
 use super::error::ZkError;
 use super::keys::hold_prefix;
 use super::store::{ZkStore, child};
-use crate::core::hold_value::HoldValue;
+use crate::core::hold::value::HoldValue;
 use crate::core::watchdog::Due;
 
 impl ZkStore {

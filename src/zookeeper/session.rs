@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use zookeeper_client::{Acls, Client, Error as ClientError, SessionState};
 
 use super::error::ZkError;
-use crate::core::recheck::Recheck;
 use crate::core::wakeups::{Disconnected, Wakeups};
+use crate::core::watchdog::recheck::Recheck;
 
 /// How the backend connects.
 #[derive(Clone, Debug)]

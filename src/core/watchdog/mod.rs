@@ -11,6 +11,8 @@
 //! When the store may have lost data (see `recheck.rs`), every held lock is renewed at once,
 //! and every hold without renewal checked, so a lock that is gone is found lost then.
 
+pub(crate) mod recheck;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
@@ -23,9 +25,9 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 
 use super::Store;
-use super::recheck::Recheck;
 use super::runtime::{Daemon, Spawner};
 use super::telemetry::Namespace;
+use super::watchdog::recheck::Recheck;
 use crate::lock::LockOwner;
 
 mod batch;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::telemetry::{Labels, Namespace, Outcome};
+use crate::core::telemetry::{Labels, Namespace, Outcome};
 use crate::error::LockError;
 use crate::lock::retry::RetryAfter;
 use crate::lock::{Acquired, LockGuard, LockOwner, LockRequest, Mode};

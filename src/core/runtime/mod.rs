@@ -7,6 +7,9 @@
 //! the remembered runtime only when the caller runs outside any (a guard dropped in plain
 //! code).
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "zookeeper"))]
+pub(crate) mod janitor;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;

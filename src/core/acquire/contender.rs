@@ -7,37 +7,37 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
-use super::queue::Claim;
-use super::store::StoreKey;
-use super::{Core, Store};
+use crate::core::queue::Claim;
+use crate::core::store::StoreKey;
+use crate::core::{Core, Store};
 use crate::error::LockError;
 use crate::lock::{Kind, LockOwner};
 
 /// One acquisition in progress.
-pub(super) struct Contender<S: Store> {
-    pub(super) key: Arc<S::Key>,
+pub(in crate::core) struct Contender<S: Store> {
+    pub(in crate::core) key: Arc<S::Key>,
     /// The owner the store knows the key's hold under, when this is a re-entry by a holder that
     /// got the lock in memory from an earlier task of this process; else the claim's.
-    pub(super) store_owner: Option<LockOwner>,
-    pub(super) claim: Claim,
-    pub(super) started: Instant,
-    pub(super) deadline: Option<Instant>,
-    pub(super) kind: Kind,
+    pub(in crate::core) store_owner: Option<LockOwner>,
+    pub(in crate::core) claim: Claim,
+    pub(in crate::core) started: Instant,
+    pub(in crate::core) deadline: Option<Instant>,
+    pub(in crate::core) kind: Kind,
     /// Each attempt checks the key's idempotency record (see [`Attempt::record`]).
-    pub(super) unless_recorded: bool,
+    pub(in crate::core) unless_recorded: bool,
     /// Whether this exclusive acquisition is registered as a waiting writer (a store
     /// registers one that shared holders keep out; until it gets the lock, new shared
     /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
-    pub(super) queued_writer: AtomicU8,
-    pub(super) core: Arc<Core<S>>,
+    pub(in crate::core) queued_writer: AtomicU8,
+    pub(in crate::core) core: Arc<Core<S>>,
 }
 
-pub(super) const NOT_QUEUED: u8 = 0;
+pub(in crate::core) const NOT_QUEUED: u8 = 0;
 /// A waiting attempt was sent whose reply was not read (or said nothing of it): it, or a
 /// run of it that a cluster client sent again, may have registered.
-pub(super) const MAYBE_QUEUED: u8 = 1;
+pub(in crate::core) const MAYBE_QUEUED: u8 = 1;
 /// An attempt's reply said it registered.
-pub(super) const QUEUED: u8 = 2;
+pub(in crate::core) const QUEUED: u8 = 2;
 
 impl<S: Store> Drop for Contender<S> {
     /// A writer that stops waiting (timed out, cancelled, failed) lets new shared holds
@@ -61,11 +61,11 @@ impl<S: Store> Drop for Contender<S> {
 
 impl<S: Store> Contender<S> {
     /// The owner the store's calls act for (see [`store_owner`](Self::store_owner)).
-    pub(super) fn store_owner(&self) -> &LockOwner {
+    pub(in crate::core) fn store_owner(&self) -> &LockOwner {
         self.store_owner.as_ref().unwrap_or(&self.claim.owner)
     }
 
-    pub(super) fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
+    pub(in crate::core) fn timed_out(&self, retry_after: Option<Duration>) -> LockError {
         LockError::TimedOut {
             key: self.key.user().to_owned(),
             waited: self.started.elapsed(),
@@ -77,7 +77,7 @@ impl<S: Store> Contender<S> {
 impl<S: Store> Core<S> {
     /// The answer to a try while another task of this backend has the key: no attempt,
     /// which would jump the queue, only the holder's remaining lease for `Retry-After`.
-    pub(super) async fn busy(&self, c: &Contender<S>) -> LockError {
+    pub(in crate::core) async fn busy(&self, c: &Contender<S>) -> LockError {
         let remaining = self.store.remaining(&c.key);
         let retry_after = timeout(self.settings.command_timeout, remaining)
             .await

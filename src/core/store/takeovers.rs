@@ -1,7 +1,7 @@
 //! Takeovers a store announces (a Sentinel failover), so that a release waiting to retry
 //! does so at once (see `Store::takeovers`).
 
-/// See [`Store::takeovers`](super::Store::takeovers): a generation count and its changes.
+/// See [`Store::takeovers`](crate::core::Store::takeovers): a generation count and its changes.
 pub(crate) struct Takeovers(Option<tokio::sync::watch::Receiver<u64>>);
 
 impl Takeovers {

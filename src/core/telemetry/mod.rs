@@ -5,6 +5,8 @@
 //! no-ops that compile away. Labels are bounded: the backend's namespace, the layer's
 //! route label, the kind of hold (`mode`), the outcome. Never a key.
 
+pub(crate) mod observe;
+
 /// The `outcome` label of [`ACQUISITIONS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {

@@ -1,16 +1,20 @@
 //! Taking a lock in a store: the local queue first, then try -> subscribe -> try again ->
 //! wait for a release message or the holder's lease -> loop.
 
+pub(crate) mod call;
+pub(crate) mod contender;
+pub(crate) mod grant;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::time::{Instant, sleep_until, timeout};
 
-use super::call::AcquireCall;
-use super::contender::{Contender, NOT_QUEUED, QUEUED};
-use super::grant::{found_granted, grant_taken};
-use super::handoff::Granted;
+use super::acquire::call::AcquireCall;
+use super::acquire::contender::{Contender, NOT_QUEUED, QUEUED};
+use super::acquire::grant::{found_granted, grant_taken};
+use super::hold::handoff::Granted;
 use super::queue::{Claim, Reentry, Slot, Turn};
 use super::store::{Attempt, Attempted, Failure, StoreKey};
 use super::wakeups::Wake;

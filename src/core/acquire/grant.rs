@@ -14,7 +14,7 @@
 //! again, and the store says whether the grant is still there and for how long.
 //!
 //! An acquisition that missed the message finds the grant in the store on its next attempt
-//! ([`Attempted::Granted`](super::store::Attempted)), timed from that attempt. A re-entry
+//! ([`Attempted::Granted`](crate::core::store::Attempted)), timed from that attempt. A re-entry
 //! of a granted hold before its claim claims it first, then re-enters as usual. An
 //! acquisition that gives up while granted frees the grant in the store as it withdraws
 //! from the line.
@@ -25,19 +25,19 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
-use super::acquire::{Outcome, Taken};
-use super::contender::{Contender, NOT_QUEUED};
-use super::queue::Reentry;
-use super::store::StoreKey;
-use super::wakeups::Grant;
-use super::watchdog::Due;
-use super::{Core, Store, holder};
+use crate::core::acquire::contender::{Contender, NOT_QUEUED};
+use crate::core::acquire::{Outcome, Taken};
+use crate::core::queue::Reentry;
+use crate::core::store::StoreKey;
+use crate::core::wakeups::Grant;
+use crate::core::watchdog::Due;
+use crate::core::{Core, Store, holder};
 use crate::error::LockError;
 
 /// The hold a grant by message makes for `c`, whose last attempt that put it in the line
 /// was `sent` at this instant and ran at `ran` on the store's clock; `None` when the grant
 /// may be out of date (see the module's doc): the acquisition tries again instead.
-pub(super) fn grant_taken<S: Store>(
+pub(in crate::core) fn grant_taken<S: Store>(
     c: &Contender<S>,
     grant: Grant,
     (sent, ran): (Instant, u64),
@@ -64,7 +64,7 @@ pub(super) fn grant_taken<S: Store>(
 /// The hold an attempt sent at `sent_at` made of a grant it found in the store (its token
 /// and the tokens reserved above it), with `left` of it to run; `None` when its reply came
 /// too late to use it (the process was paused): the grant is waited out, as a lease.
-pub(super) fn found_granted<S: Store>(
+pub(in crate::core) fn found_granted<S: Store>(
     c: &Contender<S>,
     (token, reserved): (u64, u64),
     left: Duration,
@@ -89,7 +89,7 @@ pub(super) fn found_granted<S: Store>(
 impl<S: Store> Core<S> {
     /// One attempt for `c`. A re-entry that finds its outer hold granted and not claimed
     /// yet (the watchdog's claim still in flight) claims it, then re-enters.
-    pub(super) async fn attempt_as(
+    pub(in crate::core) async fn attempt_as(
         self: &Arc<Self>,
         c: &Contender<S>,
         reentry: &Option<Reentry>,

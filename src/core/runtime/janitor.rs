@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::runtime::{Daemon, Spawner};
+use crate::core::runtime::{Daemon, Spawner};
 use crate::lock::BoxFuture;
 
 /// Rows deleted by one statement: a sweep of many stale names is a series of short

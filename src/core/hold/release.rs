@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::handoff::{Granted, Run};
-use super::hold::Hold;
-use super::queue::{Claim, Reentry, Slot};
-use super::store::StoreKey;
-use super::watchdog::OnLost;
-use super::{Core, Store, holder};
+use crate::core::hold::Hold;
+use crate::core::hold::handoff::{Granted, Run};
+use crate::core::queue::{Claim, Reentry, Slot};
+use crate::core::store::StoreKey;
+use crate::core::watchdog::OnLost;
+use crate::core::{Core, Store, holder};
 use crate::error::LockError;
 use crate::lock::{BoxFuture, HeldLock, Kind, LockGuard, ReleaseHold};
 
@@ -72,13 +72,13 @@ impl<S: Store> Core<S> {
 
 /// A hold registered with the watchdog: releasing deregisters it first, so renewal never
 /// outlives the unlock (Redisson #7272).
-pub(super) struct WatchedHold<S: Store> {
-    pub(super) hold: Hold<S>,
-    pub(super) generation: u64,
+pub(in crate::core) struct WatchedHold<S: Store> {
+    pub(in crate::core) hold: Hold<S>,
+    pub(in crate::core) generation: u64,
     /// Whether this hold asked for renewal (see `LockRequest::without_watchdog`).
-    pub(super) renew: bool,
+    pub(in crate::core) renew: bool,
     /// Fired by the watchdog when the lock was found lost.
-    pub(super) lost: CancellationToken,
+    pub(in crate::core) lost: CancellationToken,
 }
 
 impl<S: Store> WatchedHold<S> {

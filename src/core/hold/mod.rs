@@ -1,12 +1,17 @@
 //! One hold in the store, and how it is given back: retried, idempotent, and recognised
 //! by the store when a retry follows a lost reply.
 
+pub(crate) mod handoff;
+pub(crate) mod release;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) mod value;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{Instant, sleep, timeout};
 
-use super::handoff::{Granted, Run};
+use super::hold::handoff::{Granted, Run};
 use super::queue::{Claim, Reentry, Slot};
 use super::store::{Failure, Release, Released, StoreKey};
 use super::{Core, Store};

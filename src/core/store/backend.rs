@@ -1,14 +1,14 @@
-//! The core as a [`Backend`]: acquisitions (see `acquire.rs`), owners, and the operator
+//! The core as a [`Backend`]: acquisitions (see `acquire/`), owners, and the operator
 //! calls, each bounded by the command timeout.
 
 use std::sync::Arc;
 
 use tokio::time::timeout;
 
-use super::observe::Observe;
-use super::telemetry::Namespace;
-use super::{Core, Store};
 use crate::backend::Backend;
+use crate::core::telemetry::Namespace;
+use crate::core::telemetry::observe::Observe;
+use crate::core::{Core, Store};
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{Acquired, BoxFuture, LockGuard, LockOwner, LockRequest};

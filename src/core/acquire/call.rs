@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use super::contender::{Contender, MAYBE_QUEUED, NOT_QUEUED};
-use super::hold::Hold;
-use super::store::{Attempt, Attempted, Failure, Sent, StoreKey};
-use super::{Core, Store};
+use crate::core::acquire::contender::{Contender, MAYBE_QUEUED, NOT_QUEUED};
+use crate::core::hold::Hold;
+use crate::core::store::{Attempt, Attempted, Failure, Sent, StoreKey};
+use crate::core::{Core, Store};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// One attempt, awaited inline by the acquisition.
@@ -20,7 +20,7 @@ use crate::lock::{BoxFuture, Kind, LockOwner};
 /// the reply arrived. Dropped unfinished, the call is detached into a task that reads the
 /// reply and gives back exactly the hold it took, re-entries included, so no lock is left
 /// held without a guard for a whole lease.
-pub(super) struct AcquireCall<S: Store> {
+pub(in crate::core) struct AcquireCall<S: Store> {
     call: Option<BoxFuture<'static, Sent<S>>>,
     unclaimed: Unclaimed<S>,
 }
@@ -29,7 +29,7 @@ pub(super) struct AcquireCall<S: Store> {
 struct Unclaimed<S: Store> {
     core: Arc<Core<S>>,
     key: Arc<S::Key>,
-    /// The identity the hold is kept under (see [`holder`](super::holder)).
+    /// The identity the hold is kept under (see [`holder`](crate::core::holder)).
     holder: LockOwner,
     lease: Duration,
     kind: Kind,
@@ -48,7 +48,7 @@ impl<S: Store> Clone for Unclaimed<S> {
 }
 
 impl<S: Store> AcquireCall<S> {
-    pub(super) fn start(core: &Arc<Core<S>>, c: &Contender<S>, attempt: Attempt) -> Self {
+    pub(in crate::core) fn start(core: &Arc<Core<S>>, c: &Contender<S>, attempt: Attempt) -> Self {
         if c.kind == Kind::Exclusive && attempt.waits.is_some() {
             // Until a reply says otherwise, this attempt may register as a waiting writer.
             let _ = c.queued_writer.compare_exchange(

@@ -31,11 +31,15 @@
 //! one allocation does not count, and a boxed future can be detached into a task when the
 //! caller goes away (see `call.rs`).
 
+pub(crate) mod backend;
+pub(crate) mod methods;
+pub(crate) mod takeovers;
+
 use std::error::Error as StdError;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub(crate) use super::takeovers::Takeovers;
+pub(crate) use super::store::takeovers::Takeovers;
 
 use super::queue::Claim;
 use super::wakeups::Waiter;

@@ -22,50 +22,50 @@
 
 use tokio::time::Instant;
 
-use super::Store;
-use super::release::WatchedHold;
-use super::store::StoreKey;
-use super::watchdog::handoff_window;
+use crate::core::Store;
+use crate::core::hold::release::WatchedHold;
+use crate::core::store::StoreKey;
+use crate::core::watchdog::handoff_window;
 use crate::lock::{HeldLock, Kind, LockGuard};
 
 /// What the store confirmed of a hold it granted.
 #[derive(Clone, Copy)]
 pub(crate) struct Granted {
-    pub(super) token: u64,
+    pub(in crate::core) token: u64,
     /// The highest fencing token reserved for the hold (the counter was set there): tokens
     /// up to it may be issued to later holders in this process without asking the store.
-    pub(super) reserved: u64,
+    pub(in crate::core) reserved: u64,
     /// When the acquisition or handoff that granted it was sent.
-    pub(super) sent_at: Instant,
+    pub(in crate::core) sent_at: Instant,
     /// A grant by a release not claimed yet, which lasts until then (see `grant.rs`).
-    pub(super) unclaimed: Option<Instant>,
+    pub(in crate::core) unclaimed: Option<Instant>,
     /// The run of this process's holders it goes on with, when a handoff through the store
     /// granted it before the run was over.
-    pub(super) continues: Option<Run>,
+    pub(in crate::core) continues: Option<Run>,
 }
 
 /// The holders of this process taking turns under one hold in the store: the first took it
 /// there, the others got it in memory (see [`WatchedHold::hand_over_in_memory`]).
 #[derive(Clone, Copy)]
-pub(super) struct Run {
+pub(in crate::core) struct Run {
     /// When the hold in the store was granted (its call sent): the run's time counts from here.
-    pub(super) started: Instant,
+    pub(in crate::core) started: Instant,
     /// Handoffs in memory so far.
-    pub(super) handoffs: u32,
+    pub(in crate::core) handoffs: u32,
     /// The last fencing token issued, and the highest one the store reserved for the run.
-    pub(super) last: u64,
-    pub(super) reserved: u64,
+    pub(in crate::core) last: u64,
+    pub(in crate::core) reserved: u64,
     /// Where the key's line in this process ended when the run began (see
-    /// [`Slot::line_end`](super::queue::Slot::line_end)): the run serves only the tasks
+    /// [`Slot::line_end`](crate::core::queue::Slot::line_end)): the run serves only the tasks
     /// queued before it, each once, so that a task never waits for more than one turn of
     /// every other task, here or in another instance.
-    pub(super) line_end: u64,
+    pub(in crate::core) line_end: u64,
 }
 
 impl Run {
     /// The run a grant begins (or goes on with); `line_end`: where the key's line ends
     /// now, for a run that begins.
-    pub(super) fn new(granted: Granted, line_end: u64) -> Self {
+    pub(in crate::core) fn new(granted: Granted, line_end: u64) -> Self {
         match granted.continues {
             Some(run) => Run {
                 last: granted.token,
@@ -86,7 +86,7 @@ impl Run {
 impl<S: Store> WatchedHold<S> {
     /// Passes the hold to the next task of this backend queued for the key, in memory,
     /// if the run may go on (see the module's doc); else gives it back.
-    pub(super) fn hand_over_in_memory(mut self: Box<Self>) -> Result<(), Box<Self>> {
+    pub(in crate::core) fn hand_over_in_memory(mut self: Box<Self>) -> Result<(), Box<Self>> {
         let hold = &mut self.hold;
         let run = hold.run;
         // (A re-entry has no slot: it never passes on by itself.)
