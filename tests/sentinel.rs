@@ -39,6 +39,27 @@ fn sentinel_builder(set: &SentinelSet) -> tower_lock::RedisBackendBuilder {
         .connect_timeout(Duration::from_millis(500))
 }
 
+/// [`sentinel_builder`] with the data nodes' password.
+fn data_builder(set: &SentinelSet) -> tower_lock::RedisBackendBuilder {
+    sentinel_builder(set).master_password(MASTER_PASSWORD)
+}
+
+/// A backend through the sentinels, logged in to the data nodes.
+async fn backend(set: &SentinelSet) -> RedisBackend {
+    backend_with(set, |builder| builder).await
+}
+
+/// [`backend`] with `more` settings.
+async fn backend_with(
+    set: &SentinelSet,
+    more: impl FnOnce(tower_lock::RedisBackendBuilder) -> tower_lock::RedisBackendBuilder,
+) -> RedisBackend {
+    more(data_builder(set))
+        .build()
+        .await
+        .expect("backend through sentinels")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_deployment_serves_locks_and_survives_a_failover() {
     support::init_tracing();
@@ -102,8 +123,7 @@ async fn data_nodes_require_a_password(set: &mut SentinelSet) {
         "{refused:?}"
     );
     println!("master without its password: {}", support::chain(&refused));
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
+    let backend = data_builder(set)
         .build()
         .await
         .expect("the master's password from the builder");
@@ -117,7 +137,7 @@ async fn data_nodes_require_a_password(set: &mut SentinelSet) {
 async fn an_evicting_replica_is_refused_unless_allowed(set: &SentinelSet) {
     let replica = replica_of(set).await;
     set_policy(set, replica, "allkeys-lru").await;
-    let builder = || sentinel_builder(set).master_password(MASTER_PASSWORD);
+    let builder = || data_builder(set);
     let error = builder().build().await.expect_err("refused");
     let text = support::chain(&error);
     let at = format!("127.0.0.1:{}", replica.port());
@@ -148,10 +168,7 @@ async fn a_replica_flagged_down_is_not_checked(set: &SentinelSet) {
         flags.len() == 3 && flags.iter().all(|f| f.contains("s_down"))
     })
     .await;
-    let built = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .build()
-        .await;
+    let built = data_builder(set).build().await;
     replica.resume();
     built.expect("a replica flagged down is not asked");
     set_policy(set, replica, "noeviction").await;
@@ -193,11 +210,7 @@ const FREE_AGAIN_BOUND: Duration = Duration::from_secs(10);
 /// sends its recent releases again to the new master when it hears the announcement, so
 /// the key is free again at once instead of a lease (30 s) later.
 async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .build()
-        .await
-        .expect("backend through sentinels");
+    let backend = backend(set).await;
     let old_master = set.master_port().await;
     // Every acquisition's start and end, and whether it got the lock.
     let outcomes: Arc<Mutex<Vec<(Instant, Instant, bool)>>> = Arc::default();
@@ -330,10 +343,7 @@ async fn a_planned_switchover_moves_the_backend(set: &SentinelSet) {
 /// released (see the previous scenario); holds taken after those releases, by another
 /// instance or by the same owner again (a newer token), stay held and are not lost.
 async fn a_switchover_leaves_newer_holds_alone(set: &SentinelSet) {
-    let (ours, theirs) = (
-        sentinel_builder(set).master_password(MASTER_PASSWORD),
-        sentinel_builder(set).master_password(MASTER_PASSWORD),
-    );
+    let (ours, theirs) = (data_builder(set), data_builder(set));
     let ours = ours.build().await.expect("backend through sentinels");
     let theirs = theirs.build().await.expect("another instance");
     // Released by us, then taken by another instance.
@@ -421,11 +431,7 @@ async fn switch_over_and_follow(set: &SentinelSet, backend: &RedisBackend) {
 /// writable for it) after the release reached it, so that the promotion brings it back.
 async fn a_switchover_releases_the_shared_holds_and_permits_it_lost(set: &SentinelSet) {
     const LEASE: Duration = Duration::from_secs(60);
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .build()
-        .await
-        .expect("backend through sentinels");
+    let backend = backend(set).await;
     let old_master = set.master_port().await;
     let replica = set
         .servers()
@@ -527,11 +533,7 @@ async fn a_switchover_releases_the_shared_holds_and_permits_it_lost(set: &Sentin
 /// Once the backend hears the promotion, its connections opened before it are retired
 /// and its locks go to the new master only.
 async fn a_master_cut_off_from_the_sentinels_is_left_at_their_announcement(set: &SentinelSet) {
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .build()
-        .await
-        .expect("backend through sentinels");
+    let backend = backend(set).await;
     // Pooled connections to the master that is about to be cut off.
     for _ in 0..4 {
         let guard = backend.lock("partition").try_once().await.expect("lock");
@@ -811,11 +813,7 @@ async fn three_instances_sell_exactly_the_stock_across_a_failover(set: &mut Sent
     shop.lock().expect("shop").stock = STOCK;
     let mut instances = Vec::new();
     for _ in 0..3 {
-        let backend = sentinel_builder(set)
-            .master_password(MASTER_PASSWORD)
-            .build()
-            .await
-            .expect("backend through sentinels");
+        let backend = backend(set).await;
         let key_fn: fn(&Request) -> Option<&'static str> = stock_key;
         let app = Router::new()
             .route("/buy", routing::post(buy))

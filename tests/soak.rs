@@ -61,25 +61,51 @@ impl Tally {
             Err(_) => "other error",
         });
     }
+
+    /// Counts what `taken` was, and gives back the hold it got.
+    async fn release(&self, taken: Result<LockGuard, LockError>) {
+        self.of(&taken);
+        if let Ok(guard) = taken {
+            self.give_back(guard).await;
+        }
+    }
+
+    async fn give_back(&self, guard: LockGuard) {
+        tokio::task::yield_now().await;
+        let released = guard.release().await;
+        self.count(if released.is_ok() {
+            "released"
+        } else {
+            "release failed"
+        });
+    }
 }
 
 /// Holders of each exclusive key, to see two at once.
 struct Inside(Vec<AtomicU32>);
 
 impl Inside {
-    async fn hold(&self, key: usize, guard: LockGuard, tally: &Tally, release: bool) {
+    /// Counts what `taken` (of exclusive key `key`) was; a hold it got is checked for
+    /// another holder, then released, or dropped unreleased (the release goes on in the
+    /// background).
+    async fn hold(
+        &self,
+        key: usize,
+        taken: Result<LockGuard, LockError>,
+        tally: &Tally,
+        release: bool,
+    ) {
+        tally.of(&taken);
+        let Ok(guard) = taken else {
+            return;
+        };
         if self.0[key].fetch_add(1, Ordering::SeqCst) != 0 && !guard.is_lost() {
             tally.overlaps.fetch_add(1, Ordering::Relaxed);
         }
         tokio::task::yield_now().await;
         self.0[key].fetch_sub(1, Ordering::SeqCst);
         if release {
-            let released = guard.release().await;
-            tally.count(if released.is_ok() {
-                "released"
-            } else {
-                "release failed"
-            });
+            tally.give_back(guard).await;
         } else {
             drop(guard);
         }
@@ -95,101 +121,46 @@ async fn load(
 ) {
     while !stop.load(Ordering::Relaxed) {
         let key = fastrand::usize(..KEYS);
+        let exclusive = backend.lock(format!("ex:{key}")).lease(LEASE);
         match fastrand::u8(..7) {
             0 => {
-                let taken = backend
-                    .lock(format!("ex:{key}"))
-                    .lease(LEASE)
-                    .wait(WAIT)
-                    .await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    inside.hold(key, guard, &tally, true).await;
-                }
+                inside
+                    .hold(key, exclusive.wait(WAIT).await, &tally, true)
+                    .await
             }
             1 => {
-                let taken = backend
-                    .lock(format!("ex:{key}"))
-                    .lease(LEASE)
-                    .try_once()
-                    .await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    inside.hold(key, guard, &tally, true).await;
-                }
+                inside
+                    .hold(key, exclusive.try_once().await, &tally, true)
+                    .await
             }
             2 => {
-                let taken = backend
-                    .lock(format!("rw:{key}"))
-                    .shared()
-                    .lease(LEASE)
-                    .wait(WAIT);
-                let taken = taken.await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    tokio::task::yield_now().await;
-                    tally.count(if guard.release().await.is_ok() {
-                        "released"
-                    } else {
-                        "release failed"
-                    });
-                }
+                let shared = backend.lock(format!("rw:{key}")).shared().lease(LEASE);
+                tally.release(shared.wait(WAIT).await).await;
             }
             3 => {
-                let taken = backend
-                    .lock(format!("sem:{key}"))
-                    .permits(3)
-                    .lease(LEASE)
-                    .wait(WAIT);
-                let taken = taken.await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    tokio::task::yield_now().await;
-                    tally.count(if guard.release().await.is_ok() {
-                        "released"
-                    } else {
-                        "release failed"
-                    });
-                }
+                let permit = backend.lock(format!("sem:{key}")).permits(3).lease(LEASE);
+                tally.release(permit.wait(WAIT).await).await;
             }
             4 => {
                 let other = (key + 1) % KEYS;
                 let keys = [format!("many:{key}"), format!("many:{other}")];
-                let taken = backend.lock_many(keys).lease(LEASE).wait(WAIT).await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    tally.count(if guard.release().await.is_ok() {
-                        "released"
-                    } else {
-                        "release failed"
-                    });
-                }
+                tally
+                    .release(backend.lock_many(keys).lease(LEASE).wait(WAIT).await)
+                    .await;
             }
             5 => {
                 // A request that goes away while it waits.
                 let gone = Duration::from_millis(fastrand::u64(1..20));
-                let wait = backend.lock(format!("ex:{key}")).lease(LEASE).wait(WAIT);
-                match timeout(gone, wait).await {
+                match timeout(gone, exclusive.wait(WAIT)).await {
                     Err(_) => tally.count("given up"),
-                    Ok(taken) => {
-                        tally.of(&taken);
-                        if let Ok(guard) = taken {
-                            inside.hold(key, guard, &tally, true).await;
-                        }
-                    }
+                    Ok(taken) => inside.hold(key, taken, &tally, true).await,
                 }
             }
+            // Dropped, not released: the release goes on in the background.
             _ => {
-                // Dropped, not released: the release goes on in the background.
-                let taken = backend
-                    .lock(format!("ex:{key}"))
-                    .lease(LEASE)
-                    .wait(WAIT)
-                    .await;
-                tally.of(&taken);
-                if let Ok(guard) = taken {
-                    inside.hold(key, guard, &tally, false).await;
-                }
+                inside
+                    .hold(key, exclusive.wait(WAIT).await, &tally, false)
+                    .await
             }
         }
     }

@@ -7,7 +7,7 @@ use http::StatusCode;
 use support::sentinel::SentinelSet;
 use tower_lock::{LockError, RedisBackend};
 
-use super::{MASTER_PASSWORD, sentinel_builder, support};
+use super::{MASTER_PASSWORD, backend_with, support};
 
 /// How many acquisitions may fail on connections opened before a change (one pooled
 /// connection, and a retry) before one opens a new connection.
@@ -75,12 +75,7 @@ pub(crate) async fn an_announced_master_is_trusted_over_stale_sentinels(set: &Se
         listeners().await == 0
     })
     .await;
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .pool_size(1)
-        .build()
-        .await
-        .expect("backend through sentinels");
+    let backend = backend_with(set, |b| b.pool_size(1)).await;
     let guard = backend.lock("pinned").try_once().await.expect("lock");
     guard.release().await.expect("release");
     support::eventually("the backend listens to the first sentinel", || async {
@@ -107,12 +102,7 @@ pub(crate) async fn an_announced_master_is_trusted_over_stale_sentinels(set: &Se
 /// take their time noticing: every sentinel still names it, and it answers, but as a
 /// replica. The backend refuses it with an error that says so (a 503).
 pub(crate) async fn a_master_reporting_a_replica_is_refused(set: &SentinelSet) {
-    let backend = sentinel_builder(set)
-        .master_password(MASTER_PASSWORD)
-        .pool_size(1)
-        .build()
-        .await
-        .expect("backend through sentinels");
+    let backend = backend_with(set, |b| b.pool_size(1)).await;
     let guard = backend.lock("demoted").try_once().await.expect("lock");
     guard.release().await.expect("release");
     // Down after 10 min: the sentinels flag a master that reports a replica 20 s after that.
