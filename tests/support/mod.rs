@@ -46,6 +46,8 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     extra_args: Vec<String>,
+    /// A command the server runs under (`valgrind ...`), or empty.
+    wrapper: Vec<String>,
 }
 
 impl RedisServer {
@@ -56,6 +58,12 @@ impl RedisServer {
 
     /// Starts a server with extra `redis-server` arguments (kept across `restart`).
     pub fn start_with(extra_args: &[&str]) -> Self {
+        Self::start_under(&[], extra_args)
+    }
+
+    /// Starts a server run by `wrapper` (`["valgrind", "--tool=callgrind", ..]`), which
+    /// runs it in its own process (the pid [`pid`](Self::pid) gives).
+    pub fn start_under(wrapper: &[&str], extra_args: &[&str]) -> Self {
         // Another process may take the free port before redis-server binds it: retry.
         for _ in 0..20 {
             let mut server = RedisServer {
@@ -63,6 +71,7 @@ impl RedisServer {
                 port: free_port(),
                 dir: tempfile::tempdir().expect("temp dir"),
                 extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+                wrapper: wrapper.iter().map(|a| a.to_string()).collect(),
             };
             if server.spawn() {
                 return server;
@@ -73,8 +82,16 @@ impl RedisServer {
 
     /// Spawns on `self.port`; false if it did not come up (for example the port was taken).
     fn spawn(&mut self) -> bool {
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg("redis-server");
+                command
+            }
+            None => Command::new("redis-server"),
+        };
         let child = redis_tool(
-            Command::new("redis-server")
+            command
                 .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
                 .arg("--dir")

@@ -73,19 +73,30 @@ impl ReleaseCall<'_> {
             .arg(&self.key.channel)
             .arg(u8::from(scripts.sharded));
         let plain = self.successor.is_none() && self.issued.is_none();
-        // A release that may grant, or on a cluster, needs every argument.
-        let full = self.resent_guard.is_some() || self.grant.is_some();
-        if plain && !full && !self.may_have_run && token.is_empty() {
+        let cluster = self.resent_guard.is_some();
+        let checked = self.may_have_run || !token.is_empty();
+        if plain && !cluster && !checked && self.grant.is_none() {
+            return invocation;
+        }
+        // The grant's arguments, and the counter it writes (as a handoff does, and a
+        // release after handoffs in memory, which sets it back to the last token issued).
+        let (grant, grace) = self
+            .grant
+            .map_or((0, 0), |(lease, grace)| (millis(lease), millis(grace)));
+        invocation
+            .key(&self.key.fence)
+            .key(self.key.writers())
+            .arg(grant)
+            .arg(grace)
+            .arg(millis(fence_ttl))
+            .arg(self.reserve);
+        if plain && !cluster && !checked {
             return invocation;
         }
         invocation.arg(token).arg(u8::from(self.may_have_run));
-        if plain && !full {
+        if plain && !cluster {
             return invocation;
         }
-        // The fencing counter is written: by a handoff, a grant, and by a release after
-        // handoffs in memory (the counter goes back to the last token issued). On a cluster
-        // and where releases grant, every release gets here, for the arguments after it.
-        invocation.key(&self.key.fence);
         match self.successor {
             Some(successor) => invocation
                 .arg(successor.owner.as_str())
@@ -93,28 +104,13 @@ impl ReleaseCall<'_> {
             None => invocation.arg("").arg(0),
         };
         invocation
-            .arg(millis(fence_ttl))
             .arg(u8::from(self.streak_spent))
-            .arg(self.issued.map(|t| t.to_string()).unwrap_or_default())
-            .arg(self.reserve);
-        match (self.resent_guard, self.grant) {
-            (Some((instance, serial)), _) => {
-                invocation
-                    .key(self.key.releases())
-                    .arg(instance)
-                    .arg(serial);
-            }
-            // Their places, before the grant's.
-            (None, Some(_)) => {
-                invocation.arg("").arg("");
-            }
-            (None, None) => {}
-        }
-        if let Some((lease, grace)) = self.grant {
+            .arg(self.issued.map(|t| t.to_string()).unwrap_or_default());
+        if let Some((instance, serial)) = self.resent_guard {
             invocation
-                .key(self.key.writers())
-                .arg(millis(lease))
-                .arg(millis(grace));
+                .key(self.key.releases())
+                .arg(instance)
+                .arg(serial);
         }
         invocation
     }

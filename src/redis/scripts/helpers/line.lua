@@ -65,15 +65,20 @@ local function leave_line(line, till, holder)
   return redis.call('zrem', line, holder) == 1
 end
 
--- A release freed the lock: every waiter's `until` moves back to now (see above). (The
--- clock is read only when someone waits: an uncontended release pays one call.)
-local function line_woken(till)
-  if redis.call('exists', till) == 0 then
-    return
-  end
+-- A release freed the lock while holders wait in the line: every waiter's `until` moves
+-- back to now (see above).
+local function wake_line(till)
   local now = now_ms()
   for _, waiter in ipairs(redis.call('zrangebyscore', till, '(' .. now, '+inf')) do
     redis.call('zadd', till, now, waiter)
+  end
+end
+
+-- The same, for a caller that has not looked whether anyone waits (the clock is read only
+-- when someone does: an uncontended release pays one call).
+local function line_woken(till)
+  if redis.call('exists', till) == 1 then
+    wake_line(till)
   end
 end
 

@@ -17,69 +17,72 @@
 --          single server, where PUBLISH keeps working on Redis before 7
 --
 -- The rest may be left off from the end, each then taking the value in brackets: Redis
--- turns every argument into a Lua string, which cost as much as a command for every
--- three, and a plain release needs none of them.
--- ARGV[6]  the fencing token of the hold being released, or "" not to check it (""): a
+-- turns every argument into a Lua string (about a third of a command's cost each,
+-- measured), and a plain release needs none of them. The grant's come first, so that a
+-- release where grants are on sends only those.
+-- ARGV[6]  the grant lease in milliseconds, or "0" to grant nothing ("0"): a release that
+--          frees the lock while another holder waits live in the line KEYS[2] (as turn_of
+--          judges, line.lua) grants it to the line's head instead, under a new fencing
+--          token (as a new acquisition gets one, from the counter that ARGV[15] settles
+--          first, ARGV[9] reserved above it), for that long, and publishes "granted
+--          <holder> <token> <reserved> <server ms> <lease ms>" instead of "released": the
+--          head's process makes it a hold without a call (its first renewal claims it,
+--          renew.lua), and the other waiters are not woken, only told to look again when
+--          the grant would run out
+-- ARGV[7]  the grace the head of the line has for its turn, in milliseconds (line.lua)
+-- ARGV[8]  how long the fencing counter outlives its last use, in milliseconds
+-- ARGV[9]  how many tokens to reserve above a grant's or a handoff's own for the run it
+--          starts ("0")
+-- KEYS[4]  the fencing counter (given with ARGV[6]): written by a grant, a handoff, and a
+--          final release after holders of the process took turns in memory
+-- KEYS[5]  the waiting writers of the key's read/write lock (shared_acquire.lua, given with
+--          KEYS[4]): a grantee registered there no longer waits
+-- ARGV[10] the fencing token of the hold being released, or "" not to check it (""): a
 --          release sent again after a failover (replay.rs) must act only on that very hold,
 --          never on a later one of the same owner (which has a newer token; a re-entry
 --          keeps it)
--- ARGV[7]  "1" when an earlier call of this same release may have run (its reply was
+-- ARGV[11] "1" when an earlier call of this same release may have run (its reply was
 --          lost): only then can a handoff it made exist, so only then is one looked for.
 --          Always "1" on a Redis Cluster, whose client sends a call again by itself when
 --          its connection drops before the reply ("0")
--- ARGV[8]  the successor's owner id, or "" to release for real ("")
--- ARGV[9]  the successor's lease in milliseconds
--- ARGV[10] how long the fencing counter outlives its last use, in milliseconds
--- ARGV[11] "1" when the process's run of handoffs is used up: then the lock is released
+-- ARGV[12] the successor's owner id, or "" to release for real ("")
+-- ARGV[13] the successor's lease in milliseconds
+-- ARGV[14] "1" when the process's run of handoffs is used up: then the lock is released
 --          for real if another holder waits in the line KEYS[2] ("0")
--- ARGV[12] the last fencing token the process issued in memory under this hold, to later
+-- ARGV[15] the last fencing token the process issued in memory under this hold, to later
 --          holders of its own (tokens up to the counter's value were reserved for that),
 --          or "": a handoff's token comes next, and a final release sets the counter
 --          back to it, so that tokens reserved but not issued are not skipped, and a
 --          counter deleted meanwhile is restored ("")
--- ARGV[13] how many tokens to reserve above a handoff's own for the successor's run ("0")
--- KEYS[5]  on a Redis Cluster only (ARGV[6] to ARGV[13] and KEYS[4] then given too): the
---          key's releases, instance id -> serial of the instance's latest release of the
---          key, kept as long as the fencing counter (ARGV[10]). Every release that leaves
---          the owner without a hold writes it, so that a copy of an earlier attempt of the
---          instance that the cluster client sends again late takes nothing (acquire.lua)
--- ARGV[14] the owner's instance id
--- ARGV[15] this release's serial: attempts and releases of one instance draw serials from
+-- KEYS[6]  on a Redis Cluster only (every argument then given): the key's releases,
+--          instance id -> serial of the instance's latest release of the key, kept as
+--          long as the fencing counter (ARGV[8]). Every release that leaves the owner
+--          without a hold writes it, so that a copy of an earlier attempt of the instance
+--          that the cluster client sends again late takes nothing (acquire.lua)
+-- ARGV[16] the owner's instance id
+-- ARGV[17] this release's serial: attempts and releases of one instance draw serials from
 --          one counter, so every attempt sent before this release has one up to it
---          (ARGV[14] and ARGV[15] are "" elsewhere when ARGV[16] is given)
--- ARGV[16] the grant lease in milliseconds, or "0" (or left off) to grant nothing: a
---          release that frees the lock while another holder waits live in the line KEYS[2]
---          (as turn_of judges, line.lua) grants it to the line's head instead, under a
---          new fencing token (as a new acquisition gets one, from the counter that
---          ARGV[12] settles first, ARGV[13] reserved above it), for that long, and publishes "granted <holder> <token> <reserved> <server ms>
---          <lease ms>" instead of "released": the head's process makes it a hold
---          without a call (its first renewal claims it, renew.lua), and the other waiters
---          are not woken, only told to look again when the grant would run out
--- ARGV[17] the grace the head of the line has for its turn, in milliseconds (line.lua)
--- KEYS[5], on a Redis Cluster KEYS[6] (given with ARGV[16])  the waiting writers of the
---          key's read/write lock (shared_acquire.lua): a grantee registered there no
---          longer waits
 --
 -- The grant is kept in the hash as "granted" = holder until claimed: an attempt of the
 -- holder that missed the message finds it there (acquire.lua), and a waiter that gives up
 -- frees it at once (withdraw.lua).
 --
--- Returns {3, token} when the lock now belongs to ARGV[8] under a new fencing token (also
+-- Returns {3, token} when the lock now belongs to ARGV[12] under a new fencing token (also
 -- when a retry finds it already handed over), {2} when it was freed and the release
 -- published, {1} when an outer hold of the same owner remains (or this hold was already
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
--- or a retried final release), or holds it under another token than ARGV[6].
-local only, retried, successor = ARGV[6] or '', ARGV[7] == '1', ARGV[8] or ''
--- Kept for the instance on a cluster (KEYS[5]): never lowered, by a release that overtook
+-- or a retried final release), or holds it under another token than ARGV[10].
+local only, retried, successor = ARGV[10] or '', ARGV[11] == '1', ARGV[12] or ''
+-- Kept for the instance on a cluster (KEYS[6]): never lowered, by a release that overtook
 -- another of the same instance. Written before the lock is: a release that this write
 -- fails (no memory left, no right to the key) leaves the lock as it was.
 local function mark_released()
-  if (ARGV[14] or '') ~= '' then
-    local last = redis.call('hget', KEYS[5], ARGV[14])
-    if not last or tonumber(last) < tonumber(ARGV[15]) then
-      redis.call('hset', KEYS[5], ARGV[14], ARGV[15])
+  if (ARGV[16] or '') ~= '' then
+    local last = redis.call('hget', KEYS[6], ARGV[16])
+    if not last or tonumber(last) < tonumber(ARGV[17]) then
+      redis.call('hset', KEYS[6], ARGV[16], ARGV[17])
     end
-    redis.call('pexpire', KEYS[5], ARGV[10])
+    redis.call('pexpire', KEYS[6], ARGV[8])
   end
 end
 -- One read for every case. The release id is looked for on every call: a retry sent on
@@ -104,7 +107,7 @@ if not count or (only ~= '' and tonumber(held[4]) ~= tonumber(only)) then
   mark_released()
   return {0}
 end
-local issued = ARGV[12] or ''
+local issued = ARGV[15] or ''
 if count > 1 then
   redis.call('hincrby', KEYS[1], ARGV[1], -1)
   redis.call('hset', KEYS[1], ARGV[2], 1)
@@ -116,7 +119,7 @@ local sharded = ARGV[5] == '1'
 -- back to the last token issued.
 local function settle_counter()
   if issued ~= '' then
-    redis.call('set', KEYS[4], issued, 'px', ARGV[10])
+    redis.call('set', KEYS[4], issued, 'px', ARGV[8])
   end
 end
 -- The owner took shared holds of its key while holding it (a downgrade, see
@@ -134,11 +137,11 @@ if tonumber(held[3] or '0') > 0 then
   settle_counter()
   return {2}
 end
-if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) then
+if successor ~= '' and (ARGV[14] ~= '1' or not line_waits(KEYS[3], now_ms())) then
   -- The current hold's token, or the last one issued under it in memory, is the newest
   -- issued for this key (only a holder gets a new one), so the next number exceeds every
   -- earlier token without reading the clock. Checked before anything is written.
-  local block = tonumber(ARGV[13] or '0')
+  local block = tonumber(ARGV[9] or '0')
   local last = issued ~= '' and issued or held[4]
   if last then
     last = stored_token(last, 'the token of ' .. KEYS[1], 1 + block)
@@ -148,28 +151,31 @@ if successor ~= '' and (ARGV[11] ~= '1' or not line_waits(KEYS[3], now_ms())) th
   local token
   if last then
     token = string.format('%d', last + 1)
-    redis.call('set', KEYS[4], string.format('%d', last + 1 + block), 'px', ARGV[10])
+    redis.call('set', KEYS[4], string.format('%d', last + 1 + block), 'px', ARGV[8])
   else
-    token = next_token(KEYS[4], ARGV[10], block)
+    token = next_token(KEYS[4], ARGV[8], block)
     if block ~= 0 then
       redis.call('incrby', KEYS[4], block)
     end
   end
   -- The hash is rebuilt rather than edited, so the old owner's release ids go with it;
   -- a reserved block's size goes with the hold (see acquire.lua).
-  if (ARGV[13] or '0') ~= '0' then
-    redis.call('hset', KEYS[1], successor, 1, 'token', token, 'reserved', ARGV[13])
+  if (ARGV[9] or '0') ~= '0' then
+    redis.call('hset', KEYS[1], successor, 1, 'token', token, 'reserved', ARGV[9])
   else
     redis.call('hset', KEYS[1], successor, 1, 'token', token)
   end
-  redis.call('pexpire', KEYS[1], ARGV[9])
+  redis.call('pexpire', KEYS[1], ARGV[13])
   return {3, tonumber(token)}
 end
--- Granted to the live head of the line (see ARGV[16]), announced before the lock is
+-- Granted to the live head of the line (see ARGV[6]), announced before the lock is
 -- written for the reason a release below publishes first.
-local grant = tonumber(ARGV[16] or '0')
-if grant > 0 and redis.call('exists', KEYS[2]) == 1 then
-  local now, grace = now_ms(), tonumber(ARGV[17])
+local grant = tonumber(ARGV[6] or '0')
+-- One look at the line serves the grant and the wake-up below (the line and its times
+-- come and go together, line.lua).
+local lined = redis.call('exists', KEYS[3]) == 1
+if grant > 0 and lined then
+  local now, grace = now_ms(), tonumber(ARGV[7])
   local head = line_head(KEYS[2], KEYS[3], now, grace)
   if head == ARGV[1] then
     leave_line(KEYS[2], KEYS[3], head)
@@ -180,10 +186,10 @@ if grant > 0 and redis.call('exists', KEYS[2]) == 1 then
     -- turns in memory first sets back to the last token issued): the hold's own may be
     -- older than a token issued in memory that this release does not know of (a
     -- re-entry's release).
-    local block = tonumber(ARGV[13] or '0')
+    local block = tonumber(ARGV[9] or '0')
     mark_released()
     settle_counter()
-    local token = next_token(KEYS[4], ARGV[10], block)
+    local token = next_token(KEYS[4], ARGV[8], block)
     if block ~= 0 then
       redis.call('incrby', KEYS[4], block)
     end
@@ -197,7 +203,7 @@ if grant > 0 and redis.call('exists', KEYS[2]) == 1 then
     end
     redis.call('pexpire', KEYS[1], grant)
     leave_line(KEYS[2], KEYS[3], head)
-    redis.call('zrem', (ARGV[14] or '') ~= '' and KEYS[6] or KEYS[5], head)
+    redis.call('zrem', KEYS[5], head)
     line_granted(KEYS[3], now, grant, grace)
     return {2}
   end
@@ -210,5 +216,7 @@ mark_released()
 settle_counter()
 redis.call(sharded and 'spublish' or 'publish', ARGV[4], 'released')
 redis.call('del', KEYS[1])
-line_woken(KEYS[3])
+if lined then
+  wake_line(KEYS[3])
+end
 return {2}
