@@ -70,17 +70,10 @@
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release), or holds it under another token than ARGV[6].
 local only, retried, successor = ARGV[6] or '', ARGV[7] == '1', ARGV[8] or ''
--- Kept for the instance on a cluster (KEYS[5]): never lowered, by a release that overtook
--- another of the same instance. Written before the lock is: a release that this write
--- fails (no memory left, no right to the key) leaves the lock as it was.
+-- Kept for the instance on a cluster (KEYS[5], resent.lua).
+local releases = (ARGV[14] or '') ~= '' and KEYS[5] or nil
 local function mark_released()
-  if (ARGV[14] or '') ~= '' then
-    local last = redis.call('hget', KEYS[5], ARGV[14])
-    if not last or tonumber(last) < tonumber(ARGV[15]) then
-      redis.call('hset', KEYS[5], ARGV[14], ARGV[15])
-    end
-    redis.call('pexpire', KEYS[5], ARGV[10])
-  end
+  record_release(releases, ARGV[14], ARGV[15], ARGV[10])
 end
 -- One read for every case. The release id is looked for on every call: a retry sent on
 -- another connection may run before the original, which must then not decrement a second
