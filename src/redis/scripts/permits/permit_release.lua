@@ -19,18 +19,20 @@
 -- no permit (its lease ran out, or a retried final release), or holds one under another
 -- token than ARGV[6].
 local reply = undo_hold(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6], 'tok:' .. ARGV[1], 'tok:' .. ARGV[1])
--- The holder is left without a hold (or had none: an attempt undone whose copy may still
--- come): a late copy of its attempts takes nothing.
-if not reply or reply[1] == 0 then
-  record_release(ARGV[7] and KEYS[2], ARGV[7], ARGV[8], ARGV[9])
+if reply and reply[1] ~= 0 then
+  return reply
 end
+-- The holder is left without a hold (or had none: an attempt undone whose copy may still
+-- come, ARGV[8] its serial): a late copy of its attempts takes nothing.
+local fields = not reply and redis.call('hgetall', KEYS[1]) or nil
+record_holder_release(ARGV[7] and KEYS[2], ARGV[7], ARGV[8], ARGV[9], ARGV[1], fields)
 if reply then
   return reply
 end
 -- Published first, as release.lua does: a PUBLISH the ACL user may no longer send fails
 -- the release with the permit still held, as the error says.
 redis.call(ARGV[5] == '1' and 'spublish' or 'publish', ARGV[4], 'released')
-forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
+forget_holder(KEYS[1], ARGV[1], fields)
 if redis.call('hlen', KEYS[1]) == 0 then
   redis.call('del', KEYS[1])
 end

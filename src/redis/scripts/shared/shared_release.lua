@@ -19,15 +19,17 @@
 -- more (its lease ran out, it was deleted, or a retried final release), or holds it under
 -- another token than ARGV[6].
 local reply, now, mode = undo_hold(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6], 'token', 'mode')
--- The holder is left without a hold (or had none: an attempt undone whose copy may still
--- come): a late copy of its attempts takes nothing.
-if not reply or reply[1] == 0 then
-  record_release(ARGV[7] and KEYS[2], ARGV[7], ARGV[8], ARGV[9])
+if reply and reply[1] ~= 0 then
+  return reply
 end
+-- The holder is left without a hold (or had none: an attempt undone whose copy may still
+-- come, ARGV[8] its serial): a late copy of its attempts takes nothing.
+local fields = not reply and redis.call('hgetall', KEYS[1]) or nil
+record_holder_release(ARGV[7] and KEYS[2], ARGV[7], ARGV[8], ARGV[9], ARGV[1], fields)
 if reply then
   return reply
 end
-forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
+forget_holder(KEYS[1], ARGV[1], fields)
 local readers = redis.call('hincrby', KEYS[1], 'readers', -1)
 if mode ~= 'read' then
   -- A downgraded writer's shared hold: its exclusive hold still keeps everyone out.
