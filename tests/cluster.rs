@@ -55,8 +55,7 @@ async fn cluster_scenarios() {
     checks::build_checks_hold_on_every_primary(&cluster).await;
     an_acquisition_resent_after_a_lost_reply_is_taken_once(&cluster).await;
     a_release_resent_after_a_lost_reply_is_not_reported_lost(&cluster).await;
-    late_resend::an_acquisition_resent_after_the_release_takes_nothing(&cluster).await;
-    late_resend::an_attempt_overtaken_again_and_again_takes_nothing_and_stops(&cluster).await;
+    late_resend::late_copies_take_nothing(&cluster).await;
     sync_replicas_waits_only_on_the_shard_of_the_lock(&cluster).await;
     a_stopped_shard_does_not_hold_up_the_renewals_of_the_others(&cluster).await;
     let killed =

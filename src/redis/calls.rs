@@ -69,6 +69,7 @@ impl RedisStore {
                     .arg(guard)
                     .arg(attempt_id)
                     .arg(attempt.owner.as_str());
+                self.refuse_late_copies(&mut invocation, key, attempt);
                 invocation
             }
             Kind::Permit(permits) => {
@@ -81,8 +82,26 @@ impl RedisStore {
                     .arg(guard)
                     .arg(attempt_id)
                     .arg(permits);
+                self.refuse_late_copies(&mut invocation, key, attempt);
                 invocation
             }
+        }
+    }
+
+    /// On a cluster, the key's releases and the attempt's instance and serial, after a
+    /// shared or permit attempt's own arguments: a copy that the cluster client sends again
+    /// after a release of the instance takes nothing (see resent.lua).
+    fn refuse_late_copies(
+        &self,
+        invocation: &mut redis::ScriptInvocation<'_>,
+        key: &LockKey,
+        attempt: &Attempt,
+    ) {
+        if let Some(instance) = &self.resent_guard {
+            invocation
+                .key(key.releases())
+                .arg(&**instance)
+                .arg(attempt.serial);
         }
     }
 

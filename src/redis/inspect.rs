@@ -8,6 +8,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use redis::ScriptInvocation;
 use tokio::time::timeout;
@@ -53,6 +54,13 @@ impl RedisStore {
             .arg(&names.channel)
             .arg(u8::from(self.scripts.sharded))
             .arg(millis(self.fence_ttl));
+        if let Some(instance) = &self.resent_guard {
+            let serial = self.force_serials.fetch_add(1, Ordering::Relaxed);
+            invocation
+                .key(names.releases())
+                .arg(&**instance)
+                .arg(serial);
+        }
         let reply = self.run(Call::ForceRelease, &names, &invocation).await?;
         let freed = LockInfo::from_reply(names.user, &reply)
             .ok_or_else(|| LockError::backend("inspect", UnexpectedReply("inspect")))?;

@@ -2,6 +2,7 @@
 //! through the command pool, with waiters woken by the subscriber.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use tokio::time::timeout;
@@ -50,6 +51,9 @@ pub(crate) struct RedisStore {
     /// lock, so that a copy of an earlier attempt that the cluster client sends again late
     /// takes nothing (see acquire.lua); `None` elsewhere, whose clients send nothing again.
     pub(crate) resent_guard: Option<Arc<str>>,
+    /// Numbers this backend's force-releases, so that a copy of one that the cluster client
+    /// sends again late frees nothing (see force_release.lua).
+    pub(crate) force_serials: AtomicU64,
 }
 
 impl StoreKey for LockKey {

@@ -2,6 +2,7 @@
 //! the backend's tasks.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use super::checks::ServerChecks;
@@ -160,6 +161,7 @@ impl RedisBackendBuilder {
             restart_guard: self.restart_guard.then_some(self.max_lease),
             sync_replicas: self.sync_replicas,
             resent_guard,
+            force_serials: AtomicU64::new(0),
         })
     }
 }

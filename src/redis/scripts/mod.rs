@@ -9,8 +9,8 @@
 //! write-back), and `helpers/`. Lua has no includes: the helpers the scripts share
 //! (`lease.lua`: extend a lease, never shorten it; `token.lua`: the next fencing token;
 //! `guard.lua`: the restart guard; `holders.lua`: holders with a lease of their own;
-//! `snapshot.lua`: what an operator sees of a key; `line.lua`: the line of waiting holders)
-//! are prepended at compile time.
+//! `snapshot.lua`: what an operator sees of a key; `line.lua`: the line of waiting holders;
+//! `resent.lua`: late copies on a cluster) are prepended at compile time.
 
 pub(crate) mod release_call;
 
@@ -64,18 +64,24 @@ pub(crate) const ACQUIRE: &str = source!(
     "helpers/token.lua",
     "helpers/guard.lua",
     "helpers/line.lua",
+    "helpers/resent.lua",
     "lock/acquire.lua"
 );
-pub(crate) const RELEASE: &str =
-    source!("helpers/token.lua", "helpers/line.lua", "lock/release.lua");
+pub(crate) const RELEASE: &str = source!(
+    "helpers/token.lua",
+    "helpers/line.lua",
+    "helpers/resent.lua",
+    "lock/release.lua"
+);
 pub(crate) const RENEW: &str = source!("lock/renew.lua");
 pub(crate) const WITHDRAW: &str = source!("helpers/line.lua", "lock/withdraw.lua");
 pub(crate) const PERMIT_ACQUIRE: &str = source!(
     "helpers/token.lua",
     "helpers/guard.lua",
+    "helpers/resent.lua",
     "permits/permit_acquire.lua"
 );
-pub(crate) const PERMIT_RELEASE: &str = source!("permits/permit_release.lua");
+pub(crate) const PERMIT_RELEASE: &str = source!("helpers/resent.lua", "permits/permit_release.lua");
 /// The operator's scripts, kept to name the command of a refusal when they are called.
 pub(crate) const INSPECT: &str = source!("helpers/snapshot.lua", "operator/inspect.lua");
 pub(crate) const FORCE_RELEASE: &str =
@@ -89,8 +95,12 @@ impl Scripts {
             renew: Script::new(RENEW),
             withdraw: Script::new(WITHDRAW),
             fence: Script::new(include_str!("writes/fence.lua")),
-            shared_acquire: Script::new(source!("helpers/guard.lua", "shared/shared_acquire.lua")),
-            shared_release: Script::new(source!("shared/shared_release.lua")),
+            shared_acquire: Script::new(source!(
+                "helpers/guard.lua",
+                "helpers/resent.lua",
+                "shared/shared_acquire.lua"
+            )),
+            shared_release: Script::new(source!("helpers/resent.lua", "shared/shared_release.lua")),
             permit_acquire: Script::new(PERMIT_ACQUIRE),
             permit_release: Script::new(PERMIT_RELEASE),
             inspect: Script::new(INSPECT),

@@ -58,6 +58,13 @@ impl ReleaseCall<'_> {
                 .arg(&self.key.channel)
                 .arg(u8::from(scripts.sharded))
                 .arg(token);
+            if let Some((instance, serial)) = self.resent_guard {
+                invocation
+                    .key(self.key.releases())
+                    .arg(instance)
+                    .arg(serial)
+                    .arg(millis(fence_ttl));
+            }
             return invocation;
         }
         // The arguments a plain release does not need are left off from the end (see

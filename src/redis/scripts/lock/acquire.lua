@@ -58,6 +58,10 @@ local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
+local releases, record = nil, KEYS[6]
+if ARGV[9] then
+  releases, record = KEYS[6], KEYS[7]
+end
 local held
 if kind == 'hash' then
   -- One read for every case below.
@@ -78,6 +82,12 @@ if kind == 'hash' then
       tonumber(redis.call('hget', KEYS[1], 'reserved') or '0')}
   end
   if held[2] then
+    -- A copy of a re-entry sent again late (see below), after the owner released that
+    -- hold or gave the attempt up: its owner may hold the key again, under a hold this
+    -- attempt never made, and no one would give back the count it added.
+    if released_since(releases, ARGV[9], ARGV[10]) then
+      return {7}
+    end
     local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
     redis.call('hset', KEYS[1], ARGV[5], 1)
     -- A re-entry may extend the lease but never shorten the outer hold's.
@@ -86,10 +96,6 @@ if kind == 'hash' then
   end
 end
 
-local releases, record = nil, KEYS[6]
-if ARGV[9] then
-  releases, record = KEYS[6], KEYS[7]
-end
 -- An attempt that takes nothing leaves the waiting writers and the line.
 local function withdraw()
   if ARGV[6] ~= '0' then
@@ -105,12 +111,9 @@ end
 -- for it). Checked before the lock's state, so that a copy that finds the lock held
 -- leaves no waiter behind either. An attempt that is no copy but was overtaken by such a
 -- release (sent just before it) gets the same answer, and the core tries again at once.
-if releases then
-  local last = redis.call('hget', releases, ARGV[9])
-  if last and tonumber(ARGV[10]) <= tonumber(last) then
-    withdraw()
-    return {7}
-  end
+if released_since(releases, ARGV[9], ARGV[10]) then
+  withdraw()
+  return {7}
 end
 
 -- The idempotency layer's request whose key has a record is a retry of a completed one:

@@ -73,17 +73,10 @@
 -- undone), {0} when the owner does not hold the lock (its lease ran out, it was deleted,
 -- or a retried final release), or holds it under another token than ARGV[10].
 local only, retried, successor = ARGV[10] or '', ARGV[11] == '1', ARGV[12] or ''
--- Kept for the instance on a cluster (KEYS[6]): never lowered, by a release that overtook
--- another of the same instance. Written before the lock is: a release that this write
--- fails (no memory left, no right to the key) leaves the lock as it was.
+-- Kept for the instance on a cluster (KEYS[6], resent.lua).
+local releases = (ARGV[16] or '') ~= '' and KEYS[6] or nil
 local function mark_released()
-  if (ARGV[16] or '') ~= '' then
-    local last = redis.call('hget', KEYS[6], ARGV[16])
-    if not last or tonumber(last) < tonumber(ARGV[17]) then
-      redis.call('hset', KEYS[6], ARGV[16], ARGV[17])
-    end
-    redis.call('pexpire', KEYS[6], ARGV[8])
-  end
+  record_release(releases, ARGV[16], ARGV[17], ARGV[8])
 end
 -- One read for every case. The release id is looked for on every call: a retry sent on
 -- another connection may run before the original, which must then not decrement a second

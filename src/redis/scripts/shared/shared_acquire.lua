@@ -17,15 +17,22 @@
 -- ARGV[3]  the restart guard's longest lease in milliseconds, or 0 (guard.lua)
 -- ARGV[4]  this attempt's id ("r:owner@attempt"; see acquire.lua)
 -- ARGV[5]  owner id (to recognise a writer taking a shared hold of its own key)
+-- On a Redis Cluster only (see resent.lua):
+-- KEYS[4]  the key's releases: instance id -> serial of its latest release of the key
+-- ARGV[6]  this backend's instance id
+-- ARGV[7]  this attempt's serial (the part of ARGV[4] after '@')
 --
 -- Returns {1, token, count} when the owner now holds the key shared (count > 1: a
 -- re-entry), {0, ms} when a writer holds it or waits for it (ms: the writer's lease or
--- wait, -1 unknown), or {2, wait} when the restart guard refuses new holds.
+-- wait, -1 unknown), {2, wait} when the restart guard refuses new holds, or {7} when a
+-- release of the instance came after this attempt: a copy sent again late, which takes
+-- nothing (nor counts a re-entry), or an attempt to send again (see acquire.lua).
 local kind = redis.call('type', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return redis.error_reply('WRONGTYPE the lock key holds a ' .. kind .. ', not a lock hash')
 end
 local now = now_ms()
+local releases = ARGV[6] and KEYS[4]
 
 -- The reply that keeps a new shared holder out, or nil: new readers queue behind a
 -- waiting writer, and wait out the restart guard.
@@ -46,11 +53,15 @@ if kind == 'hash' then
   local token = tonumber(held[3]) or 0
   local ends = tonumber(held[6])
   -- (A shared hold whose own lease ran out is not re-entered: it is pruned below.)
-  if held[1] and ends and ends > now then
-    -- A run of this same attempt took the hold already: answer as it did.
-    if held[2] then
-      return {1, token, tonumber(held[1])}
-    end
+  local live = held[1] and ends and ends > now
+  -- A run of this same attempt took the hold already: answer as it did.
+  if live and held[2] then
+    return {1, token, tonumber(held[1])}
+  end
+  if released_since(releases, ARGV[6], ARGV[7]) then
+    return {7}
+  end
+  if live then
     local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
     redis.call('hset', KEYS[1], ARGV[4], 1)
     lease_holder(KEYS[1], ARGV[1], now, ARGV[2], ends)
@@ -79,6 +90,9 @@ if kind == 'hash' then
   return {1, token, 1}
 end
 
+if released_since(releases, ARGV[6], ARGV[7]) then
+  return {7}
+end
 local refused = kept_out(now)
 if refused then
   return refused

@@ -7,6 +7,11 @@
 -- ARGV[4]  the lock's channel
 -- ARGV[5]  "1" on a Redis Cluster: publish with SPUBLISH (see release.lua)
 -- ARGV[6]  the fencing token the hold was taken under, or "" not to check it
+-- On a Redis Cluster only (see resent.lua):
+-- KEYS[2]  the key's releases: instance id -> serial of its latest release of the key
+-- ARGV[7]  the owner's instance id
+-- ARGV[8]  this release's serial
+-- ARGV[9]  how long the releases outlive their last write (the fencing counter's time)
 --
 -- Returns {2} when the owner's shared hold ended (and, if it was the last hold of the key,
 -- the lock was freed and the release published), {1} when an outer hold of the same owner
@@ -14,10 +19,17 @@
 -- more (its lease ran out, it was deleted, or a retried final release), or holds it under
 -- another token than ARGV[6].
 local reply, now, mode = undo_hold(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6], 'token', 'mode')
+if reply and reply[1] ~= 0 then
+  return reply
+end
+-- The holder is left without a hold (or had none: an attempt undone whose copy may still
+-- come, ARGV[8] its serial): a late copy of its attempts takes nothing.
+local fields = not reply and redis.call('hgetall', KEYS[1]) or nil
+record_holder_release(ARGV[7] and KEYS[2], ARGV[7], ARGV[8], ARGV[9], ARGV[1], fields)
 if reply then
   return reply
 end
-forget_holder(KEYS[1], ARGV[1], redis.call('hgetall', KEYS[1]))
+forget_holder(KEYS[1], ARGV[1], fields)
 local readers = redis.call('hincrby', KEYS[1], 'readers', -1)
 if mode ~= 'read' then
   -- A downgraded writer's shared hold: its exclusive hold still keeps everyone out.
