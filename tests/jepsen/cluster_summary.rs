@@ -1,0 +1,135 @@
+//! The cluster Jepsen test's summary and verdict: faults per kind; holds and violations
+//! per namespace and per fault kind they ran through; the probes' margins per namespace
+//! and fault kind. Every violation in "s" fails the test, as does a negative margin but
+//! in "a" after a failover; what "a" loses to asynchronous replication is printed apart.
+
+use support::history::{self, Hold, Registers, Violation};
+
+use super::cluster_faults::{ClusterFault, ClusterMargin, Cut, KINDS, Window, margins};
+use super::*;
+
+fn ns_of(key: &str) -> &str {
+    key.split_once('-').map_or(key, |(ns, _)| ns)
+}
+
+/// The kind of the first fault whose window `hold` ran through, if any.
+fn fault_of(hold: &Hold, windows: &[Window]) -> Option<ClusterFault> {
+    windows
+        .iter()
+        .find(|w| hold.start < w.ended && hold.end > w.began)
+        .map(|w| w.kind)
+}
+
+/// The fault a violation happened in: that of the first of its holds that ran through one.
+fn violation_fault(v: &Violation, windows: &[Window]) -> Option<ClusterFault> {
+    v.holds.iter().find_map(|h| fault_of(h, windows))
+}
+
+pub(super) fn report(log: &Log, registers: &Registers, windows: &[Window], cuts: &[Cut]) {
+    let violations = history::check(&log.holds, registers);
+    let margins = margins(cuts, log);
+    for kind in KINDS {
+        let n = windows.iter().filter(|w| w.kind == kind).count();
+        println!("  faults {kind:?}: {n}");
+    }
+    let mut kinds: Vec<Option<ClusterFault>> = KINDS.iter().copied().map(Some).collect();
+    kinds.push(None);
+    for ns in NAMESPACES {
+        let holds: Vec<&Hold> = log.holds.iter().filter(|h| ns_of(&h.key) == ns).collect();
+        let of_ns: Vec<&Violation> = violations
+            .iter()
+            .filter(|v| v.holds.first().is_some_and(|h| ns_of(&h.key) == ns))
+            .collect();
+        let written = holds
+            .iter()
+            .filter(|h| matches!(h.write, Write::Written(_)))
+            .count();
+        println!(
+            "  \"{ns}\": {} holds checked ({written} acknowledged writes), {} violations",
+            holds.len(),
+            of_ns.len()
+        );
+        for kind in &kinds {
+            let during = holds
+                .iter()
+                .filter(|h| fault_of(h, windows) == *kind)
+                .count();
+            let broken = of_ns
+                .iter()
+                .filter(|v| violation_fault(v, windows) == *kind)
+                .count();
+            let name = kind.map_or("no fault".to_owned(), |k| format!("{k:?}"));
+            println!("    through {name}: {during} holds, {broken} violations");
+        }
+        for kind in KINDS {
+            print_margins(ns, kind, &margins, cuts, log);
+        }
+    }
+    let mut allowed: HashMap<&str, usize> = HashMap::new();
+    for v in &violations {
+        if v.holds.first().is_some_and(|h| ns_of(&h.key) == "a") {
+            *allowed.entry(v.rule).or_default() += 1;
+            println!("  allowed by asynchronous replication: {v}");
+        } else {
+            println!("  VIOLATION: {v}");
+        }
+    }
+    println!("  \"a\", allowed by asynchronous replication: {allowed:?}");
+
+    let safe = violations
+        .iter()
+        .filter(|v| v.holds.first().is_none_or(|h| ns_of(&h.key) == "s"))
+        .count();
+    assert_eq!(safe, 0, "{safe} checker violations in \"s\"");
+    for m in &margins {
+        if m.ns == "s" || !m.kind.failover() {
+            assert!(
+                m.margin.is_some_and(|margin| margin >= 0),
+                "a cut-off holder ran past the server-side expiry (or its lock was gone): {m:?}"
+            );
+        }
+    }
+    assert!(
+        !margins.is_empty(),
+        "no cut-off holder was stopped: the promise was not exercised"
+    );
+    let written = log
+        .holds
+        .iter()
+        .filter(|h| ns_of(&h.key) == "s" && matches!(h.write, Write::Written(_)))
+        .count();
+    assert!(written > 0, "the workload made progress in \"s\"");
+}
+
+/// One line: how the probes of `ns` cut off by faults of `kind` ended.
+fn print_margins(ns: &str, kind: ClusterFault, margins: &[ClusterMargin], cuts: &[Cut], log: &Log) {
+    let cut: Vec<&Cut> = cuts
+        .iter()
+        .filter(|c| c.kind == kind && ns_of(&c.probe.1) == ns)
+        .collect();
+    if cut.is_empty() {
+        return;
+    }
+    let stopped = cut
+        .iter()
+        .filter(|c| log.probe_ends.get(&c.probe).is_some_and(|end| !end.1))
+        .count();
+    let of: Vec<&ClusterMargin> = margins
+        .iter()
+        .filter(|m| m.kind == kind && m.ns == ns)
+        .collect();
+    let min = of.iter().filter_map(|m| m.margin).min();
+    let proven = of.iter().filter_map(|m| m.proven).min();
+    let gone = of.iter().filter(|m| m.margin.is_none()).count();
+    println!(
+        "    {kind:?}: {} probes, {stopped} stopped, min margin {} (at least {}), {gone} \
+         stopped after their lock was gone from the serving node",
+        cut.len(),
+        ms(min),
+        ms(proven)
+    );
+}
+
+fn ms(us: Option<i64>) -> String {
+    us.map_or("-".to_owned(), |us| format!("{:.1} ms", us as f64 / 1000.0))
+}
