@@ -96,36 +96,33 @@ pub(super) async fn run(
             support::send_signal(pid, "-CONT");
         } else {
             // A probe in each namespace on one key (so on one shard): on the instance to
-            // be cut off, or on any.
+            // be cut off, or on any. A partitioned primary gets the "a" probe during the
+            // split brain instead.
             let cut_off = fastrand::usize(..addrs.len());
             let key = KEYS[fastrand::usize(..KEYS.len())];
-            let mut probes = Vec::new();
-            for ns in NAMESPACES {
-                let instance = match kind {
-                    ClusterFault::InstancePartition => cut_off,
-                    _ => fastrand::usize(..addrs.len()),
-                };
-                probes.extend(start_probe_on(addrs, instance, ns, key, log).await);
-            }
+            let before: &[&str] = match kind {
+                ClusterFault::PartitionPrimary => &["s"],
+                _ => &NAMESPACES,
+            };
+            let instance = (kind == ClusterFault::InstancePartition).then_some(cut_off);
+            let probes = start_probes(addrs, instance, before, key, log).await;
             if probes.is_empty() {
                 continue;
             }
             let shard = deployment.shard_of(&lock_key(NAMESPACES[0], key)).await;
             // The node that serves the lock after the fault: the replica is promoted.
-            let serving = if kind.failover() {
+            let serving = deployment.node_addr(if kind.failover() {
                 shard.replica
             } else {
                 shard.primary
-            };
+            });
             let stop = CancellationToken::new();
-            let observers: Vec<_> = probes
-                .iter()
-                .map(|probe| {
-                    let (ns, key) = probe.1.split_once('-').expect("ns-key");
-                    let addr = deployment.node_addr(serving);
-                    tokio::spawn(observe(addr, lock_key(ns, key), stop.clone()))
-                })
-                .collect();
+            let watch = |probe: (usize, String, u64)| {
+                let (ns, key) = probe.1.split_once('-').expect("ns-key");
+                let observer = observe(serving, lock_key(ns, key), stop.clone());
+                (probe, tokio::spawn(observer))
+            };
+            let mut probes: Vec<_> = probes.into_iter().map(watch).collect();
             let primary = shard.primary;
             match kind {
                 ClusterFault::InstancePartition => {
@@ -152,7 +149,13 @@ pub(super) async fn run(
                 }
                 ClusterFault::PartitionPrimary => {
                     deployment.partition_node(primary, true);
-                    deployment.wait_until_primary(shard.replica).await;
+                    // Sent at once: the old primary takes writes until it misses the other
+                    // primaries for `cluster-node-timeout`.
+                    let (during, ()) = tokio::join!(
+                        start_probes(addrs, None, &["a"], key, log),
+                        deployment.wait_until_primary(shard.replica)
+                    );
+                    probes.extend(during.into_iter().map(watch));
                     tokio::time::sleep(Duration::from_millis(fastrand::u64(0..500))).await;
                     deployment.partition_node(primary, false);
                 }
@@ -163,11 +166,11 @@ pub(super) async fn run(
                 }
                 ClusterFault::InstancePause => unreachable!("no probe"),
             }
-            for probe in &probes {
+            for (probe, _) in &probes {
                 probe_end(log, probe).await;
             }
             stop.cancel();
-            for (probe, observer) in probes.into_iter().zip(observers) {
+            for (probe, observer) in probes {
                 cuts.push(Cut {
                     kind,
                     probe,
@@ -183,6 +186,26 @@ pub(super) async fn run(
         });
     }
     (windows, cuts)
+}
+
+/// Starts a probe on `key` in each of the namespaces `nss` at once, on `instance` or each
+/// on a random one; the probes that got their lock.
+async fn start_probes(
+    addrs: &[SocketAddr],
+    instance: Option<usize>,
+    nss: &[&str],
+    key: &str,
+    log: &SharedLog,
+) -> Vec<(usize, String, u64)> {
+    let starts = nss.iter().map(|ns| {
+        let instance = instance.unwrap_or_else(|| fastrand::usize(..addrs.len()));
+        start_probe_on(addrs, instance, ns, key, log)
+    });
+    futures_util::future::join_all(starts)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// Waits until the probe has reported its end (it holds for [`PROBE_HOLD`] at most).
