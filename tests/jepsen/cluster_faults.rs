@@ -12,8 +12,8 @@ use super::*;
 pub(super) enum ClusterFault {
     /// An instance cut from every node for 0.5-2 leases (2 the first time).
     InstancePartition,
-    /// `kill -9` of the primary; once its replica is promoted, it starts again, empty, and
-    /// rejoins as the replica.
+    /// `kill -9` of the primary; 0-1.5 leases after its replica is promoted, it starts
+    /// again, empty, and rejoins as the replica.
     KillPrimary,
     /// The primary frozen (`SIGSTOP`) until its replica is promoted, past
     /// `cluster-node-timeout`, then resumed: it rejoins as the replica.
@@ -54,6 +54,10 @@ impl ClusterFault {
 /// A fault, from its start until the cluster was healthy again (µs).
 pub(super) struct Window {
     pub(super) kind: ClusterFault,
+    /// The instance partitioned or frozen, if any.
+    pub(super) instance: Option<usize>,
+    /// What it hit, for the summary: the instance, or the primary and its replica.
+    pub(super) target: String,
     pub(super) began: u64,
     pub(super) ended: u64,
 }
@@ -89,8 +93,11 @@ pub(super) async fn run(
             .copied()
             .unwrap_or_else(|| KINDS[fastrand::usize(..KINDS.len())]);
         let began = now_micros();
+        let (target, instance);
         if kind == ClusterFault::InstancePause {
-            let pid = pids[fastrand::usize(..pids.len())];
+            let frozen = fastrand::usize(..pids.len());
+            (target, instance) = (INSTANCES[frozen].to_owned(), Some(frozen));
+            let pid = pids[frozen];
             support::send_signal(pid, "-STOP");
             tokio::time::sleep(lease(0.1 + 0.4 * fastrand::f64())).await;
             support::send_signal(pid, "-CONT");
@@ -104,8 +111,8 @@ pub(super) async fn run(
                 ClusterFault::PartitionPrimary => &["s"],
                 _ => &NAMESPACES,
             };
-            let instance = (kind == ClusterFault::InstancePartition).then_some(cut_off);
-            let probes = start_probes(addrs, instance, before, key, log).await;
+            let on = (kind == ClusterFault::InstancePartition).then_some(cut_off);
+            let probes = start_probes(addrs, on, before, key, log).await;
             if probes.is_empty() {
                 continue;
             }
@@ -124,6 +131,10 @@ pub(super) async fn run(
             };
             let mut probes: Vec<_> = probes.into_iter().map(watch).collect();
             let primary = shard.primary;
+            (target, instance) = match kind {
+                ClusterFault::InstancePartition => (INSTANCES[cut_off].to_owned(), Some(cut_off)),
+                _ => (format!("n{primary} (replica n{})", shard.replica), None),
+            };
             match kind {
                 ClusterFault::InstancePartition => {
                     let host = INSTANCES[cut_off];
@@ -140,6 +151,8 @@ pub(super) async fn run(
                 ClusterFault::KillPrimary => {
                     deployment.kill(primary);
                     deployment.wait_until_primary(shard.replica).await;
+                    // Until it is back, "s" has no replica to acknowledge its renewals.
+                    tokio::time::sleep(lease(1.5 * fastrand::f64())).await;
                     deployment.restart(primary);
                 }
                 ClusterFault::PausePrimary => {
@@ -181,6 +194,8 @@ pub(super) async fn run(
         deployment.wait_until_healthy().await;
         windows.push(Window {
             kind,
+            instance,
+            target,
             began,
             ended: now_micros(),
         });
