@@ -275,6 +275,9 @@ pub(super) struct ClusterMargin {
     pub(super) margin: Option<i64>,
     /// Expiry at the earliest minus the stop.
     pub(super) proven: Option<i64>,
+    /// The probe, and how long before its stop the expiry was read (µs).
+    pub(super) probe: (usize, String, u64),
+    pub(super) read_before: Option<u64>,
 }
 
 /// The margin of every probe that was stopped (not those that completed), except after a
@@ -294,6 +297,8 @@ pub(super) fn margins(cuts: &[Cut], log: &Log) -> Vec<ClusterMargin> {
                 ns: ns.to_owned(),
                 margin: expiry.map(|e| e.latest as i64 - end as i64),
                 proven: expiry.map(|e| e.earliest as i64 - end as i64),
+                probe: c.probe.clone(),
+                read_before: expiry.map(|e| end - e.asked),
             })
         })
         .collect()

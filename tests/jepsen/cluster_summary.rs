@@ -92,6 +92,15 @@ pub(super) fn report(log: &Log, registers: &Registers, windows: &[Window], cuts:
             print_margins(ns, kind, &margins, cuts, log);
         }
     }
+    for m in &margins {
+        let (kind, ns, probe) = (m.kind, &m.ns, &m.probe);
+        let (margin, proven) = (ms(m.margin), ms(m.proven));
+        let read = ms(m.read_before.map(|us| us as i64));
+        println!(
+            "  margin {kind:?} \"{ns}\" {probe:?}: {margin} (at least {proven}), expiry read \
+             {read} before the stop"
+        );
+    }
     for w in windows {
         let (began, ended) = (w.began, w.ended);
         println!("  fault {:?} on {}: {began}..{ended} µs", w.kind, w.target);
