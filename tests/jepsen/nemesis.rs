@@ -425,7 +425,14 @@ pub(super) async fn read_registers(cluster: &Cluster) -> Registers {
 
 /// [`read_registers`] from the database on `db`.
 pub(super) async fn read_registers_at(db: SocketAddr) -> Registers {
-    let store = FencedStore::new(support::backend(&format!("redis://{db}")).await);
+    // Generous timeouts: a busy machine must not fail the run after the load.
+    let backend = support::builder(&format!("redis://{db}"))
+        .connect_timeout(Duration::from_secs(5))
+        .command_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("the registers' database answers");
+    let store = FencedStore::new(backend);
     let mut registers = Registers::new();
     for ns in NAMESPACES {
         for key in KEYS {
