@@ -21,6 +21,7 @@ const PORT: u16 = 6379;
 /// The third octet of the LAN's addresses (the uplinks use the low ones).
 const LAN: u8 = 200;
 
+/// The hosts, the nodes on them, and what the nemesis did to the nodes.
 pub(super) struct Deployment {
     pub(super) net: Net,
     nodes: Vec<HostRedis>,
@@ -28,7 +29,7 @@ pub(super) struct Deployment {
     up: Vec<bool>,
 }
 
-/// A node's role as `INFO replication` and `CLUSTER NODES` tell it.
+/// A primary and its replica (node numbers), as their `INFO replication` tells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Shard {
     pub(super) primary: usize,
@@ -163,8 +164,8 @@ impl Deployment {
         support::send_signal(self.nodes[i].pid().expect("a running node"), signal);
     }
 
-    /// One command on node `i`, as `redis-cli` would print its reply; `None` when the node
-    /// does not answer within a second.
+    /// One command on node `i` over a fresh connection; `None` when the node does not
+    /// answer within a second (down, frozen).
     pub(super) async fn query(&self, i: usize, args: &[&str]) -> Option<redis::Value> {
         let client = redis::Client::open(format!("redis://{}", self.node_addr(i))).ok()?;
         let second = Duration::from_secs(1);
@@ -181,6 +182,7 @@ impl Deployment {
         .flatten()
     }
 
+    /// The reply of [`query`](Self::query) as text; empty when there is none.
     async fn text(&self, i: usize, args: &[&str]) -> String {
         match self.query(i, args).await {
             Some(value) => redis::from_redis_value::<String>(value).unwrap_or_default(),
