@@ -32,14 +32,19 @@ async fn app() {
     let store = FencedStore::new(support::backend(&child::setting(DB_URL)).await);
     let mut router = Router::new();
     for ns in NAMESPACES {
-        let mut builder = RedisBackend::builder(redis.as_str())
-            .namespace(namespace(ns))
-            .command_timeout(Duration::from_millis(500))
-            .connect_timeout(Duration::from_millis(500));
-        if ns == "g" {
-            builder = builder.restart_guard().max_lease(LEASE);
-        }
-        let backend = builder.build().await.expect("backend");
+        let backend = match std::env::var(TOPOLOGY).as_deref() {
+            Ok("cluster") => cluster_backend(&redis, ns).await,
+            _ => {
+                let mut builder = RedisBackend::builder(redis.as_str())
+                    .namespace(namespace(ns))
+                    .command_timeout(Duration::from_millis(500))
+                    .connect_timeout(Duration::from_millis(500));
+                if ns == "g" {
+                    builder = builder.restart_guard().max_lease(LEASE);
+                }
+                builder.build().await.expect("backend")
+            }
+        };
         let ctx = Ctx {
             instance,
             ns,
@@ -61,6 +66,25 @@ async fn app() {
         .expect("bind");
     child::report("ready");
     axum::serve(listener, router).await.expect("serve");
+}
+
+/// The deployment the instances lock on: "single" (one server) when absent, "cluster".
+const TOPOLOGY: &str = "JEPSEN_TOPOLOGY";
+
+/// A backend on the cluster whose seed URLs `seeds` lists, comma-separated: namespace "s"
+/// safe (every grant and renewal on a replica, the restart guard), "a" asynchronous.
+async fn cluster_backend(seeds: &str, ns: &str) -> RedisBackend {
+    let mut builder = RedisBackend::cluster(seeds.split(','))
+        .namespace(namespace(ns))
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500));
+    if ns == "s" {
+        builder = builder
+            .sync_replicas(1, Duration::from_millis(200))
+            .restart_guard()
+            .max_lease(LEASE);
+    }
+    builder.build().await.expect("cluster backend")
 }
 
 fn last_segment(req: &Request) -> Option<String> {

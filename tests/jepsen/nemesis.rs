@@ -294,6 +294,17 @@ pub(super) async fn start_probe(
 ) -> Option<(usize, String, u64)> {
     let ns = NAMESPACES[fastrand::usize(..NAMESPACES.len())];
     let key = KEYS[fastrand::usize(..KEYS.len())];
+    start_probe_on(addrs, instance, ns, key, log).await
+}
+
+/// [`start_probe`] on the lock of `key` in lock namespace label `ns`.
+pub(super) async fn start_probe_on(
+    addrs: &[SocketAddr],
+    instance: usize,
+    ns: &str,
+    key: &str,
+    log: &SharedLog,
+) -> Option<(usize, String, u64)> {
     let seen = lock(log).probes_held.len();
     let request = support::post_request(addrs[instance], &format!("/{ns}/hold/{key}"));
     tokio::spawn(async move {
@@ -305,7 +316,7 @@ pub(super) async fn start_probe(
     while tokio::time::Instant::now() < until {
         let held = lock(log).probes_held[seen..]
             .iter()
-            .find(|p| p.0 == instance)
+            .find(|p| p.0 == instance && p.1 == format!("{ns}-{key}"))
             .cloned();
         if held.is_some() {
             return held;
@@ -409,7 +420,19 @@ pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
 
 /// Every register as the database holds it at the end.
 pub(super) async fn read_registers(cluster: &Cluster) -> Registers {
-    let store = FencedStore::new(support::backend(&format!("redis://{}", cluster.db.addr())).await);
+    read_registers_at(cluster.db.addr()).await
+}
+
+/// [`read_registers`] from the database on `db`.
+pub(super) async fn read_registers_at(db: SocketAddr) -> Registers {
+    // Generous timeouts: a busy machine must not fail the run after the load.
+    let backend = support::builder(&format!("redis://{db}"))
+        .connect_timeout(Duration::from_secs(5))
+        .command_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("the registers' database answers");
+    let store = FencedStore::new(backend);
     let mut registers = Registers::new();
     for ns in NAMESPACES {
         for key in KEYS {

@@ -265,7 +265,8 @@ fn in_ns<'a>(ns: Option<&'a str>, args: &[&'a str]) -> Vec<&'a str> {
     all
 }
 
-fn ip(args: &[&str]) {
+/// Runs `ip` with `args` (`-n NS` first to run it inside a host); panics if it fails.
+pub fn ip(args: &[&str]) {
     let out = Command::new("ip")
         .args(args)
         .output()
@@ -400,6 +401,11 @@ impl HostRedis {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// The server's pid (for `SIGSTOP`), while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// Starts again, empty, on the same address (after `kill`).
