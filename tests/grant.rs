@@ -1,7 +1,8 @@
 //! Grant on release: a release that frees a key while instances wait in its line hands it
-//! to the head of the line in the same script, and the head's waiting task holds it
-//! without another call. A grantee killed, or paused past its grant, costs the others the
-//! grant lease; tokens strictly increase and holds never overlap (the history checker).
+//! to the head of the line in the same script, and the head's waiting task holds it once
+//! it claimed it (a renewal, no acquire call). A grantee killed, or paused past its grant,
+//! costs the others the grant lease; tokens strictly increase and holds never overlap
+//! (the history checker).
 //! Against a real redis-server per test; the grantee is a child process.
 
 mod support;
@@ -286,6 +287,63 @@ async fn a_grantee_that_hears_of_its_grant_after_it_ran_out_does_not_use_it() {
     let child = Hold::decode(&report).expect("a hold");
     assert!(child.token > next.token, "tokens strictly increase");
     assert_no_violation(&[held, next, child]);
+}
+
+/// The grantee hears of its grant, but its claim is held up (its calls wait in a proxy,
+/// while the release's message gets through) until the grant has run out and the next
+/// waiter took the key: its task must not have run as the holder meanwhile. A grant alone
+/// lasts the short grant lease, so a holder that ran on it before its claim was confirmed
+/// overlapped the next one whenever its process stalled past that lease (the Jepsen
+/// test's frozen instances did).
+#[tokio::test]
+async fn a_grantee_whose_claim_is_held_up_past_its_grant_does_not_hold_meanwhile() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        std::net::SocketAddr::from(([127, 0, 0, 1], server.port())),
+    )
+    .await;
+    let (holder, next) = (server.backend().await, server.backend().await);
+    // Its claim waits for the proxy rather than failing.
+    let grantee = support::builder(&format!("redis://{}", proxy.addr()))
+        .command_timeout(HANG)
+        .build()
+        .await
+        .expect("backend through the proxy");
+    let held = holder.lock(KEY).try_once().await.expect("uncontended");
+    let started = now_micros();
+    let before = server.command_calls(&["evalsha"]).await;
+    let (mut grantee_taken, grantee_go, grantee_task) = holder_task(&grantee, CHILD);
+    server.wait_for_subscribers(KEY, 1).await;
+    settled(&server, before + 2).await;
+    let (taken, go, waiter) = holder_task(&next, 1);
+    server.wait_for_subscribers(KEY, 2).await;
+    settled(&server, before + 4).await;
+    let head = line(&server).await[0].clone();
+
+    proxy.stall_requests();
+    let held = moves_on(&server, (held, started), &head, taken).await;
+    assert!(
+        grantee_taken.try_recv().is_err(),
+        "the grantee's task held the key on a grant it had not claimed, while the next \
+         waiter holds it"
+    );
+    // Its claim comes too late: it waits again, and holds the key after the next waiter.
+    proxy.resume();
+    support::eventually("the grantee waits in line again", || async {
+        line(&server).await.len() == 1
+    })
+    .await;
+    let _ = go.send(());
+    let next = waiter.await.expect("no panic");
+    timeout(HANG, &mut grantee_taken)
+        .await
+        .expect("the grantee holds the key after the next waiter")
+        .expect("taken");
+    let _ = grantee_go.send(());
+    let last = grantee_task.await.expect("no panic");
+    assert!(last.token > next.token, "tokens strictly increase");
+    assert_no_violation(&[held, next, last]);
 }
 
 /// The grantee's host is cut off from the network (the Jepsen hosts: a network namespace

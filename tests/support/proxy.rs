@@ -25,6 +25,8 @@ pub struct FaultProxy {
 struct Settings {
     latency: Duration,
     stalled: bool,
+    /// Only what the application sends is held back; replies and pushed messages flow.
+    requests_stalled: bool,
     rejecting: bool,
 }
 
@@ -99,9 +101,21 @@ impl FaultProxy {
         self.control.settings.send_modify(|s| s.stalled = true);
     }
 
-    /// Forwards again what was held back by [`stall`](Self::stall), and what follows.
+    /// Stops forwarding what the application sends (its calls wait in the proxy), while
+    /// what the server sends (replies, pub/sub messages) still gets through.
+    pub fn stall_requests(&self) {
+        self.control
+            .settings
+            .send_modify(|s| s.requests_stalled = true);
+    }
+
+    /// Forwards again what was held back by [`stall`](Self::stall) or
+    /// [`stall_requests`](Self::stall_requests), and what follows.
     pub fn resume(&self) {
-        self.control.settings.send_modify(|s| s.stalled = false);
+        self.control.settings.send_modify(|s| {
+            s.stalled = false;
+            s.requests_stalled = false;
+        });
     }
 
     /// Closes every connection, and every new one at once, as a cut link whose resets get
@@ -161,7 +175,9 @@ async fn pump(
         // A chunk read while stalled is held until the stall ends.
         let latency = tokio::select! {
             _ = conn.cancelled() => break,
-            now = settings.wait_for(|s| !s.stalled || s.rejecting) => match now {
+            now = settings.wait_for(|s| {
+                !(s.stalled || (s.requests_stalled && !replies)) || s.rejecting
+            }) => match now {
                 Ok(now) if !now.rejecting => now.latency,
                 _ => break,
             },

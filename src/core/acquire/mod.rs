@@ -54,6 +54,9 @@ pub(super) struct Taken {
     pub(super) reentry: bool,
     /// A grant not claimed yet: it lasts until then (see `grant.rs`).
     pub(super) unclaimed: Option<Instant>,
+    /// Made by a grant: the idempotency record was not checked (the holder that released
+    /// may have stored one).
+    pub(super) granted: bool,
 }
 
 impl<S: Store> Core<S> {
@@ -211,11 +214,14 @@ impl<S: Store> Core<S> {
                 _ = sleep_until(nap) => Wake::Try,
             };
             match woken {
-                // The key is this acquisition's, unless the grant came too late to use.
+                // The key is this acquisition's once claimed, unless the grant came too late
+                // to use or ran out before the claim.
                 Wake::Granted(grant) => {
                     if let Some(taken) = lined.and_then(|seen| grant_taken(c, grant, seen)) {
-                        drop(waiter);
-                        return Ok(self.taken(c, taken, slot, reentry));
+                        if let Some(taken) = self.claimed(c, taken).await? {
+                            drop(waiter);
+                            return Ok(self.taken(c, taken, slot, reentry));
+                        }
                     }
                 }
                 // Another holder was granted the key: nothing to try before its grant
@@ -264,8 +270,7 @@ impl<S: Store> Core<S> {
         reentry: Option<Reentry>,
     ) -> Acquired {
         // (A grant did not check the record: the holder that released may have stored one.)
-        let checked =
-            c.unless_recorded && !taken.reentry && reentry.is_none() && taken.unclaimed.is_none();
+        let checked = c.unless_recorded && !taken.reentry && reentry.is_none() && !taken.granted;
         // A re-entry by a holder that got the lock in memory keeps that holder's token.
         let granted = Granted {
             token: reentry
@@ -351,6 +356,7 @@ impl<S: Store> Core<S> {
                     sent_at,
                     reentry: count > 1,
                     unclaimed: None,
+                    granted: false,
                 }))
             }
             Ok(Attempted::Lined { left, at }) => {

@@ -26,8 +26,8 @@
 --          token (as a new acquisition gets one, from the counter that ARGV[15] settles
 --          first, ARGV[9] reserved above it), for that long, and publishes "granted
 --          <holder> <token> <reserved> <server ms> <lease ms>" instead of "released": the
---          head's process makes it a hold without a call (its first renewal claims it,
---          renew.lua), and the other waiters are not woken, only told to look again when
+--          head's process makes it a hold once it claimed it (a renewal, renew.lua: no
+--          acquisition), and the other waiters are not woken, only told to look again when
 --          the grant would run out
 -- ARGV[7]  the grace the head of the line has for its turn, in milliseconds (line.lua)
 -- ARGV[8]  how long the fencing counter outlives its last use, in milliseconds
