@@ -7,7 +7,9 @@
 use axum::extract::{Path, Request};
 use axum::routing::post;
 use axum::{Extension, Router};
-use tower_lock::{FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend};
+use tower_lock::{
+    FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend, RedisBackendBuilder,
+};
 
 use super::*;
 
@@ -31,8 +33,14 @@ async fn app() {
     let instance: usize = child::setting(INSTANCE).parse().expect("instance");
     let store = FencedStore::new(support::backend(&child::setting(DB_URL)).await);
     let mut router = Router::new();
+    // "single" when absent; `JEPSEN_REDIS_URL` is the topology's URL (or URLs, comma-separated).
+    let topology = std::env::var("JEPSEN_TOPOLOGY").unwrap_or_default();
     for ns in NAMESPACES {
-        let mut builder = RedisBackend::builder(redis.as_str())
+        let mut builder = match topology.as_str() {
+            "sentinel" => sentinel_backend(ns),
+            _ => RedisBackend::builder(redis.as_str()),
+        };
+        builder = builder
             .namespace(namespace(ns))
             .command_timeout(Duration::from_millis(500))
             .connect_timeout(Duration::from_millis(500));
@@ -61,6 +69,22 @@ async fn app() {
         .expect("bind");
     child::report("ready");
     axum::serve(listener, router).await.expect("serve");
+}
+
+/// Through the sentinels of `JEPSEN_REDIS_URL` to the master, logged in with
+/// `JEPSEN_MASTER_PASSWORD`; namespace "s" (safe) waits for a replica's acknowledgement and
+/// has the restart guard, "a" (asynchronous replication) has neither.
+fn sentinel_backend(ns: &str) -> RedisBackendBuilder {
+    let sentinels = child::setting(REDIS_URL);
+    let builder = RedisBackend::sentinel(sentinels.split(','), support::sentinel::MASTER_NAME)
+        .master_password(child::setting("JEPSEN_MASTER_PASSWORD"));
+    match ns {
+        "s" => builder
+            .sync_replicas(1, Duration::from_millis(200))
+            .restart_guard()
+            .max_lease(LEASE),
+        _ => builder,
+    }
 }
 
 fn last_segment(req: &Request) -> Option<String> {

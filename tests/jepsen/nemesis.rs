@@ -77,9 +77,10 @@ pub(super) const KINDS: [Fault; 7] = [
     Fault::Sigstop,
 ];
 
-/// A holder cut off from Redis (partition, stall, every reply cut) while it held `probe`.
-pub(super) struct CutOff {
-    pub(super) fault: Fault,
+/// A holder cut off from Redis (partition, stall, every reply cut) while it held `probe`;
+/// `F` is the kind of fault (the topologies' binaries have their own).
+pub(super) struct CutOff<F = Fault> {
+    pub(super) fault: F,
     pub(super) probe: (usize, String, u64),
     pub(super) lock_key: String,
     /// When the fault began (µs).
@@ -363,8 +364,8 @@ impl Expiry {
 }
 
 #[derive(Debug)]
-pub(super) struct Margin {
-    pub(super) fault: Fault,
+pub(super) struct Margin<F = Fault> {
+    pub(super) fault: F,
     /// Server-side expiry minus the holder's stop, µs, at the latest the expiry can have
     /// been: negative only when the holder certainly ran past it.
     pub(super) margin: i64,
@@ -378,7 +379,7 @@ pub(super) struct Margin {
 
 /// The margin of every cut-off holder that was stopped (not those that outlived a
 /// short cut-off).
-pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
+pub(super) fn margins<F: Copy>(cut_offs: &[CutOff<F>], log: &Log) -> Vec<Margin<F>> {
     cut_offs
         .iter()
         .filter_map(|c| {
@@ -409,7 +410,12 @@ pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
 
 /// Every register as the database holds it at the end.
 pub(super) async fn read_registers(cluster: &Cluster) -> Registers {
-    let store = FencedStore::new(support::backend(&format!("redis://{}", cluster.db.addr())).await);
+    read_registers_at(cluster.db.addr()).await
+}
+
+/// Every register as the database on `db` holds it at the end.
+pub(super) async fn read_registers_at(db: SocketAddr) -> Registers {
+    let store = FencedStore::new(support::backend(&format!("redis://{db}")).await);
     let mut registers = Registers::new();
     for ns in NAMESPACES {
         for key in KEYS {
