@@ -6,9 +6,14 @@
 use std::net::Ipv4Addr;
 use std::process::Command;
 
+use support::RedisServer;
 use support::sentinel::SentinelSet;
 
-use super::nemesis::{CutOff, Expiry, SharedLog, start_probe};
+use redis::Value;
+use redis::aio::MultiplexedConnection;
+use tokio_util::sync::CancellationToken;
+
+use super::nemesis::{CutOff, Expiry, SharedLog, lock, start_probe};
 use super::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -18,8 +23,9 @@ pub(super) enum Fault {
     Partition,
     /// An instance frozen for 0.1-0.5 leases.
     Sigstop,
-    /// The master SIGKILLed; once the sentinels promote the replica, the old master comes
-    /// back empty (no persistence) as the new one's replica.
+    /// The master SIGKILLed while its replica lags (frozen for 0.2-0.8 s); once the
+    /// sentinels promote the replica, the old master comes back empty (no persistence) as
+    /// the new one's replica.
     KillMaster,
     /// The sentinels locked out of the master while the instances still reach it: they
     /// promote the replica, and the old master takes writes for 0.5-2 s more (the
@@ -90,12 +96,20 @@ impl Deployment {
 }
 
 /// Injects faults one at a time until `deadline`: first every kind once, then at random.
+/// Each but a frozen instance is aimed at a probe (a long hold of a random instance),
+/// whose lock's expiry on the master is watched until the fault is healed.
 pub(super) async fn run(
     deployment: &mut Deployment,
     addrs: &[SocketAddr],
     log: &SharedLog,
     deadline: tokio::time::Instant,
 ) -> (Vec<Window>, Vec<CutOff<Fault>>) {
+    let nodes: Vec<String> = deployment
+        .set
+        .servers()
+        .iter()
+        .map(|s| format!("redis://:{MASTER_PASSWORD}@127.0.0.1:{}", s.port()))
+        .collect();
     let mut windows = Vec::new();
     let mut cut_offs = Vec::new();
     let lease = |factor: f64| LEASE.mul_f64(factor);
@@ -105,36 +119,52 @@ pub(super) async fn run(
             .get(windows.len())
             .copied()
             .unwrap_or_else(|| KINDS[fastrand::usize(..KINDS.len())]);
+        let instance = fastrand::usize(..INSTANCES.len());
+        let probe = match fault {
+            Fault::Sigstop => None,
+            _ => start_probe(addrs, instance, log).await,
+        };
+        let held_since = tokio::time::Instant::now();
+        let watch = match &probe {
+            Some(probe) => Some(Watch::start(&nodes, probe).await),
+            None => None,
+        };
         let began = now_micros();
         match fault {
             Fault::Partition => {
-                let instance = fastrand::usize(..INSTANCES.len());
                 // The first cuts a holder off for two leases, so that every run sees one
                 // stopped.
-                let first = cut_offs.is_empty();
+                let first = !windows.iter().any(|w: &Window| w.fault == fault);
                 let cut_for = lease(if first {
                     2.0
                 } else {
                     0.5 + 1.5 * fastrand::f64()
                 });
-                let Some(cut_off) = partition(deployment, addrs, log, instance, cut_for).await
-                else {
-                    continue;
-                };
-                cut_offs.push(cut_off);
-                // The probe's end, before the next fault.
-                tokio::time::sleep(PROBE_HOLD.saturating_sub(cut_for)).await;
+                deployment.cut(INSTANCES[instance]);
+                tokio::time::sleep(cut_for).await;
+                deployment.reach(INSTANCES[instance]);
             }
             Fault::Sigstop => {
                 // Shorter than the lease minus a renewal period (see tests/jepsen.rs).
-                let pid = deployment.pids[fastrand::usize(..deployment.pids.len())];
+                let pid = deployment.pids[instance];
                 support::send_signal(pid, "-STOP");
                 tokio::time::sleep(lease(0.1 + 0.4 * fastrand::f64())).await;
                 support::send_signal(pid, "-CONT");
             }
             Fault::KillMaster => {
                 let set = &mut deployment.set;
+                // The replica frozen first: writes of the last 0.2-0.8 s are on the master
+                // alone when it dies ("a" acquisitions; "s" ones wait for the replica and
+                // fail).
+                let master = set.master_port().await;
+                let replica = set.servers().iter().find(|s| s.port() != master);
+                let replica = replica
+                    .and_then(RedisServer::pid)
+                    .expect("the replica runs");
+                support::send_signal(replica, "-STOP");
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(200..800))).await;
                 let old = set.kill_master().await;
+                support::send_signal(replica, "-CONT");
                 let new = promoted(set, old).await;
                 set.restart_empty(old, Some(new)).await;
                 set.wait_until_ready().await;
@@ -170,6 +200,23 @@ pub(super) async fn run(
             began,
             ended: now_micros(),
         });
+        if let (Some(probe), Some(watch)) = (probe, watch) {
+            let (ns, key) = probe.1.split_once('-').expect("ns-key");
+            let lock_key = lock_key(ns, key);
+            cut_offs.push(CutOff {
+                fault,
+                expiries: watch.stop().await,
+                probe: probe.clone(),
+                lock_key,
+                began,
+            });
+            // The probe's end (the hold and its write), before the next fault.
+            let until = held_since + PROBE_HOLD + Duration::from_secs(1);
+            while tokio::time::Instant::now() < until && !lock(log).probe_ends.contains_key(&probe)
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
     }
     (windows, cut_offs)
 }
@@ -190,45 +237,66 @@ async fn promoted(set: &SentinelSet, old: u16) -> u16 {
     }
 }
 
-/// Cuts `instance` off from the data nodes and the sentinels for `cut_for` while it holds
-/// a probe, watching the lock's expiry on the master; `None` if no probe got its lock.
-async fn partition(
-    deployment: &Deployment,
-    addrs: &[SocketAddr],
-    log: &SharedLog,
-    instance: usize,
-    cut_for: Duration,
-) -> Option<CutOff<Fault>> {
-    let probe = start_probe(addrs, instance, log).await?;
-    let began = now_micros();
-    let host = INSTANCES[instance];
-    let set = &deployment.set;
-    let mut master = set.data_conn(set.server(set.master_port().await)).await;
-    deployment.cut(host);
-    let (ns, key) = probe.1.split_once('-').expect("ns-key");
-    let redis_key = lock_key(ns, key);
-    let until = tokio::time::Instant::now() + cut_for;
-    let mut expiries = Vec::new();
-    while tokio::time::Instant::now() < until {
-        let asked = now_micros();
-        let pttl: Result<i64, _> = redis::cmd("PTTL")
-            .arg(&redis_key)
-            .query_async(&mut master)
-            .await;
-        if let Some(at) = pttl
-            .ok()
-            .and_then(|pttl| Expiry::from_pttl(asked, now_micros(), pttl))
-        {
-            expiries.push(at);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+/// The expiry of a probe's lock on the data nodes that answer as masters (the earliest
+/// when two do: where a second holder could take it first), every 25 ms.
+struct Watch {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Vec<Expiry>>,
+}
+
+impl Watch {
+    /// Starts watching once the expiry has been observed (or no master answered).
+    async fn start(nodes: &[String], probe: &(usize, String, u64)) -> Watch {
+        let (ns, key) = probe.1.split_once('-').expect("ns-key");
+        let lock_key = lock_key(ns, key);
+        let mut conns: Vec<(String, Option<MultiplexedConnection>)> =
+            nodes.iter().map(|url| (url.clone(), None)).collect();
+        let mut expiries: Vec<Expiry> = observe(&mut conns, &lock_key).await.into_iter().collect();
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let task = tokio::spawn(async move {
+            while !stopped.is_cancelled() {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+                expiries.extend(observe(&mut conns, &lock_key).await);
+            }
+            expiries
+        });
+        Watch { stop, task }
     }
-    deployment.reach(host);
-    Some(CutOff {
-        fault: Fault::Partition,
-        probe,
-        lock_key: redis_key,
-        began,
-        expiries,
-    })
+
+    async fn stop(self) -> Vec<Expiry> {
+        self.stop.cancel();
+        self.task.await.expect("watch")
+    }
+}
+
+/// One round of [`Watch`]: `ROLE` and `PTTL` on every node, within 200 ms each.
+async fn observe(
+    conns: &mut [(String, Option<MultiplexedConnection>)],
+    lock_key: &str,
+) -> Option<Expiry> {
+    const WITHIN: Duration = Duration::from_millis(200);
+    let mut earliest: Option<Expiry> = None;
+    for (url, conn) in conns.iter_mut() {
+        if conn.is_none() {
+            let client = redis::Client::open(url.as_str()).expect("url");
+            let connected = tokio::time::timeout(WITHIN, client.get_multiplexed_async_connection());
+            *conn = connected.await.ok().and_then(Result::ok);
+        }
+        let Some(c) = conn.as_mut() else { continue };
+        let asked = now_micros();
+        let mut pipe = redis::pipe();
+        pipe.cmd("ROLE").cmd("PTTL").arg(lock_key);
+        let reply = tokio::time::timeout(WITHIN, pipe.query_async::<(Value, i64)>(c)).await;
+        let Ok(Ok((role, pttl))) = reply else {
+            *conn = None;
+            continue;
+        };
+        let master = matches!(&role, Value::Array(r) if r.first() == Some(&Value::BulkString(b"master".to_vec())));
+        let expiry = Expiry::from_pttl(asked, now_micros(), pttl).filter(|_| master);
+        if let Some(e) = expiry.filter(|e| earliest.is_none_or(|o| e.latest < o.latest)) {
+            earliest = Some(e);
+        }
+    }
+    earliest
 }
