@@ -158,8 +158,17 @@ pub(super) async fn load(
     deadline: tokio::time::Instant,
     statuses: Arc<Mutex<HashMap<String, usize>>>,
 ) {
+    load_until(addrs, || tokio::time::Instant::now() >= deadline, statuses).await;
+}
+
+/// [`load`] until `done` says so (asked before each request).
+pub(super) async fn load_until(
+    addrs: Vec<SocketAddr>,
+    done: impl Fn() -> bool,
+    statuses: Arc<Mutex<HashMap<String, usize>>>,
+) {
     let client = support::http_client();
-    while tokio::time::Instant::now() < deadline {
+    while !done() {
         let addr = addrs[fastrand::usize(..addrs.len())];
         let ns = NAMESPACES[fastrand::usize(..NAMESPACES.len())];
         let key = KEYS[fastrand::usize(..KEYS.len())];

@@ -44,11 +44,11 @@ pub(super) enum Fault {
 /// the default run), and of the summary.
 pub(super) const KINDS: [Fault; 6] = [
     Fault::Partition,
+    Fault::Sigstop,
     Fault::KillMaster,
     Fault::PauseMaster,
     Fault::CutMaster,
     Fault::RestartMaster,
-    Fault::Sigstop,
 ];
 
 /// When a fault began and when it was healed (µs).
@@ -95,7 +95,8 @@ impl Deployment {
     }
 }
 
-/// Injects faults one at a time until `deadline`: first every kind once, then at random.
+/// Injects faults one at a time until `deadline`, and at least one of every kind: first
+/// every kind once, then at random.
 /// Each but a frozen instance is aimed at a probe (a long hold of a random instance),
 /// whose lock's expiry on the master is watched until the fault is healed.
 pub(super) async fn run(
@@ -113,7 +114,7 @@ pub(super) async fn run(
     let mut windows = Vec::new();
     let mut cut_offs = Vec::new();
     let lease = |factor: f64| LEASE.mul_f64(factor);
-    while tokio::time::Instant::now() < deadline {
+    while tokio::time::Instant::now() < deadline || windows.len() < KINDS.len() {
         tokio::time::sleep(Duration::from_millis(fastrand::u64(200..800))).await;
         let fault = KINDS
             .get(windows.len())
