@@ -1,6 +1,7 @@
 //! An app instance of the nemesis test, run as a child process in its own network
 //! namespace: an axum app with the lock layer on two backends (with and without the
-//! delayed-restart guard), a read-modify-write handler with fenced writes, and a probe
+//! delayed-restart guard; on Sentinel, with and without `sync_replicas` too, see
+//! `sentinel_backend`), a read-modify-write handler with fenced writes, and a probe
 //! that holds its lock long enough to be cut off. Every hold is reported when its handler
 //! stops, whether it returned or was dropped because the lock was lost.
 

@@ -31,8 +31,8 @@ pub(super) enum Fault {
     /// promote the replica, and the old master takes writes for 0.5-2 s more (the
     /// instances still on it), until it is made the new one's replica and loses them.
     CutMaster,
-    /// The master SIGKILLed and started again at once, empty, before `down-after`: no
-    /// failover; the replica resyncs from it and is emptied too.
+    /// The master SIGKILLed and started again at once, empty, with `down-after` raised
+    /// meanwhile: no failover; the replica resyncs from it and is emptied too.
     RestartMaster,
     /// The master SIGSTOPped until the sentinels promote the replica (past `down-after`),
     /// then resumed: it answers as a master, with its data, for 0.3-1.5 s until it is made
@@ -50,6 +50,9 @@ pub(super) const KINDS: [Fault; 6] = [
     Fault::CutMaster,
     Fault::RestartMaster,
 ];
+
+/// The sentinels' `down-after-milliseconds` (tests/support/sentinel.rs).
+const DOWN_AFTER: Duration = Duration::from_secs(1);
 
 /// When a fault began and when it was healed (µs).
 pub(super) struct Window {
@@ -179,14 +182,13 @@ pub(super) async fn run(
             }
             Fault::RestartMaster => {
                 let set = &mut deployment.set;
+                // No failover, whatever the restart takes on a busy machine: one that began
+                // late would demote the restarted master during a later fault.
+                set.set_down_after(Duration::from_secs(60)).await;
                 let port = set.kill_master().await;
                 set.restart_empty(port, None).await;
-                // A restart slower than `down-after` (a busy machine) is failed over: the
-                // node restarted is then made the new master's replica.
-                if set.master_port().await != port {
-                    set.demote(port).await;
-                }
                 set.wait_until_ready().await;
+                set.set_down_after(DOWN_AFTER).await;
             }
             Fault::PauseMaster => {
                 let set = &deployment.set;
@@ -206,21 +208,23 @@ pub(super) async fn run(
             ended: now_micros(),
         });
         if let (Some(probe), Some(watch)) = (probe, watch) {
-            let (ns, key) = probe.1.split_once('-').expect("ns-key");
-            let lock_key = lock_key(ns, key);
-            cut_offs.push(CutOff {
-                fault,
-                expiries: watch.stop().await,
-                probe: probe.clone(),
-                lock_key,
-                began,
-            });
-            // The probe's end (the hold and its write), before the next fault.
-            let until = held_since + PROBE_HOLD + Duration::from_secs(1);
+            // The probe's end (the hold and its write), before the next fault. The expiry is
+            // watched until then: a probe may renew after the fault and lose its lock later
+            // (a renewal that the replica, linked again, did not acknowledge in time), and its
+            // margin counts from its last lease.
+            let until = held_since + PROBE_HOLD + Duration::from_secs(10);
             while tokio::time::Instant::now() < until && !lock(log).probe_ends.contains_key(&probe)
             {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            let (ns, key) = probe.1.split_once('-').expect("ns-key");
+            cut_offs.push(CutOff {
+                fault,
+                expiries: watch.stop().await,
+                lock_key: lock_key(ns, key),
+                probe,
+                began,
+            });
         }
     }
     (windows, cut_offs)
