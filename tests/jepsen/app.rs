@@ -1,13 +1,16 @@
 //! An app instance of the nemesis test, run as a child process in its own network
 //! namespace: an axum app with the lock layer on two backends (with and without the
-//! delayed-restart guard), a read-modify-write handler with fenced writes, and a probe
+//! delayed-restart guard; on Sentinel, with and without `sync_replicas` too, see
+//! `sentinel_backend`), a read-modify-write handler with fenced writes, and a probe
 //! that holds its lock long enough to be cut off. Every hold is reported when its handler
 //! stops, whether it returned or was dropped because the lock was lost.
 
 use axum::extract::{Path, Request};
 use axum::routing::post;
 use axum::{Extension, Router};
-use tower_lock::{FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend};
+use tower_lock::{
+    FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend, RedisBackendBuilder,
+};
 
 use super::*;
 
@@ -31,20 +34,22 @@ async fn app() {
     let instance: usize = child::setting(INSTANCE).parse().expect("instance");
     let store = FencedStore::new(support::backend(&child::setting(DB_URL)).await);
     let mut router = Router::new();
+    // "single" when absent; `JEPSEN_REDIS_URL` is the topology's URL (or URLs, comma-separated).
+    let topology = std::env::var("JEPSEN_TOPOLOGY").unwrap_or_default();
     for ns in NAMESPACES {
-        let backend = match std::env::var(TOPOLOGY).as_deref() {
-            Ok("cluster") => cluster_backend(&redis, ns).await,
-            _ => {
-                let mut builder = RedisBackend::builder(redis.as_str())
-                    .namespace(namespace(ns))
-                    .command_timeout(Duration::from_millis(500))
-                    .connect_timeout(Duration::from_millis(500));
-                if ns == "g" {
-                    builder = builder.restart_guard().max_lease(LEASE);
-                }
-                builder.build().await.expect("backend")
-            }
+        let mut builder = match topology.as_str() {
+            "cluster" => cluster_backend(&redis, ns),
+            "sentinel" => sentinel_backend(ns),
+            _ => RedisBackend::builder(redis.as_str()),
         };
+        builder = builder
+            .namespace(namespace(ns))
+            .command_timeout(Duration::from_millis(500))
+            .connect_timeout(Duration::from_millis(500));
+        if ns == "g" {
+            builder = builder.restart_guard().max_lease(LEASE);
+        }
+        let backend = builder.build().await.expect("backend");
         let ctx = Ctx {
             instance,
             ns,
@@ -68,23 +73,33 @@ async fn app() {
     axum::serve(listener, router).await.expect("serve");
 }
 
-/// The deployment the instances lock on: "single" (one server) when absent, "cluster".
-const TOPOLOGY: &str = "JEPSEN_TOPOLOGY";
-
-/// A backend on the cluster whose seed URLs `seeds` lists, comma-separated: namespace "s"
-/// safe (every grant and renewal on a replica, the restart guard), "a" asynchronous.
-async fn cluster_backend(seeds: &str, ns: &str) -> RedisBackend {
-    let mut builder = RedisBackend::cluster(seeds.split(','))
-        .namespace(namespace(ns))
-        .command_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500));
-    if ns == "s" {
-        builder = builder
+/// On the cluster whose seed URLs `seeds` lists, comma-separated: namespace "s" safe
+/// (every grant and renewal on a replica, the restart guard), "a" asynchronous.
+fn cluster_backend(seeds: &str, ns: &str) -> RedisBackendBuilder {
+    let builder = RedisBackend::cluster(seeds.split(','));
+    match ns {
+        "s" => builder
             .sync_replicas(1, Duration::from_millis(200))
             .restart_guard()
-            .max_lease(LEASE);
+            .max_lease(LEASE),
+        _ => builder,
     }
-    builder.build().await.expect("cluster backend")
+}
+
+/// Through the sentinels of `JEPSEN_REDIS_URL` to the master, logged in with
+/// `JEPSEN_MASTER_PASSWORD`; namespace "s" (safe) waits for a replica's acknowledgement and
+/// has the restart guard, "a" (asynchronous replication) has neither.
+fn sentinel_backend(ns: &str) -> RedisBackendBuilder {
+    let sentinels = child::setting(REDIS_URL);
+    let builder = RedisBackend::sentinel(sentinels.split(','), support::sentinel::MASTER_NAME)
+        .master_password(child::setting("JEPSEN_MASTER_PASSWORD"));
+    match ns {
+        "s" => builder
+            .sync_replicas(1, Duration::from_millis(200))
+            .restart_guard()
+            .max_lease(LEASE),
+        _ => builder,
+    }
 }
 
 fn last_segment(req: &Request) -> Option<String> {

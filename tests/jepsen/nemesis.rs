@@ -77,9 +77,10 @@ pub(super) const KINDS: [Fault; 7] = [
     Fault::Sigstop,
 ];
 
-/// A holder cut off from Redis (partition, stall, every reply cut) while it held `probe`.
-pub(super) struct CutOff {
-    pub(super) fault: Fault,
+/// A holder cut off from Redis (partition, stall, every reply cut) while it held `probe`;
+/// `F` is the kind of fault (the topologies' binaries have their own).
+pub(super) struct CutOff<F = Fault> {
+    pub(super) fault: F,
     pub(super) probe: (usize, String, u64),
     pub(super) lock_key: String,
     /// When the fault began (µs).
@@ -157,8 +158,17 @@ pub(super) async fn load(
     deadline: tokio::time::Instant,
     statuses: Arc<Mutex<HashMap<String, usize>>>,
 ) {
+    load_until(addrs, || tokio::time::Instant::now() >= deadline, statuses).await;
+}
+
+/// [`load`] until `done` says so (asked before each request).
+pub(super) async fn load_until(
+    addrs: Vec<SocketAddr>,
+    done: impl Fn() -> bool,
+    statuses: Arc<Mutex<HashMap<String, usize>>>,
+) {
     let client = support::http_client();
-    while tokio::time::Instant::now() < deadline {
+    while !done() {
         let addr = addrs[fastrand::usize(..addrs.len())];
         let ns = NAMESPACES[fastrand::usize(..NAMESPACES.len())];
         let key = KEYS[fastrand::usize(..KEYS.len())];
@@ -374,8 +384,8 @@ impl Expiry {
 }
 
 #[derive(Debug)]
-pub(super) struct Margin {
-    pub(super) fault: Fault,
+pub(super) struct Margin<F = Fault> {
+    pub(super) fault: F,
     /// Server-side expiry minus the holder's stop, µs, at the latest the expiry can have
     /// been: negative only when the holder certainly ran past it.
     pub(super) margin: i64,
@@ -389,7 +399,7 @@ pub(super) struct Margin {
 
 /// The margin of every cut-off holder that was stopped (not those that outlived a
 /// short cut-off).
-pub(super) fn margins(cut_offs: &[CutOff], log: &Log) -> Vec<Margin> {
+pub(super) fn margins<F: Copy>(cut_offs: &[CutOff<F>], log: &Log) -> Vec<Margin<F>> {
     cut_offs
         .iter()
         .filter_map(|c| {

@@ -183,6 +183,12 @@ impl RedisServer {
         assert!(self.spawn(), "redis-server restarts on port {}", self.port);
     }
 
+    /// [`restart`](Self::restart) with other extra arguments (kept for later restarts).
+    pub fn restart_with(&mut self, extra_args: &[&str]) {
+        self.extra_args = extra_args.iter().map(|a| a.to_string()).collect();
+        self.restart();
+    }
+
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn pause(&self) {
         self.signal("-STOP");

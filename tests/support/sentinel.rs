@@ -3,7 +3,7 @@
 //! Every process is killed when the set is dropped.
 
 use std::collections::HashMap;
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -29,26 +29,44 @@ pub struct SentinelSet {
     sentinels: Vec<SentinelProcess>,
     /// The data nodes' password, once [`require_password`](Self::require_password) set one.
     password: Option<String>,
+    /// The address every process of the set listens on (and on 127.0.0.1) and announces.
+    ip: Ipv4Addr,
+    /// The data nodes' extra arguments (see [`start_on`](Self::start_on)).
+    node_args: Vec<String>,
 }
 
 impl SentinelSet {
     /// Starts the data nodes, then the sentinels, and waits until they are
     /// [ready](Self::wait_until_ready).
     pub async fn start() -> Self {
+        Self::start_on(Ipv4Addr::LOCALHOST).await
+    }
+
+    /// [`start`](Self::start) with every process listening on `ip` too and announcing it
+    /// (for clients in other network namespaces that reach this one's `ip`).
+    pub async fn start_on(ip: Ipv4Addr) -> Self {
         // Diskless sync without its 5 s delay: a replica links at once.
-        let fast_sync = ["--repl-diskless-sync-delay", "0"];
-        let master = RedisServer::start_with(&fast_sync);
-        let master_port = master.port().to_string();
-        let mut replica_args = fast_sync.to_vec();
-        replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
+        let mut node_args = "--repl-diskless-sync-delay 0".to_owned();
+        if !ip.is_loopback() {
+            node_args +=
+                &format!(" --bind 127.0.0.1 {ip} --replica-announce-ip {ip} --protected-mode no");
+        }
+        let node_args: Vec<String> = node_args.split(' ').map(Into::into).collect();
+        let args: Vec<&str> = node_args.iter().map(String::as_str).collect();
+        let master = RedisServer::start_with(&args);
+        let (ip_text, master_port) = (ip.to_string(), master.port().to_string());
+        let mut replica_args = args.clone();
+        replica_args.extend(["--replicaof", &ip_text, &master_port]);
         let replica = RedisServer::start_with(&replica_args);
         let sentinels = (0..3)
-            .map(|_| SentinelProcess::start(master.port()))
+            .map(|_| SentinelProcess::start(ip, master.port()))
             .collect();
         let set = SentinelSet {
             servers: vec![master, replica],
             sentinels,
             password: None,
+            ip,
+            node_args,
         };
         set.wait_until_ready().await;
         set
@@ -163,20 +181,6 @@ impl SentinelSet {
         }
     }
 
-    /// Makes the data node on `old_master` a replica of the current master, as the
-    /// sentinels do on their own only at their next `INFO` round (every 10 s), so that
-    /// the next failover has a replica to promote.
-    pub async fn demote(&self, old_master: u16) {
-        let master = self.master_port().await;
-        assert_ne!(master, old_master, "the sentinels named a new master");
-        let _: () = redis::cmd("REPLICAOF")
-            .arg("127.0.0.1")
-            .arg(master)
-            .query_async(&mut self.data_conn(self.server(old_master)).await)
-            .await
-            .expect("REPLICAOF");
-    }
-
     /// Sets how long every sentinel waits before it flags an unresponsive data node down,
     /// or a master that reports itself a replica (that one 20 s later).
     pub async fn set_down_after(&self, after: Duration) {
@@ -192,21 +196,11 @@ impl SentinelSet {
         }
     }
 
-    /// SIGSTOPs sentinel `i`: it accepts connections and answers nothing.
-    pub fn pause_sentinel(&self, i: usize) {
-        super::send_signal(self.sentinels[i].child.id(), "-STOP");
-    }
-
-    /// SIGCONT of sentinel `i` after [`pause_sentinel`](Self::pause_sentinel).
-    pub fn resume_sentinel(&self, i: usize) {
-        super::send_signal(self.sentinels[i].child.id(), "-CONT");
-    }
-
     /// The sentinels' URLs, for [`tower_lock::RedisBackend::sentinel`].
     pub fn sentinel_urls(&self) -> Vec<String> {
         self.sentinels
             .iter()
-            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .map(|s| format!("redis://{}:{}", self.ip, s.port))
             .collect()
     }
 
@@ -265,17 +259,6 @@ impl SentinelSet {
             .find(|s| s.port() == port)
             .expect("a data node of the set")
     }
-
-    /// SIGKILLs the current master, as a crash would; returns its port.
-    pub async fn kill_master(&mut self) -> u16 {
-        let port = self.master_port().await;
-        self.servers
-            .iter_mut()
-            .find(|s| s.port() == port)
-            .expect("the master is a data node of the set")
-            .kill();
-        port
-    }
 }
 
 /// A `redis-server --sentinel` process, killed on drop.
@@ -286,17 +269,17 @@ struct SentinelProcess {
 }
 
 impl SentinelProcess {
-    fn start(master_port: u16) -> Self {
+    fn start(ip: Ipv4Addr, master_port: u16) -> Self {
         // Another process may take the free port before the sentinel binds it: retry.
         for _ in 0..20 {
-            if let Some(sentinel) = Self::try_start(master_port) {
+            if let Some(sentinel) = Self::try_start(ip, master_port) {
                 return sentinel;
             }
         }
         panic!("could not start a sentinel on a free port");
     }
 
-    fn try_start(master_port: u16) -> Option<Self> {
+    fn try_start(ip: Ipv4Addr, master_port: u16) -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -306,11 +289,16 @@ impl SentinelProcess {
         // failover), so each gets its own, writable.
         let config = dir.path().join("sentinel.conf");
         let name = MASTER_NAME;
+        let bind = if ip.is_loopback() {
+            "bind 127.0.0.1".to_owned()
+        } else {
+            format!("bind 127.0.0.1 {ip}\nsentinel announce-ip {ip}")
+        };
         std::fs::write(
             &config,
             format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
-                 sentinel monitor {name} 127.0.0.1 {master_port} 2\n\
+                "port {port}\n{bind}\ndir {dir}\n\
+                 sentinel monitor {name} {ip} {master_port} 2\n\
                  sentinel down-after-milliseconds {name} 1000\n\
                  sentinel failover-timeout {name} 5000\n\
                  sentinel parallel-syncs {name} 1\n",

@@ -1,5 +1,6 @@
-//! Partitions of a [`SentinelSet`]: sentinels locked out of data nodes (their ACL users
-//! turned off and their connections cut) while clients still reach them.
+//! Faults of a [`SentinelSet`]: sentinels locked out of data nodes (their ACL users
+//! turned off and their connections cut) while clients still reach them, sentinels paused,
+//! the master killed, a data node restarted empty or made a replica.
 
 use std::collections::HashMap;
 
@@ -143,6 +144,79 @@ impl SentinelSet {
                 .query_async(&mut conn)
                 .await
                 .expect("CLIENT KILL USER");
+        }
+    }
+
+    /// SIGKILLs the current master, as a crash would; returns its port.
+    pub async fn kill_master(&mut self) -> u16 {
+        let port = self.master_port().await;
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .expect("the master is a data node of the set")
+            .kill();
+        port
+    }
+
+    /// Makes the data node on `old_master` a replica of the current master, as the
+    /// sentinels do on their own only at their next `INFO` round (every 10 s), so that
+    /// the next failover has a replica to promote.
+    pub async fn demote(&self, old_master: u16) {
+        let master = self.master_port().await;
+        assert_ne!(master, old_master, "the sentinels named a new master");
+        let _: () = redis::cmd("REPLICAOF")
+            .arg(self.ip.to_string())
+            .arg(master)
+            .query_async(&mut self.data_conn(self.server(old_master)).await)
+            .await
+            .expect("REPLICAOF");
+    }
+
+    /// SIGSTOPs sentinel `i`: it accepts connections and answers nothing.
+    pub fn pause_sentinel(&self, i: usize) {
+        crate::support::send_signal(self.sentinels[i].child.id(), "-STOP");
+    }
+
+    /// SIGCONT of sentinel `i` after [`pause_sentinel`](Self::pause_sentinel).
+    pub fn resume_sentinel(&self, i: usize) {
+        crate::support::send_signal(self.sentinels[i].child.id(), "-CONT");
+    }
+
+    /// Starts the data node on `port` again (after a kill), empty: as a replica of the
+    /// node on `replica_of`, or as a master; with the password and the sentinels' users
+    /// that [`require_password`](Self::require_password) set.
+    pub async fn restart_empty(&mut self, port: u16, replica_of: Option<u16>) {
+        let mut args = self.node_args.clone();
+        if let Some(password) = &self.password {
+            args.extend(["--masterauth".into(), password.clone()]);
+            for i in 0..self.sentinels.len() {
+                let user = [sentinel_user(i), "on".into(), format!(">{password}")];
+                args.push("--user".into());
+                args.extend(
+                    user.into_iter()
+                        .chain(["+@all", "~*", "&*"].map(Into::into)),
+                );
+            }
+        }
+        if let Some(master) = replica_of {
+            args.extend([
+                "--replicaof".into(),
+                self.ip.to_string(),
+                master.to_string(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let server = self.servers.iter_mut().find(|s| s.port() == port);
+        server.expect("a data node of the set").restart_with(&args);
+        // Set last: the restart waits for an `INFO` without a password.
+        if let Some(password) = self.password.clone() {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("requirepass")
+                .arg(password)
+                .query_async(&mut connect(&self.server(port).url()).await.expect("node"))
+                .await
+                .expect("CONFIG SET requirepass");
         }
     }
 

@@ -1,0 +1,308 @@
+//! Jepsen on Redis Sentinel: the nemesis workload of `tests/jepsen.rs` (three app
+//! instances as child processes, each in its own network namespace, guarded
+//! read-modify-write increments of fenced registers) against a master, its replica and
+//! three sentinels, started once, while a nemesis kills the master, cuts it off from the
+//! sentinels, restarts it empty, pauses it past `down-after`, cuts instances off from the
+//! data nodes and freezes them (`sentinel_faults.rs`).
+//!
+//! Two lock namespaces: "s" (`sync_replicas(1, ..)`, `restart_guard()`, `max_lease`) must
+//! keep every hold exclusive and every fenced write; "a" (neither) may overlap after a
+//! failover or a restart, as asynchronous replication allows: its violations are counted
+//! and printed apart. Every instance cut off from the data nodes must stop before its
+//! lease ends on the master (the margins, printed per fault kind).
+//!
+//! Runs 30 s of load by default; `JEPSEN_SECS=600 cargo test --test jepsen_sentinel --
+//! --nocapture` runs longer. Needs root and iproute2 (it says it skipped otherwise).
+
+mod support;
+
+#[path = "jepsen/app.rs"]
+mod app;
+// The single-server faults of this file (`Cluster`, `run_nemesis`) are tests/jepsen.rs';
+// this binary takes the log, the load, the probes and the margins from it.
+#[allow(dead_code)]
+#[path = "jepsen/nemesis.rs"]
+mod nemesis;
+#[path = "jepsen/sentinel_faults.rs"]
+mod sentinel_faults;
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::child::{self, ChildProcess};
+use support::history::{self, Hold, Registers, Violation, Write};
+use support::netns::{HostRedis, Net, now_micros};
+use support::sentinel::SentinelSet;
+use tokio_util::sync::CancellationToken;
+
+use nemesis::{Margin, SharedLog};
+use sentinel_faults::{Deployment, Fault, KINDS, Window};
+
+/// The lease of every hold (see tests/jepsen.rs), above the sentinels' `down-after` (1 s).
+const LEASE: Duration = Duration::from_secs(3);
+/// How long a request waits for its lock.
+const WAIT: Duration = Duration::from_secs(2);
+/// How long a probe holds when not stopped: longer than the longest cut-off (2 leases).
+const PROBE_HOLD: Duration = Duration::from_millis(7000);
+const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
+/// What `nemesis.rs`' single-server faults partition and proxy; unused here (every instance
+/// can be cut off, none has a proxy: the sentinels name the data nodes' own addresses).
+const PARTITIONABLE: [usize; 3] = [0, 1, 2];
+const PROXIED: usize = 2;
+/// Lock namespaces: safe ("s") and asynchronous ("a").
+const NAMESPACES: [&str; 2] = ["s", "a"];
+const KEYS: [&str; 2] = ["k0", "k1"];
+const HTTP_PORT: u16 = 8080;
+/// The data nodes' password (the sentinels keep none): each sentinel logs in as its own
+/// user, so that it can be locked out of the master alone.
+const MASTER_PASSWORD: &str = "jepsen-data-secret";
+
+const REDIS_URL: &str = "JEPSEN_REDIS_URL";
+const DB_URL: &str = "JEPSEN_DB_URL";
+const LISTEN: &str = "JEPSEN_LISTEN";
+const INSTANCE: &str = "JEPSEN_INSTANCE";
+
+/// The lock namespace of lock namespace label `ns`.
+fn namespace(ns: &str) -> String {
+    format!("jepsen-{ns}")
+}
+
+/// The Redis key of the lock on `key` in label `ns`.
+fn lock_key(ns: &str, key: &str) -> String {
+    format!("{}:{{{key}}}", namespace(ns))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_before_expiry() {
+    const TEST: &str = "sentinel nemesis_workload";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    support::init_tracing();
+    let started = Instant::now();
+    let secs: u64 = std::env::var("JEPSEN_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+
+    // "data" holds nothing: the root end of its uplink is the address, in the test's
+    // namespace, where the data nodes and the sentinels listen and that they announce.
+    let net = Net::new(&["data", "app0", "app1", "app2"]);
+    let data_ip = net.root_ip("data");
+    let mut set = SentinelSet::start_on(data_ip).await;
+    set.require_password(MASTER_PASSWORD).await;
+    // The database of the fenced registers, reachable from every instance over its uplink
+    // and never faulted.
+    let db_ips: Vec<Ipv4Addr> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
+    let db_port = std::net::TcpListener::bind((db_ips[0], 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port");
+    let db = HostRedis::start(
+        &net,
+        None,
+        &db_ips,
+        SocketAddr::from((db_ips[0], db_port)),
+        &[],
+    );
+    let mut deployment = Deployment {
+        net,
+        set,
+        data_ip,
+        pids: Vec::new(),
+    };
+
+    let log: SharedLog = Arc::default();
+    let stop_readers = CancellationToken::new();
+    let mut readers = Vec::new();
+    let sentinels = deployment.set.sentinel_urls().join(",");
+    for (i, host) in INSTANCES.iter().enumerate() {
+        deployment.reach(host);
+        let settings = [
+            (REDIS_URL, sentinels.clone()),
+            (DB_URL, format!("redis://{}:{db_port}", db_ips[i])),
+            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
+            (INSTANCE, i.to_string()),
+            ("JEPSEN_TOPOLOGY", "sentinel".to_owned()),
+            ("JEPSEN_MASTER_PASSWORD", MASTER_PASSWORD.to_owned()),
+        ];
+        let ns = deployment.net.ns(host);
+        let mut app = ChildProcess::spawn_in(&ns, "app::jepsen_child", "app", &settings);
+        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
+        deployment.pids.push(app.pid());
+        readers.push(tokio::spawn(nemesis::read_reports(
+            app,
+            log.clone(),
+            stop_readers.clone(),
+        )));
+    }
+    let addrs: Vec<SocketAddr> = INSTANCES
+        .iter()
+        .map(|h| SocketAddr::from((deployment.net.host_ip(h), HTTP_PORT)))
+        .collect();
+
+    let load_started = Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let statuses: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    // The load runs as long as the nemesis, which may go past `deadline` to inject every
+    // kind of fault once.
+    let stop_load = CancellationToken::new();
+    let load: Vec<_> = (0..6)
+        .map(|_| {
+            let stop = stop_load.clone();
+            let done = move || stop.is_cancelled();
+            tokio::spawn(nemesis::load_until(addrs.clone(), done, statuses.clone()))
+        })
+        .collect();
+    let (windows, cut_offs) = sentinel_faults::run(&mut deployment, &addrs, &log, deadline).await;
+    stop_load.cancel();
+    let loaded = load_started.elapsed();
+    for task in load {
+        task.await.expect("load task");
+    }
+    // Every request has been answered: every handler has stopped and reported.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_readers.cancel();
+    for reader in readers {
+        reader.await.expect("reader");
+    }
+
+    let registers = nemesis::read_registers_at(db.addr()).await;
+    let log = std::mem::take(&mut *nemesis::lock(&log));
+    // The margins of each namespace apart: in "a" a failover may lose a renewal (or the
+    // lock) that the holder saw acknowledged.
+    let (cut_offs_s, cut_offs_a): (Vec<_>, Vec<_>) = cut_offs
+        .into_iter()
+        .partition(|c| c.probe.1.starts_with("s-"));
+    let margins_s = nemesis::margins(&cut_offs_s, &log);
+    let margins_a = nemesis::margins(&cut_offs_a, &log);
+    let statuses = statuses.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    println!(
+        "jepsen on sentinel: load for {loaded:.1?} (JEPSEN_SECS={secs}, then until every kind \
+         of fault ran), run time {:.1?}, requests: {statuses:?}",
+        started.elapsed()
+    );
+    let mut safe = Vec::new();
+    for ns in NAMESPACES {
+        let violations = summarize(ns, &log.holds, &registers, &windows);
+        if ns == "s" {
+            safe = violations;
+        }
+    }
+    println!("  margins (server-side expiry minus the cut-off holder's stop):");
+    print_margins("s", &margins_s, &cut_offs_s);
+    print_margins("a", &margins_a, &cut_offs_a);
+
+    assert!(
+        safe.is_empty(),
+        "{} violations in \"s\" (sync_replicas + restart guard)",
+        safe.len()
+    );
+    // In "a" only the faults of an instance promise a margin.
+    let promised = margins_a
+        .iter()
+        .filter(|m| matches!(m.fault, Fault::Partition | Fault::Sigstop));
+    for m in margins_s.iter().chain(promised) {
+        assert!(
+            m.margin >= 0,
+            "a cut-off holder certainly ran past the server-side expiry: {m:?}"
+        );
+    }
+    assert!(
+        margins_s
+            .iter()
+            .chain(&margins_a)
+            .any(|m| m.fault == Fault::Partition),
+        "no cut-off holder was stopped: the promise was not exercised"
+    );
+}
+
+/// Checks the holds of namespace `ns` and prints, per fault kind, the faults, the holds
+/// that overlapped them and the violations; returns the violations.
+fn summarize(
+    ns: &str,
+    holds: &[Hold],
+    registers: &Registers,
+    windows: &[Window],
+) -> Vec<Violation> {
+    let prefix = format!("{ns}-");
+    let holds: Vec<Hold> = holds
+        .iter()
+        .filter(|h| h.key.starts_with(&prefix))
+        .cloned()
+        .collect();
+    let registers: Registers = registers
+        .iter()
+        .filter(|(key, _)| key.starts_with(&prefix))
+        .map(|(key, value)| (key.clone(), *value))
+        .collect();
+    let violations = history::check(&holds, &registers);
+    let written = holds
+        .iter()
+        .filter(|h| matches!(h.write, Write::Written(_)))
+        .count();
+    let kind = if ns == "s" {
+        "sync_replicas + restart guard"
+    } else {
+        "asynchronous replication: violations allowed"
+    };
+    println!(
+        "  \"{ns}\" ({kind}): {} holds checked ({written} acknowledged writes), {} violations",
+        holds.len(),
+        violations.len()
+    );
+    // A hold or a violation counts under every fault it overlapped.
+    let during = |fault: Fault, start: u64, end: u64| {
+        windows
+            .iter()
+            .any(|w| w.fault == fault && start < w.ended && end > w.began)
+    };
+    let span = |v: &Violation| {
+        let start = v.holds.iter().map(|h| h.start).min().unwrap_or(0);
+        let end = v.holds.iter().map(|h| h.end).max().unwrap_or(u64::MAX);
+        (start, end)
+    };
+    for fault in KINDS {
+        let faults = windows.iter().filter(|w| w.fault == fault).count();
+        let held = holds
+            .iter()
+            .filter(|h| during(fault, h.start, h.end))
+            .count();
+        let violated = violations
+            .iter()
+            .filter(|v| {
+                let (start, end) = span(v);
+                during(fault, start, end)
+            })
+            .count();
+        println!("    {fault:?}: {faults} faults, {held} holds during them, {violated} violations");
+    }
+    for v in &violations {
+        println!("    VIOLATION in \"{ns}\": {v}");
+    }
+    violations
+}
+
+/// The margins of namespace `ns`'s probes per fault kind.
+fn print_margins(ns: &str, margins: &[Margin<Fault>], cut_offs: &[nemesis::CutOff<Fault>]) {
+    let ms =
+        |us: Option<i64>| us.map_or("-".to_owned(), |us| format!("{:.1} ms", us as f64 / 1000.0));
+    for kind in KINDS {
+        let of_kind: Vec<&Margin<Fault>> = margins.iter().filter(|m| m.fault == kind).collect();
+        let cut = cut_offs.iter().filter(|c| c.fault == kind).count();
+        if cut == 0 {
+            continue;
+        }
+        let min = of_kind.iter().map(|m| m.margin).min();
+        let min_proven = of_kind.iter().map(|m| m.proven).min();
+        println!(
+            "    \"{ns}\" {kind:?}: {cut} probes, stopped {} times, min margin {} (at least {})",
+            of_kind.len(),
+            ms(min),
+            ms(min_proven),
+        );
+    }
+}
