@@ -15,32 +15,28 @@ mod support;
 
 #[path = "jepsen/app.rs"]
 mod app;
+#[path = "jepsen/common.rs"]
+mod common;
 #[path = "jepsen/nemesis.rs"]
 mod nemesis;
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use support::child::{self, ChildProcess};
+use support::child;
 use support::history::{self, Hold, Registers, Write};
 use support::netns::{HostRedis, Net};
 use support::proxy::FaultProxy;
 use tokio_util::sync::CancellationToken;
 
+use common::*;
 use nemesis::*;
 
-/// The lease of every hold: short, so that many faults fit in a run, yet long enough that
-/// the margin by which a cut-off holder stops before its lease ends on the server (2% of
-/// it) is not eaten up by a loaded machine's scheduling (up to about 35 ms was seen).
-const LEASE: Duration = Duration::from_secs(3);
-/// How long a request waits for its lock.
-const WAIT: Duration = Duration::from_secs(2);
 /// How long a probe (the hold a partition or stall is aimed at) holds when not stopped:
 /// longer than the longest cut-off (2 leases).
 const PROBE_HOLD: Duration = Duration::from_millis(7000);
-const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
 /// The instances with a direct (partitionable) link to Redis; the last one goes through
 /// the fault proxy.
 const PARTITIONABLE: [usize; 2] = [0, 1];
@@ -48,45 +44,13 @@ const PROXIED: usize = 2;
 /// Lock namespaces: every instance has a backend with the delayed-restart guard (`g`) and
 /// one without (`n`), so each Redis restart hits both.
 const NAMESPACES: [&str; 2] = ["g", "n"];
-const KEYS: [&str; 2] = ["k0", "k1"];
-const HTTP_PORT: u16 = 8080;
 const REDIS_PORT: u16 = 6379;
-
-const REDIS_URL: &str = "JEPSEN_REDIS_URL";
-const DB_URL: &str = "JEPSEN_DB_URL";
-const LISTEN: &str = "JEPSEN_LISTEN";
-const INSTANCE: &str = "JEPSEN_INSTANCE";
-
-fn now_micros() -> u64 {
-    let since_epoch = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970");
-    u64::try_from(since_epoch.as_micros()).expect("fits")
-}
-
-/// The lock namespace of lock namespace label `ns`.
-fn namespace(ns: &str) -> String {
-    format!("jepsen-{ns}")
-}
-
-/// The Redis key of the lock on `key` in label `ns`.
-fn lock_key(ns: &str, key: &str) -> String {
-    format!("{}:{{{key}}}", namespace(ns))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before_expiry() {
-    const TEST: &str = "nemesis_workload";
-    if !Net::available() {
-        support::netns::skip(TEST);
+    let Some((started, secs)) = begin("nemesis_workload", 60) else {
         return;
-    }
-    support::init_tracing();
-    let started = Instant::now();
-    let secs: u64 = std::env::var("JEPSEN_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
+    };
 
     let mut net = Net::new(&["redis", "app0", "app1", "app2"]);
     for &i in &PARTITIONABLE {
@@ -140,19 +104,11 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
             (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
             (INSTANCE, i.to_string()),
         ];
-        let mut app = ChildProcess::spawn_in(&net.ns(host), "app::jepsen_child", "app", &settings);
-        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
-        pids.push(app.pid());
-        readers.push(tokio::spawn(read_reports(
-            app,
-            log.clone(),
-            stop_readers.clone(),
-        )));
+        let (pid, reader) = spawn_app(&net.ns(host), &settings, &log, &stop_readers).await;
+        pids.push(pid);
+        readers.push(reader);
     }
-    let addrs: Vec<SocketAddr> = INSTANCES
-        .iter()
-        .map(|h| SocketAddr::from((net.host_ip(h), HTTP_PORT)))
-        .collect();
+    let addrs = app_addrs(&net);
     let mut cluster = Cluster {
         net,
         redis,
@@ -167,15 +123,7 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
         .map(|_| tokio::spawn(load(addrs.clone(), deadline, statuses.clone())))
         .collect();
     let (faults, cut_offs) = run_nemesis(&mut cluster, &addrs, &log, deadline).await;
-    for task in load {
-        task.await.expect("load task");
-    }
-    // Every request has been answered: every handler has stopped and reported.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_readers.cancel();
-    for reader in readers {
-        reader.await.expect("reader");
-    }
+    drain(load, readers, &stop_readers).await;
     observer.abort();
 
     let registers = read_registers(&cluster).await;

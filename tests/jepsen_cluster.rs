@@ -26,6 +26,8 @@ mod cluster_faults;
 mod cluster_net;
 #[path = "jepsen/cluster_summary.rs"]
 mod cluster_summary;
+#[path = "jepsen/common.rs"]
+mod common;
 // The single-server nemesis is not run here: only its log, load and probes are used.
 #[allow(dead_code)]
 #[path = "jepsen/nemesis.rs"]
@@ -34,23 +36,19 @@ mod nemesis;
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use support::child::{self, ChildProcess};
+use support::child;
 use support::history::{Hold, Write};
-use support::netns::{HostRedis, Net};
+use support::netns::HostRedis;
 use tokio_util::sync::CancellationToken;
 
 use cluster_net::Deployment;
+use common::*;
 use nemesis::*;
 
-/// The lease of every hold (as `tests/jepsen.rs`).
-const LEASE: Duration = Duration::from_secs(3);
-/// How long a request waits for its lock.
-const WAIT: Duration = Duration::from_secs(2);
 /// How long a probe holds when not stopped: longer than a failover and a lease.
 const PROBE_HOLD: Duration = Duration::from_millis(6000);
-const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
 /// Every instance is partitioned from the nodes alike; none goes through a proxy (the
 /// single-server nemesis's names).
 const PARTITIONABLE: [usize; 3] = [0, 1, 2];
@@ -58,41 +56,12 @@ const PROXIED: usize = 2;
 /// Lock namespaces: safe ("s": replica acknowledgement and the restart guard) and
 /// asynchronous ("a").
 const NAMESPACES: [&str; 2] = ["s", "a"];
-const KEYS: [&str; 2] = ["k0", "k1"];
-const HTTP_PORT: u16 = 8080;
-
-const REDIS_URL: &str = "JEPSEN_REDIS_URL";
-const DB_URL: &str = "JEPSEN_DB_URL";
-const LISTEN: &str = "JEPSEN_LISTEN";
-const INSTANCE: &str = "JEPSEN_INSTANCE";
-
-fn now_micros() -> u64 {
-    support::netns::now_micros()
-}
-
-/// The lock namespace of lock namespace label `ns`.
-fn namespace(ns: &str) -> String {
-    format!("jepsen-{ns}")
-}
-
-/// The Redis key of the lock on `key` in label `ns`.
-fn lock_key(ns: &str, key: &str) -> String {
-    format!("{}:{{{key}}}", namespace(ns))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replication_loses() {
-    const TEST: &str = "cluster_nemesis_workload";
-    if !Net::available() {
-        support::netns::skip(TEST);
+    let Some((started, secs)) = begin("cluster_nemesis_workload", 30) else {
         return;
-    }
-    support::init_tracing();
-    let started = Instant::now();
-    let secs: u64 = std::env::var("JEPSEN_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
+    };
 
     let mut deployment = Deployment::start(&INSTANCES).await;
     // The database of the fenced registers, in the test's namespace, reached by every
@@ -123,19 +92,11 @@ async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replic
             (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
             (INSTANCE, i.to_string()),
         ];
-        let mut app = ChildProcess::spawn_in(&net.ns(host), "app::jepsen_child", "app", &settings);
-        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
-        pids.push(app.pid());
-        readers.push(tokio::spawn(read_reports(
-            app,
-            log.clone(),
-            stop_readers.clone(),
-        )));
+        let (pid, reader) = spawn_app(&net.ns(host), &settings, &log, &stop_readers).await;
+        pids.push(pid);
+        readers.push(reader);
     }
-    let addrs: Vec<SocketAddr> = INSTANCES
-        .iter()
-        .map(|h| SocketAddr::from((net.host_ip(h), HTTP_PORT)))
-        .collect();
+    let addrs = app_addrs(net);
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
     let statuses: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
@@ -154,15 +115,7 @@ async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replic
         .collect();
     let (windows, cuts) = cluster_faults::run(&mut deployment, &addrs, &pids, &log, deadline).await;
     load_until.cancel();
-    for task in load {
-        task.await.expect("load task");
-    }
-    // Every request has been answered: every handler has stopped and reported.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_readers.cancel();
-    for reader in readers {
-        reader.await.expect("reader");
-    }
+    drain(load, readers, &stop_readers).await;
 
     let registers = read_registers_at(db.addr()).await;
     let log = std::mem::take(&mut *lock(&log));

@@ -18,6 +18,8 @@ mod support;
 
 #[path = "jepsen/app.rs"]
 mod app;
+#[path = "jepsen/common.rs"]
+mod common;
 // The single-server faults of this file (`Cluster`, `run_nemesis`) are tests/jepsen.rs';
 // this binary takes the log, the load, the probes and the margins from it.
 #[allow(dead_code)]
@@ -31,62 +33,33 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::child::{self, ChildProcess};
+use support::child;
 use support::history::{self, Hold, Registers, Violation, Write};
-use support::netns::{HostRedis, Net, now_micros};
+use support::netns::{HostRedis, Net};
 use support::sentinel::SentinelSet;
 use tokio_util::sync::CancellationToken;
 
+use common::*;
 use nemesis::{Margin, SharedLog};
 use sentinel_faults::{Deployment, Fault, KINDS, Window};
 
-/// The lease of every hold (see tests/jepsen.rs), above the sentinels' `down-after` (1 s).
-const LEASE: Duration = Duration::from_secs(3);
-/// How long a request waits for its lock.
-const WAIT: Duration = Duration::from_secs(2);
 /// How long a probe holds when not stopped: longer than the longest cut-off (2 leases).
 const PROBE_HOLD: Duration = Duration::from_millis(7000);
-const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
 /// What `nemesis.rs`' single-server faults partition and proxy; unused here (every instance
 /// can be cut off, none has a proxy: the sentinels name the data nodes' own addresses).
 const PARTITIONABLE: [usize; 3] = [0, 1, 2];
 const PROXIED: usize = 2;
 /// Lock namespaces: safe ("s") and asynchronous ("a").
 const NAMESPACES: [&str; 2] = ["s", "a"];
-const KEYS: [&str; 2] = ["k0", "k1"];
-const HTTP_PORT: u16 = 8080;
 /// The data nodes' password (the sentinels keep none): each sentinel logs in as its own
 /// user, so that it can be locked out of the master alone.
 const MASTER_PASSWORD: &str = "jepsen-data-secret";
 
-const REDIS_URL: &str = "JEPSEN_REDIS_URL";
-const DB_URL: &str = "JEPSEN_DB_URL";
-const LISTEN: &str = "JEPSEN_LISTEN";
-const INSTANCE: &str = "JEPSEN_INSTANCE";
-
-/// The lock namespace of lock namespace label `ns`.
-fn namespace(ns: &str) -> String {
-    format!("jepsen-{ns}")
-}
-
-/// The Redis key of the lock on `key` in label `ns`.
-fn lock_key(ns: &str, key: &str) -> String {
-    format!("{}:{{{key}}}", namespace(ns))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_before_expiry() {
-    const TEST: &str = "sentinel nemesis_workload";
-    if !Net::available() {
-        support::netns::skip(TEST);
+    let Some((started, secs)) = begin("sentinel nemesis_workload", 30) else {
         return;
-    }
-    support::init_tracing();
-    let started = Instant::now();
-    let secs: u64 = std::env::var("JEPSEN_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
+    };
 
     // "data" holds nothing: the root end of its uplink is the address, in the test's
     // namespace, where the data nodes and the sentinels listen and that they announce.
@@ -130,19 +103,11 @@ async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_b
             ("JEPSEN_MASTER_PASSWORD", MASTER_PASSWORD.to_owned()),
         ];
         let ns = deployment.net.ns(host);
-        let mut app = ChildProcess::spawn_in(&ns, "app::jepsen_child", "app", &settings);
-        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
-        deployment.pids.push(app.pid());
-        readers.push(tokio::spawn(nemesis::read_reports(
-            app,
-            log.clone(),
-            stop_readers.clone(),
-        )));
+        let (pid, reader) = spawn_app(&ns, &settings, &log, &stop_readers).await;
+        deployment.pids.push(pid);
+        readers.push(reader);
     }
-    let addrs: Vec<SocketAddr> = INSTANCES
-        .iter()
-        .map(|h| SocketAddr::from((deployment.net.host_ip(h), HTTP_PORT)))
-        .collect();
+    let addrs = app_addrs(&deployment.net);
 
     let load_started = Instant::now();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
@@ -160,15 +125,7 @@ async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_b
     let (windows, cut_offs) = sentinel_faults::run(&mut deployment, &addrs, &log, deadline).await;
     stop_load.cancel();
     let loaded = load_started.elapsed();
-    for task in load {
-        task.await.expect("load task");
-    }
-    // Every request has been answered: every handler has stopped and reported.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_readers.cancel();
-    for reader in readers {
-        reader.await.expect("reader");
-    }
+    drain(load, readers, &stop_readers).await;
 
     let registers = nemesis::read_registers_at(db.addr()).await;
     let log = std::mem::take(&mut *nemesis::lock(&log));

@@ -76,14 +76,7 @@ async fn app() {
 /// On the cluster whose seed URLs `seeds` lists, comma-separated: namespace "s" safe
 /// (every grant and renewal on a replica, the restart guard), "a" asynchronous.
 fn cluster_backend(seeds: &str, ns: &str) -> RedisBackendBuilder {
-    let builder = RedisBackend::cluster(seeds.split(','));
-    match ns {
-        "s" => builder
-            .sync_replicas(1, Duration::from_millis(200))
-            .restart_guard()
-            .max_lease(LEASE),
-        _ => builder,
-    }
+    safe_in_s(RedisBackend::cluster(seeds.split(',')), ns)
 }
 
 /// Through the sentinels of `JEPSEN_REDIS_URL` to the master, logged in with
@@ -93,6 +86,12 @@ fn sentinel_backend(ns: &str) -> RedisBackendBuilder {
     let sentinels = child::setting(REDIS_URL);
     let builder = RedisBackend::sentinel(sentinels.split(','), support::sentinel::MASTER_NAME)
         .master_password(child::setting("JEPSEN_MASTER_PASSWORD"));
+    safe_in_s(builder, ns)
+}
+
+/// In namespace "s" (safe): every grant and renewal acknowledged by a replica, and the
+/// restart guard; "a" (asynchronous replication) has neither.
+fn safe_in_s(builder: RedisBackendBuilder, ns: &str) -> RedisBackendBuilder {
     match ns {
         "s" => builder
             .sync_replicas(1, Duration::from_millis(200))

@@ -1,0 +1,98 @@
+//! What the three Jepsen binaries (one server, Sentinel, a cluster) share: the workload's
+//! shape and the settings passed to the app instances.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::nemesis::{SharedLog, read_reports};
+use super::support::child::ChildProcess;
+use super::support::{self, netns::Net};
+
+/// The lease of every hold: short, so that many faults fit in a run, yet long enough that
+/// the margin by which a cut-off holder stops before its lease ends on the server (2% of
+/// it) is not eaten up by a loaded machine's scheduling (up to about 35 ms was seen).
+pub(crate) const LEASE: Duration = Duration::from_secs(3);
+/// How long a request waits for its lock.
+pub(crate) const WAIT: Duration = Duration::from_secs(2);
+pub(crate) const INSTANCES: [&str; 3] = ["app0", "app1", "app2"];
+pub(crate) const KEYS: [&str; 2] = ["k0", "k1"];
+pub(crate) const HTTP_PORT: u16 = 8080;
+
+/// The settings of an app instance (see `app.rs`).
+pub(crate) const REDIS_URL: &str = "JEPSEN_REDIS_URL";
+pub(crate) const DB_URL: &str = "JEPSEN_DB_URL";
+pub(crate) const LISTEN: &str = "JEPSEN_LISTEN";
+pub(crate) const INSTANCE: &str = "JEPSEN_INSTANCE";
+
+pub(crate) use super::support::netns::now_micros;
+
+/// The lock namespace of lock namespace label `ns`.
+pub(crate) fn namespace(ns: &str) -> String {
+    format!("jepsen-{ns}")
+}
+
+/// The Redis key of the lock on `key` in label `ns`.
+pub(crate) fn lock_key(ns: &str, key: &str) -> String {
+    format!("{}:{{{key}}}", namespace(ns))
+}
+
+/// The start of the Jepsen test `test`: when it started and its seconds of load
+/// (`JEPSEN_SECS`, or `default`); `None` where it cannot build its hosts (not root, or no
+/// iproute2), having said that it skipped.
+pub(crate) fn begin(test: &str, default: u64) -> Option<(Instant, u64)> {
+    if !Net::available() {
+        support::netns::skip(test);
+        return None;
+    }
+    support::init_tracing();
+    let secs = std::env::var("JEPSEN_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    Some((Instant::now(), secs))
+}
+
+/// Starts an app instance in network namespace `ns` with `settings`, waits until it
+/// serves, and forwards its reports into `log` until `stop`: its pid, and the task that
+/// forwards.
+pub(crate) async fn spawn_app(
+    ns: &str,
+    settings: &[(&str, String)],
+    log: &SharedLog,
+    stop: &CancellationToken,
+) -> (u32, tokio::task::JoinHandle<()>) {
+    let mut app = ChildProcess::spawn_in(ns, "app::jepsen_child", "app", settings);
+    assert_eq!(app.next_report().await.as_deref(), Some("ready"));
+    let pid = app.pid();
+    (
+        pid,
+        tokio::spawn(read_reports(app, log.clone(), stop.clone())),
+    )
+}
+
+/// Waits for the `load` tasks, then for the instances' last reports: every request has
+/// been answered, so every handler has stopped; its report follows within moments.
+pub(crate) async fn drain(
+    load: Vec<tokio::task::JoinHandle<()>>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+    stop_readers: &CancellationToken,
+) {
+    for task in load {
+        task.await.expect("load task");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_readers.cancel();
+    for reader in readers {
+        reader.await.expect("reader");
+    }
+}
+
+/// Where the test reaches each app instance.
+pub(crate) fn app_addrs(net: &Net) -> Vec<SocketAddr> {
+    INSTANCES
+        .iter()
+        .map(|h| SocketAddr::from((net.host_ip(h), HTTP_PORT)))
+        .collect()
+}
