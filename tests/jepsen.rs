@@ -21,7 +21,7 @@ mod common;
 mod nemesis;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -69,18 +69,7 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
         SocketAddr::from((net.host_ip("redis"), REDIS_PORT)),
         &["--notify-keyspace-events", "Ex", "--hz", "100"],
     );
-    // The database of the fenced registers: in the test's namespace, reachable from every
-    // instance over its uplink, never faulted (a partition from Redis leaves it reachable,
-    // which is what makes a holder that does not stop dangerous).
-    let db_ips: Vec<Ipv4Addr> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
-    let db_port = free_port(db_ips[0]);
-    let db = HostRedis::start(
-        &net,
-        None,
-        &db_ips,
-        SocketAddr::from((db_ips[0], db_port)),
-        &[],
-    );
+    let (db, db_port) = start_db(&net);
     let proxy = FaultProxy::start(
         SocketAddr::from((net.root_ip(INSTANCES[PROXIED]), 0)),
         redis.addr(),
@@ -90,24 +79,18 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
     let log: SharedLog = Arc::default();
     let stop_readers = CancellationToken::new();
     let observer = tokio::spawn(observe_expiries(redis.addr(), log.clone()));
-    let mut readers = Vec::new();
-    let mut pids = Vec::new();
-    for (i, host) in INSTANCES.iter().enumerate() {
+    let store = |i| {
         let redis_url = if i == PROXIED {
             format!("redis://{}", proxy.addr())
         } else {
-            format!("redis://{}:{REDIS_PORT}", net.link_ip(host, "redis"))
+            format!(
+                "redis://{}:{REDIS_PORT}",
+                net.link_ip(INSTANCES[i], "redis")
+            )
         };
-        let settings = [
-            (REDIS_URL, redis_url),
-            (DB_URL, format!("redis://{}:{db_port}", net.root_ip(host))),
-            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
-            (INSTANCE, i.to_string()),
-        ];
-        let (pid, reader) = spawn_app(&net.ns(host), &settings, &log, &stop_readers).await;
-        pids.push(pid);
-        readers.push(reader);
-    }
+        vec![(REDIS_URL, redis_url)]
+    };
+    let (pids, readers) = spawn_apps(&net, db_port, store, &log, &stop_readers).await;
     let addrs = app_addrs(&net);
     let mut cluster = Cluster {
         net,
@@ -194,13 +177,6 @@ fn ms(us: Option<i64>) -> String {
 
 fn lock_map<T: Clone>(map: &Mutex<T>) -> T {
     map.lock().unwrap_or_else(|e| e.into_inner()).clone()
-}
-
-fn free_port(ip: Ipv4Addr) -> u16 {
-    std::net::TcpListener::bind((ip, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 // ---------------------------------------------------------------------------------------

@@ -34,13 +34,12 @@ mod common;
 mod nemesis;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use support::child;
 use support::history::{Hold, Write};
-use support::netns::HostRedis;
 use tokio_util::sync::CancellationToken;
 
 use cluster_net::Deployment;
@@ -64,38 +63,19 @@ async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replic
     };
 
     let mut deployment = Deployment::start(&INSTANCES).await;
-    // The database of the fenced registers, in the test's namespace, reached by every
-    // instance over its uplink and never faulted (as in `tests/jepsen.rs`).
     let net = &deployment.net;
-    let db_ips: Vec<Ipv4Addr> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
-    let db_port = std::net::TcpListener::bind((db_ips[0], 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port");
-    let db = HostRedis::start(
-        net,
-        None,
-        &db_ips,
-        SocketAddr::from((db_ips[0], db_port)),
-        &[],
-    );
+    let (db, db_port) = start_db(net);
 
     let log: SharedLog = Arc::default();
     let stop_readers = CancellationToken::new();
-    let mut readers = Vec::new();
-    let mut pids = Vec::new();
-    for (i, host) in INSTANCES.iter().enumerate() {
-        let settings = [
+    let seeds = deployment.seeds();
+    let store = |_| {
+        vec![
             ("JEPSEN_TOPOLOGY", "cluster".to_owned()),
-            (REDIS_URL, deployment.seeds()),
-            (DB_URL, format!("redis://{}:{db_port}", net.root_ip(host))),
-            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
-            (INSTANCE, i.to_string()),
-        ];
-        let (pid, reader) = spawn_app(&net.ns(host), &settings, &log, &stop_readers).await;
-        pids.push(pid);
-        readers.push(reader);
-    }
+            (REDIS_URL, seeds.clone()),
+        ]
+    };
+    let (pids, readers) = spawn_apps(net, db_port, store, &log, &stop_readers).await;
     let addrs = app_addrs(net);
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);

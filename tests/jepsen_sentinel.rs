@@ -29,13 +29,13 @@ mod nemesis;
 mod sentinel_faults;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::child;
 use support::history::{self, Hold, Registers, Violation, Write};
-use support::netns::{HostRedis, Net};
+use support::netns::Net;
 use support::sentinel::SentinelSet;
 use tokio_util::sync::CancellationToken;
 
@@ -67,20 +67,7 @@ async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_b
     let data_ip = net.root_ip("data");
     let mut set = SentinelSet::start_on(data_ip).await;
     set.require_password(MASTER_PASSWORD).await;
-    // The database of the fenced registers, reachable from every instance over its uplink
-    // and never faulted.
-    let db_ips: Vec<Ipv4Addr> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
-    let db_port = std::net::TcpListener::bind((db_ips[0], 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port");
-    let db = HostRedis::start(
-        &net,
-        None,
-        &db_ips,
-        SocketAddr::from((db_ips[0], db_port)),
-        &[],
-    );
+    let (db, db_port) = start_db(&net);
     let mut deployment = Deployment {
         net,
         set,
@@ -90,23 +77,19 @@ async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_b
 
     let log: SharedLog = Arc::default();
     let stop_readers = CancellationToken::new();
-    let mut readers = Vec::new();
     let sentinels = deployment.set.sentinel_urls().join(",");
-    for (i, host) in INSTANCES.iter().enumerate() {
+    for host in INSTANCES {
         deployment.reach(host);
-        let settings = [
+    }
+    let store = |_| {
+        vec![
             (REDIS_URL, sentinels.clone()),
-            (DB_URL, format!("redis://{}:{db_port}", db_ips[i])),
-            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
-            (INSTANCE, i.to_string()),
             ("JEPSEN_TOPOLOGY", "sentinel".to_owned()),
             ("JEPSEN_MASTER_PASSWORD", MASTER_PASSWORD.to_owned()),
-        ];
-        let ns = deployment.net.ns(host);
-        let (pid, reader) = spawn_app(&ns, &settings, &log, &stop_readers).await;
-        deployment.pids.push(pid);
-        readers.push(reader);
-    }
+        ]
+    };
+    let (pids, readers) = spawn_apps(&deployment.net, db_port, store, &log, &stop_readers).await;
+    deployment.pids = pids;
     let addrs = app_addrs(&deployment.net);
 
     let load_started = Instant::now();

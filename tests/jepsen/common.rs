@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::nemesis::{SharedLog, read_reports};
+use super::support;
 use super::support::child::ChildProcess;
-use super::support::{self, netns::Net};
+use super::support::netns::{HostRedis, Net};
 
 /// The lease of every hold: short, so that many faults fit in a run, yet long enough that
 /// the margin by which a cut-off holder stops before its lease ends on the server (2% of
@@ -54,22 +55,45 @@ pub(crate) fn begin(test: &str, default: u64) -> Option<(Instant, u64)> {
     Some((Instant::now(), secs))
 }
 
-/// Starts an app instance in network namespace `ns` with `settings`, waits until it
-/// serves, and forwards its reports into `log` until `stop`: its pid, and the task that
-/// forwards.
-pub(crate) async fn spawn_app(
-    ns: &str,
-    settings: &[(&str, String)],
+/// The database of the fenced registers, in the test's namespace: every instance reaches
+/// it over its uplink (at the uplink's root end), and no fault touches it (a partition
+/// from Redis leaves it reachable, which is what makes a holder that does not stop
+/// dangerous). The server, and the port it listens on at each of those addresses.
+pub(crate) fn start_db(net: &Net) -> (HostRedis, u16) {
+    let ips: Vec<_> = INSTANCES.iter().map(|h| net.root_ip(h)).collect();
+    let port = std::net::TcpListener::bind((ips[0], 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port");
+    let db = HostRedis::start(net, None, &ips, SocketAddr::from((ips[0], port)), &[]);
+    (db, port)
+}
+
+/// Starts every app instance on its host, each with `store(i)`'s settings for the lock's
+/// store and the common ones (the database on `db_port`, the listen address, its
+/// number), and forwards their reports into `log` until `stop`: their pids, and the
+/// tasks that forward.
+pub(crate) async fn spawn_apps(
+    net: &Net,
+    db_port: u16,
+    store: impl Fn(usize) -> Vec<(&'static str, String)>,
     log: &SharedLog,
     stop: &CancellationToken,
-) -> (u32, tokio::task::JoinHandle<()>) {
-    let mut app = ChildProcess::spawn_in(ns, "app::jepsen_child", "app", settings);
-    assert_eq!(app.next_report().await.as_deref(), Some("ready"));
-    let pid = app.pid();
-    (
-        pid,
-        tokio::spawn(read_reports(app, log.clone(), stop.clone())),
-    )
+) -> (Vec<u32>, Vec<tokio::task::JoinHandle<()>>) {
+    let (mut pids, mut readers) = (Vec::new(), Vec::new());
+    for (i, host) in INSTANCES.iter().enumerate() {
+        let mut settings = store(i);
+        settings.extend([
+            (DB_URL, format!("redis://{}:{db_port}", net.root_ip(host))),
+            (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
+            (INSTANCE, i.to_string()),
+        ]);
+        let mut app = ChildProcess::spawn_in(&net.ns(host), "app::jepsen_child", "app", &settings);
+        assert_eq!(app.next_report().await.as_deref(), Some("ready"));
+        pids.push(app.pid());
+        readers.push(tokio::spawn(read_reports(app, log.clone(), stop.clone())));
+    }
+    (pids, readers)
 }
 
 /// Waits for the `load` tasks, then for the instances' last reports: every request has
