@@ -279,7 +279,6 @@ impl<S: Store> Core<S> {
                 .unwrap_or(taken.token),
             reserved: taken.reserved,
             sent_at: taken.sent_at,
-            unclaimed: taken.unclaimed,
             continues: None,
         };
         let claim = (c.claim.clone(), c.kind);

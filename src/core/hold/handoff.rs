@@ -37,8 +37,6 @@ pub(crate) struct Granted {
     pub(in crate::core) reserved: u64,
     /// When the acquisition or handoff that granted it was sent.
     pub(in crate::core) sent_at: Instant,
-    /// A grant by a release not claimed yet, which lasts until then (see `grant.rs`).
-    pub(in crate::core) unclaimed: Option<Instant>,
     /// The run of this process's holders it goes on with, when a handoff through the store
     /// granted it before the run was over.
     pub(in crate::core) continues: Option<Run>,

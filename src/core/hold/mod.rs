@@ -72,7 +72,6 @@ impl<S: Store> Hold<S> {
                     token: token.unwrap_or(0),
                     reserved: 0,
                     sent_at: Instant::now(),
-                    unclaimed: None,
                     continues: None,
                 },
                 0,
@@ -260,7 +259,6 @@ impl<S: Store> Hold<S> {
                         token,
                         reserved: token.saturating_add(self.core.reserve()),
                         sent_at,
-                        unclaimed: None,
                         continues: (!run_spent).then(|| Run {
                             handoffs: self.run.handoffs.saturating_add(1),
                             ..self.run

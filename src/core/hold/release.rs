@@ -47,7 +47,7 @@ impl<S: Store> Core<S> {
             hold.holder.clone(),
             claim.lease,
             claim.renew,
-            (granted.sent_at, granted.unclaimed),
+            granted.sent_at,
             on_lost,
         );
         let renew = claim.renew;

@@ -23,7 +23,7 @@ pub(crate) struct Due {
 
 impl Due {
     /// A renewal outside the watchdog's rounds, of `key` for `lease`: the claim of a
-    /// granted hold that a re-entry cannot wait for (see `grant.rs`).
+    /// grant, made before its holder runs (see `grant.rs`).
     pub(crate) fn claim(key: HoldKey, lease: Duration) -> Self {
         Due {
             key,
@@ -64,7 +64,6 @@ pub(super) async fn renew_batch<S: Store>(
                 let settled = due.rechecks == rechecks;
                 if still_held && due.renew {
                     entry.confirmed = sent_at;
-                    entry.unclaimed = None;
                     if settled {
                         entry.recheck = false;
                         entry.next = sent_at + entry.lease / 3;

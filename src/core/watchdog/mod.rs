@@ -71,10 +71,6 @@ struct WatchedLock {
     /// When the last acquisition or renewal that the store confirmed was sent: the lease runs
     /// until at least this instant plus `lease`.
     confirmed: Instant,
-    /// A hold that a release granted and its holder has not claimed yet: its lease ends
-    /// here (the grant's, not `lease`), and the next call claims it, extending the lease
-    /// even for a hold without renewal.
-    unclaimed: Option<Instant>,
     lost: CancellationToken,
     on_lost: Vec<OnLost>,
 }
@@ -99,10 +95,6 @@ impl WatchedLock {
     /// call was sent, but stopping the handler takes a timer tick and a task switch (the
     /// handler ran 0.3-2.2 ms past the expiry in `tests/jepsen.rs` when given up at it).
     fn end(&self) -> Instant {
-        // A grant is short: the least margin (the hold's own lease's could exceed it).
-        if let Some(end) = self.unclaimed {
-            return end.checked_sub(MIN_STOP_MARGIN).unwrap_or(end);
-        }
         let margin = (self.lease / STOP_MARGIN).max(MIN_STOP_MARGIN);
         self.confirmed + self.lease - margin.min(self.lease / 2)
     }
@@ -187,15 +179,13 @@ impl Watchdog {
     ///
     /// With `renew == false` the lease is only watched: the token fires when it runs out.
     /// `on_lost` runs when the lock is found lost, and is dropped unrun if it is released.
-    /// `unclaimed`: a hold that a release granted, whose grant lasts until then; it is
-    /// claimed (renewed) at once.
     pub(crate) fn register(
         &self,
         lock_key: Arc<str>,
         owner: LockOwner,
         lease: Duration,
         renew: bool,
-        (sent_at, unclaimed): (Instant, Option<Instant>),
+        sent_at: Instant,
         on_lost: Option<OnLost>,
     ) -> (CancellationToken, u64) {
         // A hold taken from another runtime than the one the watchdog ran on.
@@ -213,14 +203,10 @@ impl Watchdog {
                 refs: 0,
                 lease,
                 renewing: 0,
-                next: match unclaimed {
-                    Some(_) => Instant::now(),
-                    None => sent_at + if renew { lease / 3 } else { lease },
-                },
+                next: sent_at + if renew { lease / 3 } else { lease },
                 recheck: false,
                 in_flight: false,
                 confirmed: sent_at,
-                unclaimed,
                 lost: CancellationToken::new(),
                 on_lost: Vec::new(),
             });
@@ -285,9 +271,7 @@ impl Watchdog {
     ) -> Option<Instant> {
         let state = self.shared.state();
         let entry = state.holds.get(&(lock_key.clone(), owner.clone()))?;
-        // A grant not claimed yet is confirmed by nothing this process sent.
-        (entry.generation == generation && !entry.lost.is_cancelled() && entry.unclaimed.is_none())
-            .then_some(entry.confirmed)
+        (entry.generation == generation && !entry.lost.is_cancelled()).then_some(entry.confirmed)
     }
 
     /// Whether `owner` has a hold on `lock_key` that has not been released.
@@ -381,7 +365,7 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
             hooks.extend(entry.lose());
             return false;
         }
-        let renew = entry.renewing > 0 || entry.unclaimed.is_some();
+        let renew = entry.renewing > 0;
         if (renew || entry.recheck) && !entry.in_flight && entry.next <= now + BATCH_WINDOW {
             entry.in_flight = true;
             due.push(Due {
@@ -396,11 +380,7 @@ fn collect_due(shared: &Shared, now: Instant) -> (Vec<Due>, Vec<OnLost>) {
     });
     // Unrenewed holds wake the loop when their lease ends, to fire `lost`, or earlier for
     // a check still owed.
-    for entry in state
-        .holds
-        .values_mut()
-        .filter(|e| e.renewing == 0 && e.unclaimed.is_none())
-    {
+    for entry in state.holds.values_mut().filter(|e| e.renewing == 0) {
         let end = entry.end();
         entry.next = if entry.recheck {
             entry.next.min(end)
