@@ -125,9 +125,33 @@ impl ChildProcess {
         self.child.kill().await.expect("kill child");
     }
 
-    /// SIGSTOP: the process keeps its connections but runs nothing.
+    /// SIGSTOP: the process keeps its connections but runs nothing. Returns once every
+    /// thread of it is seen stopped (`T` in `/proc/PID/task/*/stat`): the signal is
+    /// delivered asynchronously, and a test that acts right after must not race a child
+    /// still running on another core.
     pub fn pause(&self) {
-        super::send_signal(self.pid(), "-STOP");
+        let pid = self.pid();
+        super::send_signal(pid, "-STOP");
+        let stopped = || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|tasks| {
+                    tasks.filter_map(Result::ok).all(|task| {
+                        std::fs::read_to_string(task.path().join("stat"))
+                            .ok()
+                            .and_then(|stat| stat.rsplit(')').next().map(str::to_owned))
+                            .is_some_and(|rest| rest.trim_start().starts_with('T'))
+                    })
+                })
+                .unwrap_or(true)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !stopped() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "child {pid} never stopped"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT after `pause`.
