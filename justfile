@@ -10,16 +10,21 @@ default:
 demo:
     cargo run --release --example flash_sale
 
-# Every test; each test starts its own redis-server on a free port.
+# Every test of every store installed here (the tests start their own servers on free
+# ports); `just test-all` adds etcd's, whose client's build needs protoc.
 test:
     cargo test
+
+# Every test of every store, etcd's included, each store required (as CI runs them).
+test-all:
+    CI=true cargo test --all-features
 
 # The benchmark table (starts its own redis-server).
 bench:
     cargo bench --bench contention
 
-# What CI runs: installs redis-server when missing, then formatting, lints, docs, the
-# crate without its `axum` feature, and the tests.
+# What CI runs: installs the servers when missing, then formatting, lints, docs, the
+# crate without its `axum` feature, and every store's tests.
 ci:
     bash .ci/run
 

@@ -8,7 +8,7 @@
 //! Arguments after `--` pick tables by name: `cargo bench --bench contention --
 //! uncontended` prints only the uncontended table (a few seconds). The names are
 //! `uncontended`, `instructions` (needs valgrind), `hot_key`, `multi_key`, `family`, `http`, `scale`, `postgres`, `mysql`,
-//! `etcd`, `zookeeper`, `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
+//! `etcd` (with `--features etcd`), `zookeeper`, `quorum` and `metrics`; a table runs when its name contains one of the arguments, and
 //! every table runs when none is given.
 
 #[path = "../tests/support/mod.rs"]
@@ -32,6 +32,7 @@ mod postgres;
 #[path = "parts/mysql.rs"]
 mod mysql;
 
+#[cfg(feature = "etcd")]
 #[path = "parts/etcd.rs"]
 mod etcd;
 #[path = "parts/instructions.rs"]
@@ -55,8 +56,7 @@ use redis::aio::MultiplexedConnection;
 use support::RedisServer;
 use tower::ServiceExt;
 use tower_lock::{
-    EtcdBackend, LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend,
-    ZooKeeperBackend,
+    LockBackend, LockLayer, MySqlBackend, PostgresBackend, RedisBackend, ZooKeeperBackend,
 };
 
 /// Counts live heap bytes, to report the memory one waiter costs.
@@ -164,7 +164,12 @@ async fn run() -> String {
         out += &mysql::mysql(&server, Duration::from_secs_f64(secs)).await;
     }
     if wanted.has("etcd") {
-        out += &etcd::etcd(&server, Duration::from_secs_f64(secs)).await;
+        #[cfg(feature = "etcd")]
+        {
+            out += &etcd::etcd(&server, Duration::from_secs_f64(secs)).await;
+        }
+        #[cfg(not(feature = "etcd"))]
+        eprintln!("the etcd table needs `--features etcd` (its client's build needs protoc)");
     }
     if wanted.has("zookeeper") {
         out += &zookeeper::zookeeper(&server, Duration::from_secs_f64(secs)).await;
@@ -276,7 +281,8 @@ enum Contender {
     SetNx(MultiplexedConnection),
     Postgres(PostgresBackend),
     MySql(MySqlBackend),
-    Etcd(EtcdBackend),
+    #[cfg(feature = "etcd")]
+    Etcd(tower_lock::EtcdBackend),
     ZooKeeper(ZooKeeperBackend),
 }
 
@@ -298,6 +304,7 @@ impl Contender {
             Contender::TowerLock(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::Postgres(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::MySql(backend) => tower_round(backend, t, section, shared, waits).await,
+            #[cfg(feature = "etcd")]
             Contender::Etcd(backend) => tower_round(backend, t, section, shared, waits).await,
             Contender::ZooKeeper(backend) => {
                 tower_round(backend, t, section, shared, waits).await;
@@ -439,13 +446,9 @@ async fn hot_key(server: &RedisServer, secs: Duration) -> String {
 
 impl HotRun {
     fn new(name: &'static str, instances: Vec<Contender>) -> Self {
-        let on_redis = !matches!(
+        let on_redis = matches!(
             instances[0],
-            Contender::Mutex(_)
-                | Contender::Postgres(_)
-                | Contender::MySql(_)
-                | Contender::Etcd(_)
-                | Contender::ZooKeeper(_)
+            Contender::TowerLock(_) | Contender::Rslock(_) | Contender::SetNx(_)
         );
         HotRun {
             name,

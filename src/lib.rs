@@ -206,6 +206,11 @@ pub use crate::redis::{
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use crate::zookeeper::{ZooKeeperBackend, ZooKeeperBackendBuilder};
+/// The etcd v3 client that [`EtcdBackend`] is built on, re-exported so that an application
+/// (an operator's tool, a test) can reach the same cluster through the same version of it.
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use etcd_client;
 
 /// The guides, also in `docs/` on the repository: each page here is its file, with every
 /// snippet compiled (and, where it needs no server, run) as a doctest.

@@ -5,8 +5,8 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use tower_lock::EtcdBackend;
+use tower_lock::etcd_client::{Compare, CompareOp, Txn, TxnOp};
 
 use super::support::RedisServer;
 use super::support::etcd::EtcdServer;
@@ -32,7 +32,7 @@ pub async fn etcd(redis: &RedisServer, secs: Duration) -> String {
 /// (a compare and a put: the floor of one write) on a client of the bench's own.
 async fn uncontended(endpoint: &str, backend: &EtcdBackend) -> String {
     const N: usize = 2000;
-    let mut client = etcd_client::Client::connect([endpoint], None)
+    let mut client = tower_lock::etcd_client::Client::connect([endpoint], None)
         .await
         .expect("client");
     let (mut gets, mut txns, mut locks) = (Vec::new(), Vec::new(), Vec::new());

@@ -1,6 +1,6 @@
 //! The pattern itself: a table whose rows carry the fencing token of their last write, the
 //! guarded `UPDATE`, and a route that writes under `LockLayer`. Shared with
-//! `tests/fencing_postgres.rs`, which proves its effect.
+//! `tests/it/fencing_postgres.rs`, which proves its effect.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! The demo's command line: where the picture goes, and whether to print the raw metrics.
 //!
-//! `tests/flash_sale_cli.rs` includes this file with `#[path]`; it depends on nothing else
+//! `tests/it/flash_sale_cli.rs` includes this file with `#[path]`; it depends on nothing else
 //! in the example.
 
 use std::ffi::OsString;

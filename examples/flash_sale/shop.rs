@@ -2,8 +2,8 @@
 //! every instance (in Redis, or in this process's memory), and a buy handler that reads the
 //! stock, awaits the payment, then writes the stock back.
 //!
-//! `tests/flash_sale_svg.rs` includes this file with `#[path]`; it depends only on
-//! `crate::timeline`.
+//! `tests/it/flash_sale_svg.rs` includes this file with `#[path]`; it depends only on
+//! `timeline`, its sibling module.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -17,7 +17,7 @@ use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use tower_lock::{LockBackend, LockLayer};
 
-use crate::timeline::Recorder;
+use super::timeline::Recorder;
 
 /// The lock key every buy takes: there is one item on sale.
 const ITEM: &str = "item";

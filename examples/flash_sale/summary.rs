@@ -1,7 +1,7 @@
 //! The lock's metrics for the locked routes, read back from a scrape of `/metrics`: a
 //! table a person reads at a glance, or the raw lines.
 //!
-//! `tests/flash_sale_cli.rs` includes this file with `#[path]`; it depends on nothing else
+//! `tests/it/flash_sale_cli.rs` includes this file with `#[path]`; it depends on nothing else
 //! in the example.
 
 use std::fmt::Write as _;

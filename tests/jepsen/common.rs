@@ -88,7 +88,7 @@ pub(crate) async fn spawn_apps(
             (LISTEN, format!("0.0.0.0:{HTTP_PORT}")),
             (INSTANCE, i.to_string()),
         ]);
-        let mut app = ChildProcess::spawn_in(&net.ns(host), "app::jepsen_child", "app", &settings);
+        let mut app = ChildProcess::spawn_in(&net.ns(host), &app_entry(), "app", &settings);
         assert_eq!(app.next_report().await.as_deref(), Some("ready"));
         pids.push(app.pid());
         readers.push(tokio::spawn(read_reports(app, log.clone(), stop.clone())));
@@ -119,4 +119,11 @@ pub(crate) fn app_addrs(net: &Net) -> Vec<SocketAddr> {
         .iter()
         .map(|h| SocketAddr::from((net.host_ip(h), HTTP_PORT)))
         .collect()
+}
+
+/// The child app's entry test, `app::jepsen_child` beside this module in the workload that
+/// runs (`redis::app::jepsen_child`: the binary holds one workload per topology).
+fn app_entry() -> String {
+    let workload = module_path!().split("::").nth(1).unwrap_or_default();
+    format!("{workload}::app::jepsen_child")
 }

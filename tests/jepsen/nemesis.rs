@@ -288,7 +288,7 @@ pub(super) async fn run_nemesis(
             Fault::Sigstop => {
                 // Shorter than the lease minus a renewal period, so a frozen holder is not
                 // overtaken (a holder frozen past its lease is fencing's case, which
-                // `tests/faults.rs` covers): this checks that renewal recovers.
+                // `tests/it/faults.rs` covers): this checks that renewal recovers.
                 let pid = cluster.pids[fastrand::usize(..cluster.pids.len())];
                 support::send_signal(pid, "-STOP");
                 tokio::time::sleep(lease(0.1 + 0.4 * fastrand::f64())).await;

@@ -149,7 +149,7 @@ pub(super) async fn run(
                 deployment.reach(INSTANCES[instance]);
             }
             Fault::Sigstop => {
-                // Shorter than the lease minus a renewal period (see tests/jepsen.rs).
+                // Shorter than the lease minus a renewal period (see tests/jepsen/redis.rs).
                 let pid = deployment.pids[instance];
                 support::send_signal(pid, "-STOP");
                 tokio::time::sleep(lease(0.1 + 0.4 * fastrand::f64())).await;

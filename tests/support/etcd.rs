@@ -349,15 +349,15 @@ pub async fn backend_in(namespace: &str) -> tower_lock::EtcdBackend {
 }
 
 /// An etcd client of the test's own, on the binary's etcd.
-pub async fn admin() -> etcd_client::Client {
-    etcd_client::Client::connect([shared().endpoint()], None)
+pub async fn admin() -> tower_lock::etcd_client::Client {
+    tower_lock::etcd_client::Client::connect([shared().endpoint()], None)
         .await
         .expect("the test's etcd client connects")
 }
 
 /// Every key under `prefix` in the binary's etcd.
-pub async fn keys_under(prefix: String) -> Vec<etcd_client::KeyValue> {
-    let options = etcd_client::GetOptions::new().with_prefix();
+pub async fn keys_under(prefix: String) -> Vec<tower_lock::etcd_client::KeyValue> {
+    let options = tower_lock::etcd_client::GetOptions::new().with_prefix();
     let mut found = admin()
         .await
         .get(prefix, Some(options))

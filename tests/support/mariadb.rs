@@ -236,7 +236,7 @@ impl Drop for MariaDbServer {
 
 /// `name` on `PATH`, else in `/usr/sbin` (where Debian puts `mariadbd`, off a plain user's
 /// `PATH`).
-fn program(name: &str) -> std::path::PathBuf {
+pub fn program(name: &str) -> std::path::PathBuf {
     let sbin = std::path::Path::new("/usr/sbin").join(name);
     let on_path = std::env::var_os("PATH")
         .iter()

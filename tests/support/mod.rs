@@ -6,6 +6,7 @@
 pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
+#[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod failover;
 pub mod history;
@@ -21,6 +22,7 @@ pub mod reshard;
 pub mod sentinel;
 pub mod shop;
 pub mod sql;
+pub mod stores;
 pub mod tls;
 pub mod tls_cluster;
 pub mod tls_sentinel;
@@ -701,6 +703,7 @@ macro_rules! on_redis_and_memory {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
+                    $crate::needs!(Redis);
                     let server = $crate::support::RedisServer::start();
                     let b = [
                         server.backend().await,
@@ -738,6 +741,7 @@ macro_rules! for_each_store {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
+                    $crate::needs!(Redis);
                     let quorum = $crate::support::quorum::shared();
                     let _turn = quorum.shared_turn().await;
                     let b: [tower_lock::RedisBackend; 3] =
@@ -755,11 +759,12 @@ macro_rules! for_each_store {
 /// `backend_in`), in a namespace of the test's own.
 #[macro_export]
 macro_rules! on_three_backends_of {
-    ($module:ident, $store:ident; $($name:ident),* $(,)?) => {
+    ($module:ident, $store:ident, $server:ident; $($name:ident),* $(,)?) => {
         mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
+                    $crate::needs!($server);
                     use $crate::support::$store;
                     let namespace = $store::fresh_namespace();
                     let b = [
@@ -780,8 +785,8 @@ macro_rules! on_three_backends_of {
 #[macro_export]
 macro_rules! on_sql {
     ($($name:ident),* $(,)?) => {
-        $crate::on_three_backends_of!(on_postgres, postgres; $($name),*);
-        $crate::on_three_backends_of!(on_mariadb, mariadb; $($name),*);
+        $crate::on_three_backends_of!(on_postgres, postgres, Postgres; $($name),*);
+        $crate::on_three_backends_of!(on_mariadb, mariadb, MariaDb; $($name),*);
     };
 }
 
@@ -801,11 +806,20 @@ macro_rules! for_each_records_store {
 /// backends of the binary's shared etcd in a namespace of the test's own (each with its
 /// own lease, owners, queue and watch). Not every body applies: a hold there lives under
 /// its backend's lease, renewed for all of them, so no hold runs out on its own lease.
+#[cfg(feature = "etcd")]
 #[macro_export]
 macro_rules! on_etcd {
     ($($name:ident),* $(,)?) => {
-        $crate::on_three_backends_of!(on_etcd, etcd; $($name),*);
+        $crate::on_three_backends_of!(on_etcd, etcd, Etcd; $($name),*);
     };
+}
+
+/// Without the `etcd` feature there is no etcd store to run the bodies on (the stores
+/// report names it).
+#[cfg(not(feature = "etcd"))]
+#[macro_export]
+macro_rules! on_etcd {
+    ($($name:ident),* $(,)?) => {};
 }
 
 /// [`for_each_store!`], [`on_etcd!`] and `on_zookeeper_stores!` (support/zookeeper.rs):

@@ -10,6 +10,7 @@
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use std::io::{Read, Write};
@@ -24,6 +25,35 @@ pub struct Net {
     octet: u8,
     hosts: Vec<String>,
     links: Vec<Link>,
+    // Released after `Drop::drop` has deleted the hosts (fields drop after it).
+    _turn: Turn,
+}
+
+/// One [`Net`] at a time in a process: names carry the pid, so a second set of hosts
+/// would collide with the first; and the tests that build them measure margins that a
+/// second workload on the same cores would skew. A test waits here for the one before.
+struct Turn;
+
+static TURN: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
+
+impl Turn {
+    fn take() -> Turn {
+        let (taken, freed) = &TURN;
+        let mut taken = taken.lock().unwrap_or_else(|e| e.into_inner());
+        while *taken {
+            taken = freed.wait(taken).unwrap_or_else(|e| e.into_inner());
+        }
+        *taken = true;
+        Turn
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let (taken, freed) = &TURN;
+        *taken.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        freed.notify_one();
+    }
 }
 
 /// A veth pair. `a` is `None` for the root end of an uplink.
@@ -49,6 +79,7 @@ impl Net {
 
     /// One namespace per name in `hosts`, each with an uplink to the root namespace.
     pub fn new(hosts: &[&str]) -> Net {
+        let turn = Turn::take();
         delete_stale();
         let pid = std::process::id();
         let mut net = Net {
@@ -56,6 +87,7 @@ impl Net {
             octet: free_octet(pid),
             hosts: Vec::new(),
             links: Vec::new(),
+            _turn: turn,
         };
         for host in hosts {
             let ns = net.ns(host);

@@ -265,7 +265,7 @@ impl PostgresServer {
 /// Where `initdb` and `postgres` are: `pg_config --bindir`, else the newest
 /// `/usr/lib/postgresql/VERSION/bin` (Debian), else the directory on `PATH` that has
 /// `initdb`.
-fn bindir() -> Result<PathBuf, String> {
+pub fn bindir() -> Result<PathBuf, String> {
     let has_initdb = |dir: &Path| dir.join("initdb").is_file();
     let pg_config = Command::new("pg_config").arg("--bindir").output().ok();
     if let Some(out) = pg_config.filter(|out| out.status.success()) {

@@ -1,5 +1,5 @@
-//! Test bodies the SQL stores share: tests/postgres.rs and tests/mysql.rs,
-//! tests/postgres_faults.rs and tests/mysql_faults.rs call them with what differs (which
+//! Test bodies the SQL stores share: tests/it/postgres.rs and tests/it/mysql.rs,
+//! tests/it/postgres_faults.rs and tests/it/mysql_faults.rs call them with what differs (which
 //! server, how its rows are counted, how a connection is cut). Each test keeps its own name
 //! in its binary.
 
@@ -155,15 +155,16 @@ pub async fn hold_until_killed<S: SqlServer>(url_var: &str) {
     std::future::pending::<()>().await;
 }
 
-/// A holder process (the binary's `child_process` entry, running
+/// A holder process (the binary's `entry` test, running
 /// [`hold_until_killed`] with `url` as the setting `url_var`) killed with SIGKILL: its
 /// lock is taken again once its lease ran out on the server's clock, and no sooner.
 pub async fn holder_killed_loses_its_lock_at_its_expiry_and_no_sooner<S: SqlServer>(
+    entry: &str,
     url: String,
     url_var: &str,
 ) {
     let backend = S::backend_on(&url).await;
-    let mut holder = ChildProcess::spawn("child_process", "holder", &[(url_var, url.clone())]);
+    let mut holder = ChildProcess::spawn(entry, "holder", &[(url_var, url.clone())]);
     let report = holder
         .next_report()
         .await

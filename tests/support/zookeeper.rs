@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 const ATTEMPTS: usize = 10;
 
 /// Debian's `zookeeper` package: the server's jar, whose manifest names its dependencies.
-const CLASSPATH: &str = "/usr/share/java/zookeeper.jar";
+pub const CLASSPATH: &str = "/usr/share/java/zookeeper.jar";
 
 /// One standalone ZooKeeper this process started and owns.
 pub struct ZkServer {
@@ -265,7 +265,7 @@ pub async fn backend() -> tower_lock::ZooKeeperBackend {
 #[macro_export]
 macro_rules! on_zookeeper_stores {
     ($($name:ident),* $(,)?) => {
-        $crate::on_three_backends_of!(on_zookeeper, zookeeper; $($name),*);
+        $crate::on_three_backends_of!(on_zookeeper, zookeeper, ZooKeeper; $($name),*);
     };
 }
 

@@ -20,7 +20,7 @@
 //! so every request keeps a visible mark; bars stay where their holds were. The figures
 //! are attributes so that a test can parse the picture instead of comparing bytes.
 //!
-//! This module depends on nothing else in the example: `tests/flash_sale_svg.rs` includes
+//! This module depends on nothing else in the example: `tests/it/flash_sale_svg.rs` includes
 //! it with `#[path]`.
 
 mod axis;

@@ -80,7 +80,7 @@ impl WatchedLock {
     /// certainly ends if that is sooner. A retry after a failed renewal is due up to
     /// lease/10 later (partitioned from the store, every renewal fails at once): waking only
     /// then stopped the handler up to that long after the lease ran out on the server,
-    /// while another instance already held the lock (`tests/jepsen.rs`).
+    /// while another instance already held the lock (`tests/jepsen/redis.rs`).
     fn wake(&self) -> Instant {
         let end = self.end();
         if self.in_flight {
@@ -93,7 +93,7 @@ impl WatchedLock {
     /// When the hold is given up unless a renewal was confirmed: [`STOP_MARGIN`] before its
     /// lease can run out on the server, since the lease there starts no sooner than the
     /// call was sent, but stopping the handler takes a timer tick and a task switch (the
-    /// handler ran 0.3-2.2 ms past the expiry in `tests/jepsen.rs` when given up at it).
+    /// handler ran 0.3-2.2 ms past the expiry in `tests/jepsen/redis.rs` when given up at it).
     fn end(&self) -> Instant {
         let margin = (self.lease / STOP_MARGIN).max(MIN_STOP_MARGIN);
         self.confirmed + self.lease - margin.min(self.lease / 2)

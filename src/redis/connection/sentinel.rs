@@ -18,7 +18,7 @@
 //! something retries: a release owed to the dead master, or the subscriber, may be
 //! sleeping in its backoff for up to a second or two after it. Each promotion of the group
 //! is announced to [`SentinelGroup::promotions`]: the subscriber reconnects at once and
-//! owed releases retry at once. On the failover test (tests/sentinel.rs) that brought the
+//! owed releases retry at once. On the failover test (tests/it/sentinel.rs) that brought the
 //! first served request from about 0.7 s after the promotion down to about 20 ms. A
 //! listener whose sentinel connection went half-open hears nothing; the backoffs above are
 //! then the fallback. The announcement also redoes the releases the old master took after

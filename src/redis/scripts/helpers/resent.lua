@@ -42,7 +42,7 @@ end
 -- instance's other holders sent after that attempt, not every attempt still on its way
 -- (the cluster client does not keep one connection's calls in the order they were made:
 -- of 800 shared holds taken by 16 tasks of one instance at once, 277-337 were sent again
--- with the release's own serial recorded, 0-2 with this; tests/cluster/late_resend.rs).
+-- with the release's own serial recorded, 0-2 with this; tests/it/cluster/late_resend.rs).
 -- `fields` nil, or no such field: `serial`.
 local function record_holder_release(releases, instance, serial, ttl, holder, fields)
   if not releases then

@@ -1,0 +1,681 @@
+//! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down,
+//! a holder partitioned from etcd (stops before its lock is freed, the margin printed), no
+//! polling, and the oversell test across three instances. The semantics every store
+//! keeps run in semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
+//! holds and permits in etcd in etcd_shared.rs.
+
+use crate::support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::routing::post;
+use support::child::{self, ChildProcess};
+use support::etcd::{self, EtcdCluster, EtcdServer};
+use support::netns::{CutOffHolder, Net};
+use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
+
+/// Generous bound on anything that should happen at once: catches hangs only.
+const HANG: Duration = Duration::from_secs(10);
+
+/// An etcd client of the test's own.
+async fn client(endpoint: &str) -> tower_lock::etcd_client::Client {
+    tower_lock::etcd_client::Client::connect([endpoint], None)
+        .await
+        .expect("the test's etcd client connects")
+}
+
+#[tokio::test]
+async fn build_refuses_misconfiguration_naming_the_cause() {
+    crate::needs!(Etcd);
+    let none: [&str; 0] = [];
+    let refused = tower_lock::EtcdBackend::builder(none).build().await;
+    let Err(
+        error @ BuildError::Setting {
+            name: "endpoints", ..
+        },
+    ) = &refused
+    else {
+        panic!("no endpoint is refused: {refused:?}");
+    };
+    assert!(error.to_string().contains("endpoint"), "{error}");
+
+    for bad in [
+        "etcd-without-port",
+        "redis://127.0.0.1:2379",
+        "http://127.0.0.1:2379/v3",
+    ] {
+        let refused = tower_lock::EtcdBackend::builder([bad]).build().await;
+        assert!(
+            matches!(refused, Err(BuildError::Url { .. })),
+            "{bad}: {refused:?}"
+        );
+    }
+    for builder in [
+        tower_lock::EtcdBackend::builder(["https://127.0.0.1:2379", "http://127.0.0.1:2380"]),
+        tower_lock::EtcdBackend::builder(["http://127.0.0.1:2379"]).tls_root_cert("pem"),
+    ] {
+        let refused = builder.build().await;
+        let Err(error @ BuildError::Tls { .. }) = &refused else {
+            panic!("refused before anything is contacted: {refused:?}");
+        };
+        assert!(error.to_string().contains("https://"), "{error}");
+    }
+
+    let refused = etcd::builder(&etcd::fresh_namespace())
+        .lease_ttl(Duration::from_millis(500))
+        .build()
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(BuildError::Setting {
+                name: "lease_ttl",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+
+    // Nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let refused = tower_lock::EtcdBackend::builder([endpoint.as_str()])
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .await;
+    let Err(BuildError::Connect { addr, failure, .. }) = &refused else {
+        panic!("an unreachable endpoint is refused: {refused:?}");
+    };
+    assert!(addr.contains(&port.to_string()), "{addr}");
+    assert!(
+        matches!(failure, ConnectFailure::Refused | ConnectFailure::TimedOut),
+        "{failure:?}"
+    );
+}
+
+#[tokio::test]
+async fn credentials_etcd_refuses_are_refused_at_build() {
+    crate::needs!(Etcd);
+    let server = EtcdServer::start();
+    let mut admin = client(&server.endpoint()).await;
+    admin.user_add("root", "secret", None).await.expect("root");
+    let _ = admin.role_add("root").await;
+    admin
+        .user_grant_role("root", "root")
+        .await
+        .expect("root role");
+    admin.auth_enable().await.expect("auth on");
+
+    let refused = etcd::builder_on(&[server.endpoint()])
+        .user("root", "wrong")
+        .build()
+        .await;
+    let Err(BuildError::Auth { user, .. }) = &refused else {
+        panic!("a wrong password is refused: {refused:?}");
+    };
+    assert_eq!(user, "root");
+    let refused = etcd::builder_on(&[server.endpoint()]).build().await;
+    assert!(refused.is_err(), "no credentials where auth is on");
+
+    let backend = etcd::builder_on(&[server.endpoint()])
+        .user("root", "secret")
+        .build()
+        .await
+        .expect("the right password");
+    let guard = backend.lock("k").try_once().await.expect("a lock");
+    guard.release().await.expect("released");
+}
+
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
+    crate::needs!(Etcd);
+    let certs = support::tls::Certs::new();
+    let server = EtcdServer::start_tls(&certs);
+    let endpoint = server.endpoint();
+    assert!(endpoint.starts_with("https://"), "{endpoint}");
+    let backend = etcd::builder_on(std::slice::from_ref(&endpoint))
+        .tls_root_cert(certs.pem("ca.crt"))
+        .tls_client_cert(certs.pem("client.crt"), certs.pem("client.key"))
+        .build()
+        .await
+        .expect("TLS with a client certificate");
+    let guard = backend.lock("k").try_once().await.expect("a lock over TLS");
+    guard.release().await.expect("released");
+
+    // The server wants a client certificate; and a client that does not trust its CA
+    // refuses the server.
+    for builder in [
+        etcd::builder_on(std::slice::from_ref(&endpoint)).tls_root_cert(certs.pem("ca.crt")),
+        etcd::builder_on(std::slice::from_ref(&endpoint))
+            .tls_client_cert(certs.pem("client.crt"), certs.pem("client.key")),
+    ] {
+        let refused = builder
+            .connect_timeout(Duration::from_secs(2))
+            .build()
+            .await;
+        assert!(
+            matches!(refused, Err(BuildError::Connect { .. })),
+            "{refused:?}"
+        );
+    }
+    // Plain HTTP to the TLS port.
+    let plain = endpoint.replace("https://", "http://");
+    let refused = etcd::builder_on(&[plain])
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_sell_exactly_the_stock() {
+    crate::needs!(Redis, Etcd);
+    let namespace = etcd::fresh_namespace();
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        instances.push(etcd::backend_in(&namespace).await);
+    }
+    support::shop::sell_exactly_the_stock(instances).await;
+}
+
+#[tokio::test]
+async fn fencing_tokens_are_create_revisions_increasing_across_instances() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let (a, b) = (
+        etcd::backend_in(&namespace).await,
+        etcd::backend_in(&namespace).await,
+    );
+    let mut last = 0;
+    for backend in [&a, &b, &a, &b, &b] {
+        let guard = backend.lock("k").try_once().await.expect("free");
+        assert!(
+            guard.fencing_token() > last,
+            "{} after {last}",
+            guard.fencing_token()
+        );
+        last = guard.fencing_token();
+        let info = backend.inspect("k").await.expect("inspect");
+        assert_eq!(info.fencing_token, Some(last));
+        guard.release().await.expect("released");
+    }
+}
+
+#[tokio::test]
+async fn a_revoked_lease_reports_every_hold_under_it_lost_and_frees_the_keys() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let holder = etcd::builder(&namespace)
+        .lease_ttl(Duration::from_secs(3))
+        .build()
+        .await
+        .expect("backend");
+    let other = etcd::backend_in(&namespace).await;
+    let a = holder.lock("a").try_once().await.expect("free");
+    let b = holder.lock("b").try_once().await.expect("free");
+    let lease = holder.lease_id();
+    // An operator revokes the lease (or etcd expired it while the process was cut off).
+    let mut admin = client(&etcd::shared().endpoint()).await;
+    admin.lease_revoke(lease).await.expect("revoked");
+    for guard in [&a, &b] {
+        tokio::time::timeout(HANG, guard.lost())
+            .await
+            .expect("lost fires for every hold under the lease");
+    }
+    // The keys went with the lease: another instance takes them, with higher tokens.
+    let next = other
+        .lock("a")
+        .try_once()
+        .await
+        .expect("freed with the lease");
+    assert!(next.fencing_token() > a.fencing_token());
+    let (a_token, b_token) = (a.fencing_token(), b.fencing_token());
+    assert!(matches!(a.release().await, Err(LockError::Lost { .. })));
+    assert!(matches!(b.release().await, Err(LockError::Lost { .. })));
+    assert!(!next.is_lost(), "the stale release left the new hold alone");
+    // The holder goes on under a new lease.
+    assert_ne!(holder.lease_id(), lease);
+    let again = holder.lock("b").try_once().await.expect("a new lease");
+    assert!(again.fencing_token() > b_token.max(a_token));
+}
+
+const ENDPOINT: &str = "TOWER_LOCK_TEST_ETCD";
+const NAMESPACE: &str = "TOWER_LOCK_TEST_NAMESPACE";
+/// `report-lost`: the holder reports when its hold is lost (optional: it holds on).
+const WAKES: &str = "TOWER_LOCK_TEST_WAKES";
+
+#[tokio::test]
+#[ignore = "entry point of the child processes that the tests spawn"]
+async fn child_process() {
+    if child::role().as_deref() == Some("holder") {
+        let backend = etcd::builder_on(&[child::setting(ENDPOINT)])
+            .namespace(child::setting(NAMESPACE))
+            .lease_ttl(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend");
+        let guard = backend.lock("k").try_once().await.expect("uncontended");
+        child::report(&format!("held {}", guard.fencing_token()));
+        if std::env::var(WAKES).as_deref() == Ok("report-lost") {
+            // Cut off from etcd: reports when its hold is given up.
+            tokio::time::timeout(HANG, guard.lost())
+                .await
+                .expect("lost fires");
+            child::report(&format!("lost {}", support::netns::now_micros()));
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+/// A holder on its own host, whose way to etcd is cut (the Jepsen hosts of
+/// `support::netns`): the holder gives its hold up (`lost()`, its handler aborted) before
+/// etcd ends its lease and frees the lock for others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_partitioned_from_etcd_stops_before_its_lock_is_freed() {
+    crate::needs!(Etcd);
+    const TEST: &str = "etcd partition";
+    if !Net::available() {
+        support::netns::skip(TEST);
+        return;
+    }
+    let endpoint = etcd::shared().endpoint();
+    let namespace = etcd::fresh_namespace();
+    let mut holder = CutOffHolder::start(
+        endpoint
+            .trim_start_matches("http://")
+            .parse()
+            .expect("host:port"),
+        |netns, store| {
+            let settings = [
+                (ENDPOINT, format!("http://{store}")),
+                (NAMESPACE, namespace.clone()),
+                (WAKES, "report-lost".to_owned()),
+            ];
+            ChildProcess::spawn_in(netns, "etcd::child_process", "holder", &settings)
+        },
+    )
+    .await;
+    // Watches the lock's directory from the revision after the grant: the first deletion
+    // is the lease's end (the holder, cut off, cannot release).
+    let mut observer = client(&endpoint).await;
+    let options = tower_lock::etcd_client::WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(i64::try_from(holder.token).expect("a revision") + 1);
+    let mut events = observer
+        .watch(format!("{namespace}:{{k}}/"), Some(options))
+        .await
+        .expect("watch");
+    let lost = holder.cut().await;
+    let freed = loop {
+        let reply = tokio::time::timeout(HANG, events.message())
+            .await
+            .expect("the lease ends")
+            .expect("watch stream")
+            .expect("watch open");
+        if reply.created() {
+            continue;
+        }
+        if reply
+            .events()
+            .iter()
+            .any(|e| e.event_type() == tower_lock::etcd_client::EventType::Delete)
+        {
+            break support::netns::now_micros();
+        }
+    };
+    support::netns::report_margin("etcd", lost, freed);
+    let next = etcd::backend_in(&namespace)
+        .await
+        .lock("k")
+        .try_once()
+        .await
+        .expect("free once the lease ended");
+    assert!(next.fencing_token() > holder.token);
+}
+
+#[tokio::test]
+async fn a_holder_killed_with_sigkill_frees_its_lock_when_its_lease_ends() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let waiter = etcd::backend_in(&namespace).await;
+    let settings = [
+        (ENDPOINT, etcd::shared().endpoint()),
+        (NAMESPACE, namespace.clone()),
+    ];
+    let mut holder = ChildProcess::spawn("etcd::child_process", "holder", &settings);
+    let report = holder
+        .next_report()
+        .await
+        .expect("the child reports its lock");
+    let killed_token: u64 = report
+        .strip_prefix("held ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected report {report:?}"));
+    assert!(matches!(
+        waiter.lock("k").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    holder.kill().await;
+    // Its lease of 2 s, no longer kept alive, ends: etcd deletes the key and the watch
+    // wakes the waiter.
+    let next = tokio::time::timeout(HANG, waiter.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("freed when the killed holder's lease ended");
+    assert!(next.fencing_token() > killed_token);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_down_answers_503_holds_are_lost_and_service_resumes() {
+    crate::needs!(Etcd);
+    let mut server = EtcdServer::start();
+    let backend = etcd::builder_on(&[server.endpoint()])
+        .lease_ttl(Duration::from_secs(3))
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("backend");
+    let app = Router::new()
+        .route("/lock/{key}", post(|| async { "locked" }))
+        .route_layer(
+            LockLayer::new(backend.clone(), |req: &Request| {
+                req.uri().path().strip_prefix("/lock/").map(str::to_owned)
+            })
+            .fail_fast(),
+        );
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        200
+    );
+    let held = backend.lock("held").try_once().await.expect("free");
+
+    server.kill();
+    assert_eq!(
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status,
+        503,
+        "etcd unreachable: the store's failure"
+    );
+    tokio::time::timeout(HANG, held.lost())
+        .await
+        .expect("a hold whose lease cannot be confirmed is lost");
+
+    server.start_again();
+    support::eventually("requests are served again", || async {
+        support::call(&app, http::Method::POST, "/lock/a")
+            .await
+            .status
+            == 200
+    })
+    .await;
+    // etcd renews every lease when it restarts; the lapsed one was revoked, so the key
+    // whose holder was told it lost it is free.
+    let again = backend.lock("held").try_once().await;
+    assert!(again.is_ok(), "{again:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_do_not_poll_while_the_lock_is_held() {
+    crate::needs!(Etcd);
+    // A server of its own: its counters count this test's calls only.
+    let server = EtcdServer::start();
+    let instance = || async {
+        etcd::builder_on(&[server.endpoint()])
+            // Renewals and keep-alives, a third and a quarter of it apart, fall outside
+            // the window below.
+            .lease_ttl(Duration::from_secs(120))
+            .build()
+            .await
+            .expect("backend")
+    };
+    let holder = instance().await;
+    let waiting = [instance().await, instance().await];
+    let guard = holder.lock("k").try_once().await.expect("uncontended");
+    let calls = || {
+        ["Range", "Txn", "Put", "DeleteRange", "LeaseGrant"]
+            .iter()
+            .map(|method| {
+                server.metric(
+                    "grpc_server_handled_total",
+                    &[&format!("grpc_method=\"{method}\"")],
+                )
+            })
+            .sum::<f64>()
+    };
+    let start = calls();
+    let waiters: Vec<_> = (0..10)
+        .map(|i| {
+            let backend = waiting[i % 2].clone();
+            tokio::spawn(async move {
+                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
+                guard.release().await
+            })
+        })
+        .collect();
+    for backend in &waiting {
+        support::eventually("the waiters are queued and registered", || async move {
+            let stats = backend.stats();
+            stats.local_waiters == 4 && stats.channels_with_waiters == 1
+        })
+        .await;
+    }
+    // Each instance's contender tried, registered and tried again: two transactions for
+    // each, which may still be on their way when the registration shows in the stats.
+    support::eventually("both contenders tried again after registering", || async {
+        calls() >= start + 4.0
+    })
+    .await;
+    let before = calls();
+    // Far longer than any polling interval, far shorter than the lease: a call in this
+    // window was not asked for by the lock.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(calls(), before, "no call while the lock is held");
+    guard.release().await.expect("release");
+    for waiter in waiters {
+        tokio::time::timeout(HANG, waiter)
+            .await
+            .expect("served")
+            .expect("no panic")
+            .expect("acquired after the release, and released");
+    }
+    // Woken by the release through the watches, which stayed up.
+    for backend in &waiting {
+        assert_eq!(backend.stats().subscriber_connections_made, 1);
+    }
+}
+
+/// Three members; four tasks of two instances take one key in turns while the leader is
+/// killed: requests are served again after the election, no two tasks ever hold the key
+/// at once, and the tokens, taken in hold order, strictly increase across the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
+    crate::needs!(Etcd);
+    let mut cluster = EtcdCluster::start();
+    let namespace = etcd::fresh_namespace();
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let backend = etcd::builder_on(&cluster.endpoints())
+            .namespace(&namespace)
+            .build()
+            .await
+            .expect("backend on the cluster");
+        instances.push(backend);
+    }
+    let mut leader = None;
+    let seen = support::failover::take_turns_across(&instances, || {
+        let index = cluster.leader().expect("a leader");
+        cluster.members[index].kill();
+        leader = Some(index);
+    })
+    .await;
+    eprintln!(
+        "leader n{} killed after {} holds; {} holds in all, {} failed acquisitions",
+        leader.map_or(0, |i| i + 1),
+        seen.at_kill,
+        seen.holds,
+        seen.failures
+    );
+}
+
+#[tokio::test]
+async fn force_release_frees_the_key_and_its_holder_sees_lost() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let holder = etcd::builder(&namespace)
+        .lease_ttl(Duration::from_secs(3))
+        .build()
+        .await
+        .expect("backend");
+    let operator = etcd::backend_in(&namespace).await;
+    let guard = holder.lock("k").try_once().await.expect("free");
+    let freed = operator.force_release("k").await.expect("force-released");
+    assert_eq!(freed.holders, 1);
+    assert_eq!(freed.fencing_token, Some(guard.fencing_token()));
+    assert!(operator.inspect("k").await.expect("inspect").is_free());
+    tokio::time::timeout(HANG, guard.lost())
+        .await
+        .expect("the holder sees lost at its next renewal");
+    let next = operator.lock("k").try_once().await.expect("free");
+    assert!(next.fencing_token() > guard.fencing_token());
+}
+
+#[tokio::test]
+async fn several_keys_at_once_and_a_hold_without_watchdog() {
+    crate::needs!(Etcd);
+    let backend = etcd::backend().await;
+    let both = backend
+        .lock_many(["a", "b"])
+        .try_once()
+        .await
+        .expect("both free");
+    assert!(matches!(
+        backend.lock("b").try_once().await,
+        Err(LockError::Contended { .. })
+    ));
+    both.release().await.expect("released");
+
+    // Its key lives under the backend's lease, renewed for every hold: a hold that asked
+    // for no renewal is reported lost at its deadline, and its key deleted when its guard
+    // goes, rather than kept for as long as the backend lives.
+    let backend = etcd::builder(&etcd::fresh_namespace())
+        .lease_ttl(Duration::from_secs(2))
+        .build()
+        .await
+        .expect("backend");
+    let unrenewed = backend
+        .lock("c")
+        .without_watchdog()
+        .try_once()
+        .await
+        .expect("free");
+    let token = unrenewed.fencing_token();
+    tokio::time::timeout(HANG, unrenewed.lost())
+        .await
+        .expect("reported lost");
+    assert!(matches!(
+        unrenewed.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    let next = tokio::time::timeout(HANG, backend.lock("c").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("its key deleted in etcd too");
+    assert!(next.fencing_token() > token);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_take_the_lock_in_the_order_they_began_waiting() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let holder = etcd::backend_in(&namespace).await;
+    let mut instances = Vec::new();
+    for _ in 0..4 {
+        instances.push(etcd::backend_in(&namespace).await);
+    }
+    let observer = client(&etcd::shared().endpoint()).await;
+    let (observer, namespace) = (&observer, &namespace);
+    // Each waiting instance keeps one key in line (`q...`) in the lock's directory.
+    let in_line = |key: &'static str| async move {
+        let options = tower_lock::etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        let reply = observer
+            .kv_client()
+            .get(format!("{namespace}:{{{key}}}/q"), Some(options))
+            .await
+            .expect("count the line");
+        usize::try_from(reply.count()).expect("a count")
+    };
+    support::turns::instances_take_the_lock_in_the_order_they_began_waiting(
+        holder, instances, in_line,
+    )
+    .await;
+}
+
+/// A waiter that gives up while etcd cannot be reached takes its key out of line once etcd
+/// answers again: its key lives under its backend's lease, which outlives the outage, and
+/// would otherwise keep every later waiter behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gives_up_during_an_outage_leaves_the_line_when_etcd_is_back() {
+    crate::needs!(Etcd);
+    let mut server = EtcdServer::start();
+    let instance = || async {
+        etcd::builder_on(&[server.endpoint()])
+            .lease_ttl(Duration::from_secs(30))
+            .command_timeout(Duration::from_millis(500))
+            .build()
+            .await
+            .expect("backend")
+    };
+    let (holder, quitter, next) = (instance().await, instance().await, instance().await);
+    let observer = client(&server.endpoint()).await;
+    let in_line = || async {
+        let options = tower_lock::etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        observer
+            .kv_client()
+            .get("tower-lock:{k}/q", Some(options))
+            .await
+            .map(|reply| reply.count())
+            .unwrap_or(-1)
+    };
+    let held = holder.lock("k").try_once().await.expect("uncontended");
+    let waiting = quitter.clone();
+    let waiter = tokio::spawn(async move { waiting.lock("k").wait(HANG * 6).await });
+    support::eventually("the waiter is in line", || async { in_line().await == 1 }).await;
+    server.kill();
+    // The waiter's backend has seen the outage: its calls fail now, rather than wait for
+    // a connection.
+    support::eventually("the waiter's backend finds etcd down", || async {
+        quitter.inspect("other").await.is_err()
+    })
+    .await;
+    // Its request cancelled while etcd is down (or already ended by the outage, with
+    // 503): either way it gave up, and its withdrawal cannot be sent now.
+    waiter.abort();
+    let gave_up = waiter.await;
+    assert!(gave_up.as_ref().map_or(true, |r| r.is_err()), "{gave_up:?}");
+    server.start_again();
+    support::eventually("the waiter's key left the line", || async {
+        in_line().await == 0
+    })
+    .await;
+    // Whether the holder kept its hold through the outage or lost it, the next waiter is
+    // served once it is released.
+    drop(held.release().await);
+    let served = tokio::time::timeout(HANG, next.lock("k").wait(HANG))
+        .await
+        .expect("no hang")
+        .expect("served");
+    served.release().await.expect("released");
+}
