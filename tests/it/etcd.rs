@@ -1,7 +1,6 @@
 //! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down,
 //! a holder partitioned from etcd (stops before its lock is freed, the margin printed), no
-//! polling, and the oversell test across three instances. The semantics every store
-//! keeps run in semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
+//! polling. The semantics every store keeps run in conformance.rs, semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
 //! holds and permits in etcd in etcd_shared.rs.
 
 use crate::support;
@@ -171,17 +170,6 @@ async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
         .build()
         .await;
     assert!(refused.is_err(), "{refused:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_instances_sell_exactly_the_stock() {
-    crate::needs!(Redis, Etcd);
-    let namespace = etcd::fresh_namespace();
-    let mut instances = Vec::new();
-    for _ in 0..3 {
-        instances.push(etcd::backend_in(&namespace).await);
-    }
-    support::shop::sell_exactly_the_stock(instances).await;
 }
 
 #[tokio::test]
@@ -421,76 +409,6 @@ async fn etcd_down_answers_503_holds_are_lost_and_service_resumes() {
     // whose holder was told it lost it is free.
     let again = backend.lock("held").try_once().await;
     assert!(again.is_ok(), "{again:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiters_do_not_poll_while_the_lock_is_held() {
-    crate::needs!(Etcd);
-    // A server of its own: its counters count this test's calls only.
-    let server = EtcdServer::start();
-    let instance = || async {
-        etcd::builder_on(&[server.endpoint()])
-            // Renewals and keep-alives, a third and a quarter of it apart, fall outside
-            // the window below.
-            .lease_ttl(Duration::from_secs(120))
-            .build()
-            .await
-            .expect("backend")
-    };
-    let holder = instance().await;
-    let waiting = [instance().await, instance().await];
-    let guard = holder.lock("k").try_once().await.expect("uncontended");
-    let calls = || {
-        ["Range", "Txn", "Put", "DeleteRange", "LeaseGrant"]
-            .iter()
-            .map(|method| {
-                server.metric(
-                    "grpc_server_handled_total",
-                    &[&format!("grpc_method=\"{method}\"")],
-                )
-            })
-            .sum::<f64>()
-    };
-    let start = calls();
-    let waiters: Vec<_> = (0..10)
-        .map(|i| {
-            let backend = waiting[i % 2].clone();
-            tokio::spawn(async move {
-                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
-                guard.release().await
-            })
-        })
-        .collect();
-    for backend in &waiting {
-        support::eventually("the waiters are queued and registered", || async move {
-            let stats = backend.stats();
-            stats.local_waiters == 4 && stats.channels_with_waiters == 1
-        })
-        .await;
-    }
-    // Each instance's contender tried, registered and tried again: two transactions for
-    // each, which may still be on their way when the registration shows in the stats.
-    support::eventually("both contenders tried again after registering", || async {
-        calls() >= start + 4.0
-    })
-    .await;
-    let before = calls();
-    // Far longer than any polling interval, far shorter than the lease: a call in this
-    // window was not asked for by the lock.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(calls(), before, "no call while the lock is held");
-    guard.release().await.expect("release");
-    for waiter in waiters {
-        tokio::time::timeout(HANG, waiter)
-            .await
-            .expect("served")
-            .expect("no panic")
-            .expect("acquired after the release, and released");
-    }
-    // Woken by the release through the watches, which stayed up.
-    for backend in &waiting {
-        assert_eq!(backend.stats().subscriber_connections_made, 1);
-    }
 }
 
 /// Three members; four tasks of two instances take one key in turns while the leader is

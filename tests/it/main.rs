@@ -17,6 +17,8 @@ mod stores;
 mod acl;
 mod cluster;
 mod cluster_tls;
+#[cfg(feature = "axum")]
+mod conformance;
 mod connect;
 mod dataloss;
 #[cfg(all(feature = "axum", feature = "etcd"))]

@@ -1,23 +1,14 @@
-//! MySQL/MariaDB: what `build()` refuses, the tables and what they keep, no polling, and
-//! the oversell test across three instances. The semantics every store keeps run in
-//! semantics.rs, rwlock.rs, semaphore.rs, many.rs and inspect.rs; faults in
+//! MySQL/MariaDB: what `build()` refuses, the tables and what they keep, no polling. The
+//! semantics every store keeps run in conformance.rs, semantics.rs, rwlock.rs, semaphore.rs, many.rs and inspect.rs; faults in
 //! mysql_faults.rs.
 
 use crate::support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::{Request, State};
-use axum::routing::post;
 use support::mariadb::{self, MariaDbServer, fresh_database};
 use support::sql;
-use tower_lock::{BuildError, LockLayer, MySqlBackend};
-
-/// Generous bound on anything that should happen at once: catches hangs only.
-const HANG: Duration = Duration::from_secs(10);
+use tower_lock::{BuildError, MySqlBackend};
 
 async fn rows(url: &str, table: &str) -> i64 {
     use sqlx::Connection;
@@ -145,145 +136,6 @@ async fn names_held_and_released_leave_rows_only_until_the_janitor_sweeps_them()
         rows(&url, table).await
     })
     .await;
-}
-
-/// One instance's shop: POST /buy sells one item of the stock kept in MariaDB, read and
-/// written in two statements with a pause between, as a careless handler would.
-fn shop(backend: MySqlBackend, db: sqlx::MySqlPool, sold: Arc<AtomicU64>) -> Router {
-    async fn buy(State((db, sold)): State<(sqlx::MySqlPool, Arc<AtomicU64>)>) -> &'static str {
-        let stock: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
-            .fetch_one(&db)
-            .await
-            .expect("read the stock");
-        if stock <= 0 {
-            return "sold out";
-        }
-        tokio::task::yield_now().await;
-        sqlx::query("UPDATE shop SET stock = ? WHERE id = 1")
-            .bind(stock - 1)
-            .execute(&db)
-            .await
-            .expect("write the stock");
-        sold.fetch_add(1, Ordering::Relaxed);
-        "sold"
-    }
-    Router::new()
-        .route("/buy", post(buy))
-        .route_layer(
-            LockLayer::new(backend, |_: &Request| Some("stock")).wait(Duration::from_secs(30)),
-        )
-        .with_state((db, sold))
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_instances_sell_exactly_the_stock() {
-    crate::needs!(MariaDb);
-    const STOCK: i64 = 50;
-    const BUYERS: usize = 150;
-    let url = fresh_database().await;
-    let db = sqlx::MySqlPool::connect(&url).await.expect("pool");
-    sqlx::raw_sql(&format!(
-        "CREATE TABLE shop (id INT PRIMARY KEY, stock BIGINT); \
-         INSERT INTO shop VALUES (1, {STOCK})"
-    ))
-    .execute(&db)
-    .await
-    .expect("stock");
-    let sold = Arc::new(AtomicU64::new(0));
-    let mut addrs = Vec::new();
-    let namespace = mariadb::fresh_namespace();
-    for _ in 0..3 {
-        let backend = mariadb::builder_on(&url)
-            .namespace(&namespace)
-            .build()
-            .await
-            .expect("backend");
-        addrs.push(support::serve(shop(backend, db.clone(), sold.clone())).await);
-    }
-    support::all_served(support::buy_all(&addrs, BUYERS)).await;
-    let left: i64 = sqlx::query_scalar("SELECT stock FROM shop WHERE id = 1")
-        .fetch_one(&db)
-        .await
-        .expect("stock");
-    assert_eq!((sold.load(Ordering::Relaxed), left), (STOCK as u64, 0));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiters_do_not_poll_while_the_lock_is_held() {
-    crate::needs!(MariaDb);
-    // A server of its own: its global counters count this test's statements only.
-    let server = MariaDbServer::start();
-    let instance = || async {
-        mariadb::builder_on(&server.url())
-            // The wake connections' park, their one statement per interval, lasts longer
-            // than the test: any statement in the window below is a poll.
-            .wake_ping_interval(Duration::from_secs(120))
-            .build()
-            .await
-            .expect("backend")
-    };
-    let holder = instance().await;
-    let waiting = [instance().await, instance().await];
-    let guard = holder
-        .lock("k")
-        .lease(Duration::from_secs(120))
-        .try_once()
-        .await
-        .expect("uncontended");
-    let calls = server.status("Com_call_procedure").await;
-    let waiters: Vec<_> = (0..10)
-        .map(|i| {
-            let backend = waiting[i % 2].clone();
-            tokio::spawn(async move {
-                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
-                guard.release().await
-            })
-        })
-        .collect();
-    // Both instances are registered for the key, four tasks of each queued behind its
-    // contender.
-    for backend in &waiting {
-        support::eventually("the waiters are queued and registered", || async move {
-            let stats = backend.stats();
-            stats.local_waiters == 4 && stats.channels_with_waiters == 1
-        })
-        .await;
-    }
-    // Each instance's contender tried, registered and tried again: eight procedure calls
-    // for the two, which may still be on their way when the registration shows in the
-    // stats (a ninth never comes: seen waiting out the bound).
-    support::eventually("both contenders tried again after registering", || async {
-        server.status("Com_call_procedure").await >= calls + 8
-    })
-    .await;
-    let counters = || async {
-        (
-            server.status("Com_call_procedure").await,
-            server.status("Com_select").await,
-        )
-    };
-    let before = counters().await;
-    // Far longer than any polling interval, far shorter than the lease and the parks: a
-    // statement in this window was not asked for by the lock.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        counters().await,
-        before,
-        "no call and no select while the lock is held"
-    );
-    guard.release().await.expect("release");
-    for waiter in waiters {
-        tokio::time::timeout(HANG, waiter)
-            .await
-            .expect("served")
-            .expect("no panic")
-            .expect("acquired after the release, and released");
-    }
-    // Woken by the release through the parked connections, which stayed up: a wake-up
-    // that broke them would have served the waiters through the reconnect instead.
-    for backend in &waiting {
-        assert_eq!(backend.stats().subscriber_connections_made, 1);
-    }
 }
 
 #[tokio::test]

@@ -2,8 +2,8 @@
 //! leader of a three-server ensemble killed mid-run,
 //! ZooKeeper down, no polling and no herd (exclusive, read/write and permit waiters), a
 //! holder killed with SIGKILL, a holder partitioned from the ensemble (stops before its
-//! lock is freed, the margin printed), digest authentication, and the oversell test across
-//! three instances. The semantics every store keeps run in semantics.rs (`zookeeper::*`).
+//! lock is freed, the margin printed) and digest authentication. The semantics every store
+//! keeps run in conformance.rs and semantics.rs (`zookeeper::*`).
 
 use crate::support;
 
@@ -65,17 +65,6 @@ async fn build_refuses_misconfiguration_naming_the_cause() {
         panic!("a missing chroot is refused: {refused:?}");
     };
     assert!(error.to_string().contains("chroot"), "{error}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_instances_sell_exactly_the_stock() {
-    crate::needs!(Redis, ZooKeeper);
-    let namespace = zk::fresh_namespace();
-    let mut instances = Vec::new();
-    for _ in 0..3 {
-        instances.push(zk::backend_in(&namespace).await);
-    }
-    support::shop::sell_exactly_the_stock(instances).await;
 }
 
 #[tokio::test]
@@ -337,7 +326,7 @@ async fn zookeeper_down_answers_503_holds_are_lost_and_service_resumes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiters_do_not_poll_while_the_lock_is_held() {
+async fn waiting_instances_watch_the_holders_node_once_each_and_keep_one_node_in_line() {
     crate::needs!(ZooKeeper);
     // A server of its own: its counters count this test's calls only.
     let server = ZkServer::start();

@@ -6,6 +6,7 @@
 pub mod child;
 pub mod cluster;
 pub mod cluster_acl;
+pub mod counted;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod failover;

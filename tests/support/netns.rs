@@ -4,8 +4,8 @@
 //! Every host is a namespace with an uplink to the test's own (root) namespace: the test
 //! reaches each host there, and each host reaches services the test runs. `link` adds a
 //! direct link between two hosts, which `partition` sets down and `heal` up again. Names
-//! carry the test's pid; namespaces of dead pids are deleted at start, ours on drop (also
-//! after a panic).
+//! carry the test's pid and a generation ([`generation`]); namespaces of dead pids are
+//! deleted at start, ours on drop (also after a panic).
 
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
@@ -29,9 +29,10 @@ pub struct Net {
     _turn: Turn,
 }
 
-/// One [`Net`] at a time in a process: names carry the pid, so a second set of hosts
-/// would collide with the first; and the tests that build them measure margins that a
-/// second workload on the same cores would skew. A test waits here for the one before.
+/// One [`Net`] at a time in a process: two sets of hosts built at once could both take the
+/// address range found free ([`free_octet`]), and the tests that build them measure
+/// margins that a second workload on the same cores would skew. A test waits here for the
+/// one before.
 struct Turn;
 
 static TURN: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
@@ -83,7 +84,7 @@ impl Net {
         delete_stale();
         let pid = std::process::id();
         let mut net = Net {
-            tag: format!("{PREFIX}{pid}"),
+            tag: format!("{PREFIX}{pid}g{}", generation()),
             octet: free_octet(pid),
             hosts: Vec::new(),
             links: Vec::new(),
@@ -319,6 +320,17 @@ fn run_ok(command: &mut Command) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A character that tells this process's sets of hosts apart: the kernel deletes a
+/// namespace's interfaces after `ip netns del` returns, so the next set of hosts of this
+/// process must not reuse the names of the last. (`tlj` + pid + `g` + this + `u` + link
+/// stays within the 15 characters of an interface name.)
+fn generation() -> char {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NETS: AtomicU32 = AtomicU32::new(0);
+    let n = NETS.fetch_add(1, Ordering::Relaxed) % 36;
+    char::from_digit(n, 36).unwrap_or('z')
+}
+
 /// Deletes the namespaces left by test processes that are gone (a `kill -9`ed run).
 fn delete_stale() {
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
@@ -328,11 +340,12 @@ fn delete_stale() {
         let Some(name) = line.split_whitespace().next() else {
             continue;
         };
-        let Some(pid) = name
-            .strip_prefix(PREFIX)
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<u32>().ok())
-        else {
+        let Some(pid) = name.strip_prefix(PREFIX).and_then(|rest| {
+            let digits = rest
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len());
+            rest[..digits].parse::<u32>().ok()
+        }) else {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
