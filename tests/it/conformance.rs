@@ -1,8 +1,13 @@
-//! What every store keeps across instances, written once and run on every store: Redis,
-//! the quorum, memory, PostgreSQL, MariaDB, etcd and ZooKeeper. The bodies that take three
-//! instances of a shared server run from the list of [`for_each_store_and_consensus!`];
-//! those that count a server's calls run on a server of their own
-//! ([`Counted`](crate::support::counted::Counted)), from the list below.
+//! The conformance suite: what every store keeps, written once and run on every store
+//! (Redis, the quorum, memory, PostgreSQL, MariaDB, etcd and ZooKeeper). The bodies that
+//! take three instances of a store run from the one list of stores of
+//! [`for_each_store_and_consensus!`] (here across instances, `semantics` on one); those
+//! that count a server's calls run on a server of their own
+//! ([`Counted`](crate::support::counted::Counted)). Shared holds, permits, multi-key
+//! locks, inspect and force-release, and idempotency records run from the same list in
+//! rwlock.rs, semaphore.rs, many.rs, inspect.rs and idempotency.rs.
+
+mod semantics;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};

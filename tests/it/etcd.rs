@@ -1,7 +1,7 @@
-//! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down,
-//! a holder partitioned from etcd (stops before its lock is freed, the margin printed), no
-//! polling. The semantics every store keeps run in conformance.rs, semantics.rs (`etcd::*`), rwlock.rs and semaphore.rs (`on_etcd::*`); shared
-//! holds and permits in etcd in etcd_shared.rs.
+//! etcd: what `build()` refuses, what the lease does for the holds under it, etcd down, a
+//! holder partitioned from etcd (stops before its lock is freed, the margin printed). The
+//! semantics every store keeps run in the conformance suite (conformance.rs, rwlock.rs,
+//! semaphore.rs: `on_etcd::*`); shared holds and permits in etcd in etcd_shared.rs.
 
 use crate::support;
 

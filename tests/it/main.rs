@@ -55,7 +55,6 @@ mod quorum;
 mod retry_after;
 #[cfg(feature = "axum")]
 mod rwlock;
-mod semantics;
 #[cfg(feature = "axum")]
 mod semaphore;
 mod sentinel;

@@ -1,6 +1,6 @@
-//! MySQL/MariaDB: what `build()` refuses, the tables and what they keep, no polling. The
-//! semantics every store keeps run in conformance.rs, semantics.rs, rwlock.rs, semaphore.rs, many.rs and inspect.rs; faults in
-//! mysql_faults.rs.
+//! MySQL/MariaDB: what `build()` refuses, the tables and what they keep. The semantics
+//! every store keeps run in the conformance suite (conformance.rs and the files it names:
+//! `on_mariadb::*`); faults in mysql_faults.rs.
 
 use crate::support;
 

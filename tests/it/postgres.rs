@@ -1,5 +1,6 @@
-//! PostgreSQL: what `build()` refuses, the table and what it keeps, no polling. The
-//! semantics every store keeps run in conformance.rs, semantics.rs, rwlock.rs, semaphore.rs and many.rs; faults in postgres_faults.rs.
+//! PostgreSQL: what `build()` refuses, the table and what it keeps. The semantics every
+//! store keeps run in the conformance suite (conformance.rs and the files it names:
+//! `on_postgres::*`); faults in postgres_faults.rs.
 
 use crate::support;
 

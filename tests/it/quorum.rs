@@ -1,8 +1,9 @@
 //! A quorum of five independent redis-servers (RedLock), started once for this binary
-//! (`support/quorum.rs`): build-time refusals and waiters that do not poll. `quorum/faults.rs`: masters killed and restarted under load;
-//! `quorum/pause.rs`: a holder paused past its validity; `quorum/records.rs`: idempotency
-//! records on every master. The shared semantics bodies run on
-//! the quorum in conformance.rs, semantics.rs and the others (`on_quorum::*`, `quorum::*`).
+//! (`support/quorum.rs`): build-time refusals and waiters that do not poll.
+//! `quorum/faults.rs`: masters killed and restarted under load; `quorum/pause.rs`: a holder
+//! paused past its validity; `quorum/records.rs`: idempotency records on every master. The
+//! semantics every store keeps run on the quorum in the conformance suite (conformance.rs
+//! and the files it names: `on_quorum::*`).
 
 #[path = "quorum/faults.rs"]
 mod faults;

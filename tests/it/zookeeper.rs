@@ -1,9 +1,9 @@
 //! ZooKeeper: what `build()` refuses, what the session does for the holds under it, the
-//! leader of a three-server ensemble killed mid-run,
-//! ZooKeeper down, no polling and no herd (exclusive, read/write and permit waiters), a
-//! holder killed with SIGKILL, a holder partitioned from the ensemble (stops before its
-//! lock is freed, the margin printed) and digest authentication. The semantics every store
-//! keeps run in conformance.rs and semantics.rs (`zookeeper::*`).
+//! leader of a three-server ensemble killed mid-run, ZooKeeper down, no herd (exclusive,
+//! read/write and permit waiters), a holder killed with SIGKILL, a holder partitioned from
+//! the ensemble (stops before its lock is freed, the margin printed) and digest
+//! authentication. The semantics every store keeps run in the conformance suite
+//! (conformance.rs and the files it names: `on_zookeeper::*`).
 
 use crate::support;
 

@@ -21,6 +21,8 @@ pub mod quorum;
 pub mod replica;
 pub mod reshard;
 pub mod sentinel;
+// The shop reads its lock's token through the `HeldLock` extractor (feature `axum`).
+#[cfg(feature = "axum")]
 pub mod shop;
 pub mod sql;
 pub mod stores;

@@ -1,5 +1,7 @@
-//! The semantics every backend must keep, written once and run against each of them:
-//! a difference between `RedisBackend` and `MemoryBackend` shows up as a failing test.
+//! The semantics every store must keep on one instance (a route's status codes, re-entry,
+//! tokens, leases, the local queue), written once and run on every store: a difference
+//! between two stores shows up as a failing test. Each body gets three instances of its
+//! store and uses the first.
 
 use crate::support;
 
@@ -16,64 +18,7 @@ use tower_lock::{HeldLock, LockBackend, LockError, LockLayer};
 /// Generous bound on anything that should happen at once: catches hangs only.
 const HANG: Duration = Duration::from_secs(10);
 
-/// Runs each named body once per backend: `redis::NAME` on a throwaway redis-server,
-/// `quorum::NAME` on the binary's five-master quorum in a namespace of its own,
-/// `memory::NAME` on a fresh `MemoryBackend`, `postgres::NAME` and `mariadb::NAME` on the
-/// binary's shared PostgreSQL and MariaDB in a namespace of their own.
-macro_rules! for_each_backend {
-    ($($name:ident),* $(,)?) => {
-        mod redis {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(Redis);
-                    let server = crate::support::RedisServer::start();
-                    super::$name(server.backend().await).await;
-                }
-            )*
-        }
-        mod quorum {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(Redis);
-                    let quorum = crate::support::quorum::shared();
-                    let _turn = quorum.shared_turn().await;
-                    let b = quorum.builder().build().await.expect("quorum backend");
-                    super::$name(b).await;
-                }
-            )*
-        }
-        mod memory {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name(tower_lock::MemoryBackend::new()).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(Postgres);
-                    super::$name(crate::support::postgres::backend().await).await;
-                }
-            )*
-        }
-        mod mariadb {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(MariaDb);
-                    super::$name(crate::support::mariadb::backend().await).await;
-                }
-            )*
-        }
-    };
-}
-
-for_each_backend!(
+for_each_store_and_consensus!(
     fail_fast_route_answers_409_while_another_owner_holds_the_key,
     waiting_route_is_served_once_the_holder_releases,
     waiting_route_times_out_with_503_and_retry_after,
@@ -82,78 +27,14 @@ for_each_backend!(
     handler_panic_releases_the_lock,
     empty_and_oversized_keys_are_400_and_lock_nothing,
     reentry_counts_up_and_the_last_release_frees_the_key,
+    renewed_hold_outlives_its_lease,
+    local_queue_bound_sheds_with_queue_full,
+    waiters_are_served_in_arrival_order,
+    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued;
+    // A hold on etcd or ZooKeeper lives under its backend's lease or session, renewed for
+    // every hold of it: no hold runs out on its own lease there.
+    not on etcd or zookeeper:
     unrenewed_lease_runs_out_fires_lost_and_frees_the_key,
-    renewed_hold_outlives_its_lease,
-    local_queue_bound_sheds_with_queue_full,
-    waiters_are_served_in_arrival_order,
-    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
-);
-
-/// The bodies that apply to etcd, `etcd::NAME` on the binary's shared etcd in a namespace
-/// of its own: no lease per request (a hold lives under its backend's lease, renewed for
-/// all of them), so the body of a hold without renewal does not apply. Its shared locks
-/// and permits run the bodies of rwlock.rs and semaphore.rs (`on_etcd!`).
-#[cfg(feature = "etcd")]
-macro_rules! on_etcd {
-    ($($name:ident),* $(,)?) => {
-        mod etcd {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(Etcd);
-                    super::$name(crate::support::etcd::backend().await).await;
-                }
-            )*
-        }
-    };
-}
-
-#[cfg(feature = "etcd")]
-on_etcd!(
-    fail_fast_route_answers_409_while_another_owner_holds_the_key,
-    waiting_route_is_served_once_the_holder_releases,
-    waiting_route_times_out_with_503_and_retry_after,
-    nested_layers_reenter_under_one_owner,
-    fencing_tokens_strictly_increase_per_key,
-    handler_panic_releases_the_lock,
-    empty_and_oversized_keys_are_400_and_lock_nothing,
-    reentry_counts_up_and_the_last_release_frees_the_key,
-    renewed_hold_outlives_its_lease,
-    local_queue_bound_sheds_with_queue_full,
-    waiters_are_served_in_arrival_order,
-    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
-);
-
-/// The bodies that apply to ZooKeeper, `zookeeper::NAME` on the binary's shared ZooKeeper
-/// in a namespace of its own: those of etcd, for the same reason (every hold lives under its
-/// backend's session). Its shared locks and permits run in rwlock.rs and semaphore.rs.
-macro_rules! on_zookeeper {
-    ($($name:ident),* $(,)?) => {
-        mod zookeeper {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    crate::needs!(ZooKeeper);
-                    super::$name(crate::support::zookeeper::backend().await).await;
-                }
-            )*
-        }
-    };
-}
-
-on_zookeeper!(
-    fail_fast_route_answers_409_while_another_owner_holds_the_key,
-    waiting_route_is_served_once_the_holder_releases,
-    waiting_route_times_out_with_503_and_retry_after,
-    nested_layers_reenter_under_one_owner,
-    fencing_tokens_strictly_increase_per_key,
-    handler_panic_releases_the_lock,
-    empty_and_oversized_keys_are_400_and_lock_nothing,
-    reentry_counts_up_and_the_last_release_frees_the_key,
-    renewed_hold_outlives_its_lease,
-    local_queue_bound_sheds_with_queue_full,
-    waiters_are_served_in_arrival_order,
-    a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued,
 );
 
 /// Waits until `n` tasks are queued for `key` behind its holder (who must hold it): a
@@ -209,7 +90,9 @@ async fn call(app: &Router, path: &str) -> (StatusCode, http::HeaderMap, String)
     )
 }
 
-async fn fail_fast_route_answers_409_while_another_owner_holds_the_key<B: LockBackend>(b: B) {
+async fn fail_fast_route_answers_409_while_another_owner_holds_the_key<B: LockBackend>(
+    [b, ..]: [B; 3],
+) {
     let app = app(layer(&b).fail_fast());
     let guard = b.lock("a").try_once().await.expect("free");
     assert_eq!(call(&app, "/lock/a").await.0, StatusCode::CONFLICT);
@@ -222,7 +105,7 @@ async fn fail_fast_route_answers_409_while_another_owner_holds_the_key<B: LockBa
     assert_eq!(call(&app, "/lock/a").await.0, StatusCode::OK);
 }
 
-async fn waiting_route_is_served_once_the_holder_releases<B: LockBackend>(b: B) {
+async fn waiting_route_is_served_once_the_holder_releases<B: LockBackend>([b, ..]: [B; 3]) {
     let app = app(layer(&b).wait(HANG));
     let guard = b.lock("a").try_once().await.expect("free");
     let waiting = tokio::spawn({
@@ -238,7 +121,7 @@ async fn waiting_route_is_served_once_the_holder_releases<B: LockBackend>(b: B) 
     assert!(body.parse::<u64>().expect("a token") > held_token);
 }
 
-async fn waiting_route_times_out_with_503_and_retry_after<B: LockBackend>(b: B) {
+async fn waiting_route_times_out_with_503_and_retry_after<B: LockBackend>([b, ..]: [B; 3]) {
     let app = app(layer(&b).wait(Duration::from_millis(200)));
     let _guard = b.lock("a").try_once().await.expect("free");
     let (status, headers, _) = call(&app, "/lock/a").await;
@@ -251,7 +134,7 @@ async fn waiting_route_times_out_with_503_and_retry_after<B: LockBackend>(b: B) 
     assert!(retry_after >= 1);
 }
 
-async fn nested_layers_reenter_under_one_owner<B: LockBackend>(b: B) {
+async fn nested_layers_reenter_under_one_owner<B: LockBackend>([b, ..]: [B; 3]) {
     let app = Router::new()
         .route("/lock/{key}", routing::post(token))
         .route_layer(layer(&b).wait(Duration::from_secs(1)))
@@ -264,7 +147,7 @@ async fn nested_layers_reenter_under_one_owner<B: LockBackend>(b: B) {
     );
 }
 
-async fn fencing_tokens_strictly_increase_per_key<B: LockBackend>(b: B) {
+async fn fencing_tokens_strictly_increase_per_key<B: LockBackend>([b, ..]: [B; 3]) {
     let mut last = 0;
     for key in ["a", "b", "a", "a", "b"] {
         let guard = b.lock(key).try_once().await.expect("free");
@@ -274,7 +157,7 @@ async fn fencing_tokens_strictly_increase_per_key<B: LockBackend>(b: B) {
     }
 }
 
-async fn handler_panic_releases_the_lock<B: LockBackend>(b: B) {
+async fn handler_panic_releases_the_lock<B: LockBackend>([b, ..]: [B; 3]) {
     let app = app(layer(&b).fail_fast()).layer(tower_http::catch_panic::CatchPanicLayer::new());
     assert_eq!(
         call(&app, "/panic/a").await.0,
@@ -286,7 +169,7 @@ async fn handler_panic_releases_the_lock<B: LockBackend>(b: B) {
     assert!(guard.is_ok(), "the panicking request's lock was released");
 }
 
-async fn empty_and_oversized_keys_are_400_and_lock_nothing<B: LockBackend>(b: B) {
+async fn empty_and_oversized_keys_are_400_and_lock_nothing<B: LockBackend>([b, ..]: [B; 3]) {
     let app = app(layer(&b).fail_fast());
     let long = format!("/lock/{}", "k".repeat(2000));
     for path in ["/lock/", long.as_str()] {
@@ -303,7 +186,7 @@ async fn empty_and_oversized_keys_are_400_and_lock_nothing<B: LockBackend>(b: B)
     ));
 }
 
-async fn reentry_counts_up_and_the_last_release_frees_the_key<B: LockBackend>(b: B) {
+async fn reentry_counts_up_and_the_last_release_frees_the_key<B: LockBackend>([b, ..]: [B; 3]) {
     let outer = b.lock("a").try_once().await.expect("free");
     let inner = b
         .lock("a")
@@ -321,7 +204,7 @@ async fn reentry_counts_up_and_the_last_release_frees_the_key<B: LockBackend>(b:
     assert!(b.lock("a").try_once().await.is_ok());
 }
 
-async fn unrenewed_lease_runs_out_fires_lost_and_frees_the_key<B: LockBackend>(b: B) {
+async fn unrenewed_lease_runs_out_fires_lost_and_frees_the_key<B: LockBackend>([b, ..]: [B; 3]) {
     let guard = b
         .lock("a")
         .lease(Duration::from_millis(300))
@@ -340,7 +223,7 @@ async fn unrenewed_lease_runs_out_fires_lost_and_frees_the_key<B: LockBackend>(b
     assert!(!next.is_lost(), "the stale release left the new hold alone");
 }
 
-async fn renewed_hold_outlives_its_lease<B: LockBackend>(b: B) {
+async fn renewed_hold_outlives_its_lease<B: LockBackend>([b, ..]: [B; 3]) {
     // Renewed every third of it: a lease of seconds leaves the renewals that much room on
     // a loaded machine.
     let lease = Duration::from_secs(2);
@@ -354,7 +237,7 @@ async fn renewed_hold_outlives_its_lease<B: LockBackend>(b: B) {
     guard.release().await.expect("still held, so released");
 }
 
-async fn local_queue_bound_sheds_with_queue_full<B: LockBackend>(b: B) {
+async fn local_queue_bound_sheds_with_queue_full<B: LockBackend>([b, ..]: [B; 3]) {
     let guard = b.lock("a").try_once().await.expect("free");
     // Queued under the default bound: a tight one could shed it for the instant a probe of
     // `queued` stands in line.
@@ -369,7 +252,7 @@ async fn local_queue_bound_sheds_with_queue_full<B: LockBackend>(b: B) {
     assert!(first.await.expect("no panic").is_ok());
 }
 
-async fn waiters_are_served_in_arrival_order<B: LockBackend>(b: B) {
+async fn waiters_are_served_in_arrival_order<B: LockBackend>([b, ..]: [B; 3]) {
     let guard = b.lock("a").try_once().await.expect("free");
     let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel();
     for i in 0..5 {
@@ -394,7 +277,9 @@ async fn waiters_are_served_in_arrival_order<B: LockBackend>(b: B) {
 /// Owner X is queued for `a` when the key is released, and before its task runs, X takes
 /// `a` a second time: the key must stay queued, so a later waiter waits for X instead of
 /// failing as contended (a MemoryBackend bug found in review).
-async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: LockBackend>(b: B) {
+async fn a_second_acquisition_by_the_slot_owner_keeps_later_waiters_queued<B: LockBackend>(
+    [b, ..]: [B; 3],
+) {
     let first = b.lock("a").try_once().await.expect("free");
     let x = b.lock("x").try_once().await.expect("free");
     let owner = x.held().clone();
