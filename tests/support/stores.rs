@@ -84,7 +84,11 @@ impl Store {
             }
             Store::Etcd if cfg!(not(feature = "etcd")) => missing(
                 "the crate's `etcd` feature is off (its client's build needs protoc)",
-                "apt-get install protobuf-compiler etcd-server, then cargo test --features etcd",
+                if on_path("protoc") && on_path("etcd") {
+                    "cargo test --all-features"
+                } else {
+                    "apt-get install protobuf-compiler etcd-server, then cargo test --all-features"
+                },
             ),
             Store::Etcd if !on_path("etcd") => {
                 missing("etcd is not on PATH", "apt-get install etcd-server")
