@@ -1,5 +1,6 @@
-//! Request-scoped distributed locks for [axum] and [tower] services, on Redis, PostgreSQL
-//! or in memory.
+//! Request-scoped distributed locks for [axum] and [tower] services, on Redis (one server,
+//! Sentinel, Cluster or a RedLock quorum), PostgreSQL, MySQL/MariaDB, etcd, ZooKeeper or in
+//! memory.
 //!
 //! Services that run as several instances need one lock per business key (an order, a
 //! product's stock, an idempotency key) held for exactly as long as the request handler

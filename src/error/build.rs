@@ -13,11 +13,13 @@ use std::fmt;
 /// never the password) and what went wrong there; the underlying error, when there is one,
 /// is the [`source`](StdError::source) and is not repeated in the message, so
 /// `format!("{err}")` is a complete sentence and anyhow's `{:#}` adds the raw cause once.
+/// `Debug` (what `main() -> Result<(), Box<dyn Error>>` prints of an error returned with
+/// `?`, and `unwrap()`) is the message, then `Caused by:` and each cause on a line of its
+/// own.
 ///
 /// An `addr` field holds one server's `host:port`, or a comma-separated list where several
 /// servers were tried alike (a cluster's seed nodes, the sentinels). Match variants with
 /// `..` so that later fields do not break the match.
-#[derive(Debug)]
 #[non_exhaustive]
 pub enum BuildError {
     /// A setting that would make every call fail (a zero timeout, a zero key length).

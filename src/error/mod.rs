@@ -3,19 +3,69 @@
 //!
 //! Each error's `Display` says only its own part and leaves its cause to
 //! [`source`](StdError::source) (the std convention), so a chain printed level by level,
-//! as anyhow's `{:#}` does, names every cause once.
+//! as anyhow's `{:#}` does, names every cause once. Their `Debug` is that message, then
+//! each cause on a line of its own: what `main` returning `Result<(), Box<dyn Error>>`
+//! prints, and `unwrap()`.
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The `Debug` of the crate's errors: the message, then each cause on a line of its own.
+/// So `main() -> Result<(), Box<dyn Error>>` with `?`, `unwrap()` and `expect()` print what
+/// `Display` says and why (as anyhow's `Debug` does), not the variant's fields and the
+/// driver's structs.
+pub(crate) fn debug_chain(
+    error: &(dyn StdError + 'static),
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    write!(f, "{error}")?;
+    let mut cause = error.source();
+    let mut last = String::new();
+    if cause.is_some() {
+        f.write_str("\n\nCaused by:")?;
+    }
+    while let Some(e) = cause {
+        // A driver's error often repeats its source's text (sqlx's `Database` error says
+        // what the server's error says): each text once.
+        let text = e.to_string();
+        if !last.contains(&text) {
+            write!(f, "\n    {text}")?;
+        }
+        last = text;
+        cause = e.source();
+    }
+    Ok(())
+}
+
+/// `Debug` as [`debug_chain`] for each of the crate's public errors.
+macro_rules! debug_as_chain {
+    ($($error:ty),* $(,)?) => {
+        $(
+            impl fmt::Debug for $error {
+                fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    $crate::error::debug_chain(self, f)
+                }
+            }
+        )*
+    };
+}
+
+debug_as_chain!(
+    LockError,
+    BackendError,
+    KeyError,
+    BuildError,
+    crate::idempotency::IdempotencyError,
+);
+
 /// Why a lock could not be taken, kept, or released.
 ///
 /// The layer turns each variant into an HTTP response (see
 /// [`LockLayer::on_rejection`](crate::LockLayer::on_rejection)); code that calls
 /// [`LockBackend::lock`](crate::LockBackend::lock) directly gets it as an error.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub enum LockError {
     /// Another owner holds the lock and the caller did not wait
@@ -220,15 +270,6 @@ impl BackendError {
     }
 }
 
-impl fmt::Debug for BackendError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BackendError")
-            .field("context", &self.context)
-            .field("source", &self.source)
-            .finish()
-    }
-}
-
 impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "lock backend failed during {}", self.context)
@@ -242,7 +283,7 @@ impl StdError for BackendError {
 }
 
 /// Why a lock key was rejected. Always answered with 400 by the layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyError {
     /// The key is the empty string.
@@ -355,5 +396,53 @@ mod tests {
             addr: "127.0.0.1:6390".into(),
         };
         assert!(chain(&eviction).contains("`allkeys-lru`"));
+    }
+
+    /// What `main() -> Result<(), Box<dyn Error>>` prints of a `?`-returned error, and
+    /// `unwrap()` of a failed call: the message, then its causes, not the variant's fields.
+    #[test]
+    fn debug_is_the_message_then_its_causes() {
+        let build = BuildError::Connect {
+            addr: "127.0.0.1:6390".into(),
+            failure: ConnectFailure::Refused,
+            source: Box::new(std::io::Error::other("Connection refused (os error 111)")),
+        };
+        assert_eq!(
+            format!("{build:?}"),
+            "the connection to 127.0.0.1:6390 was refused: nothing listens there (is the \
+             server running, on this host and port?)\n\nCaused by:\n    Connection refused \
+             (os error 111)"
+        );
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let backend = LockError::backend("release", io);
+        assert_eq!(
+            format!("{backend:?}"),
+            "lock backend failed during release\n\nCaused by:\n    reset by peer"
+        );
+        let key = LockError::InvalidKey(KeyError::Empty);
+        assert_eq!(format!("{key:?}"), "the lock key is empty");
+
+        // A driver's error that repeats its source's text: the text once.
+        #[derive(Debug)]
+        struct Driver(std::io::Error);
+        impl fmt::Display for Driver {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "error returned from database: {}", self.0)
+            }
+        }
+        impl StdError for Driver {
+            fn source(&self) -> Option<&(dyn StdError + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let driver = Driver(std::io::Error::other("role \"app\" does not exist"));
+        let url = BuildError::Url {
+            source: Box::new(driver),
+        };
+        assert_eq!(
+            format!("{url:?}"),
+            "invalid URL\n\nCaused by:\n    error returned from database: role \"app\" does \
+             not exist"
+        );
     }
 }

@@ -25,7 +25,7 @@ const TYPE_BASE: &str =
 /// | [`BodyTooLarge`](IdempotencyError::BodyTooLarge) (the request body is over the limit) | 413 |
 /// | [`BodyUnreadable`](IdempotencyError::BodyUnreadable) (the body failed while read) | 400 |
 /// | [`Lock`](IdempotencyError::Lock) (the store unreachable, a wait that ran out, a lost lock) | as [`LockError::status`] |
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub enum IdempotencyError {
     /// The route requires an idempotency key and the request has none.
