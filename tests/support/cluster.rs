@@ -355,17 +355,12 @@ pub fn key_on(cluster: &Cluster, port: u16, prefix: &str) -> String {
 /// `n` free ports whose cluster bus port (+10000) is free too.
 pub fn cluster_ports(n: usize) -> Vec<u16> {
     let mut ports = Vec::new();
-    let mut held = Vec::new();
     while ports.len() < n {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
+        let port = super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
         let bus = port.checked_add(10_000).filter(|b| *b < 65_535);
-        if let Some(bus) = bus.and_then(|b| TcpListener::bind(("127.0.0.1", b)).ok()) {
+        if bus.is_some_and(|b| TcpListener::bind(("0.0.0.0", b)).is_ok()) {
             ports.push(port);
-            held.push(bus);
         }
-        // Held until all are picked, so the same port is not picked twice.
-        held.push(listener);
     }
     ports
 }

@@ -33,7 +33,7 @@ pub mod turns;
 pub mod zookeeper;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -383,10 +383,7 @@ pub fn builder(url: &str) -> tower_lock::RedisBackendBuilder {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    process::free_port().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Whether the Redis answering on `port` is the process `pid`.

@@ -51,10 +51,29 @@ pub fn reaper(child: &Child, dir: &Path, signal: &str, what: &str) -> Child {
         .unwrap_or_else(|e| panic!("the reaper of the shared {what} starts: {e}"))
 }
 
-/// A loopback port free right now.
+/// The ports [`free_port`] hands out: below the kernel's ephemeral range (32768 and up on
+/// Linux), where no client socket is given a port, so that none takes one between the
+/// check and the server's bind; with room for a cluster's bus port (port + 10000) below it
+/// too.
+const PORTS: std::ops::Range<u32> = 12_000..22_000;
+
+/// A port free right now on every address, for a server this process is about to start;
+/// never the same twice in a process (tests start their servers at once). A port taken
+/// from the ephemeral range could be given to one of the many client connections of the
+/// tests running meanwhile before the server binds it: a ZooKeeper member that cannot bind
+/// its election port leaves its ensemble a member short.
 pub fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("free port: {e}"))
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let span = PORTS.end - PORTS.start;
+    // Processes of one run (a test binary, the children it runs) start apart.
+    let start = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(PORTS.start + (start + n) % span).map_err(|e| e.to_string())?;
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(format!("no free port in {PORTS:?}"))
 }

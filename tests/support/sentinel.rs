@@ -3,7 +3,7 @@
 //! Every process is killed when the set is dropped.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -281,10 +281,7 @@ impl SentinelProcess {
 
     fn try_start(ip: Ipv4Addr, master_port: u16) -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
+        let port = super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
         // Sentinel rewrites its config file (discovered peers, the new master after a
         // failover), so each gets its own, writable.
         let config = dir.path().join("sentinel.conf");
