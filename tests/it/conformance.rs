@@ -21,9 +21,6 @@ use tower_lock::{HeldLock, LockBackend, LockLayer, PathParams};
 
 use crate::support;
 
-/// Generous bound on anything that should happen at once: catches hangs only.
-const HANG: Duration = Duration::from_secs(10);
-
 /// Three instances under `LockLayer` sell a stock kept in this process, each buyer
 /// reading and writing it in two steps: exactly the stock is sold, every buyer is served,
 /// and the sales' fencing tokens strictly increase.
@@ -143,7 +140,7 @@ macro_rules! on_each_counted_store {
 /// The bodies that count a server's calls, each on a server of its own.
 mod counted {
     use super::*;
-    use crate::support::counted::{Counted, FAR};
+    use crate::support::counted::{Counted, FAR, all_served, spawn_waiters};
 
     /// Ten waiters over two instances behind a third's hold: each instance has one contender
     /// waiting in the store and four tasks queued behind it in memory; once the contenders
@@ -156,15 +153,7 @@ mod counted {
         let guard = holder.lock("k").lease(FAR).try_once().await;
         let guard = guard.expect("uncontended");
         let start = server.attempts().await;
-        let waiters: Vec<_> = (0..10)
-            .map(|i| {
-                let backend = waiting[i % 2].clone();
-                tokio::spawn(async move {
-                    let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
-                    guard.release().await
-                })
-            })
-            .collect();
+        let waiters = spawn_waiters(&waiting, "k", 10);
         server.registered(&waiting, 4).await;
         server.settled(start, 2).await;
         let before = server.attempts().await;
@@ -177,13 +166,7 @@ mod counted {
             "no attempt while the lock is held"
         );
         guard.release().await.expect("release");
-        for waiter in waiters {
-            tokio::time::timeout(HANG, waiter)
-                .await
-                .expect("served")
-                .expect("no panic")
-                .expect("acquired after the release, and released");
-        }
+        all_served(waiters).await;
         // Woken through the connection that listened all along.
         for backend in &waiting {
             assert_eq!(S::stats(backend).subscriber_connections_made, 1);

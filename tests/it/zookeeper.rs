@@ -13,6 +13,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::routing::post;
 use support::child::{self, ChildProcess};
+use support::counted::{self, Counted};
 use support::netns::{CutOffHolder, Net};
 use support::zookeeper::{self as zk, ZkEnsemble, ZkServer};
 use tower_lock::{BuildError, ConnectFailure, LockError, LockLayer};
@@ -334,22 +335,8 @@ async fn waiting_instances_watch_the_holders_node_once_each_and_keep_one_node_in
     let waiting = [instance(&server).await, instance(&server).await];
     let guard = holder.lock("k").try_once().await.expect("uncontended");
     let nodes = server.mntr("zk_znode_count");
-    let waiters: Vec<_> = (0..10)
-        .map(|i| {
-            let backend = waiting[i % 2].clone();
-            tokio::spawn(async move {
-                let guard = backend.lock("k").wait(Duration::from_secs(60)).await?;
-                guard.release().await
-            })
-        })
-        .collect();
-    for backend in &waiting {
-        support::eventually("the waiters are queued and registered", || async move {
-            let stats = backend.stats();
-            stats.local_waiters == 4 && stats.channels_with_waiters == 1
-        })
-        .await;
-    }
+    let waiters = counted::spawn_waiters(&waiting, "k", 10);
+    server.registered(&waiting, 4).await;
     // One watch per waiting instance, on the holder's node, whatever its waiters number.
     support::eventually(
         "each waiting instance watches the holder's node",
@@ -363,13 +350,7 @@ async fn waiting_instances_watch_the_holders_node_once_each_and_keep_one_node_in
     assert!(listings(&server) > 0, "the attempts' listings are counted");
     no_attempt_for_a_while(&server).await;
     guard.release().await.expect("release");
-    for waiter in waiters {
-        tokio::time::timeout(HANG, waiter)
-            .await
-            .expect("served")
-            .expect("no panic")
-            .expect("acquired after the release, and released");
-    }
+    counted::all_served(waiters).await;
 }
 
 /// An instance on `server` whose renewals and pings fall outside the window of

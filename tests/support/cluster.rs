@@ -356,7 +356,7 @@ pub fn key_on(cluster: &Cluster, port: u16, prefix: &str) -> String {
 pub fn cluster_ports(n: usize) -> Vec<u16> {
     let mut ports = Vec::new();
     while ports.len() < n {
-        let port = super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
+        let port = super::free_port();
         let bus = port.checked_add(10_000).filter(|b| *b < 65_535);
         if bus.is_some_and(|b| TcpListener::bind(("0.0.0.0", b)).is_ok()) {
             ports.push(port);

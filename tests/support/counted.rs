@@ -5,10 +5,44 @@
 
 use std::time::Duration;
 
-use tower_lock::{BackendStats, LockBackend};
+use tokio::task::JoinHandle;
+use tower_lock::{BackendStats, LockBackend, LockError};
 
 /// A lease, TTL or ping interval no test window reaches.
 pub const FAR: Duration = Duration::from_secs(120);
+
+/// `n` tasks over the instances `waiting` in turn, each waiting up to a minute for `key`,
+/// then releasing it.
+pub fn spawn_waiters<B>(
+    waiting: &[B],
+    key: &str,
+    n: usize,
+) -> Vec<JoinHandle<Result<(), LockError>>>
+where
+    B: LockBackend + Clone + Send + 'static,
+{
+    (0..n)
+        .map(|i| {
+            let (backend, key) = (waiting[i % waiting.len()].clone(), key.to_owned());
+            tokio::spawn(async move {
+                let guard = backend.lock(key).wait(Duration::from_secs(60)).await?;
+                guard.release().await
+            })
+        })
+        .collect()
+}
+
+/// Waits (10 s at most each: a hang fails) for every task of [`spawn_waiters`] to take its
+/// lock and release it.
+pub async fn all_served(waiters: Vec<JoinHandle<Result<(), LockError>>>) {
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("served")
+            .expect("no panic")
+            .expect("acquired after the release, and released");
+    }
+}
 
 /// A store's server of its own, counting lock attempts.
 pub trait Counted: Sized + Sync {

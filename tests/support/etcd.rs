@@ -5,6 +5,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use super::free_port;
+
 /// Ports tried: between picking a free port and etcd binding it, another process may take
 /// it.
 const ATTEMPTS: usize = 10;
@@ -302,10 +304,6 @@ fn http_get(port: u16, path: &str) -> Option<String> {
     stream.read_to_string(&mut response).ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;
     head.starts_with("HTTP/1.").then(|| body.to_owned())
-}
-
-fn free_port() -> u16 {
-    super::process::free_port().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The etcd this test binary's tests share: started by the first test that asks, and

@@ -382,6 +382,7 @@ pub fn builder(url: &str) -> tower_lock::RedisBackendBuilder {
         .connect_timeout(Duration::from_millis(500))
 }
 
+/// [`process::free_port`], for the servers that cannot start without one.
 fn free_port() -> u16 {
     process::free_port().unwrap_or_else(|e| panic!("{e}"))
 }

@@ -281,7 +281,7 @@ impl SentinelProcess {
 
     fn try_start(ip: Ipv4Addr, master_port: u16) -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let port = super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
+        let port = super::free_port();
         // Sentinel rewrites its config file (discovered peers, the new master after a
         // failover), so each gets its own, writable.
         let config = dir.path().join("sentinel.conf");

@@ -34,7 +34,7 @@ impl ZkServer {
         for _ in 0..ATTEMPTS {
             let mut server = ZkServer {
                 child: None,
-                port: super::process::free_port().unwrap_or_else(|e| panic!("{e}")),
+                port: super::free_port(),
                 dir: tempfile::tempdir().expect("temp dir"),
                 reaper: None,
                 ensemble: None,
@@ -175,7 +175,7 @@ pub struct ZkEnsemble {
 impl ZkEnsemble {
     /// Starts the three and waits until each serves (a quorum has formed).
     pub fn start() -> Self {
-        let port = || super::process::free_port().unwrap_or_else(|e| panic!("{e}"));
+        let port = super::free_port;
         let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (port(), port(), port())).collect();
         let servers: String = ports
             .iter()
