@@ -17,12 +17,15 @@
 //!   `lost()`; `recheck.rs`, the re-check of every hold when the store may have lost data.
 //! - `store/`: the [`Store`] trait, the backends' shared methods and operator calls, and
 //!   the takeovers a store announces.
+//! - `kit/`: the store kit, what every store's builder takes from the core: the settings
+//!   they share (`settings.rs`).
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
 //! - `telemetry/`: metrics, and spans and owner ids (`observe.rs`); `runtime/`: where
 //!   tasks run, and the janitor that sweeps expired rows and records.
 
 pub(crate) mod acquire;
 pub(crate) mod hold;
+pub(crate) mod kit;
 pub(crate) mod queue;
 pub(crate) mod runtime;
 pub(crate) mod store;

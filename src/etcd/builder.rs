@@ -16,10 +16,10 @@ use super::keys::namespace_prefix;
 use super::lease::{Lease, keep_alive_until_shutdown};
 use super::store::EtcdStore;
 use super::watch::{Listener, WatchConfig};
+use crate::core::Core;
+use crate::core::kit::settings::{StoreSettings, store_setters};
 use crate::core::runtime::Daemon;
-use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
-use crate::core::{Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, Parts, Settings};
 use crate::error::{BuildError, ConnectFailure};
 
 /// Configures an [`EtcdBackend`]; created by [`EtcdBackend::builder`].
@@ -27,32 +27,26 @@ use crate::error::{BuildError, ConnectFailure};
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct EtcdBackendBuilder {
     endpoints: Vec<String>,
-    namespace: String,
+    settings: StoreSettings,
     lease_ttl: Duration,
     user: Option<(String, String)>,
     tls_root_cert: Option<Vec<u8>>,
     tls_client_cert: Option<(Vec<u8>, Vec<u8>)>,
-    max_key_len: usize,
-    connect_timeout: Duration,
-    command_timeout: Duration,
     keep_alive_interval: Duration,
-    max_backoff: Duration,
 }
 
 impl std::fmt::Debug for EtcdBackendBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdBackendBuilder")
             .field("endpoints", &self.endpoints)
-            .field("namespace", &self.namespace)
+            .field("settings", &self.settings)
             .field("lease_ttl", &self.lease_ttl)
             // Never the password.
             .field("user", &self.user.as_ref().map(|(user, _)| user))
             .field("tls_root_cert", &self.tls_root_cert.is_some())
             .field("tls_client_cert", &self.tls_client_cert.is_some())
-            .field("max_key_len", &self.max_key_len)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("command_timeout", &self.command_timeout)
-            .finish_non_exhaustive()
+            .field("keep_alive_interval", &self.keep_alive_interval)
+            .finish()
     }
 }
 
@@ -60,25 +54,20 @@ impl EtcdBackendBuilder {
     pub(super) fn new(endpoints: Vec<String>) -> Self {
         EtcdBackendBuilder {
             endpoints,
-            namespace: "tower-lock".to_owned(),
+            // Tokens are revisions: none can be set aside for a run in memory.
+            settings: StoreSettings::new(Duration::from_secs(2)).without_handoffs(),
             lease_ttl: Duration::from_secs(30),
             user: None,
             tls_root_cert: None,
             tls_client_cert: None,
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(2),
-            command_timeout: Duration::from_secs(2),
             keep_alive_interval: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(2),
         }
     }
 
-    /// The prefix of every lock key in etcd (default `tower-lock`): backends whose locks
-    /// must not contend with each other use different namespaces. Must not contain `{`,
-    /// `}` or control characters.
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
-        self
+    store_setters! {
+        settings;
+        /// On etcd it prefixes every key.
+        fn namespace;
     }
 
     /// The TTL of the backend's lease in etcd (default 30 s; whole seconds, rounded up, at
@@ -122,24 +111,13 @@ impl EtcdBackendBuilder {
         self
     }
 
-    /// The longest key accepted, in bytes (default 1024); longer keys are refused with
-    /// 400, never truncated.
-    pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
-        self
-    }
-
-    /// How long to wait for a connection (default 2 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long one call may take (default 2 s): an election in a cluster takes about a
-    /// second with etcd's defaults, and a call waits it out within this bound.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
-        self
+    store_setters! {
+        settings;
+        fn max_key_len;
+        fn connect_timeout = "2 s";
+        /// An election in a cluster takes about a second with etcd's defaults, and a call
+        /// waits it out within this bound.
+        fn command_timeout = "2 s";
     }
 
     /// How often the gRPC connection is pinged (default 1 s): a half-open connection is
@@ -161,8 +139,8 @@ impl EtcdBackendBuilder {
         let endpoints = self.validate()?;
         let addr = endpoints.join(",");
         let mut options = ConnectOptions::new()
-            .with_connect_timeout(self.connect_timeout)
-            .with_keep_alive(self.keep_alive_interval, self.command_timeout)
+            .with_connect_timeout(self.settings.connect_timeout)
+            .with_keep_alive(self.keep_alive_interval, self.settings.command_timeout)
             .with_keep_alive_while_idle(true)
             // A member cut off from the cluster's leader refuses calls (and ends its
             // watches) rather than serving stale reads.
@@ -174,28 +152,17 @@ impl EtcdBackendBuilder {
             options = self.tls(options)?;
         }
         let connecting = Client::connect(endpoints.clone(), Some(options));
-        let client = match timeout(self.connect_timeout, connecting).await {
+        let client = match timeout(self.settings.connect_timeout, connecting).await {
             Ok(Ok(client)) => client,
             Ok(Err(e)) => return Err(self.refused(&addr, e)),
             Err(_) => return Err(timed_out(&addr)),
         };
-        let metrics = Namespace::new(&self.namespace);
-        telemetry::describe_metrics();
-        let parts = Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                // Tokens are revisions: none can be set aside for a run in memory.
-                max_local_handoffs: 0,
-                max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
-                max_key_len: self.max_key_len,
-            },
-            metrics.clone(),
-        );
+        let parts = self.settings.parts();
         let ttl =
             i64::try_from(self.lease_ttl.as_secs() + u64::from(self.lease_ttl.subsec_nanos() > 0))
                 .unwrap_or(i64::MAX);
         let granting = Lease::grant(client.lease_client(), ttl, parts.recheck.clone());
-        let lease = match timeout(self.connect_timeout, granting).await {
+        let lease = match timeout(self.settings.connect_timeout, granting).await {
             Ok(Ok(lease)) => Arc::new(lease),
             Ok(Err(EtcdError::Client(e))) => return Err(self.refused(&addr, e)),
             Ok(Err(e)) => {
@@ -207,26 +174,26 @@ impl EtcdBackendBuilder {
             }
             Err(_) => return Err(timed_out(&addr)),
         };
-        let probing = probe(&client, &self.namespace);
-        match timeout(self.connect_timeout, probing).await {
+        let probing = probe(&client, &self.settings.namespace);
+        match timeout(self.settings.connect_timeout, probing).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(self.refused(&addr, e)),
             Err(_) => return Err(timed_out(&addr)),
         }
         let listener = Listener::spawn(
-            Wakeups::new(metrics),
+            Wakeups::new(parts.metrics.clone()),
             WatchConfig {
                 client: client.watch_client(),
-                prefix: namespace_prefix(&self.namespace),
-                connect_timeout: self.connect_timeout,
-                max_backoff: self.max_backoff,
+                prefix: namespace_prefix(&self.settings.namespace),
+                connect_timeout: self.settings.connect_timeout,
+                max_backoff: self.settings.max_backoff,
             },
             parts.recheck.clone(),
             parts.shutdown.clone(),
             &parts.runtime,
         );
         let keeper = {
-            let (lease, command_timeout) = (lease.clone(), self.command_timeout);
+            let (lease, command_timeout) = (lease.clone(), self.settings.command_timeout);
             Daemon::spawn(
                 move |shutdown| keep_alive_until_shutdown(lease.clone(), command_timeout, shutdown),
                 &parts.runtime,
@@ -238,8 +205,8 @@ impl EtcdBackendBuilder {
             lease,
             listener,
             keeper,
-            namespace: self.namespace,
-            max_key_len: self.max_key_len,
+            namespace: self.settings.namespace,
+            max_key_len: self.settings.max_key_len,
             acquisitions: std::sync::atomic::AtomicU64::new(0),
         };
         Ok(EtcdBackend {

@@ -13,13 +13,12 @@ use super::keys::{hold_prefix, root};
 use super::records::{self, Shelf};
 use super::session::{Connect, Digest, Session, follow_until_shutdown};
 use super::store::ZkStore;
+use crate::core::Core;
+use crate::core::kit::settings::{StoreSettings, refuse_under_a_second, store_setters};
 use crate::core::runtime::Daemon;
 use crate::core::runtime::janitor;
-use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
-use crate::core::{Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, Parts, Settings};
 use crate::error::{BuildError, ConnectFailure};
-use crate::key::validate_namespace;
 
 /// How often the janitor sweeps expired idempotency records: the buckets known to hold
 /// some, and one more in turn.
@@ -30,36 +29,27 @@ const SWEEP_PERIOD: Duration = Duration::from_secs(5);
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct ZooKeeperBackendBuilder {
     hosts: String,
-    namespace: String,
+    settings: StoreSettings,
     digest: Option<Digest>,
     session_timeout: Duration,
-    max_key_len: usize,
-    connect_timeout: Duration,
-    command_timeout: Duration,
-    max_backoff: Duration,
 }
 
 impl ZooKeeperBackendBuilder {
     pub(super) fn new(hosts: String) -> Self {
         ZooKeeperBackendBuilder {
             hosts,
-            namespace: "tower-lock".to_owned(),
+            // Tokens are zxids: none can be set aside for a run in memory.
+            settings: StoreSettings::new(Duration::from_secs(2)).without_handoffs(),
             digest: None,
             session_timeout: Duration::from_secs(10),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(2),
-            command_timeout: Duration::from_secs(2),
-            max_backoff: Duration::from_secs(2),
         }
     }
 
-    /// The node under which every lock lives (default `tower-lock`, the node
-    /// `/tower-lock`, created at build if missing): backends whose locks must not contend
-    /// with each other use different namespaces. Must not contain `{`, `}` or control
-    /// characters, nor be `.` or `..`.
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
-        self
+    store_setters! {
+        settings;
+        /// On ZooKeeper it names the node under which every lock lives (`/tower-lock` by
+        /// default, created at build if missing), which must not be `.` or `..` either.
+        fn namespace;
     }
 
     /// Authenticates every session of the backend as `user` with `password` (ZooKeeper's
@@ -92,24 +82,13 @@ impl ZooKeeperBackendBuilder {
         self
     }
 
-    /// The longest key accepted, in bytes (default 1024); longer keys are refused with
-    /// 400, never truncated.
-    pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
-        self
-    }
-
-    /// How long to wait for a session (default 2 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long one call may take (default 2 s); a call that finds the connection lost
-    /// fails within it with 503.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
-        self
+    store_setters! {
+        settings;
+        fn max_key_len;
+        /// On ZooKeeper it bounds opening a session.
+        fn connect_timeout = "2 s";
+        /// A call that finds the connection lost fails within it.
+        fn command_timeout = "2 s";
     }
 
     /// Opens the backend's session (which proves the hosts), checks the chroot of the
@@ -126,7 +105,7 @@ impl ZooKeeperBackendBuilder {
         let connect = Connect {
             hosts: self.hosts.clone(),
             session_timeout: self.session_timeout,
-            connect_timeout: self.connect_timeout,
+            connect_timeout: self.settings.connect_timeout,
             digest: self.digest.clone(),
         };
         let client = connect.open().await.map_err(|e| refused(&addr, e))?;
@@ -134,23 +113,12 @@ impl ZooKeeperBackendBuilder {
         self.prove(&client, &root, connect.acls(), &shelf)
             .await
             .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
-        let metrics = Namespace::new(&self.namespace);
-        telemetry::describe_metrics();
-        let parts = Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                // Tokens are zxids: none can be set aside for a run in memory.
-                max_local_handoffs: 0,
-                max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
-                max_key_len: self.max_key_len,
-            },
-            metrics.clone(),
-        );
+        let parts = self.settings.parts();
         let session = Arc::new(Session::new(connect, client, parts.recheck.clone()));
-        let wakeups = Wakeups::new(metrics);
+        let wakeups = Wakeups::new(parts.metrics.clone());
         let follower = {
             let (session, wakeups, max_backoff) =
-                (session.clone(), wakeups.clone(), self.max_backoff);
+                (session.clone(), wakeups.clone(), self.settings.max_backoff);
             Daemon::spawn(
                 move |shutdown| {
                     follow_until_shutdown(session.clone(), wakeups.clone(), max_backoff, shutdown)
@@ -180,9 +148,9 @@ impl ZooKeeperBackendBuilder {
             wakeups,
             follower,
             watched: Arc::new(Mutex::new(HashSet::new())),
-            namespace: self.namespace,
+            namespace: self.settings.namespace,
             root,
-            max_key_len: self.max_key_len,
+            max_key_len: self.settings.max_key_len,
             shelf,
             janitor,
         };
@@ -193,9 +161,9 @@ impl ZooKeeperBackendBuilder {
 
     /// The settings checked, and the namespace's node.
     fn validate(&self) -> Result<String, BuildError> {
-        validate_namespace(&self.namespace)?;
-        let root = root(&self.namespace).ok_or_else(|| BuildError::Namespace {
-            namespace: self.namespace.clone(),
+        self.settings.validate()?;
+        let root = root(&self.settings.namespace).ok_or_else(|| BuildError::Namespace {
+            namespace: self.settings.namespace.clone(),
         })?;
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });
         let (hosts, _chroot) = self
@@ -231,18 +199,7 @@ impl ZooKeeperBackendBuilder {
                 );
             }
         }
-        if self.session_timeout < Duration::from_secs(1) {
-            return refuse("session_timeout", "it must be at least 1 s");
-        }
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
-        }
+        refuse_under_a_second("session_timeout", self.session_timeout)?;
         Ok(root)
     }
 

@@ -6,15 +6,15 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 
 use super::EtcdBackendBuilder;
+use crate::core::kit::settings::refuse_zero;
 use crate::error::{BuildError, ConnectFailure};
 use crate::etcd::error::{code, status_code};
 use crate::etcd::keys::namespace_prefix;
-use crate::key::validate_namespace;
 
 impl EtcdBackendBuilder {
     /// The settings checked, and the endpoints as etcd-client takes them.
     pub(super) fn validate(&self) -> Result<Vec<String>, BuildError> {
-        validate_namespace(&self.namespace)?;
+        self.settings.validate()?;
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });
         if self.endpoints.is_empty() {
             return refuse(
@@ -22,18 +22,7 @@ impl EtcdBackendBuilder {
                 "at least one etcd endpoint (http://host:port) is needed",
             );
         }
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
-        if self.keep_alive_interval.is_zero() {
-            return refuse("keep_alive_interval", "it must be above zero");
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
-        }
+        refuse_zero("keep_alive_interval", self.keep_alive_interval)?;
         if self.lease_ttl < Duration::from_secs(2) {
             return refuse(
                 "lease_ttl",
@@ -110,7 +99,7 @@ impl EtcdBackendBuilder {
                     .map_or_else(String::new, |(u, _)| u.clone()),
                 right: format!(
                     "read and write the keys under `{}`",
-                    namespace_prefix(&self.namespace)
+                    namespace_prefix(&self.settings.namespace)
                 ),
                 addr: addr.to_owned(),
                 source: Box::new(e),

@@ -10,11 +10,9 @@ use super::coverage;
 use super::diagnose::{Peer, diagnose, seed_handshake};
 use super::quorum::refuse_non_master;
 use super::{RedisBackendBuilder, Target};
-use crate::core::telemetry::{self, Namespace};
 use crate::core::wakeups::Wakeups;
-use crate::core::{Core, Parts, Settings};
+use crate::core::{Core, Parts};
 use crate::error::BuildError;
-use crate::key::validate_namespace;
 use crate::redis::connection::cluster::ClusterNodes;
 use crate::redis::connection::pool::{Pool, RedisCause};
 use crate::redis::connection::sentinel::{MasterAuth, SentinelGroup};
@@ -67,30 +65,17 @@ impl RedisBackendBuilder {
     /// 503 meanwhile; the build goes on, and logs a warning naming those primaries and the
     /// setting that keeps the other shards serving, `cluster-require-full-coverage no`.
     pub async fn build(self) -> Result<RedisBackend, BuildError> {
-        validate_namespace(&self.namespace)?;
+        self.settings.validate()?;
         self.validate_settings()?;
         if let Target::Quorum(urls) = &self.target {
             let urls = urls.clone();
             return self.build_quorum(urls).await;
         }
-        let parts = self.parts(self.max_local_handoffs);
+        let parts = self.settings.parts();
         let store = self.store(&parts).await?;
         Ok(RedisBackend {
             inner: Inner::Single(Core::new(store, parts)),
         })
-    }
-
-    /// The parts of a backend's core, with `max_local_handoffs`.
-    pub(super) fn parts(&self, max_local_handoffs: u32) -> Parts {
-        Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                max_local_handoffs,
-                max_local_handoff_time: self.max_local_handoff_time,
-                max_key_len: self.max_key_len,
-            },
-            Namespace::new(&self.namespace),
-        )
     }
 
     /// Connects to one deployment (a server, a Sentinel group, a cluster), checks it and
@@ -101,29 +86,28 @@ impl RedisBackendBuilder {
         let server = ServerIdentity::new(parts.recheck.clone());
         let pool = Pool::new(
             topology.clone(),
-            self.pool_size,
-            self.connect_timeout,
-            self.command_timeout,
+            self.settings.pool_size,
+            self.settings.connect_timeout,
+            self.settings.command_timeout,
             server.clone(),
         );
         if let Err(error) = self.check(&pool, &scripts, &peer).await {
             let error = match &topology {
                 Topology::Cluster(nodes) if peer.tls => {
-                    seed_handshake(error, nodes, self.connect_timeout).await
+                    seed_handshake(error, nodes, self.settings.connect_timeout).await
                 }
                 _ => error,
             };
-            return Err(diagnose(error, peer.tls, self.connect_timeout).await);
+            return Err(diagnose(error, peer.tls, self.settings.connect_timeout).await);
         }
-        telemetry::describe_metrics();
         let subscriber = Subscriber::spawn(
             (topology, Wakeups::new(parts.metrics.clone())),
             SubscriberConfig {
-                connect_timeout: self.connect_timeout,
-                command_timeout: self.command_timeout,
+                connect_timeout: self.settings.connect_timeout,
+                command_timeout: self.settings.command_timeout,
                 ping_interval: self.ping_interval,
-                max_backoff: self.max_backoff,
-                admin_channel: admin_channel(&self.namespace),
+                max_backoff: self.settings.max_backoff,
+                admin_channel: admin_channel(&self.settings.namespace),
             },
             pool.failure_epoch(),
             server,
@@ -138,7 +122,7 @@ impl RedisBackendBuilder {
                 watchdog: parts.watchdog.clone(),
                 instance: parts.owners.instance().to_owned(),
                 fence_ttl: self.fence_ttl,
-                command_timeout: self.command_timeout,
+                command_timeout: self.settings.command_timeout,
             };
             Replays::spawn(config, parts.shutdown.clone(), &parts.runtime)
         });
@@ -149,9 +133,9 @@ impl RedisBackendBuilder {
             scripts,
             subscriber,
             replays,
-            namespace: self.namespace.clone(),
-            max_key_len: self.max_key_len,
-            command_timeout: self.command_timeout,
+            namespace: self.settings.namespace.clone(),
+            max_key_len: self.settings.max_key_len,
+            command_timeout: self.settings.command_timeout,
             fence_ttl: self.fence_ttl,
             turn_grace: (!self.quorum_master).then_some(self.turn_grace),
             // A grant is made on the master alone: acquisitions that must reach replicas
@@ -186,9 +170,9 @@ impl RedisBackendBuilder {
             pool,
             scripts,
             peer,
-            namespace: &self.namespace,
-            connect_timeout: self.connect_timeout,
-            command_timeout: self.command_timeout,
+            namespace: &self.settings.namespace,
+            connect_timeout: self.settings.connect_timeout,
+            command_timeout: self.settings.command_timeout,
             publish: if topology.is_cluster() {
                 "SPUBLISH"
             } else {
@@ -255,8 +239,8 @@ impl RedisBackendBuilder {
                 let cluster = ClusterNodes::new(
                     nodes.clone(),
                     self.tls.clone(),
-                    self.connect_timeout,
-                    self.command_timeout,
+                    self.settings.connect_timeout,
+                    self.settings.command_timeout,
                 )
                 .map_err(|e| BuildError::Url {
                     source: Box::new(e),
@@ -277,7 +261,7 @@ impl RedisBackendBuilder {
                     master_name,
                     master,
                     (&self.tls, use_tls),
-                    (self.connect_timeout, self.command_timeout),
+                    (self.settings.connect_timeout, self.settings.command_timeout),
                 )?;
                 let sentinels = addrs(urls)?;
                 // Each sentinel's connect and reply are bounded by the backend's timeouts.
@@ -293,15 +277,11 @@ impl RedisBackendBuilder {
         })
     }
 
-    /// Refuses values that would fail every call, instead of failing each request later.
+    /// Refuses Redis's own settings that would fail every call, instead of failing each
+    /// request later (the shared ones are
+    /// [`StoreSettings::validate`](crate::core::kit::settings::StoreSettings::validate)'s).
     fn validate_settings(&self) -> Result<(), BuildError> {
         let refuse = |name, reason| Err(BuildError::Setting { name, reason });
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
         if self.max_lease < Duration::from_millis(3) {
             return refuse("max_lease", "it must be at least 3 ms, the shortest lease");
         }
@@ -317,15 +297,12 @@ impl RedisBackendBuilder {
             }
             // WAIT 0 would block forever; a wait past the command timeout would fail every
             // acquisition by the reply's timeout instead.
-            if sync.timeout.is_zero() || sync.timeout >= self.command_timeout {
+            if sync.timeout.is_zero() || sync.timeout >= self.settings.command_timeout {
                 return refuse(
                     "sync_replicas",
                     "its timeout must be above zero and below the command timeout",
                 );
             }
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
         }
         if !matches!(self.target, Target::Sentinel { .. }) {
             let sentinel_only =

@@ -12,9 +12,7 @@ use std::time::Duration;
 
 use super::connection::tls::TlsSettings;
 use super::replicas::SyncReplicas;
-use crate::core::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
-};
+use crate::core::kit::settings::{StoreSettings, store_setters};
 // Named by the docs' links only.
 #[cfg(doc)]
 use super::RedisBackend;
@@ -36,16 +34,9 @@ pub const DEFAULT_GRANT_LEASE: Duration = Duration::from_millis(250);
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct RedisBackendBuilder {
     target: Target,
-    pool_size: u32,
-    namespace: String,
-    max_key_len: usize,
-    connect_timeout: Duration,
-    command_timeout: Duration,
+    settings: StoreSettings,
     fence_ttl: Duration,
     ping_interval: Duration,
-    max_backoff: Duration,
-    max_local_handoffs: u32,
-    max_local_handoff_time: Duration,
     turn_grace: Duration,
     grant_lease: Duration,
     tls: TlsSettings,
@@ -99,17 +90,13 @@ impl RedisBackendBuilder {
         let restart_guard = matches!(target, Target::Quorum(_));
         RedisBackendBuilder {
             target,
-            pool_size: 4,
-            namespace: "tower-lock".to_owned(),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_secs(1),
+            settings: StoreSettings {
+                pool_size: 4,
+                ..StoreSettings::new(Duration::from_secs(1))
+            },
             // Ten minutes: see `fence_ttl` for why.
             fence_ttl: Duration::from_secs(10 * 60),
             ping_interval: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(2),
-            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
-            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
             turn_grace: DEFAULT_TURN_GRACE,
             grant_lease: DEFAULT_GRANT_LEASE,
             tls: TlsSettings::default(),
@@ -123,41 +110,16 @@ impl RedisBackendBuilder {
         }
     }
 
-    /// Number of multiplexed command connections (default 4). Each carries many
-    /// concurrent commands, so a handful is plenty. On a cluster each is a cluster
-    /// connection with one socket per node.
-    pub fn pool_size(mut self, size: u32) -> Self {
-        self.pool_size = size.max(1);
-        self
-    }
-
-    /// Prefix of every Redis key and channel (default `tower-lock`). Services that must
-    /// not contend with each other use different namespaces. Must not contain `{`, `}` or
-    /// control characters.
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
-        self
-    }
-
-    /// Longest accepted key in bytes (default 1024). Longer keys are rejected with
-    /// [`KeyError::TooLong`](crate::KeyError::TooLong), never truncated.
-    pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
-        self
-    }
-
-    /// How long to wait for a new connection (default 1 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        // Clamped like every duration of the crate, so that arithmetic on it cannot overflow.
-        self.connect_timeout = timeout.min(MAX_DURATION);
-        self
-    }
-
-    /// How long one command may take before it counts as failed (default 1 s). Waiting
-    /// for a held lock is not a command: it is bounded by the wait, not by this.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout.min(MAX_DURATION);
-        self
+    store_setters! {
+        settings;
+        /// Each is multiplexed: it carries many concurrent commands, so a handful is
+        /// plenty. On a cluster each is a cluster connection with one socket per node.
+        fn pool_size = 4;
+        /// On Redis it prefixes every key and channel.
+        fn namespace;
+        fn max_key_len;
+        fn connect_timeout = "1 s";
+        fn command_timeout = "1 s";
     }
 
     /// How long a key's fencing counter is kept after the last token was issued for it
@@ -199,36 +161,16 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How many times in a row the lock may pass between tasks of this backend under one
-    /// hold in Redis (default [`DEFAULT_MAX_LOCAL_HANDOFFS`]); 0 turns handoff off.
-    ///
-    /// When a task releases a key that another task of the same backend waits for, the
-    /// lock passes to it in memory, without a Redis call: Redis keeps the hold under the
-    /// first task's owner while the tasks take turns, each with its own owner (for
-    /// re-entry) and a fencing token of its own, taken from a block reserved in Redis when
-    /// the hold was taken. This happens only while the hold is confirmed: its last
-    /// acquisition or renewal was acknowledged less than half a lease ago (less a margin
-    /// for clock drift). A run serves the tasks that were queued when it began, each once:
-    /// after the last of them, or after `max` handoffs, or
-    /// [`max_local_handoff_time`](Self::max_local_handoff_time), whichever comes first, the
-    /// release goes to Redis: if another instance waits for the key (it is in the key's
-    /// line of waiting instances, see [`turn_grace`](Self::turn_grace)), the lock is
-    /// granted to the first of them (see [`grant_lease`](Self::grant_lease)) and the
-    /// instances that wait take it in turn; otherwise one script
-    /// hands it to the next task under a new hold and a new block of tokens, and the turns
-    /// go on.
-    pub fn max_local_handoffs(mut self, max: u32) -> Self {
-        self.max_local_handoffs = max;
-        self
-    }
-
-    /// How long the tasks of this backend may take turns with the lock under one hold in
-    /// Redis before a release goes to Redis, letting waiting instances in (default
-    /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`]; see
-    /// [`max_local_handoffs`](Self::max_local_handoffs)).
-    pub fn max_local_handoff_time(mut self, time: Duration) -> Self {
-        self.max_local_handoff_time = time;
-        self
+    store_setters! {
+        settings;
+        /// On Redis, a release that goes to Redis while another instance waits for the key
+        /// (it is in the key's line of waiting instances, see
+        /// [`turn_grace`](Self::turn_grace)) grants the lock to the first of them (see
+        /// [`grant_lease`](Self::grant_lease)), and the instances that wait take it in
+        /// turn; otherwise one script hands it to the next task under a new hold and a new
+        /// block of tokens, and the turns go on.
+        fn max_local_handoffs;
+        fn max_local_handoff_time;
     }
 
     /// How long the instance whose turn it is has to take a freed key (default

@@ -33,7 +33,7 @@ impl RedisBackendBuilder {
         }
         // No handoffs in memory: they would hand a hold on and issue tokens on the word of
         // the one master a release went to first.
-        let parts = self.parts(0);
+        let parts = self.settings.clone().without_handoffs().parts();
         let builders: Vec<Self> = urls
             .iter()
             .map(|url| RedisBackendBuilder {
@@ -57,7 +57,7 @@ impl RedisBackendBuilder {
         let store = QuorumStore {
             masters,
             lead,
-            master_timeout: self.command_timeout / 2,
+            master_timeout: self.settings.command_timeout / 2,
             permits: Default::default(),
         };
         Ok(RedisBackend {
