@@ -10,16 +10,11 @@ mod schema;
 mod store;
 mod wake;
 
-use std::fmt;
 use std::sync::Arc;
 
 pub use self::builder::MySqlBackendBuilder;
 use self::store::MySqlStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::BuildError;
-use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
-use crate::sql::SqlRecords;
 
 /// Distributed locks in MySQL 8 or MariaDB 10.6+ (feature `mysql`). Cheap to clone;
 /// clones share connections.
@@ -68,91 +63,22 @@ use crate::sql::SqlRecords;
 /// below the server clock in microseconds, so they survive the row's deletion.
 ///
 /// [`LockRequest`]: crate::LockRequest
+/// [`IdempotencyBackend`]: crate::IdempotencyBackend
 #[derive(Clone)]
 pub struct MySqlBackend {
     inner: Arc<Core<MySqlStore>>,
 }
 
-impl MySqlBackend {
-    /// Connects with default settings (the schema must be there: see
-    /// [`migrate`](MySqlBackendBuilder::migrate)).
-    pub async fn connect(url: &str) -> Result<Self, BuildError> {
-        Self::builder(url).build().await
-    }
-
-    /// Starts configuring a backend for the database at `url`
-    /// (`mysql://user:password@host:port/database?ssl-mode=...`).
-    pub fn builder(url: impl Into<String>) -> MySqlBackendBuilder {
-        MySqlBackendBuilder::new(url.into())
-    }
-
-    /// Starts configuring a backend on the application's own pool. Calls take its
-    /// connections one `CALL` at a time; the wake connection is opened apart with the
-    /// pool's connect options, so it does not take one of the pool's for good.
-    pub fn from_pool(pool: sqlx::MySqlPool) -> MySqlBackendBuilder {
-        MySqlBackendBuilder::from_pool(pool)
-    }
-
-    /// The SQL that creates (or upgrades) the lock table `table`, its other tables and
-    /// procedures, as the `mysql`/`mariadb` client runs it: what
-    /// [`migrate`](MySqlBackendBuilder::migrate) runs, to run by hand or put in a migration
-    /// tool instead. For the default table it is `src/mysql/schema.sql`.
-    pub fn schema_sql(table: &str) -> Result<String, BuildError> {
-        schema::sql(table)
-    }
-
-    crate::core::lock_backend_methods! {
-        /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
-        /// reached (see [`LockBackend::inspect`]). One call; changes nothing.
-        fn inspect;
-        /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
-        /// round trip or two through the namespace's admin channel, which every backend's wake
-        /// connection is registered on, at the latest at its next renewal (see
-        /// [`LockBackend::force_release`]). Returns what was freed.
-        fn force_release;
-    }
-
-    /// A snapshot of the backend's wake connection and bookkeeping.
-    pub fn stats(&self) -> BackendStats {
-        self.inner.stats(self.inner.store.wake.wakeups())
-    }
-
-    /// The namespace that prefixes every lock name of this backend.
-    pub fn namespace(&self) -> &str {
-        &self.inner.store.namespace
-    }
-
-    /// The lock table's name.
-    pub fn table(&self) -> &str {
-        &self.inner.store.table
-    }
+crate::sql::sql_backend! {
+    MySqlBackend, MySqlBackendBuilder, sqlx::MySqlPool,
+    url: "mysql://user:password@host:port/database?ssl-mode=...",
+    schema: schema::sql, "src/mysql/schema.sql", "the `mysql`/`mariadb` client",
+    routines: "procedures",
+    table_in: "the URL's database",
+    fence_ttl: "1 hour",
+    call: "`CALL`",
+    wake: "wake connection",
+    command: "The command pool's sessions wait for a row lock at most this long, rounded up \
+              to whole seconds (`innodb_lock_wait_timeout`); a call that timed out so is sent \
+              again.",
 }
-
-impl fmt::Debug for MySqlBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MySqlBackend")
-            .field("table", &self.inner.store.table)
-            .field("namespace", &self.inner.store.namespace)
-            .field("instance", &self.inner.owners.instance())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Sealed for MySqlBackend {
-    fn store(&self) -> Arc<dyn Backend> {
-        self.inner.clone()
-    }
-}
-
-impl LockBackend for MySqlBackend {}
-
-impl RecordsOf for MySqlBackend {
-    fn records(&self) -> Arc<dyn Records> {
-        SqlRecords::new(
-            self.inner.store.clone(),
-            self.inner.settings.command_timeout,
-        )
-    }
-}
-
-impl IdempotencyBackend for MySqlBackend {}

@@ -10,16 +10,11 @@ mod listen;
 mod schema;
 mod store;
 
-use std::fmt;
 use std::sync::Arc;
 
 pub use self::builder::PostgresBackendBuilder;
 use self::store::PgStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
 use crate::core::Core;
-use crate::error::BuildError;
-use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
-use crate::sql::SqlRecords;
 
 /// Distributed locks in PostgreSQL (feature `postgres`). Cheap to clone; clones share
 /// connections.
@@ -63,90 +58,21 @@ use crate::sql::SqlRecords;
 /// below the server clock in microseconds, so they survive the row's deletion.
 ///
 /// [`LockRequest`]: crate::LockRequest
+/// [`IdempotencyBackend`]: crate::IdempotencyBackend
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Core<PgStore>>,
 }
 
-impl PostgresBackend {
-    /// Connects with default settings (the schema must be there: see
-    /// [`migrate`](PostgresBackendBuilder::migrate)).
-    pub async fn connect(url: &str) -> Result<Self, BuildError> {
-        Self::builder(url).build().await
-    }
-
-    /// Starts configuring a backend for the database at `url`
-    /// (`postgres://user:password@host:port/database?sslmode=...`).
-    pub fn builder(url: impl Into<String>) -> PostgresBackendBuilder {
-        PostgresBackendBuilder::new(url.into())
-    }
-
-    /// Starts configuring a backend on the application's own pool. Calls take its
-    /// connections one statement at a time; the listening connection is opened apart with
-    /// the pool's connect options, so it does not take one of the pool's for good.
-    pub fn from_pool(pool: sqlx::PgPool) -> PostgresBackendBuilder {
-        PostgresBackendBuilder::from_pool(pool)
-    }
-
-    /// The SQL that creates (or upgrades) the lock table `table` and its functions: what
-    /// [`migrate`](PostgresBackendBuilder::migrate) runs, to run by hand or put in a
-    /// migration tool instead. For the default table it is `src/postgres/schema.sql`.
-    pub fn schema_sql(table: &str) -> Result<String, BuildError> {
-        schema::sql(table)
-    }
-
-    crate::core::lock_backend_methods! {
-        /// A snapshot of `key`'s lock: how it is held, for how long, and the fencing token
-        /// reached (see [`LockBackend::inspect`]). One statement; changes nothing.
-        fn inspect;
-        /// Frees `key`'s lock whatever holds it, fenced; the holder sees `lost()` within a
-        /// round trip or two through the namespace's admin channel, which every backend
-        /// listens to, at the latest at its next renewal (see
-        /// [`LockBackend::force_release`]). Returns what was freed.
-        fn force_release;
-    }
-
-    /// A snapshot of the backend's listening connection and bookkeeping.
-    pub fn stats(&self) -> BackendStats {
-        self.inner.stats(self.inner.store.wake.wakeups())
-    }
-
-    /// The namespace that prefixes every lock name of this backend.
-    pub fn namespace(&self) -> &str {
-        &self.inner.store.namespace
-    }
-
-    /// The lock table's name.
-    pub fn table(&self) -> &str {
-        &self.inner.store.table
-    }
+crate::sql::sql_backend! {
+    PostgresBackend, PostgresBackendBuilder, sqlx::PgPool,
+    url: "postgres://user:password@host:port/database?sslmode=...",
+    schema: schema::sql, "src/postgres/schema.sql", "`psql`",
+    routines: "functions",
+    table_in: "a schema of the connection's `search_path`",
+    fence_ttl: "10 minutes",
+    call: "statement",
+    wake: "listening connection",
+    command: "The server cancels a statement that runs past twice this long \
+              (`statement_timeout`), so none outlives its caller by much.",
 }
-
-impl fmt::Debug for PostgresBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PostgresBackend")
-            .field("table", &self.inner.store.table)
-            .field("namespace", &self.inner.store.namespace)
-            .field("instance", &self.inner.owners.instance())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Sealed for PostgresBackend {
-    fn store(&self) -> Arc<dyn Backend> {
-        self.inner.clone()
-    }
-}
-
-impl LockBackend for PostgresBackend {}
-
-impl RecordsOf for PostgresBackend {
-    fn records(&self) -> Arc<dyn Records> {
-        SqlRecords::new(
-            self.inner.store.clone(),
-            self.inner.settings.command_timeout,
-        )
-    }
-}
-
-impl IdempotencyBackend for PostgresBackend {}

@@ -1,20 +1,21 @@
-//! What both SQL builders do alike: their settings, the checks of them, the core's parts,
-//! and how `build` reports a connection or call that failed.
+//! What both SQL builders do alike: the settings only SQL stores take, `build` itself
+//! (check the settings, connect, check the server and the schema or create it, start the
+//! wake-up connection and the janitor, probe the user's rights), and how it reports a
+//! connection or call that failed. What differs is each server's [`Server`].
 
+use std::fmt;
+use std::future::Future;
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Connection;
 use tokio::time::timeout;
 
-use super::Dialect;
-use crate::core::telemetry::{self, Namespace};
-use crate::core::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
-};
+use super::{Calls, Dialect, SqlStore, admin_channel, janitor};
+use crate::core::kit::settings::{StoreSettings, refuse_under_a_second};
+use crate::core::{Core, Parts, Store};
 use crate::error::{BuildError, ConnectFailure};
-use crate::key::validate_namespace;
 
 /// The build error for a failed connection or call, naming the server and the kind of
 /// failure: refused, unknown host, timed out, closed, TLS, wrong credentials.
@@ -60,96 +61,194 @@ pub(crate) fn connect_failure<D: Dialect>(
     }
 }
 
-/// The settings both SQL builders take, as they are set; each builder documents them in
+/// The options a server's connections are opened with.
+pub(crate) type Options<D> = <<D as sqlx::Database>::Connection as Connection>::Options;
+
+/// Where a SQL backend's connections come from, as the user gave it.
+pub(crate) enum Target<D: sqlx::Database> {
+    /// The database's URL: the backend opens a pool of its own.
+    Url(String),
+    /// The application's pool.
+    Pool(sqlx::Pool<D>),
+}
+
+impl<D: sqlx::Database> Clone for Target<D> {
+    fn clone(&self) -> Self {
+        match self {
+            Target::Url(url) => Target::Url(url.clone()),
+            Target::Pool(pool) => Target::Pool(pool.clone()),
+        }
+    }
+}
+
+impl<D: sqlx::Database> fmt::Debug for Target<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Url(url) => f.debug_tuple("Url").field(url).finish(),
+            Target::Pool(pool) => f.debug_tuple("Pool").field(pool).finish(),
+        }
+    }
+}
+
+/// The settings a SQL builder starts with, besides its own ([`Config`]): a pool of 8
+/// connections, timeouts of 1 s.
+pub(crate) fn settings() -> StoreSettings {
+    StoreSettings {
+        pool_size: 8,
+        ..StoreSettings::new(Duration::from_secs(1))
+    }
+}
+
+/// The settings only the SQL stores take, as they are set; each builder documents them in
 /// its own words.
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) table: String,
     pub(crate) migrate: bool,
-    pub(crate) pool_size: u32,
-    pub(crate) namespace: String,
-    pub(crate) max_key_len: usize,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) command_timeout: Duration,
     pub(crate) fence_ttl: Duration,
     /// How often the connection that waiters are woken through shows it is alive.
     pub(crate) ping_interval: Duration,
-    pub(crate) max_backoff: Duration,
-    pub(crate) max_local_handoffs: u32,
-    pub(crate) max_local_handoff_time: Duration,
 }
 
 impl Config {
-    /// The defaults, but for the store's own: `fence_ttl` and `ping_interval`.
+    /// The defaults, but for the store's own: its table, `fence_ttl` and `ping_interval`.
     pub(crate) fn new(table: &str, fence_ttl: Duration, ping_interval: Duration) -> Self {
         Config {
             table: table.to_owned(),
             migrate: false,
-            pool_size: 8,
-            namespace: "tower-lock".to_owned(),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_secs(1),
             fence_ttl,
             ping_interval,
-            max_backoff: Duration::from_secs(2),
-            max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,
-            max_local_handoff_time: DEFAULT_MAX_LOCAL_HANDOFF_TIME,
         }
     }
+}
 
-    /// Refuses the settings no store can run with, naming the first; `schema_sql` is the
-    /// store's schema for a table name (which refuses a name it cannot use).
-    pub(crate) fn validate(
-        &self,
-        schema_sql: fn(&str) -> Result<String, BuildError>,
-    ) -> Result<(), BuildError> {
-        validate_namespace(&self.namespace)?;
-        schema_sql(&self.table)?;
-        let refuse = |name, reason| Err(BuildError::Setting { name, reason });
-        if self.command_timeout.is_zero() {
-            return refuse("command_timeout", "it must be above zero");
-        }
-        if self.connect_timeout.is_zero() {
-            return refuse("connect_timeout", "it must be above zero");
-        }
-        if self.max_key_len == 0 {
-            return refuse("max_key_len", "it must be at least one byte");
-        }
-        if self.fence_ttl < Duration::from_secs(1) {
-            return refuse("fence_ttl", "it must be at least one second");
-        }
-        Ok(())
-    }
+/// What `build` does on one server that the other does not: the schema, the command pool,
+/// the checks of the server and of the user's rights, and the connection waiters are woken
+/// through. Implemented for sqlx's database types in each store's `builder.rs`.
+pub(crate) trait Server: Calls {
+    /// The SQL that creates or upgrades the schema of the lock table `table`; refuses a
+    /// name the server cannot take.
+    fn schema_sql(table: &str) -> Result<String, BuildError>;
 
-    /// What the core needs besides the store, and the metrics' namespace for the store's
-    /// wake-ups.
-    pub(crate) fn parts(&self) -> (Parts, Namespace) {
-        let metrics = Namespace::new(&self.namespace);
-        telemetry::describe_metrics();
-        let parts = Parts::new(
-            Settings {
-                command_timeout: self.command_timeout,
-                max_local_handoffs: self.max_local_handoffs,
-                max_local_handoff_time: self.max_local_handoff_time,
-                max_key_len: self.max_key_len,
-            },
-            metrics.clone(),
-        );
-        (parts, metrics)
-    }
+    /// Refuses what this server cannot take of the SQL settings, besides what every SQL
+    /// store refuses.
+    fn validate(config: &Config) -> Result<(), BuildError>;
 
-    /// Opens one connection of its own, which proves the server and the credentials with
-    /// the cause when it cannot (a pool only says that it timed out), and closes it.
-    pub(crate) async fn prove<D: Dialect>(
-        &self,
-        options: &<D::Connection as Connection>::Options,
-    ) -> Result<(), BuildError> {
-        match timeout(self.connect_timeout, D::Connection::connect_with(options)).await {
-            Ok(Ok(conn)) => drop(conn.close().await),
-            Ok(Err(e)) => return Err(connect_failure::<D>(e, options)),
-            Err(_) => return Err(connect_failure::<D>(sqlx::Error::PoolTimedOut, options)),
+    /// The command pool for the database at `url`, connecting lazily, and the options its
+    /// connections are opened with.
+    fn pool(
+        url: &str,
+        settings: &StoreSettings,
+    ) -> Result<(sqlx::Pool<Self>, Options<Self>), BuildError>;
+
+    /// Refuses a server that takes no writes: every acquisition would fail.
+    fn refuse_read_only(
+        pool: &sqlx::Pool<Self>,
+        options: &Options<Self>,
+    ) -> impl Future<Output = Result<(), BuildError>>;
+
+    /// Creates or upgrades the schema of `table`: idempotent, and safe when several
+    /// instances build at once.
+    fn migrate(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>>;
+
+    /// Refuses a database without the schema of `table`, or with another version of it;
+    /// `Err(Err(e))` when the check itself failed.
+    fn check(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl Future<Output = Result<(), Result<BuildError, sqlx::Error>>>;
+
+    /// The build error for a failed call to the schema of `table`.
+    fn call_failure(e: sqlx::Error, options: &Options<Self>, table: &str) -> BuildError;
+
+    /// Starts the connection the backend's waiters are woken through, given the command
+    /// pool and the options of its connections, and the settings.
+    fn wake(
+        connections: (&sqlx::Pool<Self>, &Options<Self>),
+        settings: (&StoreSettings, &Config),
+        parts: &Parts,
+    ) -> Self::Wake;
+
+    /// Refuses a user without the rights the store's calls need: a probe acquisition and
+    /// release, which leave nothing behind, must pass.
+    fn probe(
+        store: &SqlStore<Self>,
+        options: &Options<Self>,
+    ) -> impl Future<Output = Result<(), BuildError>>;
+}
+
+/// The core of a backend on the server `D` (see each builder's `build` for what is
+/// refused): checks the settings, connects (one connection of its own first, which proves
+/// the server and the credentials), refuses a read-only server, checks the schema or
+/// creates it with `migrate`, starts the wake-up connection and the janitor, and probes the
+/// user's rights.
+pub(crate) async fn build<D: Server>(
+    target: Target<D>,
+    settings: StoreSettings,
+    config: Config,
+) -> Result<Arc<Core<SqlStore<D>>>, BuildError>
+where
+    SqlStore<D>: Store,
+{
+    settings.validate()?;
+    D::schema_sql(&config.table)?;
+    refuse_under_a_second("fence_ttl", config.fence_ttl)?;
+    D::validate(&config)?;
+    let (pool, options) = match target {
+        Target::Url(url) => D::pool(&url, &settings)?,
+        Target::Pool(pool) => {
+            let options = (*pool.connect_options()).clone();
+            (pool, options)
         }
-        Ok(())
+    };
+    prove::<D>(&options, settings.connect_timeout).await?;
+    D::refuse_read_only(&pool, &options).await?;
+    let failure = |e| D::call_failure(e, &options, &config.table);
+    if config.migrate {
+        D::migrate(&pool, &config.table).await.map_err(failure)?;
+    } else {
+        D::check(&pool, &config.table)
+            .await
+            .map_err(|e| e.unwrap_or_else(failure))?;
     }
+    let parts = settings.parts();
+    let wake = D::wake((&pool, &options), (&settings, &config), &parts);
+    let sql = D::statements(&config.table);
+    let janitor = janitor::spawn(
+        pool.clone(),
+        sql.sweep.clone(),
+        config.fence_ttl,
+        parts.shutdown.clone(),
+        &parts.runtime,
+    );
+    let store = SqlStore {
+        pool,
+        sql,
+        wake,
+        janitor,
+        instance: parts.owners.instance().to_owned(),
+        admin_channel: admin_channel(&settings.namespace),
+        namespace: settings.namespace,
+        table: config.table,
+        max_key_len: settings.max_key_len,
+    };
+    D::probe(&store, &options).await?;
+    Ok(Core::new(store, parts))
+}
+
+/// Opens one connection of its own, which proves the server and the credentials with the
+/// cause when it cannot (a pool only says that it timed out), and closes it.
+async fn prove<D: Dialect>(
+    options: &Options<D>,
+    connect_timeout: Duration,
+) -> Result<(), BuildError> {
+    match timeout(connect_timeout, D::Connection::connect_with(options)).await {
+        Ok(Ok(conn)) => drop(conn.close().await),
+        Ok(Err(e)) => return Err(connect_failure::<D>(e, options)),
+        Err(_) => return Err(connect_failure::<D>(sqlx::Error::PoolTimedOut, options)),
+    }
+    Ok(())
 }

@@ -7,6 +7,7 @@
 //! row name) is a [`Dialect`], implemented for sqlx's database types in each store's
 //! module; the SQL text and the wake-up machinery stay with each store.
 
+mod backend;
 mod build;
 mod error;
 pub(crate) mod janitor;
@@ -16,7 +17,8 @@ mod store;
 
 use std::time::Duration;
 
-pub(crate) use self::build::{Config, connect_failure};
+pub(crate) use self::backend::sql_backend;
+pub(crate) use self::build::{Config, Server, Target, build, connect_failure, settings};
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
 pub(crate) use self::records::SqlRecords;
