@@ -38,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use self::queue::Queues;
 use self::runtime::Spawner;
 pub(crate) use self::store::Store;
+use self::store::capabilities::Capabilities;
 pub(crate) use self::store::methods::lock_backend_methods;
 use self::telemetry::Namespace;
 use self::telemetry::observe::OwnerIds;
@@ -77,6 +78,8 @@ pub(crate) struct Settings {
 /// of the public backend type; its tasks stop when it is dropped.
 pub(crate) struct Core<S: Store> {
     pub(crate) store: Arc<S>,
+    /// What the store declared of itself when the core was made.
+    pub(crate) capabilities: Capabilities,
     pub(crate) watchdog: Watchdog,
     pub(crate) queues: Queues,
     pub(crate) owners: OwnerIds,
@@ -120,6 +123,7 @@ impl<S: Store> Core<S> {
     /// The core over `store`, starting the watchdog.
     pub(crate) fn new(store: S, parts: Parts) -> Arc<Self> {
         let store = Arc::new(store);
+        let capabilities = store.capabilities();
         parts.watchdog.start(
             store.clone(),
             parts.settings.command_timeout,
@@ -129,6 +133,7 @@ impl<S: Store> Core<S> {
         );
         Arc::new(Core {
             store,
+            capabilities,
             watchdog: parts.watchdog,
             queues: Queues::default(),
             owners: parts.owners,
