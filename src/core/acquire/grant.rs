@@ -1,6 +1,7 @@
 //! Keys granted by a release: a store that keeps waiting holders in line (Redis) may hand
 //! a freed key to the head of the line in the release's own call, and tell it in the
-//! release's message. The waiting acquisition then claims it (a renewal for the hold's
+//! release's message (it declares [`Grants`](crate::core::store::Grants); its line's
+//! answers are [`InLine`]). Nothing here runs for a store without a line. The waiting acquisition then claims it (a renewal for the hold's
 //! full lease) and holds the key once the claim is confirmed ([`Core::claimed`]).
 //!
 //! A grant lasts a short grant lease unless its holder claims it. Until then the hold is
