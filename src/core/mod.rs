@@ -1,22 +1,31 @@
 //! What makes a hold safe, whatever the store: written once, reused by every store.
 //!
-//! A store (`src/redis/`, `src/postgres/`) implements the narrow [`Store`] trait of
+//! A store (`src/redis/`, `src/postgres/`, ...) implements the narrow [`Store`] trait of
 //! primitive calls (one attempt, one release, a batch renewal, wake-ups for a key's
-//! waiters, what its errors mean) and speaks only its own protocol. [`Core`] drives it:
+//! waiters, what its errors mean) and speaks only its own protocol. What sets a store
+//! apart in how the core must treat it is declared once, as typed [`Capabilities`] (and,
+//! for a store that grants freed keys to a line of waiting holders, the `Grants`
+//! sub-trait), never as a method per quirk. [`Core`] drives it:
 //!
 //! - `acquire/`: the acquisition: the key's local queue first (one contender per key per
 //!   process, `queue/`), then try -> subscribe -> try again -> wait for a wake-up or the
-//!   holder's lease -> loop (never sleep-and-poll); `call.rs`, one attempt, cancel-safe (a
-//!   reply nobody took is given back); `contender.rs`, the contender in the store;
-//!   `grant.rs`, keys a release in the store granted to a waiting acquisition.
+//!   holder's lease -> loop (never sleep-and-poll), as named steps: `attempt.rs`, one
+//!   attempt and what its answer means; `call.rs`, its call, cancel-safe (a reply nobody
+//!   took is given back); `wait.rs`, where the acquisition stands between attempts, the
+//!   permit gate, the waiter and the nap; `yielding.rs`, the yield to other instances
+//!   after a run of this process's holders; `grant.rs`, keys a release in the store
+//!   granted to a waiting acquisition; `record.rs`, the idempotency record check;
+//!   `contender.rs`, the contender in the store.
 //! - `hold/`: the guard's hold and its release on every exit path (`release.rs`), retried,
 //!   idempotent, finished in the background when nobody waits for it, never outlived by
 //!   renewal; `handoff.rs`, runs of this process's holders taking turns under one hold in
 //!   the store; `value.rs`, a hold as the consensus stores keep it.
 //! - `watchdog/`: batched renewal every lease/3, the stop margin before a lease ends, and
 //!   `lost()`; `recheck.rs`, the re-check of every hold when the store may have lost data.
-//! - `store/`: the [`Store`] trait, the backends' shared methods and operator calls, and
-//!   the takeovers a store announces.
+//! - `store/`: the [`Store`] trait and its [`Capabilities`], a store's line of waiting
+//!   holders (`line.rs`), the integer replies the Redis scripts and the SQL functions
+//!   share (`replies.rs`, read by those stores only), the backends' shared methods and
+//!   operator calls, and the takeovers a store announces.
 //! - `kit/`: the store kit, what every store's builder takes from the core: the settings
 //!   they share (`settings.rs`).
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
@@ -41,6 +50,7 @@ use tokio_util::sync::CancellationToken;
 use self::queue::Queues;
 use self::runtime::Spawner;
 pub(crate) use self::store::Store;
+use self::store::capabilities::Capabilities;
 pub(crate) use self::store::methods::lock_backend_methods;
 use self::telemetry::Namespace;
 use self::telemetry::observe::OwnerIds;
@@ -80,6 +90,8 @@ pub(crate) struct Settings {
 /// of the public backend type; its tasks stop when it is dropped.
 pub(crate) struct Core<S: Store> {
     pub(crate) store: Arc<S>,
+    /// What the store declared of itself when the core was made.
+    pub(crate) capabilities: Capabilities,
     pub(crate) watchdog: Watchdog,
     pub(crate) queues: Queues,
     pub(crate) owners: OwnerIds,
@@ -123,6 +135,7 @@ impl<S: Store> Core<S> {
     /// The core over `store`, starting the watchdog.
     pub(crate) fn new(store: S, parts: Parts) -> Arc<Self> {
         let store = Arc::new(store);
+        let capabilities = store.capabilities();
         parts.watchdog.start(
             store.clone(),
             parts.settings.command_timeout,
@@ -132,6 +145,7 @@ impl<S: Store> Core<S> {
         );
         Arc::new(Core {
             store,
+            capabilities,
             watchdog: parts.watchdog,
             queues: Queues::default(),
             owners: parts.owners,

@@ -18,7 +18,9 @@ use super::line::Line;
 use super::watch::Listener;
 use crate::core::hold::value::HoldValue;
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Release, Released, Sent, Store};
+use crate::core::store::{
+    Attempt, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
+};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -293,6 +295,17 @@ impl Store for EtcdStore {
     // A release needs no particular connection.
     type Sent = ();
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // The backend's lease outlives a hold that asked for no renewal.
+            lost_holds: LostHolds::MayRemain,
+            // A permit waiter keeps its key in line, and a freed permit wakes the oldest
+            // waiter of each backend (see permits.rs).
+            permit_waiters: PermitWaiters::InStore,
+            ..Capabilities::default()
+        }
+    }
+
     fn key(&self, user: String, kind: Kind) -> Result<EtcdKey, LockError> {
         let semaphore = matches!(kind, Kind::Permit(_));
         let serial = self.acquisitions.fetch_add(1, Ordering::Relaxed);
@@ -357,17 +370,6 @@ impl Store for EtcdStore {
 
     fn subscribe(&self, key: &EtcdKey) -> Waiter {
         self.listener.register(&key.channel)
-    }
-
-    fn releases_lost_holds(&self) -> bool {
-        // The backend's lease outlives a hold that asked for no renewal.
-        true
-    }
-
-    fn lines_up_permit_waiters(&self) -> bool {
-        // A permit waiter keeps its key in line, and a freed permit wakes the oldest
-        // waiter of each backend (see permits.rs).
-        true
     }
 
     fn lease(&self, _lease: Duration) -> Duration {

@@ -8,8 +8,8 @@
 //!   is taken (a completed key is replayed without touching its lock, so retries of a
 //!   finished request never contend) and again once it is held (the first request may
 //!   have finished between the two), unless the store checked it as it took the hold
-//!   (`Store::checks_records`: Redis's acquisition script takes no new hold while the
-//!   record exists, and the layer replays it instead).
+//!   (its capabilities say `records: InAttempt`: Redis's acquisition script takes no new
+//!   hold while the record exists, and the layer replays it instead).
 //! - [`store`](Records::store): writes the record, with its retention, only if the hold
 //!   that ran the handler still holds the key, in one atomic step: a lock lost while the
 //!   handler ran stores nothing. The hold is then released as any other.

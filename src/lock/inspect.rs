@@ -93,30 +93,4 @@ impl LockInfo {
     pub fn is_free(&self) -> bool {
         self.mode == LockMode::Free
     }
-
-    /// Reads a snapshot in the integer-array form that the Redis scripts (snapshot.lua)
-    /// and the SQL functions share: `{mode, holders, holds, lease, token}`, mode 0 free,
-    /// 1 exclusive, 2 shared, 3 permits; lease in milliseconds, -1 when free; token 0 when
-    /// none is remembered. `None` for anything else.
-    pub(crate) fn from_reply(key: String, reply: &[i64]) -> Option<Self> {
-        let &[mode, holders, holds, lease, token] = reply else {
-            return None;
-        };
-        let fencing_token = u64::try_from(token).ok().filter(|&t| t > 0);
-        let mode = match mode {
-            0 => return Some(LockInfo::free(key, fencing_token)),
-            1 => LockMode::Exclusive,
-            2 => LockMode::Shared,
-            3 => LockMode::Permits,
-            _ => return None,
-        };
-        Some(LockInfo {
-            key,
-            mode,
-            holders: usize::try_from(holders).ok()?,
-            holds: u32::try_from(holds).ok()?,
-            lease_remaining: u64::try_from(lease).ok().map(Duration::from_millis),
-            fencing_token,
-        })
-    }
 }

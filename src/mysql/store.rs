@@ -8,7 +8,7 @@ use sqlx::query::QueryScalar;
 
 use super::error::MySqlError;
 use super::wake::WakeConnection;
-use crate::core::store::{Attempt, Attempted, Release, Released};
+use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::lock::{BoxFuture, Kind};
@@ -194,7 +194,7 @@ impl Calls for MySql {
                     .bind(i32::try_from(permits).unwrap_or(i32::MAX)),
             };
             let attempted = reply(&store.pool, make).await.and_then(|reply| {
-                Attempted::from_reply(&reply).ok_or(MySqlError::unexpected("acquire"))
+                replies::attempted(&reply).ok_or(MySqlError::unexpected("acquire"))
             });
             (attempted, Some(()))
         })
@@ -253,7 +253,7 @@ impl Calls for MySql {
                     .bind(release.only_token.map(token)),
             };
             let reply = reply(&store.pool, make).await?;
-            Released::from_reply(&reply).ok_or(MySqlError::unexpected("release"))
+            replies::released(&reply).ok_or(MySqlError::unexpected("release"))
         })
     }
 

@@ -8,7 +8,7 @@ use sqlx::postgres::PgPool;
 
 use super::error::PgError;
 use super::listen::Listener;
-use crate::core::store::{Attempt, Attempted, Release, Released};
+use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::lock::{BoxFuture, Kind};
@@ -138,7 +138,7 @@ impl Calls for Postgres {
                 Ok(reply) => reply,
                 Err(e) => return (Err(PgError::from(e)), Some(())),
             };
-            let attempted = Attempted::from_reply(&reply).ok_or(PgError::unexpected("acquire"));
+            let attempted = replies::attempted(&reply).ok_or(PgError::unexpected("acquire"));
             (attempted, Some(()))
         })
     }
@@ -191,7 +191,7 @@ impl Calls for Postgres {
                 }
             };
             let reply = call.fetch_one(&store.pool).await?;
-            Released::from_reply(&reply).ok_or(PgError::unexpected("release"))
+            replies::released(&reply).ok_or(PgError::unexpected("release"))
         })
     }
 

@@ -9,7 +9,7 @@ use super::keys::LockKey;
 use super::scripts::millis;
 use super::scripts::release_call::ReleaseCall;
 use super::store::RedisStore;
-use crate::core::store::{Attempt, Release, Store};
+use crate::core::store::{Attempt, Calls, Release};
 use crate::lock::Kind;
 
 impl RedisStore {
@@ -147,7 +147,7 @@ impl RedisStore {
             lease: attempt.lease,
             successor: None,
             run_spent: false,
-            may_have_run: self.runs_calls_twice(),
+            may_have_run: self.calls() == Calls::MayRunTwice,
             only_token: None,
             issued: None,
             reserve: 0,

@@ -19,6 +19,7 @@ use super::connection::pool::CommandError;
 use super::keys::{LockKey, admin_channel};
 use super::scripts::{self, millis};
 use super::store::RedisStore;
+use crate::core::store::replies;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 
@@ -35,7 +36,7 @@ impl RedisStore {
             .key(&names.fence)
             .arg(u8::from(of == Primitive::Semaphore));
         let reply = self.run(Call::Inspect, &names, &invocation).await?;
-        LockInfo::from_reply(names.user, &reply)
+        replies::snapshot(names.user, &reply)
             .ok_or_else(|| LockError::backend("inspect", UnexpectedReply("inspect")))
     }
 
@@ -62,7 +63,7 @@ impl RedisStore {
                 .arg(serial);
         }
         let reply = self.run(Call::ForceRelease, &names, &invocation).await?;
-        let freed = LockInfo::from_reply(names.user, &reply)
+        let freed = replies::snapshot(names.user, &reply)
             .ok_or_else(|| LockError::backend("inspect", UnexpectedReply("inspect")))?;
         if !freed.is_free() {
             self.announce_force_release().await;

@@ -20,7 +20,7 @@ use super::keys::LockKey;
 use super::replies::parse_release;
 use super::scripts::millis;
 use super::store::RedisStore;
-use crate::core::store::{Release, Released, Store};
+use crate::core::store::{Calls, Release, Released};
 use crate::lock::Kind;
 
 /// How many replicas must acknowledge a write that grants or extends a hold, and how long
@@ -104,7 +104,7 @@ impl RedisStore {
             lease: successor.lease,
             successor: None,
             run_spent: false,
-            may_have_run: self.runs_calls_twice(),
+            may_have_run: self.calls() == Calls::MayRunTwice,
             only_token: Some(token),
             issued: None,
             reserve: 0,

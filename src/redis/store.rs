@@ -17,7 +17,8 @@ use super::replicas::{SyncReplicas, Write};
 use super::replies::{parse_attempt, parse_release};
 use super::scripts::{Scripts, millis};
 use crate::core::store::{
-    Attempt, Attempted, Failure, Release, Released, Sent, Store, StoreKey, Takeovers,
+    Attempt, Attempted, Calls, Capabilities, Failure, Grants, Records, Release, Released, Sent,
+    Store, StoreKey, Takeovers,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -86,10 +87,36 @@ impl Failure for CommandError {
     }
 }
 
+impl RedisStore {
+    /// A cluster client sends a call again by itself when its connection drops before the
+    /// reply; other clients send nothing again.
+    pub(crate) fn calls(&self) -> Calls {
+        if self.scripts.sharded {
+            Calls::MayRunTwice
+        } else {
+            Calls::RunOnce
+        }
+    }
+}
+
+impl Grants<LockKey> for RedisStore {
+    fn subscribe_in_line(&self, key: &LockKey, holder: &LockOwner) -> Waiter {
+        self.subscriber.register(&key.channel, Some(holder.clone()))
+    }
+}
+
 impl Store for RedisStore {
     type Key = LockKey;
     type Error = CommandError;
     type Sent = Conn;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            calls: self.calls(),
+            records: Records::InAttempt,
+            ..Capabilities::default()
+        }
+    }
 
     fn key(&self, user: String, kind: Kind) -> Result<LockKey, LockError> {
         Ok(match kind {
@@ -209,9 +236,8 @@ impl Store for RedisStore {
         self.subscriber.register(&key.channel, None)
     }
 
-    fn subscribe_as(&self, key: &LockKey, holder: &LockOwner) -> Waiter {
-        let holder = self.grant_lease.map(|_| holder.clone());
-        self.subscriber.register(&key.channel, holder)
+    fn grants(&self) -> Option<&dyn Grants<LockKey>> {
+        self.grant_lease.map(|_| self as &dyn Grants<LockKey>)
     }
 
     fn remaining(self: &Arc<Self>, key: &Arc<LockKey>) -> BoxFuture<'static, Option<Duration>> {
@@ -249,14 +275,6 @@ impl Store for RedisStore {
                 tracing::debug!(key = %key.lock, "could not withdraw a waiting holder");
             }
         })
-    }
-
-    fn runs_calls_twice(&self) -> bool {
-        self.scripts.sharded
-    }
-
-    fn checks_records(&self) -> bool {
-        true
     }
 
     fn lease(&self, lease: Duration) -> Duration {

@@ -10,7 +10,7 @@ use sqlx::{Decode, Encode, Executor, IntoArguments, Type};
 
 use super::{Dialect, SqlError, SqlKey};
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey};
+use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -267,7 +267,7 @@ impl<D: Calls> SqlStore<D> {
         let reply = D::operator(self, statement, &key, semaphore, announced)
             .await
             .map_err(|e| LockError::backend(context, e))?;
-        LockInfo::from_reply(key.user().to_owned(), &reply)
+        replies::snapshot(key.user().to_owned(), &reply)
             .ok_or_else(|| LockError::backend(context, SqlError::<D>::unexpected(context)))
     }
 }

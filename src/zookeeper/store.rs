@@ -12,7 +12,7 @@ use super::keys::ZkKey;
 use super::records::Shelf;
 use super::session::Session;
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Release, Released, Sent, Store};
+use crate::core::store::{Attempt, Capabilities, LostHolds, Release, Released, Sent, Store};
 use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -69,6 +69,14 @@ impl Store for ZkStore {
     type Error = ZkError;
     // A release needs no particular connection.
     type Sent = ();
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // The session outlives a hold that asked for no renewal.
+            lost_holds: LostHolds::MayRemain,
+            ..Capabilities::default()
+        }
+    }
 
     fn key(&self, user: String, kind: Kind) -> Result<ZkKey, LockError> {
         let semaphore = matches!(kind, Kind::Permit(_));
@@ -162,11 +170,6 @@ impl Store for ZkStore {
     fn subscribe(&self, key: &ZkKey) -> Waiter {
         self.follower.ensure_running();
         self.wakeups.register(&key.path)
-    }
-
-    fn releases_lost_holds(&self) -> bool {
-        // The session outlives a hold that asked for no renewal.
-        true
     }
 
     fn lease(&self, _lease: Duration) -> Duration {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
+use crate::core::acquire::record::RecordCheck;
 use crate::core::queue::Claim;
 use crate::core::store::StoreKey;
 use crate::core::{Core, Store};
@@ -23,8 +24,8 @@ pub(in crate::core) struct Contender<S: Store> {
     pub(in crate::core) started: Instant,
     pub(in crate::core) deadline: Option<Instant>,
     pub(in crate::core) kind: Kind,
-    /// Each attempt checks the key's idempotency record (see [`Attempt::record`]).
-    pub(in crate::core) unless_recorded: bool,
+    /// Whether each attempt checks the key's idempotency record.
+    pub(in crate::core) records: RecordCheck,
     /// Whether this exclusive acquisition is registered as a waiting writer (a store
     /// registers one that shared holders keep out; until it gets the lock, new shared
     /// holds queue behind it): [`NOT_QUEUED`], [`MAYBE_QUEUED`] or [`QUEUED`].
@@ -63,6 +64,20 @@ impl<S: Store> Contender<S> {
     /// The owner the store's calls act for (see [`store_owner`](Self::store_owner)).
     pub(in crate::core) fn store_owner(&self) -> &LockOwner {
         self.store_owner.as_ref().unwrap_or(&self.claim.owner)
+    }
+
+    /// The refusal of an acquisition that does not wait, the key held for about
+    /// `retry_after` more.
+    pub(in crate::core) fn refused(&self, retry_after: Option<Duration>) -> LockError {
+        let key = self.key.user().to_owned();
+        match self.kind {
+            Kind::Permit(permits) => LockError::PermitsTaken {
+                key,
+                permits,
+                retry_after,
+            },
+            Kind::Exclusive | Kind::Shared => LockError::Contended { key, retry_after },
+        }
     }
 
     pub(in crate::core) fn timed_out(&self, retry_after: Option<Duration>) -> LockError {

@@ -1,6 +1,7 @@
 //! Keys granted by a release: a store that keeps waiting holders in line (Redis) may hand
 //! a freed key to the head of the line in the release's own call, and tell it in the
-//! release's message. The waiting acquisition then claims it (a renewal for the hold's
+//! release's message (it declares [`Grants`](crate::core::store::Grants); its line's
+//! answers are [`InLine`]). Nothing here runs for a store without a line. The waiting acquisition then claims it (a renewal for the hold's
 //! full lease) and holds the key once the claim is confirmed ([`Core::claimed`]).
 //!
 //! A grant lasts a short grant lease unless its holder claims it. Until then the hold is
@@ -14,7 +15,7 @@
 //! again, and the store says whether the grant is still there and for how long.
 //!
 //! An acquisition that missed the message finds the grant in the store on its next attempt
-//! ([`Attempted::Granted`](crate::core::store::Attempted)), timed from that attempt. A re-entry
+//! ([`InLine::Granted`]), timed from that attempt. A re-entry
 //! of a granted hold before its claim claims it first, then re-enters as usual. An
 //! acquisition that gives up while granted frees the grant in the store as it withdraws
 //! from the line.
@@ -25,19 +26,41 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
-use crate::core::acquire::contender::{Contender, NOT_QUEUED};
+use crate::core::acquire::contender::{Contender, NOT_QUEUED, QUEUED};
 use crate::core::acquire::{Outcome, Taken};
 use crate::core::queue::Reentry;
-use crate::core::store::StoreKey;
+use crate::core::store::{InLine, StoreKey};
 use crate::core::wakeups::Grant;
 use crate::core::watchdog::Due;
 use crate::core::{Core, Store, holder};
 use crate::error::LockError;
 
+/// What an answer of the store's line to an attempt of `c` sent at `sent_at` means to it.
+pub(in crate::core) fn in_line<S: Store>(
+    c: &Contender<S>,
+    answer: InLine,
+    sent_at: Instant,
+) -> Outcome {
+    match answer {
+        InLine::Waiting { left, at } => {
+            c.queued_writer.store(QUEUED, Ordering::Relaxed);
+            Outcome::Lined(left, (sent_at, at))
+        }
+        InLine::Granted {
+            token,
+            left,
+            reserved,
+        } => match found_granted(c, (token, reserved), left, sent_at) {
+            Some(taken) => Outcome::Granted(taken),
+            None => Outcome::Held(Some(left)),
+        },
+    }
+}
+
 /// The hold a grant by message makes for `c`, whose last attempt that put it in the line
 /// was `sent` at this instant and ran at `ran` on the store's clock; `None` when the grant
 /// may be out of date (see the module's doc): the acquisition tries again instead.
-pub(in crate::core) fn grant_taken<S: Store>(
+fn grant_taken<S: Store>(
     c: &Contender<S>,
     grant: Grant,
     (sent, ran): (Instant, u64),
@@ -65,7 +88,7 @@ pub(in crate::core) fn grant_taken<S: Store>(
 /// The hold an attempt sent at `sent_at` made of a grant it found in the store (its token
 /// and the tokens reserved above it), with `left` of it to run; `None` when its reply came
 /// too late to use it (the process was paused): the grant is waited out, as a lease.
-pub(in crate::core) fn found_granted<S: Store>(
+fn found_granted<S: Store>(
     c: &Contender<S>,
     (token, reserved): (u64, u64),
     left: Duration,
@@ -89,6 +112,21 @@ pub(in crate::core) fn found_granted<S: Store>(
 }
 
 impl<S: Store> Core<S> {
+    /// The hold that `grant`, told by a release's message, makes for `c` once claimed;
+    /// `lined`: the last attempt of `c` that put it in the line. `None` when the grant
+    /// came too late to use, or ran out before the claim: the acquisition tries again.
+    pub(in crate::core) async fn take_grant(
+        self: &Arc<Self>,
+        c: &Contender<S>,
+        grant: Grant,
+        lined: Option<(Instant, u64)>,
+    ) -> Result<Option<Taken>, LockError> {
+        match lined.and_then(|seen| grant_taken(c, grant, seen)) {
+            Some(taken) => self.claimed(c, taken).await,
+            None => Ok(None),
+        }
+    }
+
     /// The hold a grant made for `c`, once claimed: a hold's holder runs only under a
     /// lease this process confirmed. A grant alone lasts its short grant lease, and a
     /// process paused past it between the grant and the claim would find its handler

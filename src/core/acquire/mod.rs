@@ -1,31 +1,39 @@
 //! Taking a lock in a store: the local queue first, then try -> subscribe -> try again ->
 //! wait for a release message or the holder's lease -> loop.
+//!
+//! [`contend`](Core::contend) runs those steps, each a component of its own: the attempt
+//! (`attempt.rs`, its cancel-safe call in `call.rs`), where the acquisition stands between
+//! attempts and how it waits (`wait.rs`: the permit gate, the waiter, the nap), the yield
+//! after a run of this process's holders ended (`yielding.rs`), keys a release granted
+//! (`grant.rs`, for a store with a line of waiting holders), and the idempotency record
+//! check (`record.rs`).
 
+mod attempt;
 pub(crate) mod call;
 pub(crate) mod contender;
 pub(crate) mod grant;
+mod record;
+mod wait;
+mod yielding;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::AtomicU8;
 use std::time::Duration;
 
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::Instant;
 
-use super::acquire::call::AcquireCall;
-use super::acquire::contender::{Contender, NOT_QUEUED, QUEUED};
-use super::acquire::grant::{found_granted, grant_taken};
+use super::acquire::contender::{Contender, NOT_QUEUED};
+use super::acquire::record::RecordCheck;
+use super::acquire::wait::{Ended, Standing, nap};
+use super::acquire::yielding::Yielding;
 use super::hold::handoff::Granted;
 use super::queue::{Claim, Reentry, Slot, Turn};
-use super::store::{Attempt, Attempted, Failure, StoreKey};
+use super::store::StoreKey;
 use super::wakeups::Wake;
-use super::{Core, MIN_COMMAND_BUDGET, Store, holder};
+use super::{Core, Store};
 use crate::backend::Backend;
 use crate::error::LockError;
 use crate::lock::{Acquired, Kind, LockRequest, Mode};
-
-/// How many times in a row an attempt is sent again at once when a release of this
-/// backend overtook it ([`Attempted::Overtaken`]).
-const MAX_OVERTAKEN: u32 = 3;
 
 /// What one attempt found, as the acquisition acts on it.
 pub(super) enum Outcome {
@@ -94,13 +102,13 @@ impl<S: Store> Core<S> {
             started,
             deadline,
             kind: request.kind,
-            unless_recorded: request.unless_recorded && request.kind == Kind::Exclusive,
+            records: RecordCheck::of(request.unless_recorded, request.kind),
             queued_writer: AtomicU8::new(NOT_QUEUED),
             core: self.clone(),
         };
         // Shared holds and permits admit several holders at once: their tasks do not line up
         // behind one contender per key, each takes its hold in the store (a permit that
-        // must wait waits behind the process's other waiting tasks: see `contend`).
+        // must wait waits behind the process's other waiting tasks: see `wait.rs`).
         if c.kind != Kind::Exclusive {
             c.store_owner = reentry.as_ref().and_then(Reentry::store_owner).cloned();
             return Box::pin(self.contend(&c, None, reentry)).await;
@@ -142,86 +150,32 @@ impl<S: Store> Core<S> {
             Some(slot) if slot.has_waiters() => self.reserve(),
             _ => 0,
         };
-        let mut pttl = None;
-        // A slot passed on by a release that ended this process's run skips the first try
-        // (see below): the other instances, woken by that release, go first.
+        let mut standing = Standing::default();
+        // A slot passed on by a release that ended this process's run skips the first try:
+        // the other instances, woken by that release, go first (see `yielding.rs`).
         let yielded = slot.as_ref().and_then(Slot::yielded);
-        // The last attempt that put this acquisition in the store's line (see `grant.rs`).
-        let mut lined = None;
         if yielded.is_none() {
-            match self.attempt_as(c, &reentry, (reserve(), None)).await? {
-                Outcome::Acquired(taken) | Outcome::Granted(taken) => {
-                    return Ok(self.taken(c, taken, slot, reentry));
-                }
-                Outcome::Held(p) => pttl = p,
-                Outcome::Lined(p, seen) => (pttl, lined) = (p, Some(seen)),
-                Outcome::LeftToOthers => {}
-                Outcome::Recorded => return Ok(Acquired::Recorded),
+            let outcome = self.attempt_as(c, &reentry, (reserve(), None)).await?;
+            if let Some(ended) = standing.after(outcome) {
+                return Ok(self.ended(c, ended, slot, reentry));
             }
         }
         let Some(deadline) = c.deadline else {
-            let key = c.key.user().to_owned();
-            return Err(match c.kind {
-                Kind::Permit(permits) => LockError::PermitsTaken {
-                    key,
-                    permits,
-                    retry_after: pttl,
-                },
-                Kind::Exclusive | Kind::Shared => LockError::Contended {
-                    key,
-                    retry_after: pttl,
-                },
-            });
+            return Err(c.refused(standing.pttl));
         };
-        // A permit waits behind the process's other waiting tasks for the same semaphore:
-        // one of them at a time waits in the store (see `queue::gate`).
-        let _passage = match c.kind {
-            Kind::Permit(_) if !self.store.lines_up_permit_waiters() => {
-                match self.queues.permit_gate(c.key.lock(), deadline).await {
-                    Some(passage) => Some(passage),
-                    None => return Err(c.timed_out(pttl)),
-                }
-            }
-            Kind::Permit(_) | Kind::Exclusive | Kind::Shared => None,
-        };
-        // Subscribe, then try again before sleeping: a release published between the
-        // failed attempt and the subscription would otherwise be missed (Redisson #5761).
-        // The waiter starts with a permit when its channel is already subscribed, and gets
-        // one when the subscription is confirmed, so the next attempt follows either way.
-        // An exclusive acquisition that waits in the store's line may be granted the key by
-        // a release (see `grant.rs`).
-        let waiter = match (c.kind, &reentry) {
-            (Kind::Exclusive, None) => self.store.subscribe_as(&c.key, c.store_owner()),
-            _ => self.store.subscribe(&c.key),
-        };
-        // The release that ended this process's run woke the other instances: until one of
-        // them takes the key (this task finds it held, or the store finds the fencing
-        // counter moved past the value that release left), or for at most a run's time
-        // (they may have given up), this task does not take the key while the store sees
-        // another instance wait for it.
-        let mut yield_until = yielded.map(|fence| {
-            let until = (Instant::now() + self.settings.max_local_handoff_time).min(deadline);
-            (until, fence)
-        });
-        let mut wake_by = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+        let _passage = self.permit_passage(c, deadline, standing.pttl).await?;
+        let waiter = self.waiter(c, &reentry);
+        let run_time = self.settings.max_local_handoff_time;
+        standing.yielding = Yielding::after(yielded, run_time, deadline);
+        let mut wake_by = standing.wake_by(deadline);
         loop {
-            let mut nap = wake_by;
-            if let Some((until, _)) = yield_until.filter(|(until, _)| Instant::now() < *until) {
-                nap = nap.min(until);
-            }
-            let woken = tokio::select! {
-                wake = waiter.woken() => wake,
-                _ = sleep_until(nap) => Wake::Try,
-            };
-            match woken {
+            match nap(&waiter, wake_by, standing.yielding).await {
                 // The key is this acquisition's once claimed, unless the grant came too late
                 // to use or ran out before the claim.
                 Wake::Granted(grant) => {
-                    if let Some(taken) = lined.and_then(|seen| grant_taken(c, grant, seen)) {
-                        if let Some(taken) = self.claimed(c, taken).await? {
-                            drop(waiter);
-                            return Ok(self.taken(c, taken, slot, reentry));
-                        }
+                    if let Some(taken) = self.take_grant(c, grant, standing.lined).await? {
+                        drop(waiter);
+                        return Ok(self.ended(c, Ended::Taken(taken), slot, reentry));
                     }
                 }
                 // Another holder was granted the key: nothing to try before its grant
@@ -232,45 +186,33 @@ impl<S: Store> Core<S> {
                 }
                 Wake::Try => {}
             }
-            let yielding = yield_until
-                .filter(|(until, _)| Instant::now() < *until)
-                .map(|(_, fence)| fence);
-            lined = None;
-            match self.attempt_as(c, &reentry, (reserve(), yielding)).await? {
-                Outcome::Acquired(taken) | Outcome::Granted(taken) => {
-                    drop(waiter);
-                    return Ok(self.taken(c, taken, slot, reentry));
-                }
-                // Another instance took the key: this task's yield is done.
-                Outcome::Held(p) => {
-                    pttl = p;
-                    yield_until = None;
-                }
-                Outcome::Lined(p, seen) => {
-                    (pttl, lined) = (p, Some(seen));
-                    yield_until = None;
-                }
-                Outcome::LeftToOthers => pttl = None,
-                Outcome::Recorded => return Ok(Acquired::Recorded),
+            let args = (reserve(), standing.yielding.fence());
+            let outcome = self.attempt_as(c, &reentry, args).await?;
+            if let Some(ended) = standing.after(outcome) {
+                drop(waiter);
+                return Ok(self.ended(c, ended, slot, reentry));
             }
-            wake_by = pttl.map_or(deadline, |p| (Instant::now() + p).min(deadline));
+            wake_by = standing.wake_by(deadline);
             if Instant::now() >= deadline {
-                return Err(c.timed_out(pttl));
+                return Err(c.timed_out(standing.pttl));
             }
         }
     }
 
-    /// The guard of a hold `c` took; checked when the attempt that took it as a new hold
-    /// checked the key's record.
-    fn taken(
+    /// What the acquisition `c` hands back when it `ended`: the guard of its hold, or the
+    /// key's record.
+    fn ended(
         self: &Arc<Self>,
         c: &Contender<S>,
-        taken: Taken,
+        ended: Ended,
         slot: Option<Slot>,
         reentry: Option<Reentry>,
     ) -> Acquired {
-        // (A grant did not check the record: the holder that released may have stored one.)
-        let checked = c.unless_recorded && !taken.reentry && reentry.is_none() && !taken.granted;
+        let taken = match ended {
+            Ended::Taken(taken) => taken,
+            Ended::Recorded => return Acquired::Recorded,
+        };
+        let reentered = reentry.is_some();
         // A re-entry by a holder that got the lock in memory keeps that holder's token.
         let granted = Granted {
             token: reentry
@@ -285,119 +227,6 @@ impl<S: Store> Core<S> {
         let guard = self
             .guard(c.key.clone(), claim, granted, slot, reentry)
             .reentry(taken.reentry);
-        if checked {
-            Acquired::Checked(guard)
-        } else {
-            Acquired::Unchecked(guard)
-        }
-    }
-
-    /// Makes one attempt.
-    /// `reserve`: tokens to reserve for a run in memory; `yielding`: the key is left to
-    /// other instances that wait for it until its fencing counter passes this value (see
-    /// [`Attempt::yielding`]).
-    pub(super) async fn attempt(
-        self: &Arc<Self>,
-        c: &Contender<S>,
-        (reserve, yielding): (u64, Option<u64>),
-    ) -> Result<Outcome, LockError> {
-        let command_timeout = self.settings.command_timeout;
-        let budget = match c.deadline {
-            Some(deadline) => command_timeout.min(
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(MIN_COMMAND_BUDGET),
-            ),
-            None => command_timeout,
-        };
-        let mut overtaken = 0;
-        let (reply, sent_at) = loop {
-            let attempt = Attempt {
-                holder: holder(c.kind, c.store_owner()),
-                owner: c.store_owner().clone(),
-                kind: c.kind,
-                lease: c.claim.lease,
-                waits: c
-                    .deadline
-                    .map(|deadline| deadline.saturating_duration_since(Instant::now())),
-                reserve,
-                yielding,
-                record: c.unless_recorded,
-                serial: self.owners.serial(),
-            };
-            let sent_at = Instant::now();
-            let reply = match timeout(budget, AcquireCall::start(self, c, attempt)).await {
-                Ok(reply) => reply,
-                Err(elapsed) => return Err(LockError::backend("acquire", elapsed)),
-            };
-            // Overtaken by a release of this backend sent after it: sent again at once under
-            // a new serial, which that release cannot overtake. Each refusal takes a new
-            // release of this backend's own, so a few tries settle it; past them the key is
-            // reported held with nothing left to wait for.
-            if matches!(reply, Ok(Attempted::Overtaken)) && overtaken < MAX_OVERTAKEN {
-                overtaken += 1;
-                continue;
-            }
-            break (reply, sent_at);
-        };
-        match reply {
-            Ok(Attempted::Acquired { token, count }) => {
-                // The store took the writer out of the waiting ones.
-                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-                Ok(Outcome::Acquired(Taken {
-                    token,
-                    // A re-entry keeps the token and reserves nothing.
-                    reserved: if count > 1 {
-                        token
-                    } else {
-                        token.saturating_add(reserve)
-                    },
-                    sent_at,
-                    reentry: count > 1,
-                    unclaimed: None,
-                    granted: false,
-                }))
-            }
-            Ok(Attempted::Lined { left, at }) => {
-                c.queued_writer.store(QUEUED, Ordering::Relaxed);
-                Ok(Outcome::Lined(left, (sent_at, at)))
-            }
-            Ok(Attempted::Granted {
-                token,
-                left,
-                reserved,
-            }) => Ok(match found_granted(c, (token, reserved), left, sent_at) {
-                Some(taken) => Outcome::Granted(taken),
-                None => Outcome::Held(Some(left)),
-            }),
-            Ok(Attempted::Held { left, queued }) => {
-                // Kept out by shared holders, and now queued ahead of new ones.
-                if queued {
-                    c.queued_writer.store(QUEUED, Ordering::Relaxed);
-                }
-                Ok(Outcome::Held(left))
-            }
-            Ok(Attempted::LeftToOthers) => Ok(Outcome::LeftToOthers),
-            Ok(Attempted::Overtaken) => {
-                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-                Ok(Outcome::Held(Some(Duration::ZERO)))
-            }
-            Ok(Attempted::Recorded) => {
-                // The store took the attempt out of the waiting ones.
-                c.queued_writer.store(NOT_QUEUED, Ordering::Relaxed);
-                Ok(Outcome::Recorded)
-            }
-            Ok(Attempted::UpgradeRefused) => Err(LockError::UpgradeRefused {
-                key: c.key.user().to_owned(),
-            }),
-            Err(e) if e.is_foreign() => {
-                // The refusal names no cause; the operator who must remove the value needs it.
-                tracing::warn!(key = c.key.user(), error = %e, "the store holds a value that is not a lock");
-                Err(LockError::NotALock {
-                    key: c.key.user().to_owned(),
-                })
-            }
-            Err(e) => Err(LockError::backend("acquire", e)),
-        }
+        c.records.result(guard, &taken, reentered)
     }
 }

@@ -13,7 +13,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::hold::handoff::{Granted, Run};
 use super::queue::{Claim, Reentry, Slot};
-use super::store::{Failure, Release, Released, StoreKey};
+use super::store::{Calls, Failure, Release, Released, StoreKey};
 use super::{Core, Store};
 use crate::error::LockError;
 use crate::lock::{Kind, LockOwner};
@@ -44,7 +44,7 @@ pub(super) struct Hold<S: Store> {
     /// Set for a re-entry of the key by its holder in this process: counted until dropped.
     pub(super) reentry: Option<Reentry>,
     /// Release only the hold of [`token`](Self::token): a hold found lost that the store
-    /// may still keep (see `Store::releases_lost_holds`), whose owner may hold the key anew.
+    /// may still keep (see [`LostHolds::MayRemain`](super::store::LostHolds::MayRemain)), whose owner may hold the key anew.
     pub(super) only_own_token: bool,
 }
 
@@ -89,7 +89,7 @@ impl<S: Store> Hold<S> {
     /// it. (A lease that ran out just before the release is then not reported as `Lost`;
     /// the watchdog reports the losses it finds while the lock is held.)
     fn may_have_run(&self) -> bool {
-        self.may_have_run || self.core.store.runs_calls_twice()
+        self.may_have_run || self.core.capabilities.calls == Calls::MayRunTwice
     }
 
     /// The release of this hold, handing the lock to `successor` if given.

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::core::hold::Hold;
 use crate::core::hold::handoff::{Granted, Run};
 use crate::core::queue::{Claim, Reentry, Slot};
-use crate::core::store::StoreKey;
+use crate::core::store::{LostHolds, StoreKey};
 use crate::core::watchdog::OnLost;
 use crate::core::{Core, Store, holder};
 use crate::error::LockError;
@@ -95,7 +95,7 @@ impl<S: Store> WatchedHold<S> {
             let key = hold.key.user().to_owned();
             // A store whose holds may outlive their holder's deadline is still owed the
             // release of this hold, and of this hold only.
-            if hold.core.store.releases_lost_holds() && hold.token.is_some() {
+            if hold.core.capabilities.lost_holds == LostHolds::MayRemain && hold.token.is_some() {
                 let mut hold = hold;
                 hold.only_own_token = true;
                 hold.finish_in_background();

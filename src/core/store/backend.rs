@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tokio::time::timeout;
 
 use crate::backend::Backend;
+use crate::core::store::Records;
 use crate::core::telemetry::Namespace;
 use crate::core::telemetry::observe::Observe;
 use crate::core::{Core, Store};
@@ -33,7 +34,7 @@ impl<S: Store> Backend for Core<S> {
         self: Arc<Self>,
         mut request: LockRequest,
     ) -> BoxFuture<'static, Result<Acquired, LockError>> {
-        request.unless_recorded &= self.store.checks_records();
+        request.unless_recorded &= self.capabilities.records == Records::InAttempt;
         let observe = Observe::new(&request, self.settings.max_key_len, &self.metrics);
         Box::pin(observe.run(move || self.acquire_traced(request)))
     }

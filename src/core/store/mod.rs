@@ -1,4 +1,5 @@
-//! The seam between the core and a store: the primitive operations a store implements.
+//! The seam between the core and a store: the primitive calls every store answers, and
+//! the capabilities only some stores have, each declared in one typed place.
 //!
 //! The core (`src/core/`) owns what makes a hold safe whatever the store: the per-key
 //! queue, the try -> subscribe -> try again -> wait loop, the cancel-safe attempt, the
@@ -18,27 +19,54 @@
 //!   [`Released::NotHeld`]. A final release wakes the key's waiters in the same atomic
 //!   step (a release that fails leaves the lock held). With a successor it may hand the
 //!   key straight to it under a new token instead ([`Released::HandedOver`]).
+//!   [`release_after`](Store::release_after) sends one behind an attempt of unknown
+//!   outcome, on what that attempt went out on.
 //! - [`renew`](Store::renew): one call for a batch of holds, extending each lease (never
 //!   shortening it) if the holder still holds it, and saying for each whether it does. A
 //!   batch must not fail as a whole because one key is bad.
 //! - [`subscribe`](Store::subscribe): a [`Waiter`] woken by every release of the key
 //!   (a hint: the core tries again), by a confirmed subscription, and by every reconnect
 //!   of the store's listening connection (messages may have been missed meanwhile).
+//! - [`key`](Store::key), [`inspect`](Store::inspect) and
+//!   [`force_release`](Store::force_release): the store's names of a key, and the
+//!   operator's calls.
 //! - What its errors mean ([`Failure`]): a call that may have run without a reply, a
 //!   transient failure worth a retry, a key that is not a lock.
+//!
+//! The other calls have defaults that fit a store without the matching feature: waiting
+//! writers to withdraw, a lease the store bounds, renewal calls split by shard, the
+//! holder's remaining lease, takeovers and releases to replay after a failover.
+//!
+//! What differs in how the core must treat a store is one value the store declares once,
+//! its [`Capabilities`] (`capabilities.rs`): whether its client may run a call twice, who
+//! lines up permit waiters, whether a hold found lost may remain, where idempotency
+//! records are checked. Each variant says what the core then does; the default is the
+//! plain store. A store that keeps a line of waiting holders and grants freed keys to its
+//! head (Redis) answers with [`InLine`] and declares [`Grants`] (`line.rs`): a store
+//! without a line never sees either.
+//!
+//! The Redis scripts and the SQL functions answer in one integer form, read by
+//! `replies.rs` for those stores: the engine sees only [`Attempted`] and [`Released`].
 //!
 //! Every call returns a boxed future: a store call is a network round trip, next to which
 //! one allocation does not count, and a boxed future can be detached into a task when the
 //! caller goes away (see `call.rs`).
 
 pub(crate) mod backend;
+pub(crate) mod capabilities;
+pub(crate) mod line;
 pub(crate) mod methods;
+pub(crate) mod replies;
 pub(crate) mod takeovers;
 
 use std::error::Error as StdError;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub(crate) use super::store::capabilities::{
+    Calls, Capabilities, LostHolds, PermitWaiters, Records,
+};
+pub(crate) use super::store::line::{Grants, InLine};
 pub(crate) use super::store::takeovers::Takeovers;
 
 use super::queue::Claim;
@@ -65,6 +93,12 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     type Error: Failure;
     /// What an attempt went out on (a connection), to undo it behind the attempt.
     type Sent: Send + 'static;
+
+    /// What the store does beyond the primitive calls (see [`Capabilities`]), read once
+    /// when the core is made. The plain store's by default.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
 
     /// The names of `user`'s lock of `kind` (a semaphore may live apart from the lock),
     /// refusing a key the store cannot hold.
@@ -107,12 +141,10 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// Registers a waiter for releases of `key`.
     fn subscribe(&self, key: &Self::Key) -> Waiter;
 
-    /// Registers the waiter of an acquisition that waits in the store's line of waiting
-    /// holders as `holder`: a store that grants a freed key to the line's head tells it
-    /// the grant ([`Wake::Granted`](super::wakeups::Wake)). The same as
-    /// [`subscribe`](Self::subscribe) by default.
-    fn subscribe_as(&self, key: &Self::Key, _holder: &LockOwner) -> Waiter {
-        self.subscribe(key)
+    /// The store's grants of freed keys to the head of its line of waiting holders, when it
+    /// makes them (see [`Grants`]). None by default.
+    fn grants(&self) -> Option<&dyn Grants<Self::Key>> {
+        None
     }
 
     /// How long the key's current holder may still hold it, for `Retry-After` when another
@@ -134,37 +166,6 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         _wake: bool,
     ) -> BoxFuture<'static, ()> {
         Box::pin(std::future::ready(()))
-    }
-
-    /// Whether the store's client may run one call twice on its own (a cluster client that
-    /// sends a call again when the connection dropped before the reply): a final release
-    /// that finds the lock gone may then be the second run of one that freed it.
-    fn runs_calls_twice(&self) -> bool {
-        false
-    }
-
-    /// Whether the store lines permit waiters up itself, each attempt that will wait keeping
-    /// its place in the store and a release waking the waiter whose turn it is (etcd's
-    /// waiting keys): then every waiting task must wait in the store, and the core's gate
-    /// (one waiting task per process, `queue::gate`) is not used.
-    fn lines_up_permit_waiters(&self) -> bool {
-        false
-    }
-
-    /// Whether a hold its holder was told is lost may still be kept by the store (its
-    /// holds live under one lease for all of them, which outlives a hold that asked for
-    /// no renewal, or whose deadline passed while the lease did not): its release is then
-    /// sent anyway, with `only_token` set to its token so that a newer hold of the same
-    /// owner is left alone.
-    fn releases_lost_holds(&self) -> bool {
-        false
-    }
-
-    /// Whether an attempt can check the key's idempotency record as it takes a new hold
-    /// ([`Attempt::record`]), in the same atomic step: then the idempotency layer reads the
-    /// record once before the lock, not again once it holds a hold taken that way.
-    fn checks_records(&self) -> bool {
-        false
     }
 
     /// The lease a hold asking for `lease` gets (a store may bound it).
@@ -253,8 +254,8 @@ pub(crate) struct Attempt {
     /// the line (Redis) needs no yield: it treats a yielding attempt as any other.
     pub(crate) yielding: Option<u64>,
     /// Check the key's idempotency record as the hold is taken: while it exists, take no
-    /// new hold and answer [`Attempted::Recorded`] (only for a store that
-    /// [`checks_records`](Store::checks_records), an exclusive hold of the idempotency layer).
+    /// new hold and answer [`Attempted::Recorded`] (only for an exclusive hold of the
+    /// idempotency layer, on a store that declares [`Records::InAttempt`]).
     pub(crate) record: bool,
     /// A number this backend never used before: the attempt's id, so that a store that
     /// runs a call twice takes one hold, and the id of the release that gives back a hold
@@ -278,63 +279,21 @@ pub(crate) enum Attempted {
     },
     /// Free, and left to the other instances that wait for it (a yielding attempt).
     LeftToOthers,
-    /// As [`Held`](Self::Held) with `queued`, and the attempt is in the store's line of
-    /// waiting holders, as of the store's clock `at` (milliseconds): a grant made later
-    /// than that is timed from the attempt (see `Store::subscribe_as`).
-    Lined { left: Option<Duration>, at: u64 },
-    /// A release granted the key to this holder, which has not claimed it: it is the
-    /// holder's for `left` more unless claimed, under `token`, with `reserved` tokens
-    /// above it for a run of holders in memory. Nothing was taken: the acquisition makes
-    /// it a hold, or a re-entry claims it first.
-    Granted {
-        token: u64,
-        left: Duration,
-        reserved: u64,
-    },
     /// The owner holds the key shared and asked for it exclusively.
     UpgradeRefused,
     /// The key's idempotency record exists ([`Attempt::record`]): nothing was taken, and
     /// the attempt left the store's waiting writers and line.
     Recorded,
+    /// An answer of a store's line of waiting holders (see [`InLine`]): only a store that
+    /// keeps one gives it.
+    Line(InLine),
     /// A release of this backend came to the store before the attempt and was sent after
     /// it ([`Release::serial`]): nothing was taken, and the attempt left the waiting
-    /// writers and the line. A copy of the attempt that a cluster client sent again late,
-    /// after its owner moved on, is refused this way; an attempt that is no copy tries
-    /// again at once under a new serial.
+    /// writers and the line. Only a store whose calls may run twice
+    /// ([`Calls::MayRunTwice`]) gives it, to refuse a copy of the attempt that its client
+    /// sent again late, after its owner moved on; an attempt that is no copy tries again at
+    /// once under a new serial.
     Overtaken,
-}
-
-impl Attempted {
-    /// Reads an attempt's reply in the integer-array form that the Redis scripts and the
-    /// SQL functions share: `{1, token, count}`, `{0, ms}`, `{0, ms, 1}` (registered as a
-    /// waiting writer), `{2, ms}` (refused for `ms` more, as if held: a restart guard),
-    /// `{4}`, `{5}`, `{6}` (recorded), `{7}` (overtaken). `None` for anything else, a hold included that cannot be read as one.
-    pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
-        let left = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
-        Some(match *reply {
-            [1, token, count] if token >= 0 && count > 0 => Attempted::Acquired {
-                token: token.unsigned_abs(),
-                count: count.unsigned_abs(),
-            },
-            [0, ms] => Attempted::Held {
-                left: left(ms),
-                queued: false,
-            },
-            [0, ms, 1] => Attempted::Held {
-                left: left(ms),
-                queued: true,
-            },
-            [2, ms] if ms >= 0 => Attempted::Held {
-                left: left(ms),
-                queued: false,
-            },
-            [4] => Attempted::UpgradeRefused,
-            [5] => Attempted::LeftToOthers,
-            [6] => Attempted::Recorded,
-            [7] => Attempted::Overtaken,
-            _ => return None,
-        })
-    }
 }
 
 /// One release of one hold.
@@ -380,18 +339,4 @@ pub(crate) enum Released {
     /// The holder does not hold the key (its lease ran out, it was freed, or a retried
     /// final release).
     NotHeld,
-}
-
-impl Released {
-    /// Reads a release's reply in the form the Redis scripts and the SQL functions share:
-    /// `{3, token}`, `{2}`, `{1}`, `{0}`. `None` for anything else.
-    pub(crate) fn from_reply(reply: &[i64]) -> Option<Self> {
-        Some(match *reply {
-            [3, token] if token >= 0 => Released::HandedOver(token.unsigned_abs()),
-            [2] => Released::Freed,
-            [1] => Released::Remains,
-            [0] => Released::NotHeld,
-            _ => return None,
-        })
-    }
 }

@@ -10,7 +10,7 @@ use tokio::time::{sleep, timeout_at};
 
 use super::QuorumStore;
 use super::error::{MasterFailure, QuorumError};
-use crate::core::store::{Attempt, Attempted, Failure, Sent, Store};
+use crate::core::store::{Attempt, Attempted, Failure, InLine, Sent, Store};
 use crate::lock::Kind;
 use crate::redis::connection::pool::Conn;
 use crate::redis::keys::LockKey;
@@ -163,12 +163,12 @@ impl QuorumStore {
                     false
                 }
                 // A quorum's masters keep no line and make no grants (see `store.rs`).
-                Ok(Attempted::Lined { left, .. }) => {
+                Ok(Attempted::Line(InLine::Waiting { left, .. })) => {
                     tally.held.push(left);
                     tally.queued = true;
                     false
                 }
-                Ok(Attempted::Granted { left, .. }) => {
+                Ok(Attempted::Line(InLine::Granted { left, .. })) => {
                     tally.held.push(Some(left));
                     false
                 }

@@ -25,7 +25,7 @@ use self::error::{MasterFailure, QuorumError};
 use super::connection::pool::{CommandError, Conn};
 use super::keys::LockKey;
 use super::store::RedisStore;
-use crate::core::store::{Attempt, Release, Released, Sent, Store};
+use crate::core::store::{Attempt, Capabilities, Records, Release, Released, Sent, Store};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -121,6 +121,14 @@ impl Store for QuorumStore {
     /// What each master's attempt went out on, by the master's index.
     type Sent = Vec<(usize, Conn)>;
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            records: Records::InAttempt,
+            // Its masters are single servers, whose calls run once.
+            ..Capabilities::default()
+        }
+    }
+
     fn key(&self, user: String, kind: Kind) -> Result<LockKey, LockError> {
         // Every master names a key alike.
         self.lead.key(user, kind)
@@ -190,10 +198,6 @@ impl Store for QuorumStore {
                 })
                 .collect())
         })
-    }
-
-    fn checks_records(&self) -> bool {
-        true
     }
 
     fn subscribe(&self, key: &LockKey) -> Waiter {
