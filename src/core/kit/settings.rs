@@ -112,6 +112,13 @@ pub(crate) fn refuse_zero(name: &'static str, value: Duration) -> Result<(), Bui
 
 /// Refuses the duration `value` of the setting `name` if it is under a second: what a
 /// store that counts it in whole seconds cannot take.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "zookeeper")),
+    expect(
+        dead_code,
+        reason = "only the SQL stores' fence lease and ZooKeeper's session timeout are refused under a second"
+    )
+)]
 pub(crate) fn refuse_under_a_second(name: &'static str, value: Duration) -> Result<(), BuildError> {
     if value < Duration::from_secs(1) {
         return Err(BuildError::Setting {

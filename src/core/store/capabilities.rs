@@ -41,6 +41,13 @@ pub(crate) enum PermitWaiters {
     /// The store: each attempt that will wait keeps its place in the store, and a release
     /// wakes the waiter whose turn it is (etcd's waiting keys). Every waiting task then
     /// waits in the store, and the core's gate is not used.
+    #[cfg_attr(
+        not(feature = "etcd"),
+        expect(
+            dead_code,
+            reason = "etcd is the store that lines permit waiters up itself"
+        )
+    )]
     InStore,
 }
 
