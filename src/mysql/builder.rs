@@ -6,7 +6,7 @@ use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{Executor, MySql};
 
 use super::checks::{call_failure, probe, refuse_read_only};
@@ -89,12 +89,7 @@ impl Server for MySql {
         // A row lock is waited for no longer than a call may take (whole seconds).
         let lock_wait = settings.command_timeout.as_millis().div_ceil(1000).max(1);
         let set = format!("SET SESSION innodb_lock_wait_timeout = {lock_wait}");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(settings.pool_size)
-            .acquire_timeout(settings.connect_timeout)
-            // A statement on a dead connection fails and is retried; a ping before every
-            // call would double the round trips.
-            .test_before_acquire(false)
+        let pool = sql::pool_options::<sqlx::MySql>(settings)
             .after_connect(move |conn, _| {
                 let set = set.clone();
                 Box::pin(async move { conn.execute(set.as_str()).await.map(drop) })

@@ -94,13 +94,7 @@ impl Server for Postgres {
         if options.get_application_name().is_none() {
             options = options.application_name(APPLICATION_NAME);
         }
-        let pool = PgPoolOptions::new()
-            .max_connections(settings.pool_size)
-            .acquire_timeout(settings.connect_timeout)
-            // A statement on a dead connection fails and is retried; a ping before every
-            // call would double the round trips.
-            .test_before_acquire(false)
-            .connect_lazy_with(options.clone());
+        let pool = sql::pool_options(settings).connect_lazy_with(options.clone());
         Ok((pool, options))
     }
 

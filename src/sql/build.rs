@@ -90,6 +90,18 @@ impl<D: sqlx::Database> fmt::Debug for Target<D> {
     }
 }
 
+/// The pool a SQL backend opens of its own, as `settings` size it: a statement on a dead
+/// connection fails and is retried, so none is pinged before use (a ping before every call
+/// would double the round trips).
+pub(crate) fn pool_options<D: sqlx::Database>(
+    settings: &StoreSettings,
+) -> sqlx::pool::PoolOptions<D> {
+    sqlx::pool::PoolOptions::new()
+        .max_connections(settings.pool_size)
+        .acquire_timeout(settings.connect_timeout)
+        .test_before_acquire(false)
+}
+
 /// The settings a SQL builder starts with, besides its own ([`Config`]): a pool of 8
 /// connections, timeouts of 1 s.
 pub(crate) fn settings() -> StoreSettings {

@@ -18,7 +18,9 @@ mod store;
 use std::time::Duration;
 
 pub(crate) use self::backend::sql_backend;
-pub(crate) use self::build::{Config, Server, Target, build, connect_failure, settings};
+pub(crate) use self::build::{
+    Config, Server, Target, build, connect_failure, pool_options, settings,
+};
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
 pub(crate) use self::records::SqlRecords;
