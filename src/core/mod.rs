@@ -119,13 +119,18 @@ pub(crate) struct Parts {
 impl Parts {
     /// Parts for a new backend on the current runtime.
     pub(crate) fn new(settings: Settings, metrics: Namespace) -> Self {
+        Parts::on(settings, metrics, Spawner::current())
+    }
+
+    /// Parts for a new backend whose tasks run on `runtime`.
+    pub(crate) fn on(settings: Settings, metrics: Namespace, runtime: Spawner) -> Self {
         Parts {
             settings,
             watchdog: Watchdog::new(metrics.clone()),
             metrics,
             owners: OwnerIds::new(),
             recheck: Recheck::default(),
-            runtime: Spawner::current(),
+            runtime,
             shutdown: CancellationToken::new(),
         }
     }

@@ -210,6 +210,15 @@ impl Wakeups {
         self.register_waiter(channel, Some(holder))
     }
 
+    /// Registers a waiter on `channel` of a store whose wake-ups need no subscription
+    /// (memory: every release reaches a waiter from the moment it registers). The waiter
+    /// starts with a permit, as on a subscribed channel, so the acquisition tries again.
+    pub(crate) fn register_confirmed(&self, channel: &str) -> Waiter {
+        let waiter = self.register_waiter(channel, None);
+        waiter.wakeup.notify.notify_one();
+        waiter
+    }
+
     fn register_waiter(&self, channel: &str, holder: Option<LockOwner>) -> Waiter {
         let id = self.0.next_id.fetch_add(1, Ordering::Relaxed);
         let wakeup = Arc::new(Wakeup {

@@ -9,7 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Inner, MemoryBackend};
+use super::MemoryBackend;
+use super::store::{MemoryKey, MemoryStore};
 use crate::error::LockError;
 use crate::idempotency::{IdempotencyBackend, Records, RecordsOf};
 use crate::lock::{BoxFuture, HeldLock};
@@ -52,16 +53,16 @@ impl Stored {
 
 impl RecordsOf for MemoryBackend {
     fn records(&self) -> Arc<dyn Records> {
-        self.inner.clone()
+        self.core.store.clone()
     }
 }
 
 impl IdempotencyBackend for MemoryBackend {}
 
-impl Records for Inner {
+impl Records for MemoryStore {
     fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
-        let mut state = self.state();
-        let records = &mut state.records;
+        let mut map = self.map();
+        let records = &mut map.records;
         records.prune(Instant::now());
         let found = records.records.get(&key).map(|(_, record)| record.clone());
         Box::pin(std::future::ready(Ok(found)))
@@ -74,17 +75,13 @@ impl Records for Inner {
         record: Bytes,
         retention: Duration,
     ) -> BoxFuture<'static, Result<bool, LockError>> {
-        let mut state = self.state();
-        let holds = state
-            .keys
-            .get(key.as_str())
-            .and_then(|k| k.writer())
-            .is_some_and(|(owner, tenure)| {
-                owner == held.owner() && tenure.token == held.fencing_token()
-            });
+        // Held under the hold's token, or a lower one: the hold it was passed on from in
+        // memory (any other hold since has a higher token).
+        let mut map = self.map();
+        let holds = map.holds(&MemoryKey::lock_name(&key), held.fencing_token());
         if holds {
             let now = Instant::now();
-            let records = &mut state.records;
+            let records = &mut map.records;
             records.prune(now);
             let until = now + retention;
             records.expiries.push(Reverse((until, key.clone())));

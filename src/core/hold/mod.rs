@@ -9,11 +9,13 @@ pub(crate) mod value;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
+
 use tokio::time::{Instant, sleep, timeout};
 
 use super::hold::handoff::{Granted, Run};
 use super::queue::{Claim, Reentry, Slot};
-use super::store::{Calls, Failure, Release, Released, StoreKey};
+use super::store::{Answers, Calls, Failure, Release, Released, StoreKey};
 use super::{Core, Store};
 use crate::error::LockError;
 use crate::lock::{Kind, LockOwner};
@@ -137,7 +139,8 @@ impl<S: Store> Hold<S> {
     /// freed the lock by itself.
     pub(super) fn finish_in_background(mut self) {
         let runtime = self.core.runtime.clone();
-        runtime.spawn(async move {
+        let at_once = self.core.capabilities.answers == Answers::AtOnce;
+        let mut finishing = Box::pin(async move {
             let lease = self.lease;
             match self.release_retrying(lease).await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
@@ -151,6 +154,11 @@ impl<S: Store> Hold<S> {
                 }
             }
         });
+        // A store that answers at once is done here, with or without a runtime.
+        if at_once && (&mut finishing).now_or_never().is_some() {
+            return;
+        }
+        runtime.spawn(finishing);
     }
 
     /// Releases, retrying failures that may pass for up to `retry_for`. A retry is safe:
@@ -170,11 +178,12 @@ impl<S: Store> Hold<S> {
             let sent_at = Instant::now();
             let generation = takeovers.generation();
             let release = self.release(successor.as_ref(), run_spent);
-            let reply = timeout(
-                core.settings.command_timeout,
-                core.store.release(&self.key, &release),
-            )
-            .await;
+            let call = core.store.release(&self.key, &release);
+            // A store that answers at once needs no timer (none runs outside a runtime).
+            let reply = match core.capabilities.answers {
+                Answers::AtOnce => Ok(call.await),
+                Answers::Later => timeout(core.settings.command_timeout, call).await,
+            };
             let error = match reply {
                 Ok(Ok(reply)) => {
                     return self.released(reply, (sent_at, generation), run_spent);

@@ -4,15 +4,29 @@
 //!
 //! [`Store::capabilities`]: super::Store::capabilities
 
-/// What a store declares of itself. The default is the plain store: its calls run once,
-/// it lines up no permit waiters itself, a hold found lost is gone from it, and it checks
-/// no idempotency records as it takes a hold.
+/// What a store declares of itself. The default is the plain store: its calls go over a
+/// network and run once, it lines up no permit waiters itself, a hold found lost is gone
+/// from it, and it checks no idempotency records as it takes a hold.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Capabilities {
+    pub(crate) answers: Answers,
     pub(crate) calls: Calls,
     pub(crate) permit_waiters: PermitWaiters,
     pub(crate) lost_holds: LostHolds,
     pub(crate) records: Records,
+}
+
+/// When a call's answer comes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Answers {
+    /// Over a network, on the runtime: a release owed when its guard is dropped is finished
+    /// by a task.
+    #[default]
+    Later,
+    /// At once: every call's future is ready when first polled (the memory store). A
+    /// release owed when its guard is dropped is finished where it is dropped, also
+    /// outside any runtime (a guard dropped after its runtime shut down).
+    AtOnce,
 }
 
 /// How many times the store's client may run one call.

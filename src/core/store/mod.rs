@@ -38,7 +38,8 @@
 //! holder's remaining lease, takeovers and releases to replay after a failover.
 //!
 //! What differs in how the core must treat a store is one value the store declares once,
-//! its [`Capabilities`] (`capabilities.rs`): whether its client may run a call twice, who
+//! its [`Capabilities`] (`capabilities.rs`): whether its answers come at once (memory) or
+//! over a network, whether its client may run a call twice, who
 //! lines up permit waiters, whether a hold found lost may remain, where idempotency
 //! records are checked. Each variant says what the core then does; the default is the
 //! plain store. A store that keeps a line of waiting holders and grants freed keys to its
@@ -64,7 +65,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub(crate) use super::store::capabilities::{
-    Calls, Capabilities, LostHolds, PermitWaiters, Records,
+    Answers, Calls, Capabilities, LostHolds, PermitWaiters, Records,
 };
 pub(crate) use super::store::line::{Grants, InLine};
 pub(crate) use super::store::takeovers::Takeovers;

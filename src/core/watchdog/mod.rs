@@ -274,6 +274,19 @@ impl Watchdog {
         (entry.generation == generation && !entry.lost.is_cancelled()).then_some(entry.confirmed)
     }
 
+    /// Fires `lost()` of `owner`'s hold of `lock_key` now and stops watching it: its store
+    /// freed it by force and knows the hold is this backend's (memory).
+    pub(crate) fn lose(&self, lock_key: &Arc<str>, owner: &LockOwner) {
+        let mut state = self.shared.state();
+        let hooks = state
+            .holds
+            .remove(&(lock_key.clone(), owner.clone()))
+            .map(|mut entry| entry.lose())
+            .unwrap_or_default();
+        drop(state);
+        run_hooks(hooks);
+    }
+
     /// Whether `owner` has a hold on `lock_key` that has not been released.
     pub(crate) fn is_held(&self, lock_key: &Arc<str>, owner: &LockOwner) -> bool {
         self.shared

@@ -348,6 +348,19 @@ mod memory_only {
     }
 
     #[test]
+    fn an_operator_call_never_awaited_changes_nothing() {
+        let backend = MemoryBackend::new();
+        runtime().block_on(async {
+            let guard = backend.lock("k").try_once().await.expect("free");
+            drop(backend.force_release("k"));
+            drop(backend.force_release_permits("k"));
+            let held = backend.inspect("k").await.expect("inspect");
+            assert_eq!((held.holders, guard.is_lost()), (1, false));
+            guard.release().await.expect("still held");
+        });
+    }
+
+    #[test]
     fn tokens_of_a_new_backend_are_above_those_of_an_earlier_one() {
         let earlier = runtime().block_on(async {
             let guard = MemoryBackend::new().lock("k").try_once().await;
