@@ -243,26 +243,9 @@ impl fmt::Display for BuildError {
                 backend,
                 file,
                 table,
-                found: None,
-                ..
-            } => write!(
-                f,
-                "the database has no lock table `{table}` (or not its routines): run the \
-                 SQL of `{backend}::schema_sql(\"{table}\")` (the crate's {file} for the \
-                 default table), or build with `migrate()`"
-            ),
-            BuildError::Schema {
-                backend,
-                file,
-                table,
-                found: Some(found),
+                found,
                 expected,
-            } => write!(
-                f,
-                "the lock table `{table}` is at schema version {found}, this crate needs \
-                 {expected}: run the SQL of `{backend}::schema_sql(\"{table}\")` (the \
-                 crate's {file} for the default table), or build with `migrate()`"
-            ),
+            } => schema_message(f, (backend, file, table), *found, *expected),
             BuildError::ReadOnly { reason } => {
                 write!(f, "the server takes no writes: {reason}")
             }
@@ -284,16 +267,7 @@ impl fmt::Display for BuildError {
                 addr,
                 certificate,
                 ..
-            } => {
-                match addr {
-                    Some(addr) => write!(f, "the server at {addr} {reason}")?,
-                    None => f.write_str(reason)?,
-                }
-                match certificate {
-                    Some(problem) => write!(f, ": {problem} ({})", certificate_hint(problem)),
-                    None => Ok(()),
-                }
-            }
+            } => tls_message(f, reason, addr.as_deref(), certificate.as_deref()),
             BuildError::Rights {
                 user, right, addr, ..
             } => {
@@ -308,6 +282,47 @@ impl fmt::Display for BuildError {
                  held locks; only `noeviction` keeps them (or opt in with `allow_eviction`)"
             ),
         }
+    }
+}
+
+/// The message of [`BuildError::Schema`]: the table missing, or at another version.
+fn schema_message(
+    f: &mut fmt::Formatter<'_>,
+    (backend, file, table): (&str, &str, &str),
+    found: Option<i32>,
+    expected: i32,
+) -> fmt::Result {
+    match found {
+        None => write!(
+            f,
+            "the database has no lock table `{table}` (or not its routines)"
+        )?,
+        Some(found) => write!(
+            f,
+            "the lock table `{table}` is at schema version {found}, this crate needs {expected}"
+        )?,
+    }
+    write!(
+        f,
+        ": run the SQL of `{backend}::schema_sql(\"{table}\")` (the crate's {file} for the \
+         default table), or build with `migrate()`"
+    )
+}
+
+/// The message of [`BuildError::Tls`].
+fn tls_message(
+    f: &mut fmt::Formatter<'_>,
+    reason: &str,
+    addr: Option<&str>,
+    certificate: Option<&str>,
+) -> fmt::Result {
+    match addr {
+        Some(addr) => write!(f, "the server at {addr} {reason}")?,
+        None => f.write_str(reason)?,
+    }
+    match certificate {
+        Some(problem) => write!(f, ": {problem} ({})", certificate_hint(problem)),
+        None => Ok(()),
     }
 }
 

@@ -54,55 +54,15 @@ where
         Err(e) => return Ok(config.reject(e)),
     };
     let (parts, body) = request.into_parts();
-    let body = match Limited::new(body, config.max_request_body).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => {
-            return Ok(config.reject(IdempotencyError::BodyTooLarge {
-                limit: config.max_request_body,
-            }));
-        }
-        Err(e) => {
-            // The client went away or sent a broken body: nothing to answer it.
-            tracing::debug!(error = %e, "idempotency: request body unreadable");
-            return Ok(config.reject(IdempotencyError::BodyUnreadable {
-                reason: e.to_string(),
-            }));
-        }
+    let body = match read_body(&config, body).await {
+        Ok(body) => body,
+        Err(rejected) => return Ok(rejected),
     };
     let key = scoped_key(&(config.scope)(&parts), &key);
     let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
-
-    let mode = config.wait.map_or(Mode::TryOnce, Mode::Wait);
-    let mut recorded = 0;
-    let (guard, checked) = loop {
-        // A completed request is replayed without touching its lock, so that retries of a
-        // finished request never contend with each other.
-        match lookup(&config, &key, fingerprint).await {
-            Ok(Found::Nothing) => {}
-            Ok(Found::Replay(response)) => return Ok(response),
-            Err(e) => return Ok(config.reject(e)),
-        }
-        let lock = LockRequest::new(config.store.clone(), key.clone()).lease(config.lease);
-        match lock.unless_recorded(mode).await {
-            Ok(Acquired::Checked(guard)) => break (guard, true),
-            Ok(Acquired::Unchecked(guard)) => break (guard, false),
-            // A request with this key completed between the lookup and the lock: its
-            // record, read next, is the answer (if it expired meanwhile, the lock is
-            // tried again).
-            Ok(Acquired::Recorded) if recorded < MAX_RECORDED => recorded += 1,
-            Ok(Acquired::Recorded) => {
-                let error = LockError::backend(RECORD_CONTEXT, NotARecord::Unread);
-                return Ok(config.reject(IdempotencyError::Lock(error)));
-            }
-            Err(LockError::Contended { retry_after, .. }) => {
-                // A store that cannot tell the holder's remaining lease (etcd, ZooKeeper:
-                // the hold lives under its backend's lease or session) gets what the lock
-                // layer says before it has seen a hold end.
-                let retry_after = retry_after.or(Some(UNSEEN));
-                return Ok(config.reject(IdempotencyError::InFlight { retry_after }));
-            }
-            Err(e) => return Ok(config.reject(IdempotencyError::Lock(e))),
-        }
+    let (guard, checked) = match lock_unless_recorded(&config, &key, fingerprint).await {
+        Ok(locked) => locked,
+        Err(answer) => return Ok(answer),
     };
     let lost = LockError::Lost { key: key.clone() };
     let locked = Locked {
@@ -124,6 +84,75 @@ where
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // The runtime is shutting down: the task was dropped, and its lock released.
         Err(_) => Ok(config.reject(IdempotencyError::Lock(lost))),
+    }
+}
+
+/// The request's whole body, within the layer's limit; otherwise the rejection to answer.
+async fn read_body<B>(config: &Config, body: B) -> Result<Bytes, Response<IdempotencyBody>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    match Limited::new(body, config.max_request_body).collect().await {
+        Ok(body) => Ok(body.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => {
+            Err(config.reject(IdempotencyError::BodyTooLarge {
+                limit: config.max_request_body,
+            }))
+        }
+        Err(e) => {
+            // The client went away or sent a broken body: nothing to answer it.
+            tracing::debug!(error = %e, "idempotency: request body unreadable");
+            Err(config.reject(IdempotencyError::BodyUnreadable {
+                reason: e.to_string(),
+            }))
+        }
+    }
+}
+
+/// Takes `key`'s lock unless a completed request's record answers first: the guard, and
+/// whether the store found no record as it took the hold; otherwise the answer (the
+/// replay, or a rejection).
+async fn lock_unless_recorded(
+    config: &Config,
+    key: &str,
+    fingerprint: Fingerprint,
+) -> Result<(LockGuard, bool), Response<IdempotencyBody>> {
+    let mode = config.wait.map_or(Mode::TryOnce, Mode::Wait);
+    let mut recorded = 0;
+    loop {
+        // A completed request is replayed without touching its lock, so that retries of a
+        // finished request never contend with each other.
+        match lookup(config, key, fingerprint).await {
+            Ok(Found::Nothing) => {}
+            Ok(Found::Replay(response)) => return Err(response),
+            Err(e) => return Err(config.reject(e)),
+        }
+        let lock = LockRequest::new(config.store.clone(), key.to_owned()).lease(config.lease);
+        let error = match lock.unless_recorded(mode).await {
+            Ok(Acquired::Checked(guard)) => return Ok((guard, true)),
+            Ok(Acquired::Unchecked(guard)) => return Ok((guard, false)),
+            // A request with this key completed between the lookup and the lock: its
+            // record, read next, is the answer (if it expired meanwhile, the lock is
+            // tried again).
+            Ok(Acquired::Recorded) if recorded < MAX_RECORDED => {
+                recorded += 1;
+                continue;
+            }
+            Ok(Acquired::Recorded) => {
+                let error = LockError::backend(RECORD_CONTEXT, NotARecord::Unread);
+                IdempotencyError::Lock(error)
+            }
+            Err(LockError::Contended { retry_after, .. }) => {
+                // A store that cannot tell the holder's remaining lease (etcd, ZooKeeper:
+                // the hold lives under its backend's lease or session) gets what the lock
+                // layer says before it has seen a hold end.
+                let retry_after = retry_after.or(Some(UNSEEN));
+                IdempotencyError::InFlight { retry_after }
+            }
+            Err(e) => IdempotencyError::Lock(e),
+        };
+        return Err(config.reject(error));
     }
 }
 
@@ -219,12 +248,18 @@ where
         headers: kept_headers(&parts.headers, &config.deny_headers),
         body: body.clone(),
     };
-    // The handler ran: whatever the store says now, its response is the answer.
-    match config
+    store_record(&config, key, held, record).await;
+    release(guard).await;
+    Ok(Response::from_parts(parts, boxed(Full::new(body))))
+}
+
+/// Stores the handler's `record` for `key` while `held` holds it. The handler ran:
+/// whatever the store says now, its response is the answer, so a failure is only logged.
+async fn store_record(config: &Config, key: String, held: HeldLock, record: Record) {
+    let stored = config
         .records
-        .store(key.clone(), held, record.encode(), config.retention)
-        .await
-    {
+        .store(key.clone(), held, record.encode(), config.retention);
+    match stored.await {
         Ok(true) => {}
         Ok(false) => {
             tracing::warn!(key = %key, "idempotency: lock lost before the record was stored; not stored")
@@ -236,8 +271,6 @@ where
             "idempotency: record not stored"
         ),
     }
-    release(guard).await;
-    Ok(Response::from_parts(parts, boxed(Full::new(body))))
 }
 
 /// The stored record of `key`, checked against the request's fingerprint.

@@ -195,12 +195,28 @@ fn lost_signal(config: &Config, guard: &LockGuard) -> Option<LostSignal> {
 
 const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
 
+/// What the poll of the running handler decided.
+enum Ran<S: Service<Request<ReqBody>>, ReqBody, Out> {
+    /// The next state.
+    Next(Kind<S, ReqBody>),
+    /// The lock was lost while the handler ran: answer this, then drop the guard.
+    Aborted(Response<RejectionBody>, LockGuard),
+    /// The response, ready to return.
+    Done(Out),
+}
+
+/// The response type of a [`ResponseFuture`] over a service answering `ResBody`.
+type Answer<ResBody> = Response<ResponseBody<ResBody>>;
+
+/// What the poll of the running handler decided, for a service answering `ResBody`.
+type Running<S, ReqBody, ResBody> = Ran<S, ReqBody, Answer<ResBody>>;
+
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     ResBody: http_body::Body,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Answer<ResBody>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
@@ -212,61 +228,18 @@ where
                     inner,
                     request,
                     config,
-                } => {
-                    if let Some(acquiring) = acquire {
-                        match ready!(acquiring.as_mut().poll(cx)) {
-                            Ok(taken) => {
-                                *guard = Some(taken);
-                                *acquire = None;
-                            }
-                            Err(error) => {
-                                let response = config.reject(error);
-                                kind.set(Kind::Rejected {
-                                    response: Some(response),
-                                });
-                                continue;
-                            }
-                        }
-                    }
-                    // An error drops the guard with the state: released in the background.
-                    ready!(inner.poll_ready(cx))?;
-                    // Lost while the inner service got ready: `call` must not run, since a
-                    // service may start its work there, before its future is polled.
-                    if let Some(lost) = guard
-                        .as_ref()
-                        .filter(|g| g.is_lost() && config.on_lost == OnLockLost::Abort)
-                    {
-                        let response = config.reject(lost_error(lost, "waiting for the service"));
-                        kind.set(Kind::Rejected {
-                            response: Some(response),
-                        });
-                        continue;
-                    }
-                    let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
-                    if let Some(guard) = guard {
-                        request.extensions_mut().insert(guard.held().clone());
-                    }
-                    Kind::Running {
-                        method: request.method().clone(),
-                        future: inner.call(request),
-                        lost: guard.as_ref().and_then(|guard| lost_signal(config, guard)),
-                        guard: guard.take(),
-                        config: config.clone(),
-                    }
-                }
+                } => ready!(Self::poll_calling(
+                    cx, acquire, guard, inner, request, config
+                ))?,
                 KindProj::Running {
                     future,
                     guard,
-                    mut lost,
+                    lost,
                     method,
                     config,
-                } => {
-                    let lost_now = lost
-                        .as_mut()
-                        .as_pin_mut()
-                        .is_some_and(|lost| lost.poll(cx).is_ready());
-                    if let Some(guard) = guard.take_if(|_| lost_now) {
-                        let response = config.reject(lost_error(&guard, "the handler ran"));
+                } => match ready!(Self::poll_running(cx, future, guard, lost, method, config))? {
+                    Ran::Next(next) => next,
+                    Ran::Aborted(response, guard) => {
                         // Setting the state drops the handler future, then the guard
                         // releases whatever may be left in the background.
                         kind.set(Kind::Rejected {
@@ -275,26 +248,8 @@ where
                         drop(guard);
                         continue;
                     }
-                    // An error drops the guard with the state: released in the background.
-                    let response = ready!(future.poll(cx))?;
-                    let Some(guard) = guard.take() else {
-                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
-                    };
-                    let (status, headers) = (response.status(), response.headers());
-                    match sent_length(method, status, headers, response.body()) {
-                        Some(length) if config.hold_body => {
-                            let lost = lost_signal(config, &guard);
-                            let hold = BodyHold::new(guard, lost, length);
-                            return Poll::Ready(Ok(
-                                response.map(|body| ResponseBody::guarded(body, hold))
-                            ));
-                        }
-                        _ => Kind::Releasing {
-                            release: Release::new(guard),
-                            response: Some(response),
-                        },
-                    }
-                }
+                    Ran::Done(response) => return Poll::Ready(Ok(response)),
+                },
                 KindProj::Releasing { release, response } => {
                     ready!(Pin::new(release).poll(cx));
                     let response = response.take().expect(POLLED_AFTER_COMPLETION);
@@ -307,5 +262,102 @@ where
             };
             kind.set(next);
         }
+    }
+}
+
+impl<S, ReqBody, ResBody> ResponseFuture<S, ReqBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: http_body::Body,
+{
+    /// Waits for the lock (if it is still being taken), then for the inner service's
+    /// readiness, and calls it: the next state, running or rejected.
+    fn poll_calling(
+        cx: &mut Context<'_>,
+        acquire: &mut Option<BoxFuture<'static, Result<LockGuard, LockError>>>,
+        guard: &mut Option<LockGuard>,
+        inner: &mut S,
+        request: &mut Option<Request<ReqBody>>,
+        config: &Arc<Config>,
+    ) -> Poll<Result<Kind<S, ReqBody>, S::Error>> {
+        if let Some(acquiring) = acquire {
+            match ready!(acquiring.as_mut().poll(cx)) {
+                Ok(taken) => {
+                    *guard = Some(taken);
+                    *acquire = None;
+                }
+                Err(error) => return Poll::Ready(Ok(rejected(config.reject(error)))),
+            }
+        }
+        // An error drops the guard with the state: released in the background.
+        ready!(inner.poll_ready(cx))?;
+        // Lost while the inner service got ready: `call` must not run, since a service may
+        // start its work there, before its future is polled.
+        if let Some(lost) = guard
+            .as_ref()
+            .filter(|g| g.is_lost() && config.on_lost == OnLockLost::Abort)
+        {
+            let response = config.reject(lost_error(lost, "waiting for the service"));
+            return Poll::Ready(Ok(rejected(response)));
+        }
+        let mut request = request.take().expect(POLLED_AFTER_COMPLETION);
+        if let Some(guard) = guard {
+            request.extensions_mut().insert(guard.held().clone());
+        }
+        Poll::Ready(Ok(Kind::Running {
+            method: request.method().clone(),
+            future: inner.call(request),
+            lost: guard.as_ref().and_then(|guard| lost_signal(config, guard)),
+            guard: guard.take(),
+            config: config.clone(),
+        }))
+    }
+
+    /// Polls the handler, unless the lock was lost meanwhile: its response, with the lock
+    /// held through the body or released first.
+    fn poll_running(
+        cx: &mut Context<'_>,
+        future: Pin<&mut S::Future>,
+        guard: &mut Option<LockGuard>,
+        mut lost: Pin<&mut Option<LostSignal>>,
+        method: &Method,
+        config: &Arc<Config>,
+    ) -> Poll<Result<Running<S, ReqBody, ResBody>, S::Error>> {
+        let lost_now = lost
+            .as_mut()
+            .as_pin_mut()
+            .is_some_and(|lost| lost.poll(cx).is_ready());
+        if let Some(guard) = guard.take_if(|_| lost_now) {
+            let response = config.reject(lost_error(&guard, "the handler ran"));
+            return Poll::Ready(Ok(Ran::Aborted(response, guard)));
+        }
+        // An error drops the guard with the state: released in the background.
+        let response = ready!(future.poll(cx))?;
+        let Some(guard) = guard.take() else {
+            return Poll::Ready(Ok(Ran::Done(response.map(ResponseBody::inner))));
+        };
+        let (status, headers) = (response.status(), response.headers());
+        Poll::Ready(Ok(
+            match sent_length(method, status, headers, response.body()) {
+                Some(length) if config.hold_body => {
+                    let lost = lost_signal(config, &guard);
+                    let hold = BodyHold::new(guard, lost, length);
+                    Ran::Done(response.map(|body| ResponseBody::guarded(body, hold)))
+                }
+                _ => Ran::Next(Kind::Releasing {
+                    release: Release::new(guard),
+                    response: Some(response),
+                }),
+            },
+        ))
+    }
+}
+
+/// The state of a rejection answered without the inner service.
+fn rejected<S: Service<Request<ReqBody>>, ReqBody>(
+    response: Response<RejectionBody>,
+) -> Kind<S, ReqBody> {
+    Kind::Rejected {
+        response: Some(response),
     }
 }

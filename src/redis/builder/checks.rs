@@ -217,30 +217,37 @@ impl ServerChecks<'_> {
         ];
         for (name, invocation, source) in steps {
             let ran = self.pool.invoke::<redis::Value>(invocation).await;
-            ran.map_err(|e| {
-                let right = match refused(&e) {
-                    None => {
-                        return BuildError::Scripts {
-                            addr: self.peer.addr.clone(),
-                            source: e.into_cause(),
-                        };
-                    }
-                    Some(Refused::Channel) => {
-                        format!("{} to channel `{}`", self.publish, probe.channel)
-                    }
-                    Some(Refused::Key) => format!("access key `{lock}` of the namespace"),
-                    // Refused before the script ran, so EVALSHA itself.
-                    Some(Refused::Command)
-                        if e.redis_error().and_then(|e| e.code()) == Some("NOPERM") =>
-                    {
-                        "run EVALSHA (every lock operation is a script)".to_owned()
-                    }
-                    Some(Refused::Command) => refused_call(&e, name, source, self.scripts.sharded),
-                };
-                self.rights_error(right, e.into_cause())
-            })?;
+            ran.map_err(|e| self.script_refused(e, (name, source), probe))?;
         }
         Ok(())
+    }
+
+    /// What a probe script's failure means: a right the user lacks (which one, as the
+    /// step `name` of `source` needed it), or scripts the server did not load.
+    fn script_refused(
+        &self,
+        e: CommandError,
+        (name, source): (&str, &str),
+        probe: &LockKey,
+    ) -> BuildError {
+        let right = match refused(&e) {
+            None => {
+                return BuildError::Scripts {
+                    addr: self.peer.addr.clone(),
+                    source: e.into_cause(),
+                };
+            }
+            Some(Refused::Channel) => {
+                format!("{} to channel `{}`", self.publish, probe.channel)
+            }
+            Some(Refused::Key) => format!("access key `{}` of the namespace", &*probe.lock),
+            // Refused before the script ran, so EVALSHA itself.
+            Some(Refused::Command) if e.redis_error().and_then(|e| e.code()) == Some("NOPERM") => {
+                "run EVALSHA (every lock operation is a script)".to_owned()
+            }
+            Some(Refused::Command) => refused_call(&e, name, source, self.scripts.sharded),
+        };
+        self.rights_error(right, e.into_cause())
     }
 
     /// Deletes the probe lock, its semaphore and their counters; if that fails they

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use redis::ScriptInvocation;
+use redis::{Script, ScriptInvocation};
 
 use super::{Scripts, millis};
 use crate::core::queue::Claim;
@@ -38,6 +38,33 @@ pub(crate) struct ReleaseCall<'a> {
 }
 
 impl ReleaseCall<'_> {
+    /// The call of a shared hold's or a permit's release (`script`), of `token` only
+    /// unless it is empty.
+    fn holder_invocation<'s>(
+        self,
+        script: &'s Script,
+        sharded: bool,
+        token: String,
+        fence_ttl: Duration,
+    ) -> ScriptInvocation<'s> {
+        let mut invocation = script.key(&*self.key.lock);
+        invocation
+            .arg(self.owner.as_str())
+            .arg(self.release_id)
+            .arg(millis(self.lease))
+            .arg(&self.key.channel)
+            .arg(u8::from(sharded))
+            .arg(token);
+        if let Some((instance, serial)) = self.resent_guard {
+            invocation
+                .key(self.key.releases())
+                .arg(instance)
+                .arg(serial)
+                .arg(millis(fence_ttl));
+        }
+        invocation
+    }
+
     pub(crate) fn invocation<'s>(
         self,
         scripts: &'s Scripts,
@@ -50,22 +77,7 @@ impl ReleaseCall<'_> {
             Kind::Permit(_) => Some(&scripts.permit_release),
         };
         if let Some(script) = single {
-            let mut invocation = script.key(&*self.key.lock);
-            invocation
-                .arg(self.owner.as_str())
-                .arg(self.release_id)
-                .arg(millis(self.lease))
-                .arg(&self.key.channel)
-                .arg(u8::from(scripts.sharded))
-                .arg(token);
-            if let Some((instance, serial)) = self.resent_guard {
-                invocation
-                    .key(self.key.releases())
-                    .arg(instance)
-                    .arg(serial)
-                    .arg(millis(fence_ttl));
-            }
-            return invocation;
+            return self.holder_invocation(script, scripts.sharded, token, fence_ttl);
         }
         // The arguments a plain release does not need are left off from the end (see
         // release.lua): each one Redis hands to a script costs it.
