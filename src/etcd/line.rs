@@ -12,11 +12,11 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp};
 
 use super::behind::Behind;
+use crate::core::kit::backoff::Backoff;
 use crate::core::wakeups::Wakeups;
 
-/// The first pause before a failed withdrawal is sent again; it doubles up to
-/// [`MAX_WITHDRAW_BACKOFF`].
-const WITHDRAW_BACKOFF: Duration = Duration::from_millis(20);
+/// The longest pause before a failed withdrawal is sent again (the store kit's backoff
+/// doubles up to it).
 const MAX_WITHDRAW_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What an acquisition needs to take its key out of line, and that key.
@@ -74,7 +74,7 @@ impl Line {
             // lives as long as the backend, and until it goes everyone behind it waits (an
             // election, a lost connection). Either answer settles it: deleted, or changed
             // since (taken over as a hold, or gone with its lease).
-            let mut backoff = WITHDRAW_BACKOFF;
+            let mut backoff = Backoff::up_to(MAX_WITHDRAW_BACKOFF);
             loop {
                 let withdraw = Txn::new()
                     .when([Compare::value(key.clone(), CompareOp::Equal, value.clone())])
@@ -85,8 +85,7 @@ impl Line {
                         tracing::debug!(%key, error = %e, "etcd: a key waiting in line was not withdrawn; again");
                     }
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_WITHDRAW_BACKOFF);
+                tokio::time::sleep(backoff.next()).await;
             }
         });
     }

@@ -12,20 +12,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{EventType, WatchClient, WatchFilterType, WatchOptions};
+use etcd_client::{EventType, WatchClient, WatchFilterType, WatchOptions, WatchStream};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::behind::Behind;
-use crate::core::runtime::{Daemon, Spawner};
-use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::kit::listener::{self as kit, Listen, Lost};
+use crate::core::runtime::Spawner;
+use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::recheck::Recheck;
 
-/// Handle to the backend's watch task.
+/// Handle to the backend's watch task: the store kit's listener, and what the waiters
+/// wait behind.
 pub(crate) struct Listener {
-    wakeups: Wakeups,
+    listener: kit::Listener,
     behind: Arc<Behind>,
-    task: Daemon,
 }
 
 /// What the watch task needs.
@@ -50,22 +51,20 @@ impl Listener {
     ) -> Self {
         let behind = Arc::new(Behind::default());
         let (serving, waits) = (wakeups.clone(), behind.clone());
-        let start = move |shutdown| {
-            let watched = (serving.clone(), waits.clone());
-            watch_until_shutdown(watched, config.clone(), recheck.clone(), shutdown)
+        let max_backoff = config.max_backoff;
+        let make = move || Watching {
+            wakeups: serving.clone(),
+            behind: waits.clone(),
+            config: config.clone(),
+            recheck: recheck.clone(),
         };
-        let task = Daemon::spawn(start, spawner, shutdown);
-        Listener {
-            wakeups,
-            behind,
-            task,
-        }
+        let listener = kit::Listener::spawn(wakeups, make, max_backoff, (shutdown, spawner));
+        Listener { listener, behind }
     }
 
     /// Registers a waiter on an acquisition's `channel` (see [`Wakeups::register`]).
     pub(crate) fn register(&self, channel: &str) -> Waiter {
-        self.task.ensure_running();
-        self.wakeups.register(channel)
+        self.listener.register(channel)
     }
 
     /// What the waiters wait behind.
@@ -75,104 +74,82 @@ impl Listener {
 
     /// The waiters and the watch's state.
     pub(crate) fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
+        self.listener.wakeups()
     }
 }
 
-async fn watch_until_shutdown(
-    (wakeups, behind): (Wakeups, Arc<Behind>),
+/// The watch, as the store kit's loop drives it.
+struct Watching {
+    wakeups: Wakeups,
+    behind: Arc<Behind>,
     config: WatchConfig,
     recheck: Recheck,
-    shutdown: CancellationToken,
-) {
-    let _disconnected = Disconnected(&wakeups);
-    let initial_backoff = Duration::from_millis(20);
-    let mut backoff = initial_backoff;
-    while !shutdown.is_cancelled() {
-        let ended = tokio::select! {
-            () = shutdown.cancelled() => return,
-            ended = serve((&wakeups, &behind), &config, &recheck, &mut backoff) => ended,
-        };
-        wakeups.disconnected();
-        if backoff == initial_backoff {
-            tracing::warn!(reason = %ended, "etcd watch lost");
-        } else {
-            tracing::debug!(reason = %ended, "etcd watch could not be opened");
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(config.max_backoff);
-    }
 }
 
-/// Opens the watch and serves it until it fails; returns why. Resets `backoff` once the
-/// watch is confirmed.
-async fn serve(
-    (wakeups, behind): (&Wakeups, &Behind),
-    config: &WatchConfig,
-    recheck: &Recheck,
-    backoff: &mut Duration,
-) -> String {
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_filters([WatchFilterType::NoPut]);
-    let opened = timeout(
-        config.connect_timeout,
-        config
-            .client
-            .clone()
-            .watch(config.prefix.clone(), Some(options)),
-    )
-    .await;
-    let mut stream = match opened {
-        Ok(Ok(stream)) => stream,
-        Ok(Err(e)) => return format!("watch failed: {e}"),
-        Err(_) => return "watch timed out".to_owned(),
-    };
-    // etcd confirms the watch before any event.
-    match timeout(config.connect_timeout, stream.message()).await {
-        Ok(Ok(Some(reply))) if reply.created() && !reply.canceled() => {
-            behind.opened(reply.header().map_or(i64::MAX, |h| h.revision()));
+impl Listen for Watching {
+    const NAME: &'static str = "etcd watch";
+    type Connection = WatchStream;
+
+    /// Opens the watch, and waits for etcd to confirm it (before any event).
+    async fn connect(&mut self) -> Result<WatchStream, String> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let mut client = self.config.client.clone();
+        let opened = client.watch(self.config.prefix.clone(), Some(options));
+        let mut stream = match timeout(self.config.connect_timeout, opened).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return Err(format!("watch failed: {e}")),
+            Err(_) => return Err("watch timed out".to_owned()),
+        };
+        match timeout(self.config.connect_timeout, stream.message()).await {
+            Ok(Ok(Some(reply))) if reply.created() && !reply.canceled() => {
+                let revision = reply.header().map_or(i64::MAX, |h| h.revision());
+                self.behind.opened(revision);
+            }
+            Ok(Ok(Some(reply))) => return Err(format!("watch refused: {}", reply.cancel_reason())),
+            Ok(Ok(None)) => return Err("watch closed".to_owned()),
+            Ok(Err(e)) => return Err(format!("watch failed: {e}")),
+            Err(_) => return Err("watch not confirmed in time".to_owned()),
         }
-        Ok(Ok(Some(reply))) => return format!("watch refused: {}", reply.cancel_reason()),
-        Ok(Ok(None)) => return "watch closed".to_owned(),
-        Ok(Err(e)) => return format!("watch failed: {e}"),
-        Err(_) => return "watch not confirmed in time".to_owned(),
+        self.wakeups.connected();
+        self.recheck.raise("the etcd watch was (re)opened");
+        Ok(stream)
     }
-    *backoff = Duration::from_millis(20);
-    wakeups.connected();
-    recheck.raise("the etcd watch was (re)opened");
-    tracing::debug!("etcd watch open");
-    loop {
-        // Every key of the namespace is watched: new waiters are confirmed at once.
-        {
-            let mut registry = wakeups.registry();
-            let (new, _) = registry.changes();
-            registry.confirmed(new);
-        }
-        wakeups.report_subscriptions();
-        tokio::select! {
-            () = wakeups.changed() => {}
-            message = stream.message() => match message {
-                Ok(Some(reply)) if reply.canceled() => {
-                    return format!("watch cancelled: {}", reply.cancel_reason());
-                }
-                Ok(Some(reply)) => {
-                    let registry = wakeups.registry();
-                    for event in reply.events() {
-                        if event.event_type() != EventType::Delete {
-                            continue;
-                        }
-                        if let Some(kv) = event.kv() {
-                            behind.deleted(&registry, kv.key(), kv.mod_revision());
+
+    async fn serve(&mut self, mut stream: WatchStream, proven: &mut bool) -> Lost {
+        // Confirmed by etcd as it opened.
+        *proven = true;
+        let (wakeups, behind) = (&self.wakeups, &self.behind);
+        loop {
+            // Every key of the namespace is watched: new waiters are confirmed at once.
+            {
+                let mut registry = wakeups.registry();
+                let (new, _) = registry.changes();
+                registry.confirmed(new);
+            }
+            wakeups.report_subscriptions();
+            tokio::select! {
+                () = wakeups.changed() => {}
+                message = stream.message() => match message {
+                    Ok(Some(reply)) if reply.canceled() => {
+                        return format!("watch cancelled: {}", reply.cancel_reason()).into();
+                    }
+                    Ok(Some(reply)) => {
+                        let registry = wakeups.registry();
+                        for event in reply.events() {
+                            if event.event_type() != EventType::Delete {
+                                continue;
+                            }
+                            if let Some(kv) = event.kv() {
+                                behind.deleted(&registry, kv.key(), kv.mod_revision());
+                            }
                         }
                     }
-                }
-                Ok(None) => return "watch closed".to_owned(),
-                Err(e) => return format!("watch failed: {e}"),
-            },
+                    Ok(None) => return "watch closed".into(),
+                    Err(e) => return format!("watch failed: {e}").into(),
+                },
+            }
         }
     }
 }

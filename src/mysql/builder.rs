@@ -11,9 +11,10 @@ use sqlx::{Executor, MySql};
 
 use super::checks::{call_failure, probe, refuse_read_only};
 use super::store::MySqlStore;
-use super::wake::{Links, WakeConfig, WakeConnection};
+use super::wake::{self, Links, WakeConfig};
 use super::{MySqlBackend, schema};
 use crate::core::Parts;
+use crate::core::kit::listener::Listener;
 use crate::core::kit::settings::{StoreSettings, refuse_under_a_second};
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
@@ -124,8 +125,8 @@ impl Server for MySql {
         (pool, options): (&MySqlPool, &MySqlConnectOptions),
         (settings, config): (&StoreSettings, &Config),
         parts: &Parts,
-    ) -> WakeConnection {
-        WakeConnection::spawn(
+    ) -> Listener {
+        wake::spawn(
             Links {
                 pool: pool.clone(),
                 options: options.clone(),

@@ -7,7 +7,7 @@ use sqlx::mysql::{MySql, MySqlArguments, MySqlPool};
 use sqlx::query::QueryScalar;
 
 use super::error::MySqlError;
-use super::wake::WakeConnection;
+use crate::core::kit::listener::Listener;
 use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -60,7 +60,7 @@ fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
 }
 
 impl Calls for MySql {
-    type Wake = WakeConnection;
+    type Wake = Listener;
 
     fn statements(table: &str) -> Statements {
         // The plain statements cover the common cases (a lone hold freed: with nobody
@@ -132,7 +132,7 @@ impl Calls for MySql {
         }
     }
 
-    fn register(wake: &WakeConnection, channel: &str) -> Waiter {
+    fn register(wake: &Listener, channel: &str) -> Waiter {
         wake.register(channel)
     }
 

@@ -26,8 +26,9 @@ use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::{INTERRUPTED, number};
-use crate::core::runtime::{Daemon, Spawner};
-use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::kit::listener::{Listen, Listener, Lost};
+use crate::core::runtime::Spawner;
+use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
 
 /// Settings of the wake connection.
@@ -45,12 +46,6 @@ pub(crate) struct WakeConfig {
     pub(crate) max_backoff: Duration,
 }
 
-/// Handle to the backend's wake connection task.
-pub(crate) struct WakeConnection {
-    wakeups: Wakeups,
-    task: Daemon,
-}
-
 /// What the task works with: the command pool (registrations) and the options its own
 /// connection is opened with.
 pub(crate) struct Links {
@@ -59,119 +54,119 @@ pub(crate) struct Links {
     pub(crate) wakeups: Wakeups,
 }
 
-impl WakeConnection {
-    /// Starts the task; it stops when `shutdown` is cancelled. Every (re)connect raises
-    /// `recheck`: a server that restarted may have lost recent writes.
-    pub(crate) fn spawn(
-        links: Links,
-        config: WakeConfig,
-        recheck: Recheck,
-        shutdown: CancellationToken,
-        spawner: &Spawner,
-    ) -> Self {
-        let wakeups = links.wakeups.clone();
-        let start = move |shutdown| {
-            let (pool, options) = (links.pool.clone(), links.options.clone());
-            let (wakeups, config, recheck) =
-                (links.wakeups.clone(), config.clone(), recheck.clone());
-            async move {
-                let task = Task {
-                    wakeups,
-                    pool,
-                    config,
-                    recheck,
-                };
-                task.run(options, shutdown).await;
-            }
-        };
-        let task = Daemon::spawn(start, spawner, shutdown);
-        WakeConnection { wakeups, task }
-    }
-
-    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
-    pub(crate) fn register(&self, channel: &str) -> Waiter {
-        // A waiter on another runtime than the one the task ran on.
-        self.task.ensure_running();
-        self.wakeups.register(channel)
-    }
-
-    /// The waiters and the connection's state.
-    pub(crate) fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
-    }
-}
-
-struct Task {
-    wakeups: Wakeups,
-    pool: MySqlPool,
+/// Starts the wake connection's task; it stops when `shutdown` is cancelled. Every
+/// (re)connect raises `recheck`: a server that restarted may have lost recent writes.
+pub(crate) fn spawn(
+    links: Links,
     config: WakeConfig,
     recheck: Recheck,
+    shutdown: CancellationToken,
+    spawner: &Spawner,
+) -> Listener {
+    let (wakeups, max_backoff) = (links.wakeups.clone(), config.max_backoff);
+    let make = move || Waking {
+        wakeups: links.wakeups.clone(),
+        pool: links.pool.clone(),
+        options: links.options.clone(),
+        config: config.clone(),
+        recheck: recheck.clone(),
+        last_id: None,
+    };
+    Listener::spawn(wakeups, make, max_backoff, (shutdown, spawner))
+}
+
+/// The wake connection, as the store kit's loop drives it.
+struct Waking {
+    wakeups: Wakeups,
+    pool: MySqlPool,
+    options: MySqlConnectOptions,
+    config: WakeConfig,
+    recheck: Recheck,
+    /// The id of the last connection, whose rows the next one deletes.
+    last_id: Option<u64>,
 }
 
 /// Why a connection is given up.
-type Lost = String;
+type Failed = String;
 
-impl Task {
-    /// Connects, serves, and reconnects with capped exponential backoff until shut down.
-    async fn run(&self, options: MySqlConnectOptions, shutdown: CancellationToken) {
-        // However the task ends, even dropped with its runtime, every waiter tries again.
-        let _disconnected = Disconnected(&self.wakeups);
-        let initial_backoff = Duration::from_millis(20);
-        let mut backoff = initial_backoff;
-        let mut last_id = None;
-        while !shutdown.is_cancelled() {
-            let connected = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                c = timeout(self.config.connect_timeout, MySqlConnection::connect_with(&options)) => c,
-            };
-            // The gate: a second connection holding the named lock the first parks on.
-            let connected = match connected {
-                Ok(Ok(conn)) => {
-                    let gate = MySqlConnection::connect_with(&options);
-                    match timeout(self.config.connect_timeout, gate).await {
-                        Ok(Ok(gate)) => Ok(Ok((conn, gate))),
-                        Ok(Err(e)) => Ok(Err(e)),
-                        Err(e) => Err(e),
-                    }
-                }
-                Ok(Err(e)) => Ok(Err(e)),
-                Err(e) => Err(e),
-            };
-            match connected {
-                Ok(Ok((mut conn, mut gate))) => {
-                    let mut proven = false;
-                    let ended = self
-                        .serve((&mut conn, &mut gate), &mut last_id, &shutdown, &mut proven)
-                        .await;
-                    self.wakeups.disconnected();
-                    if proven {
-                        backoff = initial_backoff;
-                    }
-                    match ended {
-                        Ok(()) => return,
-                        Err(reason) => tracing::warn!(%reason, "lock wake connection lost"),
-                    }
-                }
-                Ok(Err(e)) => tracing::warn!(error = %e, "lock wake connection cannot connect"),
-                Err(_) => tracing::warn!("lock wake connection connect timed out"),
+/// The park's statement, and how its end is read.
+struct Park {
+    /// `SELECT IF(<a row of the connection woken>, 0, GET_LOCK(gate, park))`.
+    statement: String,
+    /// The connection's woken channels.
+    woken: String,
+    /// The gate's named lock.
+    gate: String,
+    /// How long one park may take before the connection is thought dead.
+    bound: Duration,
+}
+
+impl Listen for Waking {
+    const NAME: &'static str = "lock wake connection";
+    /// The parked connection, and the gate: a second connection holding the named lock
+    /// the first parks on.
+    type Connection = (MySqlConnection, MySqlConnection);
+
+    async fn connect(&mut self) -> Result<Self::Connection, String> {
+        let bound = self.config.connect_timeout;
+        let open = async || match timeout(bound, MySqlConnection::connect_with(&self.options)).await
+        {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("connect timed out".to_owned()),
+        };
+        Ok((open().await?, open().await?))
+    }
+
+    async fn serve(&mut self, (mut conn, mut gate): Self::Connection, proven: &mut bool) -> Lost {
+        let Err(reason) = self.serve_parked((&mut conn, &mut gate), proven).await;
+        Lost::Failed(reason)
+    }
+}
+
+impl Waking {
+    /// Serves one connection until it must be replaced: why. Sets `proven` once the
+    /// connection registered and parked.
+    async fn serve_parked(
+        &mut self,
+        (conn, gate): (&mut MySqlConnection, &mut MySqlConnection),
+        proven: &mut bool,
+    ) -> Result<std::convert::Infallible, Failed> {
+        let (id, park) = self.open((conn, gate)).await?;
+        self.wakeups.connected();
+        tracing::debug!(id, "lock wake connection up");
+        self.recheck.raise("the wake connection was (re)opened");
+        loop {
+            self.reconcile(id).await?;
+            let ended = self.park(conn, id, &park).await?;
+            match ended {
+                // The gate is gone (its connection dropped): the park would not wait.
+                Ok(Some(1)) => return Err("the gate's connection was lost".to_owned()),
+                Ok(_) => {}
+                Err(e) if number(&e) == Some(INTERRUPTED) => {}
+                Err(e) => return Err(format!("park failed: {e}")),
             }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(backoff) => {}
+            *proven = true;
+            let Some(channels) = self.take_woken(conn, id, &park.woken).await? else {
+                continue;
+            };
+            for channel in &channels {
+                if *channel == self.config.admin_channel {
+                    self.recheck
+                        .raise("a lock of the namespace was force-released");
+                } else {
+                    self.wakeups.registry().wake_channel(channel);
+                }
             }
-            backoff = (backoff * 2).min(self.config.max_backoff);
         }
     }
 
-    /// Serves one connection. `Ok` means shutdown, `Err` that the connection must be
-    /// replaced. Sets `proven` once the connection registered and parked.
-    async fn serve(
-        &self,
+    /// Registers connection `conn` (deleting the rows of the last one) and takes the gate
+    /// on `gate`: its id, and its park.
+    async fn open(
+        &mut self,
         (conn, gate): (&mut MySqlConnection, &mut MySqlConnection),
-        last_id: &mut Option<u64>,
-        shutdown: &CancellationToken,
-        proven: &mut bool,
-    ) -> Result<(), Lost> {
+    ) -> Result<(u64, Park), Failed> {
         let waiters = &self.config.waiters;
         let id = self
             .bounded(
@@ -179,7 +174,7 @@ impl Task {
                 sqlx::query_scalar::<_, u64>("SELECT CONNECTION_ID()").fetch_one(&mut *conn),
             )
             .await?;
-        if let Some(old) = last_id.replace(id) {
+        if let Some(old) = self.last_id.replace(id) {
             let forget = format!("DELETE FROM {waiters} WHERE conn = ?");
             self.bounded("forget", sqlx::query(&forget).bind(old).execute(&mut *conn))
                 .await?;
@@ -205,93 +200,93 @@ impl Task {
         if held != Some(1) {
             return Err("the gate's named lock is taken".to_owned());
         }
-        self.wakeups.connected();
-        tracing::debug!(id, "lock wake connection up");
-        self.recheck.raise("the wake connection was (re)opened");
         // GET_LOCK on the gate's lock, not SLEEP: MariaDB interrupts a SLEEP through one
         // mutex that every SLEEP shares, and gives up after a few tries when it is busy (the
         // SLEEP then runs to its end), while a lock wait has a mutex of its own.
-        let park = format!(
-            "SELECT IF(EXISTS(SELECT 1 FROM {waiters} WHERE conn = ? AND woken = 1), 0, \
-             GET_LOCK(?, ?))"
-        );
-        let woken = format!("SELECT channel FROM {waiters} WHERE conn = ? AND woken = 1");
-        let park_bound = self.config.park + self.config.command_timeout;
+        let park = Park {
+            statement: format!(
+                "SELECT IF(EXISTS(SELECT 1 FROM {waiters} WHERE conn = ? AND woken = 1), 0, \
+                 GET_LOCK(?, ?))"
+            ),
+            woken: format!("SELECT channel FROM {waiters} WHERE conn = ? AND woken = 1"),
+            gate: gate_name,
+            bound: self.config.park + self.config.command_timeout,
+        };
+        Ok((id, park))
+    }
+
+    /// One park of connection `id`, registering new waiters through the pool meanwhile:
+    /// how it ended.
+    async fn park(
+        &self,
+        conn: &mut MySqlConnection,
+        id: u64,
+        park: &Park,
+    ) -> Result<Result<Option<i64>, sqlx::Error>, Failed> {
+        let parked = sqlx::query_scalar::<_, Option<i64>>(&park.statement)
+            .bind(id)
+            .bind(&park.gate)
+            .bind(self.config.park.as_secs_f64())
+            .fetch_one(&mut *conn);
+        tokio::pin!(parked);
+        let deadline = Instant::now() + park.bound;
         loop {
-            self.reconcile(id).await?;
-            let ended = {
-                let parked = sqlx::query_scalar::<_, Option<i64>>(&park)
-                    .bind(id)
-                    .bind(&gate_name)
-                    .bind(self.config.park.as_secs_f64())
-                    .fetch_one(&mut *conn);
-                tokio::pin!(parked);
-                let deadline = Instant::now() + park_bound;
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(()),
-                        // Registered through the pool while the park goes on.
-                        _ = self.wakeups.changed() => self.reconcile(id).await?,
-                        ended = &mut parked => break ended,
-                        _ = tokio::time::sleep_until(deadline) => {
-                            return Err("the park outlived its bound".to_owned());
-                        }
-                    }
-                }
-            };
-            match ended {
-                // The gate is gone (its connection dropped): the park would not wait.
-                Ok(Some(1)) => return Err("the gate's connection was lost".to_owned()),
-                Ok(_) => {}
-                Err(e) if number(&e) == Some(INTERRUPTED) => {}
-                Err(e) => return Err(format!("park failed: {e}")),
-            }
-            *proven = true;
-            // VARBINARY: bytes, which are the channel's ASCII name.
-            let channels = sqlx::query_scalar::<_, Vec<u8>>(&woken)
-                .bind(id)
-                .fetch_all(&mut *conn);
-            let channels = match timeout(self.config.command_timeout, channels).await {
-                Ok(Ok(channels)) => channels
-                    .into_iter()
-                    .map(|c| String::from_utf8_lossy(&c).into_owned())
-                    .collect::<Vec<_>>(),
-                // A KILL QUERY that came meanwhile: look again.
-                Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => continue,
-                Ok(Err(e)) => return Err(format!("reading wake-ups failed: {e}")),
-                Err(_) => return Err("reading wake-ups timed out".to_owned()),
-            };
-            if channels.is_empty() {
-                continue;
-            }
-            // Cleared before the waiters try again: a release after this marks them anew.
-            let clear = format!(
-                "UPDATE {waiters} SET woken = 0 WHERE conn = ? AND channel IN ({})",
-                placeholders(channels.len())
-            );
-            let cleared = channels
-                .iter()
-                .fold(sqlx::query(&clear).bind(id), |q, c| q.bind(c))
-                .execute(&mut *conn);
-            match timeout(self.config.command_timeout, cleared).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => continue,
-                Ok(Err(e)) => return Err(format!("clearing wake-ups failed: {e}")),
-                Err(_) => return Err("clearing wake-ups timed out".to_owned()),
-            }
-            for channel in &channels {
-                if *channel == self.config.admin_channel {
-                    self.recheck
-                        .raise("a lock of the namespace was force-released");
-                } else {
-                    self.wakeups.registry().wake_channel(channel);
+            tokio::select! {
+                // Registered through the pool while the park goes on.
+                _ = self.wakeups.changed() => self.reconcile(id).await?,
+                ended = &mut parked => return Ok(ended),
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err("the park outlived its bound".to_owned());
                 }
             }
         }
     }
 
+    /// Reads and clears the woken channels of connection `id` (`woken` reads them):
+    /// `None` when a `KILL QUERY` cut the reading short (look again).
+    async fn take_woken(
+        &self,
+        conn: &mut MySqlConnection,
+        id: u64,
+        woken: &str,
+    ) -> Result<Option<Vec<String>>, Failed> {
+        let waiters = &self.config.waiters;
+        // VARBINARY: bytes, which are the channel's ASCII name.
+        let channels = sqlx::query_scalar::<_, Vec<u8>>(woken)
+            .bind(id)
+            .fetch_all(&mut *conn);
+        let channels = match timeout(self.config.command_timeout, channels).await {
+            Ok(Ok(channels)) => channels
+                .into_iter()
+                .map(|c| String::from_utf8_lossy(&c).into_owned())
+                .collect::<Vec<_>>(),
+            // A KILL QUERY that came meanwhile: look again.
+            Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => return Ok(None),
+            Ok(Err(e)) => return Err(format!("reading wake-ups failed: {e}")),
+            Err(_) => return Err("reading wake-ups timed out".to_owned()),
+        };
+        if channels.is_empty() {
+            return Ok(None);
+        }
+        // Cleared before the waiters try again: a release after this marks them anew.
+        let clear = format!(
+            "UPDATE {waiters} SET woken = 0 WHERE conn = ? AND channel IN ({})",
+            placeholders(channels.len())
+        );
+        let cleared = channels
+            .iter()
+            .fold(sqlx::query(&clear).bind(id), |q, c| q.bind(c))
+            .execute(&mut *conn);
+        match timeout(self.config.command_timeout, cleared).await {
+            Ok(Ok(_)) => Ok(Some(channels)),
+            Ok(Err(e)) if number(&e) == Some(INTERRUPTED) => Ok(None),
+            Ok(Err(e)) => Err(format!("clearing wake-ups failed: {e}")),
+            Err(_) => Err("clearing wake-ups timed out".to_owned()),
+        }
+    }
+
     /// Brings the waiters table's rows of connection `id` in line with the registry.
-    async fn reconcile(&self, id: u64) -> Result<(), Lost> {
+    async fn reconcile(&self, id: u64) -> Result<(), Failed> {
         let waiters = &self.config.waiters;
         loop {
             let (register, forget) = self.wakeups.registry().changes();
@@ -328,7 +323,7 @@ impl Task {
         &self,
         what: &str,
         call: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, Lost> {
+    ) -> Result<T, Failed> {
         match timeout(self.config.command_timeout, call).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => Err(format!("{what} failed: {e}")),

@@ -10,10 +10,11 @@ use sqlx::Postgres;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use super::checks::{connect_failure, probe, refuse_read_only};
-use super::listen::{ListenConfig, Listener};
+use super::listen::{self, ListenConfig};
 use super::store::PgStore;
 use super::{PostgresBackend, schema};
 use crate::core::Parts;
+use crate::core::kit::listener::Listener;
 use crate::core::kit::settings::StoreSettings;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
@@ -129,7 +130,7 @@ impl Server for Postgres {
             .max_connections(1)
             .acquire_timeout(settings.connect_timeout)
             .connect_lazy_with(options.clone().application_name(LISTENER_NAME));
-        Listener::spawn(
+        listen::spawn(
             (listen_pool, Wakeups::new(parts.metrics.clone())),
             ListenConfig {
                 admin_channel: admin_channel(&settings.namespace),

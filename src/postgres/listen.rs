@@ -14,8 +14,9 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::runtime::{Daemon, Spawner};
-use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
+use crate::core::kit::listener::{Listen, Listener, Lost};
+use crate::core::runtime::Spawner;
+use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
 
 /// Timing of the listening connection.
@@ -30,110 +31,73 @@ pub(crate) struct ListenConfig {
     pub(crate) max_backoff: Duration,
 }
 
-/// Handle to the backend's listener task.
-pub(crate) struct Listener {
-    wakeups: Wakeups,
-    task: Daemon,
+/// Starts the listener on a connection of `pool` (a pool of its own: the connection is
+/// held for as long as the backend lives); it stops when `shutdown` is cancelled. Every
+/// (re)connect raises `recheck`: a failover may have lost recent writes.
+pub(crate) fn spawn(
+    (pool, wakeups): (PgPool, Wakeups),
+    config: ListenConfig,
+    recheck: Recheck,
+    shutdown: CancellationToken,
+    spawner: &Spawner,
+) -> Listener {
+    let serving = wakeups.clone();
+    let max_backoff = config.max_backoff;
+    let make = move || Listening {
+        wakeups: serving.clone(),
+        pool: pool.clone(),
+        config: config.clone(),
+        recheck: recheck.clone(),
+    };
+    Listener::spawn(wakeups, make, max_backoff, (shutdown, spawner))
 }
 
-impl Listener {
-    /// Starts the listener on a connection of `pool` (a pool of its own: the connection is
-    /// held for as long as the backend lives); it stops when `shutdown` is cancelled.
-    /// Every (re)connect raises `recheck`: a failover may have lost recent writes.
-    pub(crate) fn spawn(
-        (pool, wakeups): (PgPool, Wakeups),
-        config: ListenConfig,
-        recheck: Recheck,
-        shutdown: CancellationToken,
-        spawner: &Spawner,
-    ) -> Self {
-        let serving = wakeups.clone();
-        let start = move |shutdown| {
-            listen_until_shutdown(
-                serving.clone(),
-                pool.clone(),
-                config.clone(),
-                recheck.clone(),
-                shutdown,
-            )
-        };
-        let task = Daemon::spawn(start, spawner, shutdown);
-        Listener { wakeups, task }
-    }
-
-    /// Registers a waiter on `channel` (see [`Wakeups::register`]).
-    pub(crate) fn register(&self, channel: &str) -> Waiter {
-        // A waiter on another runtime than the one the listener ran on.
-        self.task.ensure_running();
-        self.wakeups.register(channel)
-    }
-
-    /// The waiters and the connection's state.
-    pub(crate) fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
-    }
-}
-
-/// Connects, serves, and reconnects with capped exponential backoff until shut down.
-async fn listen_until_shutdown(
+/// The listening connection, as the store kit's loop drives it.
+struct Listening {
     wakeups: Wakeups,
     pool: PgPool,
     config: ListenConfig,
     recheck: Recheck,
-    shutdown: CancellationToken,
-) {
-    // However the task ends, even dropped with its runtime, every waiter tries again.
-    let _disconnected = Disconnected(&wakeups);
-    let initial_backoff = Duration::from_millis(20);
-    let mut backoff = initial_backoff;
-    while !shutdown.is_cancelled() {
-        let connected = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            c = timeout(config.connect_timeout, PgListener::connect_with(&pool)) => c,
-        };
-        match connected {
-            Ok(Ok(mut listener)) => {
-                wakeups.connected();
-                tracing::debug!("lock listener connected");
-                recheck.raise("the listening connection was (re)opened");
-                let mut proven = false;
-                let ended = serve(
-                    (&wakeups, &recheck),
-                    &mut listener,
-                    &config,
-                    &shutdown,
-                    &mut proven,
-                )
-                .await;
-                wakeups.disconnected();
-                if proven {
-                    backoff = initial_backoff;
-                }
-                match ended {
-                    Ok(()) => return,
-                    Err(reason) => tracing::warn!(%reason, "lock listener connection lost"),
-                }
+}
+
+impl Listen for Listening {
+    const NAME: &'static str = "lock listener";
+    type Connection = PgListener;
+
+    async fn connect(&mut self) -> Result<PgListener, String> {
+        let connecting = PgListener::connect_with(&self.pool);
+        match timeout(self.config.connect_timeout, connecting).await {
+            Ok(Ok(listener)) => {
+                self.wakeups.connected();
+                self.recheck
+                    .raise("the listening connection was (re)opened");
+                Ok(listener)
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "lock listener cannot connect"),
-            Err(_) => tracing::warn!("lock listener connect timed out"),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("connect timed out".to_owned()),
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(config.max_backoff);
+    }
+
+    async fn serve(&mut self, mut listener: PgListener, proven: &mut bool) -> Lost {
+        let served = serve(
+            (&self.wakeups, &self.recheck),
+            &mut listener,
+            &self.config,
+            proven,
+        );
+        let Err(reason) = served.await;
+        Lost::Failed(reason)
     }
 }
 
-/// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
-/// Sets `proven` once a `LISTEN` or a ping went through.
+/// Serves one connection until it must be replaced: why. Sets `proven` once a `LISTEN`
+/// or a ping went through.
 async fn serve(
     (wakeups, recheck): (&Wakeups, &Recheck),
     listener: &mut PgListener,
     config: &ListenConfig,
-    shutdown: &CancellationToken,
     proven: &mut bool,
-) -> Result<(), String> {
+) -> Result<std::convert::Infallible, String> {
     // sqlx reconnects a listener by itself inside `try_recv`; this task replaces it instead,
     // to wake every waiter (and count the reconnect) each time.
     listener.eager_reconnect(false);
@@ -150,7 +114,6 @@ async fn serve(
     loop {
         reconcile(wakeups, listener, config.command_timeout, proven).await?;
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
             _ = wakeups.changed() => {}
             // Cancel-safe: sqlx keeps a partly read message in the connection's buffer.
             received = listener.try_recv() => match received {

@@ -7,7 +7,7 @@ use sqlx::Postgres;
 use sqlx::postgres::PgPool;
 
 use super::error::PgError;
-use super::listen::Listener;
+use crate::core::kit::listener::Listener;
 use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;

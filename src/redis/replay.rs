@@ -47,6 +47,7 @@ use super::connection::pool::{CommandError, Pool};
 use super::keys::LockKey;
 use super::scripts::Scripts;
 use super::scripts::release_call::ReleaseCall;
+use crate::core::kit::backoff::Backoff;
 use crate::core::runtime::{Daemon, Spawner};
 use crate::core::watchdog::Watchdog;
 use crate::lock::{Kind, LockOwner};
@@ -250,7 +251,7 @@ impl Replayer {
     /// docs), retrying within the window while no master answers.
     async fn check(&self, due: Due) {
         let give_up = Instant::now() + REPLAY_WINDOW;
-        let mut backoff = Duration::from_millis(20);
+        let mut backoff = Backoff::up_to(Duration::from_secs(1));
         let key = &due.key;
         loop {
             let checked = match &due.holder {
@@ -259,15 +260,14 @@ impl Replayer {
             };
             match checked {
                 Ok(()) => return,
-                Err(e) if !retryable(e.as_ref()) || Instant::now() + backoff >= give_up => {
+                Err(e) if !retryable(e.as_ref()) || Instant::now() + backoff.peek() >= give_up => {
                     let key = &key.user;
                     let error = e.map_or_else(|| "timed out".to_owned(), |e| e.to_string());
                     tracing::debug!(%key, %error, "cannot check a released key after a failover");
                     return;
                 }
-                Err(_) => sleep(backoff).await,
+                Err(_) => sleep(backoff.next()).await,
             }
-            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
 

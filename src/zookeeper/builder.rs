@@ -11,11 +11,10 @@ use super::ZooKeeperBackend;
 use super::error::ZkError;
 use super::keys::{hold_prefix, root};
 use super::records::{self, Shelf};
-use super::session::{Connect, Digest, Session, follow_until_shutdown};
+use super::session::{self, Connect, Digest, Session};
 use super::store::ZkStore;
 use crate::core::Core;
 use crate::core::kit::settings::{StoreSettings, refuse_under_a_second, store_setters};
-use crate::core::runtime::Daemon;
 use crate::core::runtime::janitor;
 use crate::core::wakeups::Wakeups;
 use crate::error::{BuildError, ConnectFailure};
@@ -115,18 +114,12 @@ impl ZooKeeperBackendBuilder {
             .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
         let parts = self.settings.parts();
         let session = Arc::new(Session::new(connect, client, parts.recheck.clone()));
-        let wakeups = Wakeups::new(parts.metrics.clone());
-        let follower = {
-            let (session, wakeups, max_backoff) =
-                (session.clone(), wakeups.clone(), self.settings.max_backoff);
-            Daemon::spawn(
-                move |shutdown| {
-                    follow_until_shutdown(session.clone(), wakeups.clone(), max_backoff, shutdown)
-                },
-                &parts.runtime,
-                parts.shutdown.clone(),
-            )
-        };
+        let listener = session::follow(
+            session.clone(),
+            Wakeups::new(parts.metrics.clone()),
+            self.settings.max_backoff,
+            (parts.shutdown.clone(), &parts.runtime),
+        );
         let janitor = {
             let (session, shelf) = (session.clone(), shelf.clone());
             let sweep: janitor::Sweep = Box::new(move |_, _| {
@@ -145,8 +138,7 @@ impl ZooKeeperBackendBuilder {
         };
         let store = ZkStore {
             session,
-            wakeups,
-            follower,
+            listener,
             watched: Arc::new(Mutex::new(HashSet::new())),
             namespace: self.settings.namespace,
             root,

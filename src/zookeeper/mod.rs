@@ -157,7 +157,7 @@ impl ZooKeeperBackend {
 
     /// A snapshot of the backend's watches and bookkeeping.
     pub fn stats(&self) -> BackendStats {
-        self.inner.stats(&self.inner.store.wakeups)
+        self.inner.stats(self.inner.store.listener.wakeups())
     }
 
     /// The namespace that names the node every lock of this backend lives under.

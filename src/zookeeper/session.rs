@@ -18,7 +18,9 @@ use tokio_util::sync::CancellationToken;
 use zookeeper_client::{Acls, Client, Error as ClientError, SessionState};
 
 use super::error::ZkError;
-use crate::core::wakeups::{Disconnected, Wakeups};
+use crate::core::kit::listener::{Listen, Listener, Lost};
+use crate::core::runtime::Spawner;
+use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
 
 /// How the backend connects.
@@ -138,32 +140,96 @@ impl Session {
     }
 }
 
-/// Follows the session's state until `shutdown`: a connected session confirms every
-/// waiter's channel (the watches that wake them ride on it); a disconnection wakes every
-/// waiter (a deletion may be missed meanwhile); an ended session is replaced, with capped
-/// exponential backoff, and every waiter tries again on the new one. (The session closes,
-/// freeing the backend's holds at once, when the backend's last clone is dropped.)
-pub(crate) async fn follow_until_shutdown(
+/// Starts the task that follows the session until `shutdown`: a connected session
+/// confirms every waiter's channel (the watches that wake them ride on it); a
+/// disconnection wakes every waiter (a deletion may be missed meanwhile); an ended session
+/// is replaced, with capped exponential backoff, and every waiter tries again on the new
+/// one. (The session closes, freeing the backend's holds at once, when the backend's last
+/// clone is dropped.)
+pub(crate) fn follow(
     session: Arc<Session>,
     wakeups: Wakeups,
     max_backoff: Duration,
-    shutdown: CancellationToken,
-) {
-    let _disconnected = Disconnected(&wakeups);
-    let mut replaced = session.current.subscribe();
-    let mut backoff = Duration::from_millis(20);
-    while !shutdown.is_cancelled() {
-        replaced.mark_unchanged();
-        let client = session.client();
+    (shutdown, spawner): (CancellationToken, &Spawner),
+) -> Listener {
+    let serving = wakeups.clone();
+    let make = move || Following {
+        session: session.clone(),
+        wakeups: serving.clone(),
+        ended: None,
+    };
+    Listener::spawn(wakeups, make, max_backoff, (shutdown, spawner))
+}
+
+/// The session, as the store kit's loop drives it.
+struct Following {
+    session: Arc<Session>,
+    wakeups: Wakeups,
+    /// The id of the session that ended, to be replaced by the next connect.
+    ended: Option<i64>,
+}
+
+impl Listen for Following {
+    const NAME: &'static str = "ZooKeeper session";
+    type Connection = Client;
+
+    /// The current session, or a new one in place of the one that ended.
+    async fn connect(&mut self) -> Result<Client, String> {
+        let Some(lost) = self.ended else {
+            return Ok(self.session.client());
+        };
+        let client = self
+            .session
+            .replace(lost)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.ended = None;
+        Ok(client)
+    }
+
+    async fn serve(&mut self, mut client: Client, proven: &mut bool) -> Lost {
+        let mut replaced = self.session.current.subscribe();
+        loop {
+            replaced.mark_unchanged();
+            match self.follow(&client, &mut replaced, proven).await {
+                // Another call replaced the session: follow the new one.
+                Followed::Replaced => client = self.session.client(),
+                Followed::Ended(state) => {
+                    self.ended = Some(client.session_id().0);
+                    return Lost::Failed(format!("the session ended ({state:?})"));
+                }
+            }
+        }
+    }
+}
+
+/// How following one session ended.
+enum Followed {
+    /// Another call replaced it.
+    Replaced,
+    /// It expired, closed, or its authentication failed.
+    Ended(SessionState),
+}
+
+impl Following {
+    /// Follows `client`'s session until it ends or is replaced. Sets `proven` once it is
+    /// connected.
+    async fn follow(
+        &self,
+        client: &Client,
+        replaced: &mut watch::Receiver<Client>,
+        proven: &mut bool,
+    ) -> Followed {
+        let wakeups = &self.wakeups;
         let mut states = client.state_watcher();
         let mut state = states.state();
         let mut connected = false;
-        let ended = loop {
+        loop {
             match state {
                 SessionState::SyncConnected | SessionState::ConnectedReadOnly => {
                     if !connected {
                         connected = true;
-                        backoff = Duration::from_millis(20);
+                        *proven = true;
                         wakeups.connected();
                     }
                     let mut registry = wakeups.registry();
@@ -180,32 +246,17 @@ pub(crate) async fn follow_until_shutdown(
                     }
                 }
                 SessionState::Expired | SessionState::Closed | SessionState::AuthFailed => {
-                    break true;
+                    return Followed::Ended(state);
                 }
             }
             tokio::select! {
-                () = shutdown.cancelled() => return,
                 () = wakeups.changed() => {}
                 next = states.changed() => state = next,
-                // Another call replaced the session: follow the new one.
-                _ = replaced.changed() => break false,
+                _ = replaced.changed() => {
+                    wakeups.disconnected();
+                    return Followed::Replaced;
+                }
             }
-        };
-        wakeups.disconnected();
-        if !ended {
-            continue;
-        }
-        let lost = client.session_id().0;
-        loop {
-            match session.replace(lost).await {
-                Ok(_) => break,
-                Err(error) => tracing::debug!(%error, "could not open a new ZooKeeper session"),
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(max_backoff);
         }
     }
 }

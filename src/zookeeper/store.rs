@@ -11,9 +11,10 @@ use super::error::ZkError;
 use super::keys::ZkKey;
 use super::records::Shelf;
 use super::session::Session;
+use crate::core::kit::listener::Listener;
 use crate::core::runtime::Daemon;
 use crate::core::store::{Attempt, Capabilities, LostHolds, Release, Released, Sent, Store};
-use crate::core::wakeups::{Waiter, Wakeups};
+use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
@@ -30,9 +31,8 @@ const RENEW_BATCH: usize = 100;
 /// Locks in one ZooKeeper ensemble, under the namespace's node.
 pub(crate) struct ZkStore {
     pub(crate) session: Arc<Session>,
-    pub(crate) wakeups: Wakeups,
     /// Follows the session, confirms waiters, replaces an ended session.
-    pub(crate) follower: Daemon,
+    pub(crate) listener: Listener,
     /// The hold nodes a watch waits on (one watch per node, however many attempts).
     pub(crate) watched: Arc<Mutex<HashSet<String>>>,
     pub(crate) namespace: String,
@@ -89,7 +89,7 @@ impl Store for ZkStore {
         attempt: Attempt,
     ) -> BoxFuture<'static, Sent<Self>> {
         // Runs again on this caller's runtime if the one it ran on is gone.
-        self.follower.ensure_running();
+        self.listener.ensure_running();
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             let lost = store.session.id();
@@ -168,8 +168,8 @@ impl Store for ZkStore {
     }
 
     fn subscribe(&self, key: &ZkKey) -> Waiter {
-        self.follower.ensure_running();
-        self.wakeups.register(&key.path)
+        self.listener.ensure_running();
+        self.listener.register(&key.path)
     }
 
     fn lease(&self, _lease: Duration) -> Duration {

@@ -35,7 +35,11 @@ impl ZkStore {
         if !self.guard().insert(path.clone()) {
             return Ok(true);
         }
-        let (wakeups, lock, watched) = (self.wakeups.clone(), lock.clone(), self.watched.clone());
+        let (wakeups, lock, watched) = (
+            self.listener.wakeups().clone(),
+            lock.clone(),
+            self.watched.clone(),
+        );
         tokio::spawn(async move {
             // Unwatched when the task ends however (its runtime may go away), so that a
             // later attempt sets a watch of its own.

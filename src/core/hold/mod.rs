@@ -14,6 +14,7 @@ use futures_util::FutureExt;
 use tokio::time::{Instant, sleep, timeout};
 
 use super::hold::handoff::{Granted, Run};
+use super::kit::backoff::Backoff;
 use super::queue::{Claim, Reentry, Slot};
 use super::store::{Answers, Calls, Failure, Release, Released, StoreKey};
 use super::{Core, Store};
@@ -172,7 +173,7 @@ impl<S: Store> Hold<S> {
         let successor = self.reserve_successor();
         let run_spent = self.run_spent();
         let give_up = Instant::now() + retry_for;
-        let mut backoff = Duration::from_millis(20);
+        let mut backoff = Backoff::up_to(Duration::from_secs(1));
         let mut takeovers = core.store.takeovers();
         loop {
             let sent_at = Instant::now();
@@ -207,15 +208,14 @@ impl<S: Store> Hold<S> {
                     LockError::backend("release", elapsed)
                 }
             };
-            if Instant::now() + backoff >= give_up {
+            if Instant::now() + backoff.peek() >= give_up {
                 return Err(error);
             }
             // A failover announced meanwhile (Sentinel) is worth a retry at once.
             tokio::select! {
-                _ = sleep(backoff) => {}
+                _ = sleep(backoff.next()) => {}
                 _ = takeovers.next() => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
 

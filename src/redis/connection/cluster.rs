@@ -30,6 +30,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::tls::TlsSettings;
+use crate::core::kit::backoff::Backoff;
 use crate::error::BuildError;
 use redis::aio::{AsyncPushSender, ConnectionLike};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
@@ -187,12 +188,11 @@ impl ClusterConn {
         }
         Box::pin(async move {
             let give_up = Instant::now() + self.settle;
-            let mut pause = TRY_AGAIN_PAUSE;
+            let mut pause = Backoff::new(TRY_AGAIN_PAUSE, TRY_AGAIN_MAX_PAUSE);
             loop {
                 match self.conn.req_packed_command(cmd).await {
-                    Err(e) if is_slot_moving(&e) && Instant::now() + pause < give_up => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(TRY_AGAIN_MAX_PAUSE);
+                    Err(e) if is_slot_moving(&e) && Instant::now() + pause.peek() < give_up => {
+                        tokio::time::sleep(pause.next()).await;
                     }
                     reply => return reply,
                 }

@@ -51,6 +51,7 @@ use tokio_util::sync::CancellationToken;
 use super::master_lookup::{self, Addr};
 use super::pool::FailureEpoch;
 use super::tls::TlsSettings;
+use crate::core::kit::backoff::Backoff;
 use crate::error::BuildError;
 
 /// The master's credentials where they differ from the first sentinel URL's.
@@ -276,22 +277,19 @@ impl SentinelGroup {
         max_backoff: Duration,
         shutdown: CancellationToken,
     ) {
-        let initial_backoff = Duration::from_millis(20);
-        let mut backoff = initial_backoff;
+        let mut backoff = Backoff::up_to(max_backoff);
         for sentinel in self.sentinels.iter().cycle() {
             let listened = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 listened = self.listen_to(sentinel, &failure_epoch, connect_timeout) => listened,
             };
-            let wait = backoff;
-            match listened {
-                // Its connection ended after subscribing: the next sentinel may be fine.
-                Ok(()) => backoff = initial_backoff,
-                Err(error) => {
-                    tracing::debug!(%error, "cannot listen to a sentinel for promotions");
-                    backoff = (backoff * 2).min(max_backoff);
-                }
+            // Its connection ended after subscribing: the next sentinel may be fine.
+            if let Err(error) = listened {
+                tracing::debug!(%error, "cannot listen to a sentinel for promotions");
+            } else {
+                backoff.reset();
             }
+            let wait = backoff.next();
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}

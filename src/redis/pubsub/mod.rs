@@ -20,8 +20,9 @@ use super::admin::AdminChannel;
 use super::connection::pool::FailureEpoch;
 use super::connection::topology::{Topology, TopologyChanges};
 use super::run_id::ServerIdentity;
-use crate::core::runtime::{Daemon, Spawner};
-use crate::core::wakeups::{Disconnected, Grant, Waiter, Wakeups};
+use crate::core::kit::listener::{Listen, Listener, Lost, supervise};
+use crate::core::runtime::Spawner;
+use crate::core::wakeups::{Grant, Waiter, Wakeups};
 use crate::lock::LockOwner;
 
 mod shard;
@@ -80,12 +81,10 @@ fn parse_grant(payload: &[u8]) -> Option<(&str, Grant)> {
     Some((holder, grant))
 }
 
-/// Handle to the backend's subscriber task.
+/// Handle to the backend's subscriber task: the store kit's listener, shared by the
+/// backend's parts.
 #[derive(Clone)]
-pub(crate) struct Subscriber {
-    wakeups: Wakeups,
-    task: Arc<Daemon>,
-}
+pub(crate) struct Subscriber(Arc<Listener>);
 
 impl Subscriber {
     /// Starts the subscriber task; it stops when `shutdown` is cancelled.
@@ -106,33 +105,117 @@ impl Subscriber {
         });
         let start = move |shutdown| {
             let (topology, config) = (topology.clone(), config.clone());
-            serve_until_shutdown(
-                shared.clone(),
-                topology,
-                config,
-                failure_epoch.clone(),
-                server.clone(),
-                shutdown,
-            )
+            let signs = (failure_epoch.clone(), server.clone());
+            serve_until_shutdown(shared.clone(), topology, config, signs, shutdown)
         };
-        let task = Arc::new(Daemon::spawn(start, spawner, shutdown));
-        Subscriber { wakeups, task }
+        Subscriber(Arc::new(Listener::run(wakeups, start, (shutdown, spawner))))
     }
 
     /// Registers a waiter on `channel` that takes the grants made to `holder` (see
     /// [`Wakeups::register_as`]; `None`: no grants).
     pub(crate) fn register(&self, channel: &str, holder: Option<LockOwner>) -> Waiter {
-        // A waiter on another runtime than the one the subscriber ran on.
-        self.task.ensure_running();
-        match holder {
-            Some(holder) => self.wakeups.register_as(channel, holder),
-            None => self.wakeups.register(channel),
-        }
+        self.0.register_as(channel, holder)
     }
 
     /// The waiters and the connection's state.
     pub(crate) fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
+        self.0.wakeups()
+    }
+}
+
+/// Runs the subscriber, and the topology's announcements of a failover next to it, until
+/// shut down.
+async fn serve_until_shutdown(
+    shared: Arc<Shared>,
+    topology: Topology,
+    config: SubscriberConfig,
+    (failure_epoch, server): (FailureEpoch, ServerIdentity),
+    shutdown: CancellationToken,
+) {
+    let (wakeups, max_backoff) = (shared.wakeups.clone(), config.max_backoff);
+    if let Topology::Cluster(nodes) = &topology {
+        let listen =
+            shard::ShardListen::new(shared, nodes.clone(), config, (failure_epoch, server));
+        return supervise(listen, wakeups, max_backoff, shutdown).await;
+    }
+    let announce = topology.announce_changes(
+        failure_epoch.clone(),
+        config.connect_timeout,
+        config.max_backoff,
+        shutdown.clone(),
+    );
+    let listen = Subscribing {
+        changes: topology.changes(),
+        topology: topology.clone(),
+        shared,
+        config,
+        failure_epoch,
+        server,
+    };
+    tokio::join!(supervise(listen, wakeups, max_backoff, shutdown), announce);
+}
+
+/// The subscriber connection to one server, as the store kit's loop drives it. An
+/// announced failover ends the backoff, or the connection to the old primary, at once.
+struct Subscribing {
+    topology: Topology,
+    changes: TopologyChanges,
+    shared: Arc<Shared>,
+    config: SubscriberConfig,
+    failure_epoch: FailureEpoch,
+    server: ServerIdentity,
+}
+
+/// What the log says once when a SUBSCRIBE is refused for lack of rights.
+const REFUSED: &str = "the lock subscriber may not SUBSCRIBE to a release channel: the ACL \
+                       user lacks channel rights on the namespace; waiters are woken only \
+                       by lease expiry and retries until the rights are restored";
+
+impl Listen for Subscribing {
+    const NAME: &'static str = "lock subscriber";
+    type Connection = (PubSubSink, PubSubStream);
+
+    async fn connect(&mut self) -> Result<Self::Connection, String> {
+        let topology = &self.topology;
+        let connecting = async { topology.subscriber_client().await?.get_async_pubsub().await };
+        match timeout(self.config.connect_timeout, connecting).await {
+            Ok(Ok(pubsub)) => {
+                self.shared.wakeups.connected();
+                // The first sign of a restart (the old connection ended with the server)
+                // or of a fault that may have hidden one: held locks may be gone.
+                self.server
+                    .recheck("the subscriber connection was (re)opened");
+                Ok(pubsub.split())
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("connect timed out".to_owned()),
+        }
+    }
+
+    async fn serve(&mut self, (mut sink, mut stream): Self::Connection, proven: &mut bool) -> Lost {
+        let connection = (&mut sink, &mut stream);
+        let Err(ended) = serve(
+            &self.shared,
+            connection,
+            &self.config,
+            &mut self.changes,
+            proven,
+        )
+        .await;
+        match ended {
+            Ended::Lost(reason) => {
+                self.failure_epoch.raise();
+                Lost::Failed(reason)
+            }
+            Ended::Refused(error) => Lost::Refused {
+                error: error.to_string(),
+                message: REFUSED,
+            },
+        }
+    }
+
+    async fn hurry(&mut self) {
+        self.changes.next().await;
     }
 }
 
@@ -157,127 +240,15 @@ impl From<&str> for Ended {
     }
 }
 
-/// Runs the subscriber, and the topology's announcements of a failover next to it, until
-/// shut down.
-async fn serve_until_shutdown(
-    shared: Arc<Shared>,
-    topology: Topology,
-    config: SubscriberConfig,
-    failure_epoch: FailureEpoch,
-    server: ServerIdentity,
-    shutdown: CancellationToken,
-) {
-    if let Topology::Cluster(nodes) = &topology {
-        let nodes = nodes.clone();
-        let signs = (failure_epoch, server);
-        return shard::serve_until_shutdown(shared, nodes, config, signs, shutdown).await;
-    }
-    let announce = topology.announce_changes(
-        failure_epoch.clone(),
-        config.connect_timeout,
-        config.max_backoff,
-        shutdown.clone(),
-    );
-    let signs = (failure_epoch, server);
-    tokio::join!(
-        subscribe_until_shutdown(shared, &topology, config.clone(), signs, shutdown),
-        announce
-    );
-}
-
-/// Connects, serves, and reconnects with capped exponential backoff until shut down. An
-/// announced failover ends the backoff, or the connection to the old primary, at once.
-///
-/// The backoff starts over only after a connection proved itself (a subscription was
-/// confirmed or a ping answered): a connection that is accepted and then refused or
-/// dropped at once, as under an ACL user without channel rights, must not reconnect in a
-/// tight loop (219 connections in 5 s were seen).
-async fn subscribe_until_shutdown(
-    shared: Arc<Shared>,
-    topology: &Topology,
-    config: SubscriberConfig,
-    (failure_epoch, server): (FailureEpoch, ServerIdentity),
-    shutdown: CancellationToken,
-) {
-    let mut changes = topology.changes();
-    // However the task ends, even dropped with its runtime, no connection is claimed and
-    // every waiter tries again.
-    let _disconnected = Disconnected(&shared.wakeups);
-
-    let initial_backoff = Duration::from_millis(20);
-    let mut backoff = initial_backoff;
-    let mut refusal_logged = false;
-    while !shutdown.is_cancelled() {
-        let connected = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            c = timeout(config.connect_timeout, async {
-                topology.subscriber_client().await?.get_async_pubsub().await
-            }) => c,
-        };
-        match connected {
-            Ok(Ok(pubsub)) => {
-                shared.wakeups.connected();
-                tracing::debug!("lock subscriber connected");
-                // The first sign of a restart (the old connection ended with the server)
-                // or of a fault that may have hidden one: held locks may be gone.
-                server.recheck("the subscriber connection was (re)opened");
-                let (mut sink, mut stream) = pubsub.split();
-                let mut proven = false;
-                let ended = serve(
-                    &shared,
-                    (&mut sink, &mut stream),
-                    &config,
-                    &mut changes,
-                    &shutdown,
-                    &mut proven,
-                )
-                .await;
-                shared.wakeups.disconnected();
-                if proven {
-                    backoff = initial_backoff;
-                }
-                match ended {
-                    Ok(()) => return,
-                    Err(Ended::Lost(reason)) => {
-                        failure_epoch.raise();
-                        tracing::warn!(%reason, "lock subscriber connection lost");
-                    }
-                    Err(Ended::Refused(error)) if !refusal_logged => {
-                        refusal_logged = true;
-                        tracing::error!(
-                            %error,
-                            "the lock subscriber may not SUBSCRIBE to a release channel: the \
-                             ACL user lacks channel rights on the namespace; waiters are woken \
-                             only by lease expiry and retries until the rights are restored"
-                        );
-                    }
-                    Err(Ended::Refused(error)) => {
-                        tracing::debug!(%error, "lock subscriber still refused");
-                    }
-                }
-            }
-            Ok(Err(e)) => tracing::warn!(error = %e, "lock subscriber cannot connect"),
-            Err(_) => tracing::warn!("lock subscriber connect timed out"),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
-            _ = changes.next() => {}
-        }
-        backoff = (backoff * 2).min(config.max_backoff);
-    }
-}
-
-/// Serves one connection. `Ok` means shutdown, `Err` that the connection must be replaced.
-/// Sets `proven` once the server confirmed a subscription or answered a ping.
+/// Serves one connection until it must be replaced: why. Sets `proven` once the server
+/// confirmed a subscription or answered a ping.
 async fn serve(
     shared: &Shared,
     (sink, stream): (&mut PubSubSink, &mut PubSubStream),
     config: &SubscriberConfig,
     changes: &mut TopologyChanges,
-    shutdown: &CancellationToken,
     proven: &mut bool,
-) -> Result<(), Ended> {
+) -> Result<std::convert::Infallible, Ended> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick completes at once; the connection was just proven by the handshake.
@@ -286,7 +257,6 @@ async fn serve(
     loop {
         reconcile(shared, sink, config.command_timeout, proven).await?;
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
             _ = shared.wakeups.changed() => {}
             _ = changes.next() => return Err("another server took over".into()),
             message = stream.next() => {

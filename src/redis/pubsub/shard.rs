@@ -24,62 +24,78 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInf
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::time::{Instant, sleep_until, timeout};
-use tokio_util::sync::CancellationToken;
 
 use super::Shared;
 use super::SubscriberConfig;
-use crate::core::wakeups::Disconnected;
+use crate::core::kit::backoff::Backoff;
+use crate::core::kit::listener::{Listen, Lost};
 use crate::redis::connection::cluster::{self, ClusterNodes};
 use crate::redis::connection::pool::FailureEpoch;
 use crate::redis::run_id::ServerIdentity;
 
-const INITIAL_BACKOFF: Duration = Duration::from_millis(20);
-
-/// Connects, serves, and reconnects with capped exponential backoff until shut down.
-pub(super) async fn serve_until_shutdown(
+/// The cluster subscriber connection, as the store kit's loop drives it.
+pub(super) struct ShardListen {
     shared: Arc<Shared>,
     nodes: Arc<ClusterNodes>,
     config: SubscriberConfig,
-    (failure_epoch, server): (FailureEpoch, ServerIdentity),
-    shutdown: CancellationToken,
-) {
-    // However the task ends, even dropped with its runtime, every waiter tries again.
-    let _disconnected = Disconnected(&shared.wakeups);
-    let mut backoff = INITIAL_BACKOFF;
-    let mut refusal_logged = false;
-    while !shutdown.is_cancelled() {
+    failure_epoch: FailureEpoch,
+    server: ServerIdentity,
+    /// Whether the refusal of the current run of NOPERMs was logged.
+    refusal_logged: bool,
+}
+
+impl ShardListen {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        nodes: Arc<ClusterNodes>,
+        config: SubscriberConfig,
+        (failure_epoch, server): (FailureEpoch, ServerIdentity),
+    ) -> Self {
+        ShardListen {
+            shared,
+            nodes,
+            config,
+            failure_epoch,
+            server,
+            refusal_logged: false,
+        }
+    }
+}
+
+impl Listen for ShardListen {
+    const NAME: &'static str = "lock subscriber of the cluster";
+    type Connection = (ClusterConnection, UnboundedReceiver<PushInfo>);
+
+    async fn connect(&mut self) -> Result<Self::Connection, String> {
         let (pushes, received) = unbounded_channel();
-        let connected = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            c = timeout(config.connect_timeout, nodes.connect_subscriber(pushes)) => c,
-        };
-        match connected {
+        let connecting = self.nodes.connect_subscriber(pushes);
+        match timeout(self.config.connect_timeout, connecting).await {
             Ok(Ok(conn)) => {
-                backoff = INITIAL_BACKOFF;
-                shared.wakeups.connected();
-                tracing::debug!("lock subscriber connected to the cluster");
+                self.shared.wakeups.connected();
                 // A node may have restarted or failed over while the subscriber was away.
-                server.recheck("the subscriber connection was (re)opened");
-                let signs = (&failure_epoch, &server);
-                let session = (&shutdown, &mut refusal_logged);
-                let ended = serve(&shared, conn, received, &config, signs, session).await;
-                shared.wakeups.disconnected();
-                match ended {
-                    Ok(()) => return,
-                    Err(reason) => {
-                        failure_epoch.raise();
-                        tracing::warn!(%reason, "lock subscriber lost the cluster");
-                    }
-                }
+                self.server
+                    .recheck("the subscriber connection was (re)opened");
+                Ok((conn, received))
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "lock subscriber cannot reach the cluster"),
-            Err(_) => tracing::warn!("lock subscriber connect to the cluster timed out"),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("connect timed out".to_owned()),
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(config.max_backoff);
+    }
+
+    async fn serve(&mut self, (conn, pushes): Self::Connection, proven: &mut bool) -> Lost {
+        // The cluster answered: a shard that is down is retried on its own (`Deferred`).
+        *proven = true;
+        let signs = (&self.failure_epoch, &self.server);
+        let served = serve(
+            &self.shared,
+            (conn, pushes),
+            &self.config,
+            signs,
+            &mut self.refusal_logged,
+        );
+        let Err(reason) = served.await;
+        self.failure_epoch.raise();
+        Lost::Failed(reason)
     }
 }
 
@@ -92,26 +108,25 @@ pub(super) async fn serve_until_shutdown(
 struct Deferred {
     channels: HashSet<String>,
     until: Option<Instant>,
-    backoff: Duration,
+    backoff: Backoff,
 }
 
-/// Serves one cluster connection. `Ok` means shutdown, `Err` that it must be replaced.
-/// `refusal_logged` says whether the refusal of the current run of NOPERMs was logged.
+/// Serves one cluster connection until it must be replaced: why. `refusal_logged` says
+/// whether the refusal of the current run of NOPERMs was logged.
 async fn serve(
     shared: &Shared,
-    mut conn: ClusterConnection,
-    mut pushes: UnboundedReceiver<PushInfo>,
+    (mut conn, mut pushes): (ClusterConnection, UnboundedReceiver<PushInfo>),
     config: &SubscriberConfig,
     (failure_epoch, server): (&FailureEpoch, &ServerIdentity),
-    (shutdown, refusal_logged): (&CancellationToken, &mut bool),
-) -> Result<(), String> {
+    refusal_logged: &mut bool,
+) -> Result<std::convert::Infallible, String> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
     let mut deferred = Deferred {
         channels: HashSet::new(),
         until: None,
-        backoff: INITIAL_BACKOFF,
+        backoff: Backoff::up_to(config.max_backoff),
     };
     shared.admin.resubscribe();
     loop {
@@ -141,17 +156,15 @@ async fn serve(
             None => {}
         }
         if failed.channels.is_empty() && deferred.channels.is_empty() {
-            deferred.backoff = INITIAL_BACKOFF;
+            deferred.backoff.reset();
         } else if !failed.channels.is_empty() {
             if failed.refusal.is_some() {
-                deferred.backoff = config.max_backoff;
+                deferred.backoff.exhaust();
             }
             deferred.channels.extend(failed.channels);
-            deferred.until = Some(Instant::now() + deferred.backoff);
-            deferred.backoff = (deferred.backoff * 2).min(config.max_backoff);
+            deferred.until = Some(Instant::now() + deferred.backoff.next());
         }
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
             _ = shared.wakeups.changed() => {}
             push = pushes.recv() => {
                 on_push(shared, push.ok_or("connection closed")?, failure_epoch, server);
