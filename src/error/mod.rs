@@ -319,17 +319,18 @@ pub enum KeyError {
     },
 }
 
-impl fmt::Display for KeyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl KeyError {
+    /// The message, naming the key as `what` ("lock key", "idempotency key").
+    pub(crate) fn describe(&self, f: &mut fmt::Formatter<'_>, what: &str) -> fmt::Result {
         match self {
-            KeyError::Empty => f.write_str("the lock key is empty"),
+            KeyError::Empty => write!(f, "the {what} is empty"),
             KeyError::TooLong { len, max } => {
                 write!(
                     f,
-                    "the lock key is {len} bytes long; the limit is {max} bytes"
+                    "the {what} is {len} bytes long; the limit is {max} bytes"
                 )
             }
-            KeyError::ControlCharacter => f.write_str("the lock key contains a control character"),
+            KeyError::ControlCharacter => write!(f, "the {what} contains a control character"),
             KeyError::Missing { source } => write!(f, "the request has no {source}"),
             KeyError::Malformed { reason } => f.write_str(reason),
             KeyError::NoKeys => f.write_str("no lock key was given"),
@@ -337,6 +338,12 @@ impl fmt::Display for KeyError {
                 write!(f, "{count} lock keys were given; the limit is {max}")
             }
         }
+    }
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.describe(f, "lock key")
     }
 }
 

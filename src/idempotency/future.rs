@@ -20,7 +20,6 @@ use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::future::lost_error;
 use crate::lock::held::push_outer;
-use crate::lock::retry::UNSEEN;
 use crate::lock::{Acquired, HeldLock, LockGuard, LockRequest, Mode};
 
 /// What the store says of a key for a request.
@@ -128,7 +127,9 @@ async fn lock_unless_recorded(
             Ok(Found::Replay(response)) => return Err(response),
             Err(e) => return Err(config.reject(e)),
         }
-        let lock = LockRequest::new(config.store.clone(), key.to_owned()).lease(config.lease);
+        let lock = LockRequest::new(config.store.clone(), key.to_owned())
+            .lease(config.lease)
+            .retry(config.retry.clone());
         let error = match lock.unless_recorded(mode).await {
             Ok(Acquired::Checked(guard)) => return Ok((guard, true)),
             Ok(Acquired::Unchecked(guard)) => return Ok((guard, false)),
@@ -143,11 +144,9 @@ async fn lock_unless_recorded(
                 let error = LockError::backend(RECORD_CONTEXT, NotARecord::Unread);
                 IdempotencyError::Lock(error)
             }
+            // When to come back is the mean of the holds this layer has seen end, as the
+            // lock layer says it.
             Err(LockError::Contended { retry_after, .. }) => {
-                // A store that cannot tell the holder's remaining lease (etcd, ZooKeeper:
-                // the hold lives under its backend's lease or session) gets what the lock
-                // layer says before it has seen a hold end.
-                let retry_after = retry_after.or(Some(UNSEEN));
                 IdempotencyError::InFlight { retry_after }
             }
             Err(e) => IdempotencyError::Lock(e),

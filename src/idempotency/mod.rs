@@ -28,6 +28,7 @@ use self::store::records_of;
 pub(crate) use self::store::{CONTEXT as RECORD_CONTEXT, Records, RecordsOf, bounded};
 use crate::backend::Backend;
 use crate::error::KeyError;
+use crate::lock::retry::RetryAfter;
 use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 
 /// How long a completed request's response is replayed by default: 24 hours, as the IETF
@@ -71,6 +72,9 @@ pub(crate) struct Config {
     /// Whether a request that holds its lock runs to its end when its client goes away.
     pub(crate) finish_when_client_gone: bool,
     pub(crate) rejection: Option<Arc<Rejection>>,
+    /// What a 409 says of when to come back: the mean of the holds this layer's clones
+    /// have seen end, one second before any has.
+    pub(crate) retry: RetryAfter,
 }
 
 impl Config {
@@ -87,7 +91,9 @@ impl Config {
         headers: &HeaderMap,
     ) -> Result<Option<String>, response::IdempotencyError> {
         use response::IdempotencyError::{InvalidKey, MissingKey};
-        let Some(value) = headers.get(&self.header) else {
+        let malformed = |reason: String| InvalidKey(KeyError::Malformed { reason });
+        let mut values = headers.get_all(&self.header).into_iter();
+        let Some(value) = values.next() else {
             return match self.required {
                 true => Err(MissingKey {
                     header: self.header.to_string(),
@@ -95,14 +101,16 @@ impl Config {
                 false => Ok(None),
             };
         };
-        let malformed = |reason: &str| {
-            InvalidKey(KeyError::Malformed {
-                reason: reason.to_owned(),
-            })
-        };
-        let value = value
-            .to_str()
-            .map_err(|_| malformed("the key is not visible ASCII"))?;
+        // Which of two keys the client meant is unknown: neither is used (as the `Header`
+        // extractor refuses a lock key sent twice).
+        if values.next().is_some() {
+            let header = self.header.as_str();
+            return Err(malformed(format!(
+                "header {header:?} is sent more than once"
+            )));
+        }
+        let not_ascii = || malformed("the idempotency key is not visible ASCII".to_owned());
+        let value = value.to_str().map_err(|_| not_ascii())?;
         // The draft sends the key as a structured-field string: `"8e03978e-..."`.
         let key = value
             .strip_prefix('"')
@@ -118,7 +126,7 @@ impl Config {
             }));
         }
         if !key.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
-            return Err(malformed("the key is not visible ASCII"));
+            return Err(not_ascii());
         }
         Ok(Some(key.to_owned()))
     }
@@ -155,8 +163,9 @@ impl Config {
 /// | new | the handler runs under the key's lock; its response is stored for [`retention`](Self::retention) (unless [`store_if`](Self::store_if) says no: 5xx by default) |
 /// | completed, same request | the stored response (status, headers, body), replayed |
 /// | completed, different request (method, path and query, [chosen headers](Self::fingerprint_header), body) | 422 |
-/// | in flight | 409 with `Retry-After`, or with [`wait_for_first`](Self::wait_for_first) the first's response once it is done |
+/// | in flight | 409 with `Retry-After` (the mean hold of this layer's requests, 1 s before any ended, as [`LockLayer`](crate::LockLayer) says it), or with [`wait_for_first`](Self::wait_for_first) the first's response once it is done |
 /// | missing | 400, or with [`optional`](Self::optional) the handler runs as without this layer |
+/// | sent twice, empty, over [`max_key_len`](Self::max_key_len), not visible ASCII | 400 |
 /// | body over [`max_request_body`](Self::max_request_body) | 413, nothing stored |
 /// | the store unreachable | 503 (fail closed) |
 ///
@@ -200,6 +209,7 @@ impl IdempotencyLayer {
                 )),
                 finish_when_client_gone: true,
                 rejection: None,
+                retry: RetryAfter::estimate(),
             },
         }
     }

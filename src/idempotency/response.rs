@@ -79,7 +79,7 @@ impl fmt::Display for IdempotencyError {
             IdempotencyError::MissingKey { header } => {
                 write!(f, "the request has no {header} header")
             }
-            IdempotencyError::InvalidKey(e) => write!(f, "bad idempotency key: {e}"),
+            IdempotencyError::InvalidKey(e) => e.describe(f, "idempotency key"),
             IdempotencyError::InFlight { .. } => {
                 f.write_str("a request with this idempotency key is in progress")
             }
@@ -100,7 +100,7 @@ impl fmt::Display for IdempotencyError {
 impl std::error::Error for IdempotencyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            IdempotencyError::InvalidKey(e) => Some(e),
+            // The message is the key error's, in words of the idempotency key.
             IdempotencyError::Lock(e) => Some(e),
             _ => None,
         }
@@ -119,10 +119,10 @@ pub fn idempotency_rejection(error: &IdempotencyError) -> Response<Full<Bytes>> 
             format!("This operation requires an idempotency key in the {header} header."),
             None,
         ),
-        IdempotencyError::InvalidKey(e) => (
+        IdempotencyError::InvalidKey(_) => (
             "InvalidKey",
             "Invalid idempotency key",
-            format!("The idempotency key cannot be used: {e}."),
+            format!("The idempotency key cannot be used: {error}."),
             None,
         ),
         IdempotencyError::InFlight { retry_after } => (
