@@ -180,6 +180,17 @@ pub enum ConnectFailure {
         /// The database index the URL names.
         db: i64,
     },
+    /// The server closed the connection on the first request of a plaintext endpoint
+    /// (etcd's `http://`), as a TLS-only port does: it may expect TLS, at `scheme`.
+    ExpectsTls {
+        /// The scheme of the server's TLS endpoints (`https://`).
+        scheme: &'static str,
+    },
+    /// The server has no database of the URL's name (PostgreSQL, MySQL).
+    UnknownDatabase {
+        /// The database the URL names.
+        name: String,
+    },
     /// Another failure; the [`source`](StdError::source) says what.
     Other,
 }
@@ -359,6 +370,16 @@ fn connect_message(
             f,
             "the server at {addr} has no database {db}: it refused to SELECT the URL's \
              database index (use one below its `databases` setting)"
+        ),
+        ConnectFailure::ExpectsTls { scheme } => write!(
+            f,
+            "the server at {addr} closed the connection on a plaintext request: it may \
+             expect TLS (use `{scheme}`)"
+        ),
+        ConnectFailure::UnknownDatabase { name } => write!(
+            f,
+            "the server at {addr} has no database `{name}` (create it, or name one it has in \
+             the URL)"
         ),
         ConnectFailure::Other => write!(f, "cannot connect to the server at {addr}"),
     }

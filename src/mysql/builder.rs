@@ -58,8 +58,9 @@ impl MySqlBackendBuilder {
     /// [`migrate`](Self::migrate)), and starts the backend's tasks. Must be called inside
     /// a Tokio runtime.
     ///
-    /// Refused with the cause: a setting out of range, an unreachable server, wrong
-    /// credentials, a read-only server (`read_only`: a replica), a database without the
+    /// Refused with the cause: a URL of another scheme than `mysql://` or `mariadb://`, a
+    /// setting out of range, an unreachable server, wrong credentials, a read-only server
+    /// (`read_only`: a replica), a database without the
     /// lock tables and procedures (naming the SQL file) or with another version of them, a
     /// user not allowed to use them (a probe acquisition and release, which leave nothing
     /// behind, must pass), or not allowed to interrupt its own connections with `KILL

@@ -4,7 +4,7 @@
 use sqlx::MySql;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError};
 
-use crate::sql::{Dialect, SqlError};
+use crate::sql::{Dialect, Refusal, SqlError};
 
 /// InnoDB chose this transaction as a deadlock's victim and rolled it back.
 pub(crate) const DEADLOCK: u16 = 1213;
@@ -39,6 +39,8 @@ impl MySqlError {
 impl Dialect for MySql {
     const SERVER: &'static str = "MySQL";
     const ROUTINE: &'static str = "procedure";
+    const BACKEND: &'static str = "MySqlBackend";
+    const SCHEMES: &'static [&'static str] = &["mysql", "mariadb"];
     /// `VARBINARY(2800)`: with the holder, the holders' primary key stays within InnoDB's
     /// 3072-byte limit.
     const MAX_NAME_LEN: Option<usize> = Some(2800);
@@ -64,9 +66,22 @@ impl Dialect for MySql {
         })
     }
 
-    fn auth_refusal(e: &sqlx::Error) -> bool {
-        // Access denied for user (1045), to a database (1044).
-        matches!(number(e), Some(1045 | 1044))
+    fn refusal(e: &sqlx::Error) -> Option<Refusal> {
+        match number(e)? {
+            // Access denied for user (a wrong password, no such user).
+            1045 => Some(Refusal::Credentials),
+            // Unknown database.
+            1049 => Some(Refusal::UnknownDatabase),
+            // Access denied for user to database.
+            1044 => Some(Refusal::DatabaseDenied),
+            // A command, or a routine's creation, denied to the user.
+            1142 | 1227 | 1370 => Some(Refusal::Denied),
+            _ => None,
+        }
+    }
+
+    fn database(options: &MySqlConnectOptions) -> &str {
+        options.get_database().unwrap_or_default()
     }
 
     fn addr(options: &MySqlConnectOptions) -> String {

@@ -60,7 +60,8 @@ impl PostgresBackendBuilder {
     /// [`migrate`](Self::migrate)), and starts the backend's tasks. Must be called inside
     /// a Tokio runtime.
     ///
-    /// Refused with the cause: a setting out of range, an unreachable server, wrong
+    /// Refused with the cause: a URL of another scheme than `postgres://` or
+    /// `postgresql://`, a setting out of range, an unreachable server, wrong
     /// credentials, a read-only server (a replica, or `default_transaction_read_only`), a
     /// database without the lock table and functions (naming the SQL file) or with another
     /// version of them, a user not allowed to use them (a probe acquisition and release,

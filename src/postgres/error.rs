@@ -4,7 +4,7 @@
 use sqlx::Postgres;
 use sqlx::postgres::PgConnectOptions;
 
-use crate::sql::{Dialect, SqlError};
+use crate::sql::{Dialect, Refusal, SqlError};
 
 /// Why a call to the lock functions failed.
 pub(crate) type PgError = SqlError<Postgres>;
@@ -20,6 +20,8 @@ fn code(e: &sqlx::Error) -> Option<String> {
 impl Dialect for Postgres {
     const SERVER: &'static str = "PostgreSQL";
     const ROUTINE: &'static str = "function";
+    const BACKEND: &'static str = "PostgresBackend";
+    const SCHEMES: &'static [&'static str] = &["postgres", "postgresql"];
     /// Names are `text`.
     const MAX_NAME_LEN: Option<usize> = None;
 
@@ -37,8 +39,23 @@ impl Dialect for Postgres {
         })
     }
 
-    fn auth_refusal(e: &sqlx::Error) -> bool {
-        matches!(code(e).as_deref(), Some("28P01" | "28000"))
+    fn refusal(e: &sqlx::Error) -> Option<Refusal> {
+        match code(e)?.as_str() {
+            // invalid_password, invalid_authorization_specification
+            "28P01" | "28000" => Some(Refusal::Credentials),
+            // invalid_catalog_name
+            "3D000" => Some(Refusal::UnknownDatabase),
+            // insufficient_privilege: at connect, no CONNECT on the database
+            "42501" => Some(Refusal::Denied),
+            _ => None,
+        }
+    }
+
+    fn database(options: &PgConnectOptions) -> &str {
+        // The server's default: the database named as the user.
+        options
+            .get_database()
+            .unwrap_or_else(|| options.get_username())
     }
 
     fn addr(options: &PgConnectOptions) -> String {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use sqlx::Connection;
 use tokio::time::timeout;
 
-use super::{Calls, Dialect, SqlStore, admin_channel, janitor};
+use super::{Calls, Dialect, Refusal, SqlStore, admin_channel, janitor};
 use crate::core::kit::settings::{StoreSettings, refuse_under_a_second};
 use crate::core::{Core, Parts, Store};
 use crate::error::{BuildError, ConnectFailure};
@@ -25,13 +25,23 @@ pub(crate) fn connect_failure<D: Dialect>(
 ) -> BuildError {
     let addr = D::addr(options);
     let failure = match &e {
-        sqlx::Error::Database(_) if D::auth_refusal(&e) => {
-            return BuildError::Auth {
-                user: D::user(options).to_owned(),
-                addr,
-                source: Box::new(e),
-            };
-        }
+        sqlx::Error::Database(_) => match D::refusal(&e) {
+            Some(Refusal::Credentials) => {
+                return BuildError::Auth {
+                    user: D::user(options).to_owned(),
+                    addr,
+                    source: Box::new(e),
+                };
+            }
+            Some(Refusal::DatabaseDenied) => {
+                let right = format!("use the database `{}`", D::database(options));
+                return rights::<D>(e, options, right);
+            }
+            Some(Refusal::UnknownDatabase) => ConnectFailure::UnknownDatabase {
+                name: D::database(options).to_owned(),
+            },
+            Some(Refusal::Denied) | None => ConnectFailure::Other,
+        },
         sqlx::Error::Tls(_) => {
             return BuildError::Tls {
                 reason: "could not set up TLS",
@@ -59,6 +69,55 @@ pub(crate) fn connect_failure<D: Dialect>(
         failure,
         source: Box::new(e),
     }
+}
+
+/// The build error of a right the user lacks.
+fn rights<D: Dialect>(e: sqlx::Error, options: &Options<D>, right: String) -> BuildError {
+    BuildError::Rights {
+        user: D::user(options).to_owned(),
+        addr: D::addr(options),
+        right,
+        source: Box::new(e),
+    }
+}
+
+/// The build error of a failed `migrate()`: a right to create the schema the user lacks,
+/// named as such, or what the call's failure says.
+fn migrate_failure<D: Server>(e: sqlx::Error, options: &Options<D>, table: &str) -> BuildError {
+    match D::refusal(&e) {
+        Some(Refusal::Denied | Refusal::DatabaseDenied) => {
+            let right = format!(
+                "create the lock table `{table}` and its {}s (what `migrate()` does: run the \
+                 SQL of `{}::schema_sql` as a user who may, or grant CREATE)",
+                D::ROUTINE,
+                D::BACKEND,
+            );
+            rights::<D>(e, options, right)
+        }
+        _ => D::call_failure(e, options, table),
+    }
+}
+
+/// Refuses a URL of another scheme than the server's (the driver's parser reads any URL
+/// as its own: a MySQL URL would connect to a PostgreSQL server at its address), naming the
+/// scheme found, never the URL (it may carry a password).
+fn check_scheme<D: Dialect>(url: &str) -> Result<(), BuildError> {
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    if D::SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)) {
+        return Ok(());
+    }
+    let takes = D::SCHEMES
+        .iter()
+        .map(|s| format!("`{s}://`"))
+        .collect::<Vec<_>>()
+        .join(" or ");
+    let found = match scheme {
+        "" => "the URL has no scheme".to_owned(),
+        _ => format!("the URL's scheme is `{scheme}`"),
+    };
+    Err(BuildError::Url {
+        source: format!("{found}; a {} URL starts with {takes}", D::SERVER).into(),
+    })
 }
 
 /// The options a server's connections are opened with.
@@ -210,7 +269,10 @@ where
     refuse_under_a_second("fence_ttl", config.fence_ttl)?;
     D::validate(&config)?;
     let (pool, options) = match target {
-        Target::Url(url) => D::pool(&url, &settings)?,
+        Target::Url(url) => {
+            check_scheme::<D>(&url)?;
+            D::pool(&url, &settings)?
+        }
         Target::Pool(pool) => {
             let options = (*pool.connect_options()).clone();
             (pool, options)
@@ -220,7 +282,9 @@ where
     D::refuse_read_only(&pool, &options).await?;
     let failure = |e| D::call_failure(e, &options, &config.table);
     if config.migrate {
-        D::migrate(&pool, &config.table).await.map_err(failure)?;
+        D::migrate(&pool, &config.table)
+            .await
+            .map_err(|e| migrate_failure::<D>(e, &options, &config.table))?;
     } else {
         D::check(&pool, &config.table)
             .await

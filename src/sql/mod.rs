@@ -33,6 +33,10 @@ pub(crate) trait Dialect: sqlx::Database {
     const SERVER: &'static str;
     /// What the crate's SQL routines are called on this server (`function`, `procedure`).
     const ROUTINE: &'static str;
+    /// The backend's type, whose `schema_sql(table)` prints the schema's SQL.
+    const BACKEND: &'static str;
+    /// The schemes of this server's URLs, the first the one its guides write.
+    const SCHEMES: &'static [&'static str];
     /// The longest row name the lock tables take, when the column has a bound.
     const MAX_NAME_LEN: Option<usize>;
 
@@ -41,14 +45,36 @@ pub(crate) trait Dialect: sqlx::Database {
     /// but a refusal by the server.
     fn transient_refusal(e: &sqlx::Error) -> bool;
 
-    /// The server refused the connection's credentials.
-    fn auth_refusal(e: &sqlx::Error) -> bool;
+    /// What the server refused, when `e` is a refusal a build error names.
+    fn refusal(e: &sqlx::Error) -> Option<Refusal>;
+
+    /// The database the options connect to (the server's default where the URL names
+    /// none).
+    fn database(options: &<Self::Connection as sqlx::Connection>::Options) -> &str;
 
     /// `host:port` of the server the options connect to, as build errors name it.
     fn addr(options: &<Self::Connection as sqlx::Connection>::Options) -> String;
 
     /// The user the options connect as.
     fn user(options: &<Self::Connection as sqlx::Connection>::Options) -> &str;
+}
+
+/// A server's refusal that a build error names as its cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The credentials: a wrong or missing password, no such enabled user.
+    Credentials,
+    /// The URL's database does not exist.
+    UnknownDatabase,
+    /// The user may not use the URL's database (MySQL's own code; PostgreSQL says
+    /// `Denied`).
+    #[cfg_attr(
+        not(feature = "mysql"),
+        expect(dead_code, reason = "PostgreSQL has no code of its own for it")
+    )]
+    DatabaseDenied,
+    /// The user lacks a right the statement needs (to create a table or a routine).
+    Denied,
 }
 
 /// `d` in whole milliseconds, as the SQL routines take leases and waits: at least 1 and

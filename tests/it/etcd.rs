@@ -165,11 +165,38 @@ async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
     }
     // Plain HTTP to the TLS port.
     let plain = endpoint.replace("https://", "http://");
-    let refused = etcd::builder_on(&[plain])
+    let refused = etcd::builder_on(std::slice::from_ref(&plain))
         .connect_timeout(Duration::from_secs(2))
         .build()
         .await;
-    assert!(refused.is_err(), "{refused:?}");
+    let Err(error) = &refused else {
+        panic!("plain HTTP to a TLS port is refused: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the server at {plain} closed the connection on a plaintext request: it may \
+             expect TLS (use `https://`)"
+        )
+    );
+}
+
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn an_https_endpoint_at_a_plaintext_port_is_refused_naming_tls() {
+    crate::needs!(Etcd);
+    let tls = etcd::shared().endpoint().replace("http://", "https://");
+    let refused = etcd::builder_on(std::slice::from_ref(&tls))
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .await;
+    let Err(error @ BuildError::Tls { .. }) = &refused else {
+        panic!("https:// at a plaintext port is refused as TLS: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!("the server at {tls} does not speak TLS (is it a plaintext port? use `http://`)")
+    );
 }
 
 #[tokio::test]

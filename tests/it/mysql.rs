@@ -162,3 +162,71 @@ async fn build_names_the_address_and_the_kind_of_a_connection_failure() {
     assert_eq!(user, "nobody");
     assert!(error.to_string().contains(&server.port().to_string()));
 }
+
+#[tokio::test]
+async fn build_refuses_a_url_of_another_scheme_naming_the_schemes_it_takes() {
+    crate::needs!(MariaDb);
+    // A PostgreSQL URL, or an HTTP one, at a real MariaDB: refused before connecting.
+    sql::urls_of_other_schemes_are_refused(
+        &mariadb::shared().url(),
+        ("mysql", "mariadb", &["postgres", "http"]),
+        "a MySQL URL starts with `mysql://` or `mariadb://`",
+        |url| {
+            mariadb::builder_on(&url)
+                .namespace(mariadb::fresh_namespace())
+                .build()
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn build_names_an_unknown_database_a_database_denied_and_a_migration_the_user_may_not_run() {
+    crate::needs!(MariaDb);
+    let server = mariadb::shared();
+    let addr = format!("127.0.0.1:{}", server.port());
+    let user = format!("u{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let db = format!("db_{user}");
+    server
+        .execute(&format!(
+            "CREATE DATABASE {db}; CREATE USER {user}@'%' IDENTIFIED BY 'pw'; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON {db}.* TO {user}@'%'"
+        ))
+        .await;
+    let refused = MySqlBackend::connect(&server.url().replace("/test", "/no_such_db")).await;
+    let Err(error @ BuildError::Connect { .. }) = &refused else {
+        panic!("an unknown database is refused: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the server at {addr} has no database `no_such_db` (create it, or name one it \
+             has in the URL)"
+        )
+    );
+    // The right password, a database the user has no rights on.
+    let refused = MySqlBackend::connect(&server.url_as(&user, "pw")).await;
+    let Err(error @ BuildError::Rights { .. }) = &refused else {
+        panic!("a database the user may not use is refused: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!("the user `{user}` of the server at {addr} may not use the database `test`")
+    );
+    // Its own database, under migrate() without CREATE.
+    let own = server
+        .url_as(&user, "pw")
+        .replace("/test", &format!("/{db}"));
+    let refused = mariadb::builder_on(&own).build().await;
+    let Err(error @ BuildError::Rights { .. }) = &refused else {
+        panic!("a migration without CREATE is refused: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the user `{user}` of the server at {addr} may not create the lock table \
+             `tower_lock` and its procedures (what `migrate()` does: run the SQL of \
+             `MySqlBackend::schema_sql` as a user who may, or grant CREATE)"
+        )
+    );
+}

@@ -157,3 +157,65 @@ async fn build_names_the_address_and_the_kind_of_a_connection_failure() {
         "{message}"
     );
 }
+
+#[tokio::test]
+async fn build_refuses_a_url_of_another_scheme_naming_the_schemes_it_takes() {
+    crate::needs!(Postgres);
+    // A MySQL URL, or an HTTP one, at a real PostgreSQL: refused before connecting.
+    sql::urls_of_other_schemes_are_refused(
+        &postgres::shared().url(),
+        ("postgres", "postgresql", &["mysql", "http"]),
+        "a PostgreSQL URL starts with `postgres://` or `postgresql://`",
+        |url| {
+            PostgresBackend::builder(url)
+                .namespace(postgres::fresh_namespace())
+                .migrate()
+                .build()
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn build_names_an_unknown_database_and_a_migration_the_user_may_not_run() {
+    crate::needs!(Postgres);
+    let server = postgres::shared();
+    let addr = format!("127.0.0.1:{}", server.port());
+    let unknown = format!("postgres://postgres@{addr}/no_such_db");
+    let refused = PostgresBackend::connect(&unknown).await;
+    let Err(error @ BuildError::Connect { .. }) = &refused else {
+        panic!("an unknown database is refused: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the server at {addr} has no database `no_such_db` (create it, or name one it \
+             has in the URL)"
+        )
+    );
+    // A user who may connect but not create (PostgreSQL 15 takes CREATE on `public` from
+    // every user but the owner), under migrate() with a table not there yet.
+    exec(
+        server,
+        "DROP ROLE IF EXISTS visitor; CREATE ROLE visitor LOGIN",
+    )
+    .await;
+    let visitor = server.url().replace("postgres@", "visitor@");
+    let refused = PostgresBackend::builder(visitor)
+        .table("visitor_locks")
+        .migrate()
+        .build()
+        .await;
+    let Err(error @ BuildError::Rights { user, .. }) = &refused else {
+        panic!("a migration without CREATE is refused: {refused:?}");
+    };
+    assert_eq!(user, "visitor");
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the user `visitor` of the server at {addr} may not create the lock table \
+             `visitor_locks` and its functions (what `migrate()` does: run the SQL of \
+             `PostgresBackend::schema_sql` as a user who may, or grant CREATE)"
+        )
+    );
+}

@@ -429,3 +429,32 @@ pub async fn names_leave_rows_only_until_the_janitor_sweeps_them<B: LockBackend>
         "a clock-floored token: {token}"
     );
 }
+
+/// `url` (a real server's, of scheme `own`) with each of `others` in its place is refused
+/// by `build` before connecting, naming what the store takes (`takes`: "a PostgreSQL URL
+/// starts with ..."); with `also` (the store's other scheme) it builds.
+pub async fn urls_of_other_schemes_are_refused<B, F>(
+    url: &str,
+    (own, also, others): (&str, &str, &[&str]),
+    takes: &str,
+    build: impl Fn(String) -> F,
+) where
+    B: std::fmt::Debug,
+    F: Future<Output = Result<B, tower_lock::BuildError>>,
+{
+    for scheme in others {
+        let wrong = url.replacen(&format!("{own}://"), &format!("{scheme}://"), 1);
+        let refused = build(wrong).await;
+        let Err(error @ tower_lock::BuildError::Url { .. }) = &refused else {
+            panic!("{scheme}:// is refused: {refused:?}");
+        };
+        assert_eq!(
+            format!("{error:?}"),
+            format!("invalid URL\n\nCaused by:\n    the URL's scheme is `{scheme}`; {takes}")
+        );
+    }
+    let other = url.replacen(&format!("{own}://"), &format!("{also}://"), 1);
+    build(other)
+        .await
+        .unwrap_or_else(|e| panic!("{also}:// is the store's too: {e:?}"));
+}

@@ -105,8 +105,22 @@ impl EtcdBackendBuilder {
                 source: Box::new(e),
             };
         }
+        let tls = addr.contains("https://");
+        // rustls reading a plaintext server's answer, or the server closing on a
+        // ClientHello.
+        if tls && (message.contains("tls handshake eof") || message.contains("corrupt message")) {
+            return BuildError::Tls {
+                reason: "does not speak TLS (is it a plaintext port? use `http://`)",
+                addr: Some(addr.to_owned()),
+                certificate: None,
+                source: Some(Box::new(e)),
+            };
+        }
         let failure = if message.contains("onnection refused") {
             ConnectFailure::Refused
+        } else if !tls && message.contains("broken pipe") {
+            // A TLS port drops the HTTP/2 preface it cannot read.
+            ConnectFailure::ExpectsTls { scheme: "https://" }
         } else if message.contains("dns error") || message.contains("failed to lookup") {
             ConnectFailure::UnknownHost
         } else if matches!(status, Some(code::DEADLINE_EXCEEDED)) {
