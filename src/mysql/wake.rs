@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool};
-use sqlx::{Connection, Executor};
+use sqlx::{ConnectOptions, Connection, Executor};
 use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 
@@ -64,10 +64,16 @@ pub(crate) fn spawn(
     spawner: &Spawner,
 ) -> Listener {
     let (wakeups, max_backoff) = (links.wakeups.clone(), config.max_backoff);
+    // A park lasts its whole interval when no release wakes it: by design, not a slow
+    // statement for sqlx to warn of.
+    let options = links
+        .options
+        .clone()
+        .log_slow_statements(log::LevelFilter::Off, Duration::MAX);
     let make = move || Waking {
         wakeups: links.wakeups.clone(),
         pool: links.pool.clone(),
-        options: links.options.clone(),
+        options: options.clone(),
         config: config.clone(),
         recheck: recheck.clone(),
         last_id: None,

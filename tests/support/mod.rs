@@ -580,9 +580,37 @@ pub async fn warnings_of<T>(future: impl std::future::Future<Output = T>) -> (T,
     (output, text)
 }
 
-/// Where [`warnings_of`]'s subscriber writes.
+/// Where a test's subscriber writes ([`warnings_of`]'s, or one of the test's own).
 #[derive(Clone, Default)]
-struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+pub struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Lines {
+    /// What was written so far.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("lines")).into_owned()
+    }
+}
+
+/// A writer into `lines` that signals `seen` (once per write) when a write contains `on`.
+pub struct Watched {
+    pub lines: Lines,
+    pub on: &'static str,
+    pub seen: Arc<tokio::sync::Notify>,
+}
+
+impl Write for Watched {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.lines.write(buf)?;
+        if String::from_utf8_lossy(buf).contains(self.on) {
+            self.seen.notify_one();
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 impl Write for Lines {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
