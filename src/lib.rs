@@ -156,6 +156,7 @@ mod postgres;
 mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
+mod telemetry;
 #[cfg(feature = "zookeeper")]
 mod zookeeper;
 
@@ -163,9 +164,6 @@ pub use crate::layer::response;
 pub use crate::lock::policy;
 
 pub use crate::backend::{BackendStats, LockBackend};
-#[cfg(feature = "metrics")]
-#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
-pub use crate::core::telemetry::describe_metrics;
 pub use crate::core::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
 };
@@ -204,6 +202,9 @@ pub use crate::redis::{
     DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend,
     RedisBackendBuilder,
 };
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use crate::telemetry::describe_metrics;
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use crate::zookeeper::{ZooKeeperBackend, ZooKeeperBackendBuilder};

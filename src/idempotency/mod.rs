@@ -26,8 +26,8 @@ pub use self::service::{IdempotencyBody, IdempotencyFuture, IdempotencyService, 
 pub use self::store::IdempotencyBackend;
 use self::store::records_of;
 pub(crate) use self::store::{CONTEXT as RECORD_CONTEXT, Records, RecordsOf, bounded};
-use crate::backend::Backend;
 use crate::error::KeyError;
+use crate::lock::backend::Backend;
 use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 
 /// How long a completed request's response is replayed by default: 24 hours, as the IETF
@@ -177,7 +177,7 @@ impl IdempotencyLayer {
     /// Idempotency keys from the `Idempotency-Key` header, required, their records in
     /// `backend`; duplicates in flight get 409 at once.
     pub fn new(backend: impl IdempotencyBackend) -> Self {
-        crate::core::telemetry::describe_metrics();
+        crate::telemetry::describe_metrics();
         IdempotencyLayer {
             config: Config {
                 store: backend.store(),

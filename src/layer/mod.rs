@@ -16,15 +16,16 @@ use bytes::Bytes;
 use http::Response;
 use tower_layer::Layer;
 
-use crate::backend::{Backend, LockBackend};
-use crate::core::telemetry::{self, Route};
+use crate::backend::LockBackend;
 use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
 use crate::layer::service::LockService;
+use crate::lock::backend::Backend;
 use crate::lock::policy::{Exclusive, Permits, ReadWrite, SharedIf};
 use crate::lock::retry::RetryAfter;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
+use crate::telemetry::{self, Route};
 
 /// How long a request waits for a held lock by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);

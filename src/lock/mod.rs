@@ -1,12 +1,15 @@
 //! The lock API, with or without HTTP: the request builder (here), the guard
 //! (`guard.rs`), the held-lock handle (`held.rs`), several keys at once (`many.rs`), the
 //! layer's hold policies (`policy.rs`), the operator's snapshot (`inspect.rs`) and the
-//! `Retry-After` estimate (`retry.rs`).
+//! `Retry-After` estimate (`retry.rs`); the sealed seam every backend implements
+//! (`backend.rs`), and what an acquisition and a hold record (`observe.rs`).
 
+pub(crate) mod backend;
 pub(crate) mod guard;
 pub(crate) mod held;
 pub(crate) mod inspect;
 pub(crate) mod many;
+pub(crate) mod observe;
 pub mod policy;
 pub(crate) mod retry;
 
@@ -20,10 +23,10 @@ pub use crate::lock::guard::LockGuard;
 pub(crate) use crate::lock::guard::ReleaseHold;
 pub use crate::lock::held::HeldLock;
 
-use crate::backend::Backend;
-use crate::core::telemetry::Route;
 use crate::error::LockError;
+use crate::lock::backend::Backend;
 use crate::lock::retry::RetryAfter;
+use crate::telemetry::Route;
 
 /// A boxed, sendable future, as returned by the backend trait.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -108,6 +111,18 @@ pub enum Kind {
     Shared,
     /// One of this many permits of the key's semaphore.
     Permit(u32),
+}
+
+impl Kind {
+    /// The `mode` label of an acquisition and its hold: a read/write route's shared reads
+    /// and exclusive writes wait and hold for different times, so they are separate series.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Kind::Exclusive => "exclusive",
+            Kind::Shared => "shared",
+            Kind::Permit(_) => "permit",
+        }
+    }
 }
 
 /// A lock acquisition being configured; finish it with [`try_once`](Self::try_once) or

@@ -26,9 +26,10 @@ pub use self::builder::{DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, RedisBackendBui
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::quorum::QuorumStore;
 use self::store::RedisStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::backend::{BackendStats, LockBackend};
 use crate::core::Core;
 use crate::error::BuildError;
+use crate::lock::backend::{Backend, Sealed};
 
 /// Distributed locks on Redis: one server, a Sentinel group ([`sentinel`](Self::sentinel)),
 /// a Redis Cluster ([`cluster`](Self::cluster)) or a quorum of independent masters

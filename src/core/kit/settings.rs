@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use crate::core::telemetry::{self, Namespace};
 use crate::core::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
     Settings,
@@ -14,6 +13,7 @@ use crate::core::{
 use crate::error::BuildError;
 use crate::key::validate_namespace;
 use crate::lock::MAX_DURATION;
+use crate::telemetry::{self, Namespace};
 
 /// The namespace of a backend that was given none.
 const DEFAULT_NAMESPACE: &str = "tower-lock";
