@@ -26,7 +26,7 @@ pub trait LockBackend: Sealed + Clone + Send + Sync + 'static {
     }
 
     /// Starts building an acquisition of every key of `keys` at once (at most
-    /// [`MAX_KEYS`](crate::MAX_KEYS)): all or none, in canonical order, under one owner
+    /// [`MAX_KEYS`](crate::lock::MAX_KEYS)): all or none, in canonical order, under one owner
     /// (see [`ManyLockRequest`]).
     fn lock_many<I>(&self, keys: I) -> ManyLockRequest
     where

@@ -59,17 +59,6 @@ use crate::lock::observe::OwnerIds;
 use crate::lock::{Kind, LockOwner};
 use crate::telemetry::Namespace;
 
-/// Default bound on consecutive handoffs within one process under one hold in the store
-/// (see `max_local_handoffs` on a backend's builder).
-pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 32;
-
-/// Default bound on the time one process's tasks take turns under one hold in the store
-/// (see `max_local_handoff_time` on a backend's builder).
-pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
-
-/// Default upper bound on a key's length in bytes.
-pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
-
 /// A command never gets less time than this, even right at a wait's deadline, so that a
 /// final attempt is not failed by its own budget on a busy machine.
 const MIN_COMMAND_BUDGET: Duration = Duration::from_millis(250);

@@ -1,9 +1,15 @@
-//! [`IdempotencyLayer`]: `Idempotency-Key` for unsafe requests, on top of the lock.
+//! [`IdempotencyLayer`]: `Idempotency-Key` for unsafe requests, on top of the lock (see
+//! [the guide](crate::guide::idempotency)).
 //!
-//! The builder and the [`Layer`] implementation are here; the service in `service.rs`,
-//! the request's course in `future.rs`, the stored record in `record.rs`, the fingerprint
-//! and scoped key in `fingerprint.rs`, the refusals in `response.rs`, and the seam a
-//! backend implements to keep records in `store.rs`.
+//! The layer and [`IdempotencyError`] are also at the crate root; here are its
+//! [`IdempotencyService`], [`IdempotencyFuture`] and bodies, its defaults, its default
+//! rejection ([`idempotency_rejection`]) and the trait of the backends that keep its
+//! records ([`IdempotencyBackend`]).
+
+// The builder and the `Layer` implementation are here; the service in `service.rs`, the
+// request's course in `future.rs`, the stored record in `record.rs`, the fingerprint and
+// scoped key in `fingerprint.rs`, the refusals in `response.rs`, and the seam a backend
+// implements to keep records in `store.rs`.
 
 mod fingerprint;
 mod future;

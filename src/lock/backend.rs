@@ -7,8 +7,24 @@ use std::sync::Arc;
 
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
-use crate::lock::{Acquired, BoxFuture, LockGuard, LockOwner, LockRequest};
+use crate::lock::{BoxFuture, LockGuard, LockOwner, LockRequest};
 use crate::telemetry::Namespace;
+
+/// What an acquisition of the idempotency layer came to (see
+/// [`Backend::acquire_unless_recorded`]). `pub` in a private module, so that the sealed
+/// [`Backend`] trait can name it.
+#[derive(Debug)]
+pub enum Acquired {
+    /// The lock, taken in the store by an attempt that found no record of the key in the
+    /// same atomic step: no record but its holder's can appear while it holds the key, so
+    /// the record need not be read again.
+    Checked(LockGuard),
+    /// The lock, got without that check (a store that cannot make it, a hold handed over
+    /// by the previous holder of this process, a re-entry): the record must be read again.
+    Unchecked(LockGuard),
+    /// The key's record exists: nothing was taken.
+    Recorded,
+}
 
 /// Implemented by this crate's backends only (see [`LockBackend`](crate::LockBackend)).
 pub trait Sealed {

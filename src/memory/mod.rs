@@ -42,11 +42,11 @@ use self::store::MemoryStore;
 use crate::backend::LockBackend;
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
-use crate::core::{
-    Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
-};
+use crate::core::{Core, Parts, Settings};
 use crate::lock::backend::{Backend, Sealed};
+use crate::lock::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
+};
 use crate::telemetry::Namespace;
 
 /// How long one call of the map may take: it never waits, so this only bounds the core's

@@ -1,6 +1,8 @@
 //! The Redis backend: Redisson-style reentrant hash locks driven by Lua scripts.
 //!
-//! The type and its design are documented on [`RedisBackend`].
+//! The type and its design are documented on [`RedisBackend`] (also at the crate root,
+//! with its builder). Here too: [`FencedStore`], a store in the lock's Redis that refuses
+//! writes with stale fencing tokens, and the builder's defaults.
 
 mod admin;
 mod builder;
