@@ -7,9 +7,8 @@ use crate::lock::backend::Sealed;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::many::ManyLockRequest;
 
-/// A store of locks: [`RedisBackend`](crate::RedisBackend) or `PostgresBackend` (feature
-/// `postgres`) across instances, or [`MemoryBackend`](crate::MemoryBackend) inside one
-/// process.
+/// Where locks live: implemented by the backend of every store (see the
+/// [list of stores](crate#stores)).
 ///
 /// The layer and [`LockRequest`] hold any backend behind this trait, so no type names the
 /// backend (`LockLayer<K>`), and an application can take `impl LockBackend` to run on

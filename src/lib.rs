@@ -40,12 +40,8 @@
 //!   (`.permits(n)`).
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
-//! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
-//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
-//!   `MySqlBackend` (feature `mysql`), `EtcdBackend` (feature `etcd`),
-//!   `ZooKeeperBackend` (feature `zookeeper`) and
-//!   [`MemoryBackend`], each with its builder: where locks live ([`LockBackend`],
-//!   [`BackendStats`]).
+//! - The backend of each store (see [Stores](#stores)), with its builder: where locks live
+//!   ([`LockBackend`], [`BackendStats`]).
 //! - [`LockBackend::lock`] ([`LockRequest`], [`LockGuard`], [`LockOwner`]): locks without
 //!   HTTP, for jobs and nested sections; [`LockBackend::lock_many`] ([`ManyLockRequest`])
 //!   for several keys at once (a key closure returning a `Vec` does the same on the layer).
@@ -72,6 +68,22 @@
 //! - [`key`]: the sealed traits naming what a key closure may return.
 //! - [`redis`]: [`FencedStore`](redis::FencedStore), a store in the lock's Redis that
 //!   refuses writes with stale tokens, and the Redis builder's defaults.
+//!
+//! # Stores
+//!
+//! The list of stores. Each is a backend type with its builder, behind a cargo feature of
+//! the store's name, off by default (Redis and memory are always built). Every backend
+//! implements [`LockBackend`]: the layer, the lock API, the guarantees and the status
+//! codes are the same on all of them, and only the line that builds the backend changes.
+//!
+//! | store | feature | backend |
+//! |---|---|---|
+//! | Redis: one server, [Sentinel](RedisBackend::sentinel), [Cluster](RedisBackend::cluster) or a [RedLock quorum](RedisBackend::quorum) of independent masters; scripts, waiters woken by pub/sub | (always) | [`RedisBackend`] |
+//! | PostgreSQL: a table, through sqlx, waiters woken by `LISTEN`/`NOTIFY` | `postgres` | `PostgresBackend` |
+//! | MySQL 8 or MariaDB: InnoDB tables, through sqlx, waiters woken by a parked connection that a release interrupts | `mysql` | `MySqlBackend` |
+//! | etcd: every hold under the backend's lease, tokens from etcd's revisions, through etcd-client (whose build needs `protoc`) | `etcd` | `EtcdBackend` |
+//! | ZooKeeper: Curator's recipes, every hold an ephemeral sequential node of the backend's session, tokens from the nodes' zxids, through zookeeper-client | `zookeeper` | `ZooKeeperBackend` |
+//! | In memory, one process (tests, single instances) | (always) | [`MemoryBackend`] |
 //!
 //! # Guides
 //!
@@ -124,21 +136,8 @@
 //! [`tls_root_cert`](RedisBackendBuilder::tls_root_cert); the crate installs ring as the
 //! process's rustls crypto provider when none is installed.
 //!
-//! The `postgres` feature (off by default) adds `PostgresBackend`: the same locks in a
-//! table of a PostgreSQL database, through sqlx, waiters woken by `LISTEN`/`NOTIFY`.
-//!
-//! The `mysql` feature (off by default) adds `MySqlBackend`: the same locks in InnoDB
-//! tables of a MySQL 8 or MariaDB database, through sqlx, waiters woken by a parked
-//! connection that a release interrupts.
-//!
-//! The `etcd` feature (off by default) adds `EtcdBackend`: exclusive locks in an etcd
-//! cluster, through etcd-client (whose build needs `protoc`), every hold under the
-//! backend's lease, tokens from etcd's revisions.
-//!
-//! The `zookeeper` feature (off by default) adds `ZooKeeperBackend`: locks, read/write
-//! locks and permits in a ZooKeeper ensemble, through zookeeper-client, every hold an
-//! ephemeral sequential node of the backend's session (Curator's recipes), tokens from the
-//! nodes' zxids.
+//! Each store but Redis and memory is a feature of its own, off by default (see
+//! [Stores](#stores)).
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
@@ -230,7 +229,8 @@ pub mod guide {
                  [idempotency]: crate::guide::idempotency\n\
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
-                 [performance]: crate::guide::performance\n",
+                 [performance]: crate::guide::performance\n\
+                 [stores]: crate#stores\n",
                 postgres_link!(),
                 mysql_link!(),
                 etcd_link!(),
