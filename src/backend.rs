@@ -1,13 +1,14 @@
-//! The seam between the layer and where locks live.
+//! Where locks live, as an application sees it: [`LockBackend`], built on the lock API's
+//! sealed seam (`lock/backend.rs`), and [`BackendStats`].
 
 use crate::error::LockError;
 use crate::lock::LockRequest;
+use crate::lock::backend::Sealed;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::many::ManyLockRequest;
 
-/// A store of locks: [`RedisBackend`](crate::RedisBackend) or `PostgresBackend` (feature
-/// `postgres`) across instances, or [`MemoryBackend`](crate::MemoryBackend) inside one
-/// process.
+/// Where locks live: implemented by the backend of every store (see the
+/// [list of stores](crate#stores)).
 ///
 /// The layer and [`LockRequest`] hold any backend behind this trait, so no type names the
 /// backend (`LockLayer<K>`), and an application can take `impl LockBackend` to run on
@@ -17,14 +18,14 @@ use crate::lock::many::ManyLockRequest;
 /// (released on every exit path, renewed while it lives, `lost()` when the store proves
 /// the lock gone) are kept by code shared with each store's internals, and that seam is
 /// not yet a stable public API.
-pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
+pub trait LockBackend: Sealed + Clone + Send + Sync + 'static {
     /// Starts building an acquisition of `key`.
     fn lock(&self, key: impl Into<String>) -> LockRequest {
         LockRequest::new(self.store(), key.into())
     }
 
     /// Starts building an acquisition of every key of `keys` at once (at most
-    /// [`MAX_KEYS`](crate::MAX_KEYS)): all or none, in canonical order, under one owner
+    /// [`MAX_KEYS`](crate::lock::MAX_KEYS)): all or none, in canonical order, under one owner
     /// (see [`ManyLockRequest`]).
     fn lock_many<I>(&self, keys: I) -> ManyLockRequest
     where
@@ -103,67 +104,6 @@ pub trait LockBackend: sealed::Sealed + Clone + Send + Sync + 'static {
         key: impl Into<String>,
     ) -> impl Future<Output = Result<LockInfo, LockError>> + Send + 'static {
         self.store().force_release(key.into(), Primitive::Semaphore)
-    }
-}
-
-pub(crate) use self::sealed::{Backend, Sealed};
-
-mod sealed {
-    use std::sync::Arc;
-
-    use crate::error::LockError;
-    use crate::lock::inspect::{LockInfo, Primitive};
-    use crate::lock::{Acquired, BoxFuture, LockGuard, LockOwner, LockRequest};
-
-    /// Implemented by this crate's backends only (see [`LockBackend`](super::LockBackend)).
-    pub trait Sealed {
-        /// The backend's store, shared by every clone of it.
-        fn store(&self) -> Arc<dyn Backend>;
-    }
-
-    /// What the layer and the lock builder need of a backend.
-    pub trait Backend: Send + Sync + 'static {
-        /// Runs an acquisition: validates the key, queues behind this process's other
-        /// tasks for it, takes the lock (waiting if asked) and returns its guard.
-        fn acquire(
-            self: Arc<Self>,
-            request: LockRequest,
-        ) -> BoxFuture<'static, Result<LockGuard, LockError>>;
-
-        /// As [`acquire`](Self::acquire), for the idempotency layer: a store that can check
-        /// the key's record as it takes a new hold takes none while it exists. The default
-        /// checks nothing.
-        fn acquire_unless_recorded(
-            self: Arc<Self>,
-            request: LockRequest,
-        ) -> BoxFuture<'static, Result<Acquired, LockError>> {
-            let acquiring = self.acquire(request);
-            Box::pin(async move { acquiring.await.map(Acquired::Unchecked) })
-        }
-
-        /// A new owner: one per request.
-        fn new_owner(&self) -> LockOwner;
-
-        /// The `namespace` label of the backend's metrics.
-        fn metrics(&self) -> &crate::core::telemetry::Namespace;
-
-        /// The longest key the backend accepts, in bytes.
-        fn max_key_len(&self) -> usize;
-
-        /// A snapshot of `key`'s lock or semaphore (see `LockBackend::inspect`).
-        fn inspect(
-            self: Arc<Self>,
-            key: String,
-            of: Primitive,
-        ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
-
-        /// Frees `key`'s lock or semaphore, fenced, and reports what it freed (see
-        /// `LockBackend::force_release`).
-        fn force_release(
-            self: Arc<Self>,
-            key: String,
-            of: Primitive,
-        ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
     }
 }
 

@@ -1,4 +1,7 @@
-//! Key extraction: the trait closures implement, and key validation.
+//! Keys from requests: [`KeyExtractor`] (also at the crate root), and the sealed traits
+//! naming what a key closure may return ([`KeyOutcome`], [`OptionalKey`]).
+
+// Key validation and namespacing, which every store shares, are here too.
 
 use std::borrow::Cow;
 
@@ -17,7 +20,7 @@ use crate::error::{BuildError, KeyError};
 /// | `Option<K>` | `Some(key)` | `None` | never |
 /// | `Result<K, KeyError>` | `Ok(key)` | never | `Err(e)` |
 /// | `Result<Option<K>, KeyError>` | `Ok(Some(key))` | `Ok(None)` | `Err(e)` |
-/// | `Vec<K>` | every key, all or none (see [`lock_many`](crate::LockBackend::lock_many)) | never | an empty list, more than [`MAX_KEYS`](crate::MAX_KEYS) different keys (a key given twice is taken once) |
+/// | `Vec<K>` | every key, all or none (see [`lock_many`](crate::LockBackend::lock_many)) | never | an empty list, more than [`MAX_KEYS`](crate::lock::MAX_KEYS) different keys (a key given twice is taken once) |
 /// | `Result<Vec<K>, KeyError>` | as `Vec<K>` | never | as `Vec<K>`, and `Err(e)` |
 ///
 /// where `K: Into<String>` (in the `Result` shapes: `String`, `&str`, `Box<str>`
@@ -90,8 +93,8 @@ use crate::error::{BuildError, KeyError};
 /// # }
 /// ```
 ///
-/// Every extractor rejects a present but empty value with [`KeyError::Empty`](crate::KeyError::Empty) and input
-/// that is not UTF-8 with [`KeyError::Malformed`](crate::KeyError::Malformed); the layer answers both with 400.
+/// Every extractor rejects a present but empty value with [`KeyError::Empty`] and input
+/// that is not UTF-8 with [`KeyError::Malformed`]; the layer answers both with 400.
 ///
 /// Give every route that takes its key from client input a prefix. Without one the client
 /// chooses the whole key, and a header value of `order:42` would lock order 42 for the

@@ -30,32 +30,60 @@
 //!     .route_layer(LockLayer::new(backend, PathParam::new("id").prefix("order")));
 //! ```
 //!
-//! # Where to look
+//! # The API
+//!
+//! What an application types is at the root:
 //!
 //! - [`LockLayer`]: the middleware and its settings (wait or fail fast, lease, what to do
-//!   when a lock is lost, holding until the body is sent, rejections), and its
-//!   [`policy`]: exclusive by default, read/write (`.read_write()`, `.shared_if(f)`) or a
-//!   semaphore (`.permits(n)`).
+//!   when a lock is lost ([`OnLockLost`]), holding until the body is sent, rejections),
+//!   exclusive by default, read/write (`.read_write()`, `.shared_if(f)`) or a semaphore
+//!   (`.permits(n)`).
 //! - [`KeyExtractor`]: closures that return the key (or refuse with 400), and the
 //!   ready-made [`PathParam`], [`PathParams`], [`Header`] and [`QueryParam`].
-//! - [`RedisBackend`] (one server, [Sentinel](RedisBackend::sentinel) or
-//!   [Cluster](RedisBackend::cluster)), `PostgresBackend` (feature `postgres`),
-//!   `MySqlBackend` (feature `mysql`), `EtcdBackend` (feature `etcd`),
-//!   `ZooKeeperBackend` (feature `zookeeper`) and
-//!   [`MemoryBackend`]: where locks live
-//!   ([`LockBackend`]).
-//! - [`LockBackend::lock`]: locks without HTTP, for jobs and nested sections;
-//!   [`LockBackend::lock_many`] for several keys at once (a key closure returning a `Vec`
-//!   does the same on the layer).
+//! - The backend of each store (see [Stores](#stores)), with its builder: where locks live
+//!   ([`LockBackend`], [`BackendStats`]).
+//! - [`LockBackend::lock`] ([`LockRequest`], [`LockGuard`], [`LockOwner`]): locks without
+//!   HTTP, for jobs and nested sections; [`LockBackend::lock_many`] ([`ManyLockRequest`])
+//!   for several keys at once (a key closure returning a `Vec` does the same on the layer).
 //! - [`LockBackend::inspect`] and [`LockBackend::force_release`]: for operators, a
-//!   snapshot of a key ([`LockInfo`]: how it is held, for how long, the fencing token
-//!   reached; never owner ids) and freeing it by force, fenced, its holder told.
+//!   snapshot of a key ([`LockInfo`], [`LockMode`]: how it is held, for how long, the
+//!   fencing token reached; never owner ids) and freeing it by force, fenced, its holder
+//!   told.
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
-//! - [`FencedStore`]: a store in the lock's Redis that refuses writes with stale tokens.
 //! - [`IdempotencyLayer`]: `Idempotency-Key` on top of the lock: the first request runs,
 //!   retries get its stored response, 409 while it runs, 422 for a different request.
-//! - [`response`]: the status codes and problem+json bodies of rejections.
+//! - The errors: [`LockError`] (with [`KeyError`] and [`BackendError`]), [`BuildError`]
+//!   (with [`ConnectFailure`]) and [`IdempotencyError`].
+//!
+//! The plumbing is in a module per middleware or API, as in tower-http:
+//!
+//! - [`layer`]: the layer's service, response future and body, and its default wait;
+//!   [`layer::response`]: the status codes and problem+json bodies of rejections.
+//! - [`lock`]: the defaults and bounds of acquisitions and of every backend's builder
+//!   (lease, local waiters, keys, handoffs), the `HeldLock` extractor's rejection, and the
+//!   layer's hold [`policy`](lock::policy).
+//! - [`idempotency`]: the idempotency layer's service, future and bodies, its defaults,
+//!   its default rejection and the trait of the backends that keep its records.
+//! - [`key`]: the sealed traits naming what a key closure may return.
+//! - [`redis`]: [`FencedStore`](redis::FencedStore), a store in the lock's Redis that
+//!   refuses writes with stale tokens, and the Redis builder's defaults.
+//!
+//! # Stores
+//!
+//! The list of stores. Each is a backend type with its builder, behind a cargo feature of
+//! the store's name, off by default (Redis and memory are always built). Every backend
+//! implements [`LockBackend`]: the layer, the lock API, the guarantees and the status
+//! codes are the same on all of them, and only the line that builds the backend changes.
+//!
+//! | store | feature | backend |
+//! |---|---|---|
+//! | Redis: one server, [Sentinel](RedisBackend::sentinel), [Cluster](RedisBackend::cluster) or a [RedLock quorum](RedisBackend::quorum) of independent masters; scripts, waiters woken by pub/sub | (always) | [`RedisBackend`] |
+//! | PostgreSQL: a table, through sqlx, waiters woken by `LISTEN`/`NOTIFY` | `postgres` | `PostgresBackend` |
+//! | MySQL 8 or MariaDB: InnoDB tables, through sqlx, waiters woken by a parked connection that a release interrupts | `mysql` | `MySqlBackend` |
+//! | etcd: every hold under the backend's lease, tokens from etcd's revisions, through etcd-client (whose build needs `protoc`) | `etcd` | `EtcdBackend` |
+//! | ZooKeeper: Curator's recipes, every hold an ephemeral sequential node of the backend's session, tokens from the nodes' zxids, through zookeeper-client | `zookeeper` | `ZooKeeperBackend` |
+//! | In memory, one process (tests, single instances) | (always) | [`MemoryBackend`] |
 //!
 //! # Guides
 //!
@@ -86,7 +114,7 @@
     doc = "- [zookeeper](guide::zookeeper): the ZooKeeper store, Curator's recipes, its \
            session as the watchdog, zxids as tokens."
 )]
-//! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`], a guarded `UPDATE` in
+//! - [Fencing](guide::fencing): fencing tokens, [`FencedStore`](redis::FencedStore), a guarded `UPDATE` in
 //!   PostgreSQL, tokens and the clock.
 //! - [Idempotency keys](guide::idempotency): [`IdempotencyLayer`], a payments route, what
 //!   is stored and for how long, crashes.
@@ -101,28 +129,15 @@
 //! [`HeldLocks`] extractors, `IntoResponse` for [`LockError`], and letting a request
 //! axum's router sent to its 404 fallback through unlocked. Without it, read the lock
 //! from the request extensions and answer rejections with
-//! [`default_rejection`](response::default_rejection).
+//! [`default_rejection`](layer::response::default_rejection).
 //!
 //! The default-on `tls` feature lets [`RedisBackend`] speak `rediss://` through rustls,
 //! verified against the system roots or
 //! [`tls_root_cert`](RedisBackendBuilder::tls_root_cert); the crate installs ring as the
 //! process's rustls crypto provider when none is installed.
 //!
-//! The `postgres` feature (off by default) adds `PostgresBackend`: the same locks in a
-//! table of a PostgreSQL database, through sqlx, waiters woken by `LISTEN`/`NOTIFY`.
-//!
-//! The `mysql` feature (off by default) adds `MySqlBackend`: the same locks in InnoDB
-//! tables of a MySQL 8 or MariaDB database, through sqlx, waiters woken by a parked
-//! connection that a release interrupts.
-//!
-//! The `etcd` feature (off by default) adds `EtcdBackend`: exclusive locks in an etcd
-//! cluster, through etcd-client (whose build needs `protoc`), every hold under the
-//! backend's lease, tokens from etcd's revisions.
-//!
-//! The `zookeeper` feature (off by default) adds `ZooKeeperBackend`: locks, read/write
-//! locks and permits in a ZooKeeper ensemble, through zookeeper-client, every hold an
-//! ephemeral sequential node of the backend's session (Curator's recipes), tokens from the
-//! nodes' zxids.
+//! Each store but Redis and memory is a feature of its own, off by default (see
+//! [Stores](#stores)).
 //!
 //! The `metrics` feature (off by default) records acquisitions by outcome, wait and hold
 //! times, held locks, waiters, subscriptions, reconnects and failed renewals through the
@@ -136,39 +151,32 @@
 #![deny(missing_docs, unsafe_code)]
 #![warn(rust_2018_idioms, missing_debug_implementations)]
 
-// Every public item has one path: the crate root, except `response`'s and `policy`'s,
-// which only those modules export.
+// The names an application types are at the root; the plumbing (services, futures,
+// bodies, defaults, sealed helper traits) is in the public module of its middleware or
+// API, as in tower-http.
 mod backend;
 mod core;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod extract;
-mod idempotency;
-mod key;
-mod layer;
-mod lock;
+pub mod idempotency;
+pub mod key;
+pub mod layer;
+pub mod lock;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
-mod redis;
+pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
+mod telemetry;
 #[cfg(feature = "zookeeper")]
 mod zookeeper;
 
-pub use crate::layer::response;
-pub use crate::lock::policy;
-
 pub use crate::backend::{BackendStats, LockBackend};
-#[cfg(feature = "metrics")]
-#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
-pub use crate::core::telemetry::describe_metrics;
-pub use crate::core::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
-};
 pub use crate::error::{BackendError, BuildError, ConnectFailure, KeyError, LockError};
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
@@ -176,22 +184,11 @@ pub use crate::etcd::{EtcdBackend, EtcdBackendBuilder};
 pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
-pub use crate::idempotency::{
-    DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_RETENTION, IdempotencyBackend,
-    IdempotencyBody, IdempotencyError, IdempotencyFuture, IdempotencyLayer, IdempotencyService,
-    InnerBody, idempotency_rejection,
-};
-pub use crate::key::{KeyExtractor, KeyOutcome, OptionalKey};
-pub use crate::layer::body::ResponseBody;
-pub use crate::layer::future::ResponseFuture;
-pub use crate::layer::service::LockService;
-pub use crate::layer::{DEFAULT_WAIT, LockLayer, OnLockLost};
-pub use crate::lock::held::{HeldLocks, MissingHeldLock};
-pub use crate::lock::inspect::{LockInfo, LockMode};
-pub use crate::lock::many::{MAX_KEYS, ManyLockRequest};
+pub use crate::idempotency::{IdempotencyError, IdempotencyLayer};
+pub use crate::key::KeyExtractor;
+pub use crate::layer::{LockLayer, OnLockLost};
 pub use crate::lock::{
-    DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, HeldLock, LockGuard, LockOwner, LockRequest,
-    MAX_DURATION,
+    HeldLock, HeldLocks, LockGuard, LockInfo, LockMode, LockOwner, LockRequest, ManyLockRequest,
 };
 pub use crate::memory::MemoryBackend;
 #[cfg(feature = "mysql")]
@@ -200,10 +197,10 @@ pub use crate::mysql::{MySqlBackend, MySqlBackendBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use crate::postgres::{PostgresBackend, PostgresBackendBuilder};
-pub use crate::redis::{
-    DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, FencedStore, FencedValue, FencedWrite, RedisBackend,
-    RedisBackendBuilder,
-};
+pub use crate::redis::{RedisBackend, RedisBackendBuilder};
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use crate::telemetry::describe_metrics;
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use crate::zookeeper::{ZooKeeperBackend, ZooKeeperBackendBuilder};
@@ -232,7 +229,8 @@ pub mod guide {
                  [idempotency]: crate::guide::idempotency\n\
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
-                 [performance]: crate::guide::performance\n",
+                 [performance]: crate::guide::performance\n\
+                 [stores]: crate#stores\n",
                 postgres_link!(),
                 mysql_link!(),
                 etcd_link!(),

@@ -29,8 +29,10 @@
 //! - `kit/`: the store kit, what every store's builder takes from the core: the settings
 //!   they share (`settings.rs`).
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
-//! - `telemetry/`: metrics, and spans and owner ids (`observe.rs`); `runtime/`: where
-//!   tasks run, and the janitor that sweeps expired rows and records.
+//! - `runtime/`: where tasks run, and the janitor that sweeps expired rows and records.
+//!
+//! Metrics live below every layer, in `src/telemetry.rs`; the span of an acquisition and
+//! the owner ids in the lock API's `observe.rs`.
 
 pub(crate) mod acquire;
 pub(crate) mod hold;
@@ -38,7 +40,6 @@ pub(crate) mod kit;
 pub(crate) mod queue;
 pub(crate) mod runtime;
 pub(crate) mod store;
-pub(crate) mod telemetry;
 pub(crate) mod wakeups;
 pub(crate) mod watchdog;
 
@@ -52,22 +53,11 @@ use self::runtime::Spawner;
 pub(crate) use self::store::Store;
 use self::store::capabilities::Capabilities;
 pub(crate) use self::store::methods::lock_backend_methods;
-use self::telemetry::Namespace;
-use self::telemetry::observe::OwnerIds;
 use self::watchdog::Watchdog;
 use self::watchdog::recheck::Recheck;
+use crate::lock::observe::OwnerIds;
 use crate::lock::{Kind, LockOwner};
-
-/// Default bound on consecutive handoffs within one process under one hold in the store
-/// (see `max_local_handoffs` on a backend's builder).
-pub const DEFAULT_MAX_LOCAL_HANDOFFS: u32 = 32;
-
-/// Default bound on the time one process's tasks take turns under one hold in the store
-/// (see `max_local_handoff_time` on a backend's builder).
-pub const DEFAULT_MAX_LOCAL_HANDOFF_TIME: Duration = Duration::from_millis(20);
-
-/// Default upper bound on a key's length in bytes.
-pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
+use crate::telemetry::Namespace;
 
 /// A command never gets less time than this, even right at a wait's deadline, so that a
 /// final attempt is not failed by its own budget on a busy machine.

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 use tokio::time::{Duration, Instant};
 
-use super::telemetry::Namespace;
 use crate::lock::LockOwner;
+use crate::telemetry::Namespace;
 
 /// A key granted to a waiting holder by a release in the store, as its message said.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -310,7 +310,7 @@ pub enum KeyError {
     /// A multi-key lock was asked for no key at all.
     NoKeys,
     /// A multi-key lock was asked for more different keys than
-    /// [`MAX_KEYS`](crate::MAX_KEYS).
+    /// [`MAX_KEYS`](crate::lock::MAX_KEYS).
     TooManyKeys {
         /// How many keys were asked for.
         count: usize,

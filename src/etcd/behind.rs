@@ -188,7 +188,7 @@ impl Waits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::telemetry::Namespace;
+    use crate::telemetry::Namespace;
 
     #[test]
     fn a_deletion_wakes_only_what_waits_behind_it() {

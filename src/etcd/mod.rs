@@ -49,8 +49,9 @@ use std::sync::Arc;
 
 pub use self::builder::EtcdBackendBuilder;
 use self::store::EtcdStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::backend::{BackendStats, LockBackend};
 use crate::core::Core;
+use crate::lock::backend::{Backend, Sealed};
 
 /// Distributed locks in etcd (feature `etcd`, which needs `protoc` to build). Cheap to
 /// clone; clones share the connection and the lease.

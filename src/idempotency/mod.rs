@@ -1,9 +1,15 @@
-//! [`IdempotencyLayer`]: `Idempotency-Key` for unsafe requests, on top of the lock.
+//! [`IdempotencyLayer`]: `Idempotency-Key` for unsafe requests, on top of the lock (see
+//! [the guide](crate::guide::idempotency)).
 //!
-//! The builder and the [`Layer`] implementation are here; the service in `service.rs`,
-//! the request's course in `future.rs`, the stored record in `record.rs`, the fingerprint
-//! and scoped key in `fingerprint.rs`, the refusals in `response.rs`, and the seam a
-//! backend implements to keep records in `store.rs`.
+//! The layer and [`IdempotencyError`] are also at the crate root; here are its
+//! [`IdempotencyService`], [`IdempotencyFuture`] and bodies, its defaults, its default
+//! rejection ([`idempotency_rejection`]) and the trait of the backends that keep its
+//! records ([`IdempotencyBackend`]).
+
+// The builder and the `Layer` implementation are here; the service in `service.rs`, the
+// request's course in `future.rs`, the stored record in `record.rs`, the fingerprint and
+// scoped key in `fingerprint.rs`, the refusals in `response.rs`, and the seam a backend
+// implements to keep records in `store.rs`.
 
 mod fingerprint;
 mod future;
@@ -26,8 +32,8 @@ pub use self::service::{IdempotencyBody, IdempotencyFuture, IdempotencyService, 
 pub use self::store::IdempotencyBackend;
 use self::store::records_of;
 pub(crate) use self::store::{CONTEXT as RECORD_CONTEXT, Records, RecordsOf, bounded};
-use crate::backend::Backend;
 use crate::error::KeyError;
+use crate::lock::backend::Backend;
 use crate::lock::retry::RetryAfter;
 use crate::lock::{DEFAULT_LEASE, MAX_DURATION};
 
@@ -186,7 +192,7 @@ impl IdempotencyLayer {
     /// Idempotency keys from the `Idempotency-Key` header, required, their records in
     /// `backend`; duplicates in flight get 409 at once.
     pub fn new(backend: impl IdempotencyBackend) -> Self {
-        crate::core::telemetry::describe_metrics();
+        crate::telemetry::describe_metrics();
         IdempotencyLayer {
             config: Config {
                 store: backend.store(),

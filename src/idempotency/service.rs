@@ -29,7 +29,7 @@ pub type InnerBody<B> = Either<Full<Bytes>, B>;
 /// lock. Created by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
 /// `poll_ready` is always ready: each response future drives a clone of the inner
-/// service to readiness once it holds the key's lock, as [`LockService`](crate::LockService)
+/// service to readiness once it holds the key's lock, as [`LockService`](crate::layer::LockService)
 /// does.
 #[derive(Clone)]
 pub struct IdempotencyService<S> {

@@ -18,7 +18,7 @@ use crate::lock::held::LostSignal;
 /// The error type of [`ResponseBody`]: whatever the inner body or the lock failed with.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The response body of [`LockService`](crate::LockService): the inner service's body `B`
+/// The response body of [`LockService`](crate::layer::LockService): the inner service's body `B`
 /// as it is, or held under the request's lock until its end
 /// ([`LockLayer::hold_until_body_end`](crate::LockLayer::hold_until_body_end)), or the
 /// body of a rejection (409, 429, 503, 400, 500).

@@ -22,7 +22,7 @@ use crate::layer::{Config, OnLockLost};
 use crate::lock::held::LostSignal;
 use crate::lock::{BoxFuture, HeldLock, LockGuard};
 
-/// Response future of [`LockService`](crate::LockService).
+/// Response future of [`LockService`](crate::layer::LockService).
 #[pin_project]
 pub struct ResponseFuture<S, ReqBody>
 where

@@ -1,7 +1,11 @@
-//! The tower layer: [`LockLayer`], the builder and the [`Layer`] implementation (here),
-//! the service that takes the lock (`service.rs`), the response future that holds it
-//! (`future.rs`), the body that may hold it until sent (`body.rs`), and rejections as
-//! responses (`response.rs`).
+//! The lock middleware: [`LockLayer`] (also at the crate root, with [`OnLockLost`]), the
+//! [`LockService`] it wraps a service in, the [`ResponseFuture`] that holds the lock while
+//! the handler runs, the [`ResponseBody`] that may hold it until the body is sent, and
+//! rejections as responses ([`response`]).
+
+// The builder and the `Layer` implementation are here; the service that takes the lock in
+// `service.rs`, the response future in `future.rs`, the body in `body.rs`, rejections in
+// `response.rs`.
 
 pub(crate) mod body;
 pub(crate) mod future;
@@ -16,15 +20,19 @@ use bytes::Bytes;
 use http::Response;
 use tower_layer::Layer;
 
-use crate::backend::{Backend, LockBackend};
-use crate::core::telemetry::{self, Route};
+use crate::backend::LockBackend;
 use crate::error::LockError;
 use crate::layer::body::BoxError;
 use crate::layer::response::{Rejection, RejectionBody, boxed_rejection, default_rejection};
-use crate::layer::service::LockService;
+use crate::lock::backend::Backend;
 use crate::lock::policy::{Exclusive, Permits, ReadWrite, SharedIf};
 use crate::lock::retry::RetryAfter;
 use crate::lock::{DEFAULT_LEASE, DEFAULT_MAX_LOCAL_WAITERS, Mode};
+use crate::telemetry::{self, Route};
+
+pub use self::body::ResponseBody;
+pub use self::future::ResponseFuture;
+pub use self::service::LockService;
 
 /// How long a request waits for a held lock by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
@@ -91,7 +99,7 @@ impl Config {
 /// The key extractor returns `None` to let a request through unlocked. A request whose
 /// lock cannot be had gets a response from [`on_rejection`](Self::on_rejection)
 /// (problem+json with 409, 429, 503, 400 or 500 by default, see
-/// [`response`](crate::layer::response)), so no `HandleErrorLayer` is needed.
+/// [`response`]), so no `HandleErrorLayer` is needed.
 ///
 /// Requests take the lock exclusively by default. [`read_write`](Self::read_write) and
 /// [`shared_if`](Self::shared_if) let some take shared holds of it instead (readers that
@@ -158,7 +166,7 @@ impl<K> LockLayer<K> {
     ///
     /// A nested layer that takes the key exclusively under a shared hold of this one
     /// (the same request) is refused with 500
-    /// ([`LockError::UpgradeRefused`](crate::LockError::UpgradeRefused)): take the
+    /// ([`LockError::UpgradeRefused`]): take the
     /// exclusive hold in the outer layer.
     pub fn read_write(self) -> LockLayer<K, ReadWrite> {
         self.policy(ReadWrite)
@@ -328,7 +336,7 @@ impl<K, P> LockLayer<K, P> {
 
     /// Builds the response for a request whose lock could not be taken or was lost,
     /// replacing the problem+json default. Start from
-    /// [`default_rejection`](crate::layer::response::default_rejection) to change one part of
+    /// [`default_rejection`] to change one part of
     /// it (a header, the body) and keep the rest, or ask
     /// [`LockError::status`](crate::LockError::status) to keep the statuses under a body
     /// of your own.

@@ -2,7 +2,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_lock::{LockError, response::default_rejection};
+//! use tower_lock::LockError;
+//! use tower_lock::layer::response::default_rejection;
 //!
 //! let busy = LockError::Contended {
 //!     key: "order:42".into(),
@@ -87,7 +88,8 @@ impl LockError {
 ///
 /// ```
 /// use http::{HeaderValue, Request};
-/// use tower_lock::{LockError, LockLayer, LockBackend, response::default_rejection};
+/// use tower_lock::{LockBackend, LockError, LockLayer};
+/// use tower_lock::layer::response::default_rejection;
 ///
 /// fn layer<B>(backend: impl LockBackend) -> LockLayer<impl Fn(&Request<B>) -> Option<String> + Clone> {
 ///     LockLayer::new(backend, |req: &Request<B>| Some(req.uri().path().to_owned()))

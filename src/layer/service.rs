@@ -7,17 +7,17 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::backend::Backend;
-use crate::core::telemetry::{Labels, Outcome, Route};
 use crate::error::LockError;
 use crate::key::KeyExtractor;
 use crate::layer::Config;
 use crate::layer::body::ResponseBody;
 use crate::layer::future::ResponseFuture;
+use crate::lock::backend::Backend;
 use crate::lock::held::push_outer;
 use crate::lock::many::{ManyLockRequest, canonical};
 use crate::lock::policy::{Exclusive, HoldPolicy};
 use crate::lock::{HeldLock, LockRequest};
+use crate::telemetry::{Labels, Outcome, Route};
 
 /// Middleware that holds a distributed lock while the inner service handles a request.
 /// Created by [`LockLayer`](crate::LockLayer).
@@ -121,7 +121,7 @@ where
             Ok(keys) => keys,
             Err(e) => {
                 let route = route_of(&self.config, &request);
-                Labels::new(self.store.metrics(), &route, kind)
+                Labels::new(self.store.metrics(), &route, kind.label())
                     .acquisition(Outcome::InvalidKey, None);
                 return ResponseFuture::rejected(self.config.reject(LockError::InvalidKey(e)));
             }

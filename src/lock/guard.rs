@@ -3,11 +3,12 @@
 use std::fmt;
 use std::future::Future;
 
-use crate::core::telemetry;
 use crate::error::LockError;
 use crate::lock::BoxFuture;
 use crate::lock::held::HeldLock;
+use crate::lock::observe::end_hold;
 use crate::lock::retry::HoldClock;
+use crate::telemetry;
 
 /// How a backend gives up one hold.
 pub(crate) trait ReleaseHold: Send + Sync + 'static {
@@ -120,7 +121,7 @@ impl LockGuard {
         let release = self.hold.take()?.release();
         self.stop_clock();
         Some(match self.counted.take() {
-            Some(counted) => counted.end_with(release, self.held.clone()),
+            Some(counted) => end_hold(counted, release, &self.held),
             None => release,
         })
     }

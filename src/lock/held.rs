@@ -54,7 +54,7 @@ struct HeldInner {
 /// for when it is lost.
 ///
 /// The layer puts one into the request extensions (`extensions().get::<HeldLock>()`).
-/// With the `axum` feature a handler takes it as an argument: `lock: HeldLock` (a 500 [`MissingHeldLock`](crate::MissingHeldLock) if no
+/// With the `axum` feature a handler takes it as an argument: `lock: HeldLock` (a 500 [`MissingHeldLock`](crate::lock::MissingHeldLock) if no
 /// layer locked the request), `lock: Option<HeldLock>` on a route whose key closure may
 /// return `None`, or [`HeldLocks`](crate::HeldLocks) for every lock of nested layers
 /// (`HeldLock` is the innermost one).

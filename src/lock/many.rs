@@ -7,14 +7,14 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
-use crate::backend::Backend;
-use crate::core::telemetry::Route;
 use crate::error::{KeyError, LockError};
 use crate::key::validate;
+use crate::lock::backend::Backend;
 use crate::lock::retry::RetryAfter;
 use crate::lock::{
     BoxFuture, HeldLock, Kind, LockGuard, LockOwner, LockRequest, MAX_DURATION, Mode, ReleaseHold,
 };
+use crate::telemetry::Route;
 
 /// The most different keys one [`lock_many`](crate::LockBackend::lock_many) takes. Each
 /// key is one acquisition (one round trip when free), taken one after another.

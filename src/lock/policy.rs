@@ -11,7 +11,7 @@
 //! ```
 //! use axum::{Router, extract::Request, routing::get};
 //! use tower_lock::{LockLayer, MemoryBackend, PathParam};
-//! use tower_lock::policy::ReadWrite;
+//! use tower_lock::lock::policy::ReadWrite;
 //!
 //! let documents: LockLayer<PathParam, ReadWrite> =
 //!     LockLayer::new(MemoryBackend::new(), PathParam::new("id").prefix("doc")).read_write();

@@ -39,14 +39,15 @@ use std::fmt;
 use std::sync::Arc;
 
 use self::store::MemoryStore;
-use crate::backend::{Backend, LockBackend, Sealed};
+use crate::backend::LockBackend;
 use crate::core::runtime::Spawner;
-use crate::core::telemetry::Namespace;
 use crate::core::wakeups::Wakeups;
-use crate::core::{
-    Core, DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
+use crate::core::{Core, Parts, Settings};
+use crate::lock::backend::{Backend, Sealed};
+use crate::lock::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
 };
+use crate::telemetry::Namespace;
 
 /// How long one call of the map may take: it never waits, so this only bounds the core's
 /// budget for a call.
@@ -65,7 +66,7 @@ pub struct MemoryBackend {
 impl MemoryBackend {
     /// An empty store. Needs no runtime: its tasks start on the first one that uses it.
     pub fn new() -> Self {
-        crate::core::telemetry::describe_metrics();
+        crate::telemetry::describe_metrics();
         let settings = Settings {
             command_timeout: COMMAND_TIMEOUT,
             max_local_handoffs: DEFAULT_MAX_LOCAL_HANDOFFS,

@@ -58,7 +58,7 @@ use crate::core::Core;
 /// below the server clock in microseconds, so they survive the row's deletion.
 ///
 /// [`LockRequest`]: crate::LockRequest
-/// [`IdempotencyBackend`]: crate::IdempotencyBackend
+/// [`IdempotencyBackend`]: crate::idempotency::IdempotencyBackend
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Core<PgStore>>,

@@ -7,7 +7,8 @@
 //! one Lua script. It lives in the lock's Redis, under the lock's hash tag.
 //!
 //! ```no_run
-//! use tower_lock::{FencedStore, FencedWrite, RedisBackend};
+//! use tower_lock::RedisBackend;
+//! use tower_lock::redis::{FencedStore, FencedWrite};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;

@@ -1,6 +1,8 @@
 //! The Redis backend: Redisson-style reentrant hash locks driven by Lua scripts.
 //!
-//! The type and its design are documented on [`RedisBackend`].
+//! The type and its design are documented on [`RedisBackend`] (also at the crate root,
+//! with its builder). Here too: [`FencedStore`], a store in the lock's Redis that refuses
+//! writes with stale fencing tokens, and the builder's defaults.
 
 mod admin;
 mod builder;
@@ -26,9 +28,10 @@ pub use self::builder::{DEFAULT_GRANT_LEASE, DEFAULT_TURN_GRACE, RedisBackendBui
 pub use self::fence::{FencedStore, FencedValue, FencedWrite};
 use self::quorum::QuorumStore;
 use self::store::RedisStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::backend::{BackendStats, LockBackend};
 use crate::core::Core;
 use crate::error::BuildError;
+use crate::lock::backend::{Backend, Sealed};
 
 /// Distributed locks on Redis: one server, a Sentinel group ([`sentinel`](Self::sentinel)),
 /// a Redis Cluster ([`cluster`](Self::cluster)) or a quorum of independent masters

@@ -106,8 +106,8 @@ macro_rules! sql_backend {
             }
         }
 
-        impl crate::backend::Sealed for $backend {
-            fn store(&self) -> std::sync::Arc<dyn crate::backend::Backend> {
+        impl crate::lock::backend::Sealed for $backend {
+            fn store(&self) -> std::sync::Arc<dyn crate::lock::backend::Backend> {
                 self.inner.clone()
             }
         }

@@ -80,8 +80,9 @@ use std::sync::Arc;
 
 pub use self::builder::ZooKeeperBackendBuilder;
 use self::store::ZkStore;
-use crate::backend::{Backend, BackendStats, LockBackend, Sealed};
+use crate::backend::{BackendStats, LockBackend};
 use crate::core::Core;
+use crate::lock::backend::{Backend, Sealed};
 
 /// Distributed locks in ZooKeeper (feature `zookeeper`). Cheap to clone; clones share the
 /// session.

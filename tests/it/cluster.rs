@@ -31,9 +31,8 @@ use redis::{AsyncCommands, Script};
 use support::cluster::{Cluster, key_on};
 use support::{RedisServer, http_client, request, send, serve};
 use tokio::time::Instant;
-use tower_lock::{
-    BuildError, ConnectFailure, FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend,
-};
+use tower_lock::redis::{FencedStore, FencedWrite};
+use tower_lock::{BuildError, ConnectFailure, HeldLock, LockLayer, RedisBackend};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios() {

@@ -25,10 +25,9 @@ use support::{
 use tokio::io::AsyncWriteExt as _;
 use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
-use tower_lock::response::PROBLEM_JSON;
-use tower_lock::{
-    FencedStore, FencedWrite, HeldLock, KeyError, KeyExtractor, LockError, LockLayer, RedisBackend,
-};
+use tower_lock::layer::response::PROBLEM_JSON;
+use tower_lock::redis::{FencedStore, FencedWrite};
+use tower_lock::{HeldLock, KeyError, KeyExtractor, LockError, LockLayer, RedisBackend};
 
 /// How long a request waits for a held lock in these tests.
 const WAIT: Duration = Duration::from_secs(1);
@@ -1091,7 +1090,7 @@ async fn paused_holder_with_a_local_queue(wake: &str) {
     let fence: u64 = conn.get(&fence_key).await.expect("GET the fencing counter");
     assert_eq!(
         fence,
-        paused_token + u64::from(tower_lock::DEFAULT_MAX_LOCAL_HANDOFFS)
+        paused_token + u64::from(tower_lock::lock::DEFAULT_MAX_LOCAL_HANDOFFS)
     );
     child.pause();
 

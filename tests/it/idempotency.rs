@@ -28,7 +28,8 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use support::{Gate, Reply, eventually};
-use tower_lock::{IdempotencyBackend, IdempotencyLayer, MemoryBackend};
+use tower_lock::idempotency::IdempotencyBackend;
+use tower_lock::{IdempotencyLayer, MemoryBackend};
 
 /// Counts handler runs; holds them in `gate` when one is set.
 #[derive(Clone, Default)]

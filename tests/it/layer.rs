@@ -20,7 +20,8 @@ use support::{Gate, RedisServer, http_client, lock_key, post, post_request, queu
 use tokio::io::AsyncWriteExt;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_lock::{LockError, LockLayer, PathParam, RedisBackend, ResponseBody};
+use tower_lock::layer::ResponseBody;
+use tower_lock::{LockError, LockLayer, PathParam, RedisBackend};
 
 const STOCK: &str = "test:stock";
 const SOLD: &str = "test:sold";
@@ -553,7 +554,7 @@ async fn rejections_can_start_from_the_default_and_change_one_header() {
     let server = RedisServer::start();
     let app = holding_app(&server, |l| {
         l.fail_fast().on_rejection(|e: LockError| {
-            let mut response = tower_lock::response::default_rejection(&e);
+            let mut response = tower_lock::layer::response::default_rejection(&e);
             let status = e.status().as_u16().to_string();
             response
                 .headers_mut()

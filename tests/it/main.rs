@@ -60,6 +60,7 @@ mod semaphore;
 mod sentinel;
 #[cfg(feature = "tls")]
 mod sentinel_tls;
+mod store_list;
 #[cfg(feature = "tls")]
 mod tls;
 mod turns;

@@ -12,8 +12,9 @@ use axum::routing::post;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use support::{RedisServer, http_client, lock_key, post as post_to, serve};
+use tower_lock::lock::MAX_KEYS;
 use tower_lock::{
-    HeldLock, KeyError, LockBackend, LockError, LockLayer, MAX_KEYS, MemoryBackend, PathParams,
+    HeldLock, KeyError, LockBackend, LockError, LockLayer, MemoryBackend, PathParams,
 };
 
 const OPENING: i64 = 100;

@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::routing::post;
 use support::{Gate, RedisServer, Reply, http_client, post as post_to, serve};
-use tower_lock::policy::HoldPolicy;
+use tower_lock::lock::policy::HoldPolicy;
 use tower_lock::{LockError, LockLayer, RedisBackend};
 
 /// The lease of the holders the tests set up: what `Retry-After` said before.

@@ -15,7 +15,7 @@ use axum::extract::State;
 use axum::routing::get;
 use http::Method;
 use support::{Gate, call, eventually};
-use tower_lock::policy::{Exclusive, HoldPolicy};
+use tower_lock::lock::policy::{Exclusive, HoldPolicy};
 use tower_lock::{LockBackend, LockError, LockLayer};
 
 /// Generous bound on any wait that should end: catches hangs only.

@@ -8,9 +8,8 @@
 use axum::extract::{Path, Request};
 use axum::routing::post;
 use axum::{Extension, Router};
-use tower_lock::{
-    FencedStore, FencedWrite, HeldLock, LockLayer, RedisBackend, RedisBackendBuilder,
-};
+use tower_lock::redis::{FencedStore, FencedWrite};
+use tower_lock::{HeldLock, LockLayer, RedisBackend, RedisBackendBuilder};
 
 use super::*;
 

@@ -9,7 +9,7 @@ use support::history::{Hold, Registers};
 use support::netns::{HostRedis, Net};
 use support::proxy::FaultProxy;
 use tokio_util::sync::CancellationToken;
-use tower_lock::FencedStore;
+use tower_lock::redis::FencedStore;
 
 use super::*;
 

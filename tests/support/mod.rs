@@ -443,7 +443,7 @@ impl Reply {
         assert_eq!(self.status, status, "status of {self:?}");
         assert_eq!(
             self.headers[http::header::CONTENT_TYPE],
-            tower_lock::response::PROBLEM_JSON
+            tower_lock::layer::response::PROBLEM_JSON
         );
         let body: serde_json::Value = serde_json::from_str(&self.body).expect("JSON body");
         assert_eq!(body["status"], status);

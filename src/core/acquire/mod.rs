@@ -31,8 +31,8 @@ use super::queue::{Claim, Reentry, Slot, Turn};
 use super::store::StoreKey;
 use super::wakeups::Wake;
 use super::{Core, Store};
-use crate::backend::Backend;
 use crate::error::LockError;
+use crate::lock::backend::Backend;
 use crate::lock::{Acquired, Kind, LockRequest, Mode};
 
 /// What one attempt found, as the acquisition acts on it.

@@ -6,14 +6,14 @@
 
 use std::time::Duration;
 
-use crate::core::telemetry::{self, Namespace};
-use crate::core::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS, Parts,
-    Settings,
-};
+use crate::core::{Parts, Settings};
 use crate::error::BuildError;
 use crate::key::validate_namespace;
 use crate::lock::MAX_DURATION;
+use crate::lock::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_LOCAL_HANDOFF_TIME, DEFAULT_MAX_LOCAL_HANDOFFS,
+};
+use crate::telemetry::{self, Namespace};
 
 /// The namespace of a backend that was given none.
 const DEFAULT_NAMESPACE: &str = "tower-lock";
@@ -223,7 +223,7 @@ macro_rules! store_setters {
     (@max_local_handoffs ($field:ident) () $(#[$doc:meta])*) => {
         /// How many times in a row the lock may pass between tasks of this backend under
         /// one hold in the store (default
-        /// [`DEFAULT_MAX_LOCAL_HANDOFFS`](crate::DEFAULT_MAX_LOCAL_HANDOFFS)); 0 turns
+        /// [`DEFAULT_MAX_LOCAL_HANDOFFS`](crate::lock::DEFAULT_MAX_LOCAL_HANDOFFS)); 0 turns
         /// handoff off.
         ///
         /// When a task releases a key that another task of the same backend waits for, the
@@ -247,7 +247,7 @@ macro_rules! store_setters {
         /// How long the tasks of this backend may take turns with the lock under one hold
         /// in the store before a release goes to the store, letting waiting instances in
         /// (default
-        /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`](crate::DEFAULT_MAX_LOCAL_HANDOFF_TIME),
+        /// [`DEFAULT_MAX_LOCAL_HANDOFF_TIME`](crate::lock::DEFAULT_MAX_LOCAL_HANDOFF_TIME),
         /// counted from when the store granted the hold; see
         /// [`max_local_handoffs`](Self::max_local_handoffs)).
         ///

@@ -5,14 +5,14 @@ use std::sync::Arc;
 
 use tokio::time::timeout;
 
-use crate::backend::Backend;
 use crate::core::store::Records;
-use crate::core::telemetry::Namespace;
-use crate::core::telemetry::observe::Observe;
 use crate::core::{Core, Store};
 use crate::error::LockError;
+use crate::lock::backend::Backend;
 use crate::lock::inspect::{LockInfo, Primitive};
+use crate::lock::observe::Observe;
 use crate::lock::{Acquired, BoxFuture, LockGuard, LockOwner, LockRequest};
+use crate::telemetry::Namespace;
 
 impl<S: Store> Backend for Core<S> {
     fn acquire(

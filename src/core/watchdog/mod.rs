@@ -26,9 +26,9 @@ use futures_util::stream::FuturesUnordered;
 
 use super::Store;
 use super::runtime::{Daemon, Spawner};
-use super::telemetry::Namespace;
 use super::watchdog::recheck::Recheck;
 use crate::lock::LockOwner;
+use crate::telemetry::Namespace;
 
 mod batch;
 

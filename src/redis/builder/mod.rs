@@ -244,7 +244,7 @@ impl RedisBackendBuilder {
     /// a lease, so `volatile-*` policies evict them as readily as `allkeys-*`), and a second
     /// owner then gets the lock while the first still runs; the fencing counter may be
     /// evicted too, after which a key's tokens only follow the server clock (see
-    /// [`fence_ttl`](Self::fence_ttl)), and a [`FencedStore`](crate::FencedStore) value may
+    /// [`fence_ttl`](Self::fence_ttl)), and a [`FencedStore`](crate::redis::FencedStore) value may
     /// be evicted and then accept a write with an older token. Only opt in when the
     /// server never reaches `maxmemory`, or losing mutual exclusion now and then is fine.
     pub fn allow_eviction(mut self) -> Self {

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::post;
-use tower_lock::{IdempotencyBackend, IdempotencyLayer};
+use tower_lock::IdempotencyLayer;
+use tower_lock::idempotency::IdempotencyBackend;
 
 use super::support::child::{self, ChildProcess};
 #[cfg(feature = "etcd")]

@@ -13,9 +13,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::post;
 
-use tower_lock::{
-    BuildError, IdempotencyBackend, IdempotencyLayer, LockBackend, MySqlBackend, PostgresBackend,
-};
+use tower_lock::idempotency::IdempotencyBackend;
+use tower_lock::{BuildError, IdempotencyLayer, LockBackend, MySqlBackend, PostgresBackend};
 
 use super::support::{eventually, mariadb, postgres};
 use super::{Payments, app, pay_with, scoped, tenant};

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use tower_lock::{FencedStore, FencedWrite, RedisBackend};
+use tower_lock::RedisBackend;
+use tower_lock::redis::{FencedStore, FencedWrite};
 
 use crate::support::child::{self, ChildProcess};
 use crate::support::quorum;

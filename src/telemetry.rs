@@ -4,8 +4,12 @@
 //! call here is a no-op of the facade, and without the feature this module is empty
 //! no-ops that compile away. Labels are bounded: the backend's namespace, the layer's
 //! route label, the kind of hold (`mode`), the outcome. Never a key.
+//!
+//! The bottom layer: the metrics' names and labels take plain values, so that every other
+//! layer may record through it. What the lock API records of an acquisition and a hold is
+//! in `lock/observe.rs`.
 
-pub(crate) mod observe;
+use crate::error::LockError;
 
 /// The `outcome` label of [`ACQUISITIONS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +34,7 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    pub(crate) fn of(error: &crate::LockError) -> Self {
-        use crate::LockError;
+    pub(crate) fn of(error: &LockError) -> Self {
         match error {
             LockError::Contended { .. } => Outcome::Contended,
             LockError::PermitsTaken { .. } => Outcome::PermitsTaken,
@@ -85,18 +88,6 @@ mod on {
     use tokio::time::Instant;
 
     use super::*;
-    use crate::LockError;
-    use crate::lock::{BoxFuture, HeldLock, Kind};
-
-    /// The `mode` label of an acquisition and its hold: a read/write route's shared reads
-    /// and exclusive writes wait and hold for different times, so they are separate series.
-    fn mode(kind: Kind) -> &'static str {
-        match kind {
-            Kind::Exclusive => "exclusive",
-            Kind::Shared => "shared",
-            Kind::Permit(_) => "permit",
-        }
-    }
 
     /// Acquisitions by outcome (see [`Outcome`]).
     pub(super) const ACQUISITIONS: &str = "tower_lock_acquisitions_total";
@@ -237,12 +228,14 @@ mod on {
     pub(crate) struct Labels(Arc<[Label; 3]>);
 
     impl Labels {
-        pub(crate) fn new(namespace: &Namespace, route: &Route, kind: Kind) -> Self {
+        /// The labels of an acquisition of the kind of hold `mode` names (see
+        /// `Kind::label`).
+        pub(crate) fn new(namespace: &Namespace, route: &Route, mode: &'static str) -> Self {
             let route = route.0.clone().unwrap_or(SharedString::const_str(""));
             Labels(Arc::new([
                 namespace.label(),
                 Label::new("route", route),
-                Label::from_static_parts("mode", mode(kind)),
+                Label::from_static_parts("mode", mode),
             ]))
         }
 
@@ -307,26 +300,9 @@ mod on {
             }
         }
 
-        /// Ends the hold as its release starts; a release that finds the lock lost counts
-        /// [`Outcome::Lost`].
-        pub(crate) fn end_with(
-            self,
-            release: BoxFuture<'static, Result<(), LockError>>,
-            held: HeldLock,
-        ) -> BoxFuture<'static, Result<(), LockError>> {
-            if held.is_lost() {
-                self.end(true);
-                return release;
-            }
-            let labels = self.labels.clone();
-            self.end(false);
-            Box::pin(async move {
-                let result = release.await;
-                if let Err(LockError::Lost { .. }) = result {
-                    labels.acquisition(Outcome::Lost, None);
-                }
-                result
-            })
+        /// The labels the hold is counted under.
+        pub(crate) fn labels(&self) -> &Labels {
+            &self.labels
         }
     }
 }
@@ -337,8 +313,6 @@ mod off {
     use std::time::Duration;
 
     use super::Outcome;
-    use crate::LockError;
-    use crate::lock::{BoxFuture, HeldLock};
 
     pub(crate) fn describe_metrics() {}
 
@@ -367,7 +341,7 @@ mod off {
     pub(crate) struct Labels;
 
     impl Labels {
-        pub(crate) fn new(_: &Namespace, _: &Route, _: crate::lock::Kind) -> Self {
+        pub(crate) fn new(_: &Namespace, _: &Route, _: &'static str) -> Self {
             Labels
         }
         pub(crate) fn acquisition(&self, _: Outcome, _: Option<Duration>) {}
@@ -385,13 +359,5 @@ mod off {
 
     impl Hold {
         pub(crate) fn end(self, _: bool) {}
-
-        pub(crate) fn end_with(
-            self,
-            release: BoxFuture<'static, Result<(), LockError>>,
-            _: HeldLock,
-        ) -> BoxFuture<'static, Result<(), LockError>> {
-            release
-        }
     }
 }

@@ -1,15 +1,15 @@
-//! What every backend records of an acquisition (its span and metrics), and the owners
-//! acquisitions are made under.
+//! What every backend records of an acquisition (its span and metrics) and of a hold's
+//! end, and the owners acquisitions are made under.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::core::telemetry::{Labels, Namespace, Outcome};
 use crate::error::LockError;
 use crate::lock::retry::RetryAfter;
-use crate::lock::{Acquired, LockGuard, LockOwner, LockRequest, Mode};
+use crate::lock::{Acquired, BoxFuture, HeldLock, LockGuard, LockOwner, LockRequest, Mode};
+use crate::telemetry::{Hold, Labels, Namespace, Outcome};
 
 /// What every backend records of an acquisition: the `lock.acquire` span (how long it
 /// waited, its outcome and token) and the metrics.
@@ -38,7 +38,7 @@ impl Observe {
         );
         Observe {
             span,
-            labels: Labels::new(namespace, &request.route, request.kind),
+            labels: Labels::new(namespace, &request.route, request.kind.label()),
             waits: matches!(request.mode, Mode::Wait(_)),
             retry: request.retry.clone(),
         }
@@ -123,6 +123,39 @@ impl Observed for Acquired {
             Acquired::Recorded => None,
         }
     }
+}
+
+/// Ends `hold` as its `release` starts; a release that finds the lock lost counts
+/// [`Outcome::Lost`].
+#[cfg(feature = "metrics")]
+pub(crate) fn end_hold(
+    hold: Hold,
+    release: BoxFuture<'static, Result<(), LockError>>,
+    held: &HeldLock,
+) -> BoxFuture<'static, Result<(), LockError>> {
+    if held.is_lost() {
+        hold.end(true);
+        return release;
+    }
+    let labels = hold.labels().clone();
+    hold.end(false);
+    Box::pin(async move {
+        let result = release.await;
+        if let Err(LockError::Lost { .. }) = result {
+            labels.acquisition(Outcome::Lost, None);
+        }
+        result
+    })
+}
+
+/// Without metrics there is nothing to count: the release as it is.
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn end_hold(
+    _: Hold,
+    release: BoxFuture<'static, Result<(), LockError>>,
+    _: &HeldLock,
+) -> BoxFuture<'static, Result<(), LockError>> {
+    release
 }
 
 /// Owner ids of one backend: `instance-uuid:sequence`, a fresh one per request.
