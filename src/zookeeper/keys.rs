@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::turn::NodeKind;
+use crate::core::kit::turn::EntryKind;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
 use crate::key::validate;
@@ -105,13 +105,13 @@ pub(crate) const READ_MARK: &str = "r-";
 
 /// A node's kind and sequence number, from its name (`<session>-<sequence>` or
 /// `<session>-r-<sequence>`); `None` for a name this crate never gives.
-pub(crate) fn node(name: &str) -> Option<(NodeKind, i64)> {
+pub(crate) fn node(name: &str) -> Option<(EntryKind, i64)> {
     let (rest, sequence) = name.rsplit_once('-')?;
     let sequence = sequence.parse().ok()?;
     let kind = if rest.ends_with("-r") {
-        NodeKind::Read
+        EntryKind::Read
     } else {
-        NodeKind::Write
+        EntryKind::Write
     };
     Some((kind, sequence))
 }
@@ -135,8 +135,8 @@ mod tests {
         ));
         let write = format!("{}0000000012", hold_prefix(7));
         let read = format!("{}{READ_MARK}0000000003", hold_prefix(-2));
-        assert_eq!(node(&write), Some((NodeKind::Write, 12)));
-        assert_eq!(node(&read), Some((NodeKind::Read, 3)));
+        assert_eq!(node(&write), Some((EntryKind::Write, 12)));
+        assert_eq!(node(&read), Some((EntryKind::Read, 3)));
         assert_eq!(node("stray"), None);
     }
 }
