@@ -17,9 +17,10 @@ use super::lease::Lease;
 use super::line::Line;
 use super::watch::Listener;
 use crate::core::hold::value::HoldValue;
+use crate::core::kit::turn::{self, EntryKind};
 use crate::core::runtime::Daemon;
 use crate::core::store::{
-    Attempt, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
+    Attempt, Attempted, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -30,6 +31,10 @@ use crate::lock::{BoxFuture, Kind};
 /// How many times a call goes round when its compare-and-swap finds the hold changed
 /// under it (only this backend writes its hold, so once is the rule).
 pub(super) const ROUNDS: usize = 4;
+
+/// What a round of an attempt came to: an answer, or go round again (the keys changed
+/// under it, or its lease is gone).
+pub(super) type Round = Option<Attempted>;
 
 /// etcd's default bound on the operations of one transaction is 128.
 const RENEW_BATCH: usize = 100;
@@ -78,6 +83,23 @@ pub(super) fn found(responses: Vec<TxnOpResponse>) -> Vec<Vec<KeyValue>> {
         .collect()
 }
 
+/// The keys read from a lock's (or a semaphore's) directory, in order, as the store kit's
+/// ordering rule takes them: by create revision, a writer's key (a hold, a waiting writer)
+/// keeping readers out. The rule counts every permit's key alike, whatever its kind.
+pub(super) fn line_of(keys: &[KeyValue]) -> Vec<turn::Entry<i64>> {
+    keys.iter()
+        .map(|kv| turn::Entry {
+            order: kv.create_revision(),
+            kind: if Entry::of(kv.key()).is_some_and(Entry::is_writer) {
+                EntryKind::Write
+            } else {
+                EntryKind::Read
+            },
+            own: false,
+        })
+        .collect()
+}
+
 /// The holder a key's value names, if it is a hold's value.
 pub(super) fn holder_of(kv: &KeyValue) -> Option<String> {
     HoldValue::parse(kv.value()).map(|v| v.holder)
@@ -107,6 +129,22 @@ impl EtcdStore {
                 Err(e)
             }
         }
+    }
+
+    /// Goes `round` after round (each given the lease a hold goes on) until one answers,
+    /// [`ROUNDS`] at the most.
+    pub(super) async fn in_rounds<F, R>(&self, mut round: F) -> Result<Attempted, EtcdError>
+    where
+        F: FnMut(i64) -> R,
+        R: Future<Output = Result<Round, EtcdError>>,
+    {
+        for _ in 0..ROUNDS {
+            let lease = self.lease.for_hold().await?;
+            if let Some(answer) = round(lease).await? {
+                return Ok(answer);
+            }
+        }
+        Err(EtcdError::Contended)
     }
 
     /// Re-enters the hold `held` of `value`'s holder: its count up, compared on its
