@@ -241,28 +241,9 @@ impl EtcdStore {
             let Some(held) = read.take() else {
                 return Ok(Released::NotHeld);
             };
-            let Some(mut value) = HoldValue::parse(held.value()) else {
-                return Err(EtcdError::Foreign);
-            };
-            if value.holder != release.holder.as_str()
-                || only_token.is_some_and(|t| token(held.create_revision()).ok() != Some(t))
-            {
-                return Ok(Released::NotHeld);
-            }
-            if value.released.iter().any(|id| id == release.release_id) {
-                return Ok(Released::Remains);
-            }
-            let (ops, released) = if value.count > 1 {
-                value.count -= 1;
-                value.released.push(release.release_id.to_owned());
-                let keep = PutOptions::new().with_lease(held.lease());
-                let put = TxnOp::put(held.key().to_vec(), value.encode(), Some(keep));
-                (vec![put], Released::Remains)
-            } else if value.count == 0 {
-                // A permit still waiting in line: given back as never held.
-                (delete(), Released::NotHeld)
-            } else {
-                (delete(), Released::Freed)
+            let (ops, released) = match release_of(&held, release, only_token, delete)? {
+                Step::Write(ops, released) => (ops, released),
+                Step::Answer(answer) => return Ok(answer),
             };
             let swap = Txn::new()
                 .when([Compare::mod_revision(
@@ -316,6 +297,47 @@ impl EtcdStore {
         }
         Ok(held)
     }
+}
+
+/// What a release does to the holder's key it read.
+enum Step {
+    /// These writes, compared on the key's revision, and what they come to.
+    Write(Vec<TxnOp>, Released),
+    /// Nothing to write: the answer.
+    Answer(Released),
+}
+
+/// What the release `release` does to `held`, the holder's key as read (`only_token`: the
+/// token it must carry; `delete`: the writes that free it).
+fn release_of(
+    held: &KeyValue,
+    release: &Release<'_>,
+    only_token: Option<u64>,
+    delete: impl Fn() -> Vec<TxnOp>,
+) -> Result<Step, EtcdError> {
+    let Some(mut value) = HoldValue::parse(held.value()) else {
+        return Err(EtcdError::Foreign);
+    };
+    if value.holder != release.holder.as_str()
+        || only_token.is_some_and(|t| token(held.create_revision()).ok() != Some(t))
+    {
+        return Ok(Step::Answer(Released::NotHeld));
+    }
+    if value.released.iter().any(|id| id == release.release_id) {
+        return Ok(Step::Answer(Released::Remains));
+    }
+    Ok(if value.count > 1 {
+        value.count -= 1;
+        value.released.push(release.release_id.to_owned());
+        let keep = PutOptions::new().with_lease(held.lease());
+        let put = TxnOp::put(held.key().to_vec(), value.encode(), Some(keep));
+        Step::Write(vec![put], Released::Remains)
+    } else if value.count == 0 {
+        // A permit still waiting in line: given back as never held.
+        Step::Write(delete(), Released::NotHeld)
+    } else {
+        Step::Write(delete(), Released::Freed)
+    })
 }
 
 /// The key of `holder`'s hold of `kind` in the lock `name` under the lease `lease`.
