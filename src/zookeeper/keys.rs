@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use crate::core::kit::keys::{KeyName, Naming};
 use crate::core::kit::turn::EntryKind;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::validate;
 
 /// The paths that belong to one user key: the lock's node `/<namespace>/{<key>}`, or its
 /// semaphore's `/<namespace>/{<key>}:permits` (container nodes, which ZooKeeper deletes
@@ -35,7 +35,20 @@ impl ZkKey {
         max_len: usize,
         semaphore: bool,
     ) -> Result<Self, KeyError> {
-        validate(&user, max_len)?;
+        let KeyName { user, name } = KeyName::new(&Under(root), user, max_len, semaphore)?;
+        Ok(ZkKey {
+            path: name.into(),
+            user,
+        })
+    }
+}
+
+/// ZooKeeper's naming: a key's lock is the node `{<key>}` under the namespace's node
+/// `root`, the key escaped into one path segment.
+struct Under<'a>(&'a str);
+
+impl Naming for Under<'_> {
+    fn refuse(&self, user: &str) -> Result<(), KeyError> {
         if user
             .chars()
             .any(|c| matches!(c, '\u{e000}'..='\u{f8ff}' | '\u{fff0}'..='\u{ffff}'))
@@ -46,18 +59,17 @@ impl ZkKey {
                     .to_owned(),
             });
         }
+        Ok(())
+    }
+
+    fn lock(&self, user: &str) -> String {
+        let root = self.0;
         let mut path = String::with_capacity(root.len() + user.len() + 3);
         path.push_str(root);
         path.push_str("/{");
-        escape_into(&mut path, &user);
+        escape_into(&mut path, user);
         path.push('}');
-        if semaphore {
-            path.push_str(":permits");
-        }
-        Ok(ZkKey {
-            path: path.into(),
-            user,
-        })
+        path
     }
 }
 

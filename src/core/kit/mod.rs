@@ -3,6 +3,8 @@
 //!
 //! - `settings.rs`: the settings every builder shares, their one validation, and the
 //!   setters each builder expands.
+//! - `keys.rs`: a user key's names in a store: the key validated once, and its lock's
+//!   (or semaphore's) name, which each store spells with a `Naming` of its own.
 //! - `listener.rs`: the listening connection of every store (pub/sub, `LISTEN`, the
 //!   parked MySQL connection, etcd's watch, ZooKeeper's session) under one supervising
 //!   loop, with one backoff (`backoff.rs`) and one log line per outage.
@@ -10,6 +12,7 @@
 //!   nodes): one rule for writers, readers and permits.
 
 pub(crate) mod backoff;
+pub(crate) mod keys;
 pub(crate) mod listener;
 pub(crate) mod settings;
 #[cfg_attr(
