@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use super::line::Line;
+pub(crate) use crate::core::kit::keys::is_semaphore;
+use crate::core::kit::keys::{KeyName, Namespaced};
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::{namespaced, validate};
 
 /// The names that belong to one acquisition of a user key: the lock's directory
 /// (`namespace:{key}`, or `namespace:{key}:permits` for its semaphore), and the channel
@@ -39,11 +40,8 @@ impl EtcdKey {
         semaphore: bool,
         serial: u64,
     ) -> Result<Self, KeyError> {
-        validate(&user, max_len)?;
-        let mut name = namespaced(namespace, &user);
-        if semaphore {
-            name.push_str(SEMAPHORE);
-        }
+        let KeyName { user, name } =
+            KeyName::new(&Namespaced(namespace), user, max_len, semaphore)?;
         Ok(EtcdKey {
             channel: format!("{name}#{serial}"),
             name: name.into(),
@@ -100,9 +98,6 @@ impl StoreKey for EtcdKey {
         &self.name
     }
 }
-
-/// What ends the name of a key's semaphore.
-const SEMAPHORE: &str = ":permits";
 
 /// What a key in a lock's directory is, by its first letter after the `/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,11 +198,6 @@ pub(crate) fn writers(name: &str) -> (String, String) {
 /// The permits' keys of a semaphore.
 pub(crate) fn permits(name: &str) -> (String, String) {
     range(name, Entry::Permit, 'q')
-}
-
-/// Whether the lock `name` is a semaphore's.
-pub(crate) fn is_semaphore(name: &str) -> bool {
-    name.ends_with(SEMAPHORE)
 }
 
 /// The prefix under which every lock of `namespace` lives (what the backend watches).

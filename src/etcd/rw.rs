@@ -1,9 +1,10 @@
 //! The read/write lock's attempts, as etcd's recipe orders them: every key of the lock's
 //! directory ordered by create revision and marked a writer's (a hold, or a writer that
-//! waits) or a reader's. A writer is let in when its key is the lowest, a reader when no
-//! writer's key is there (a writer that waits keeps new readers out: writers are not
-//! starved). A writer that waits is woken when the key just before its own goes, a reader
-//! when the last writer's does; nobody else is (see `behind.rs`).
+//! waits) or a reader's, and whose turn it is decided by the store kit's rule (`turn.rs`):
+//! a writer is let in when its key is the lowest, a reader when no writer's key is there (a
+//! writer that waits keeps new readers out: writers are not starved). A writer that waits
+//! is woken when the key just before its own goes, a reader when the last writer's does;
+//! nobody else is (see `behind.rs`).
 //!
 //! Only a writer that shared holders (or other waiting writers) keep out puts a key to
 //! wait with; one that an exclusive holder keeps out waits behind that hold with nothing
@@ -13,18 +14,44 @@ use etcd_client::{Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp};
 
 use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, fence_key, hold_key, holder_key, holders, writers};
-use super::store::{EtcdStore, ROUNDS, found, holder_of, in_order, revision, token};
+use super::store::{EtcdStore, Round, found, holder_of, in_order, line_of, revision, token};
 use crate::core::hold::value::HoldValue;
+use crate::core::kit::turn::{Turn, turn};
 use crate::core::store::{Attempt, Attempted};
+use crate::lock::Kind;
+
+/// The answer of an attempt that is kept out, `queued` if its key waits in line.
+fn held(queued: bool) -> Round {
+    Some(Attempted::Held { left: None, queued })
+}
+
+/// What the first transaction of an attempt came to.
+enum Read {
+    /// Taken at once, with this token.
+    Taken(u64),
+    /// Not taken: the lock's keys, in order, as read at the revision `read_at` (and, for a
+    /// shared attempt, the last writer's token).
+    Keys {
+        keys: Vec<KeyValue>,
+        read_at: i64,
+        written: u64,
+    },
+}
+
+/// The write that puts `holder`'s key `key` with a fresh hold value, on the lease `lease`.
+fn put_hold(key: &str, holder: &str, lease: i64) -> TxnOp {
+    let on_lease = PutOptions::new().with_lease(lease);
+    TxnOp::put(key, HoldValue::new(holder).encode(), Some(on_lease))
+}
 
 impl EtcdStore {
     /// The writes that take the lock `name` exclusively for `holder` as `hold` on the lease
     /// `lease`: the hold, and the fence record whose mod revision is then the hold's token.
     fn take_ops(name: &str, hold: &str, holder: &str, lease: i64) -> [TxnOp; 2] {
-        let on_lease = || Some(PutOptions::new().with_lease(lease));
+        let on_lease = Some(PutOptions::new().with_lease(lease));
         [
-            TxnOp::put(hold, HoldValue::new(holder).encode(), on_lease()),
-            TxnOp::put(fence_key(name), "", on_lease()),
+            put_hold(hold, holder, lease),
+            TxnOp::put(fence_key(name), "", on_lease),
         ]
     }
 
@@ -38,147 +65,187 @@ impl EtcdStore {
         key: &EtcdKey,
         attempt: &Attempt,
     ) -> Result<Attempted, EtcdError> {
+        self.in_rounds(move |lease| async move {
+            match self.take_if_free(key, attempt, lease).await? {
+                None => Ok(None),
+                Some(Read::Taken(token)) => Ok(Some(Attempted::Acquired { token, count: 1 })),
+                Some(Read::Keys { keys, read_at, .. }) => {
+                    self.exclusive_behind(key, attempt, lease, (&keys, read_at))
+                        .await
+                }
+            }
+        })
+        .await
+    }
+
+    /// Puts this backend's hold if the lock has no key at all, else reads its keys.
+    async fn take_if_free(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        lease: i64,
+    ) -> Result<Option<Read>, EtcdError> {
         let (holder, name) = (attempt.holder.as_str(), &*key.name);
         let (start, end) = holders(name);
-        let held = Attempted::Held {
-            left: None,
-            queued: false,
+        let take = Txn::new()
+            .when([Compare::version(start.clone(), CompareOp::Equal, 0).with_range(end.clone())])
+            .and_then(Self::take_ops(name, &hold_key(name, lease), holder, lease))
+            .or_else([TxnOp::get(start, Some(in_order(&end)))]);
+        let Some(reply) = self.txn_on(lease, take).await? else {
+            return Ok(None);
         };
-        for _ in 0..ROUNDS {
-            let lease = self.lease.for_hold().await?;
-            let mine = hold_key(name, lease);
-            let take =
-                Txn::new()
-                    .when([Compare::version(start.clone(), CompareOp::Equal, 0)
-                        .with_range(end.clone())])
-                    .and_then(Self::take_ops(name, &mine, holder, lease))
-                    .or_else([TxnOp::get(start.clone(), Some(in_order(&end)))]);
-            let Some(reply) = self.txn_on(lease, take).await? else {
-                continue;
-            };
-            let read_at = revision(&reply)?;
-            if reply.succeeded() {
-                // The hold is the transaction's first write: its create revision.
-                return Ok(Attempted::Acquired {
-                    token: token(read_at)?,
-                    count: 1,
-                });
-            }
-            let keys: Vec<KeyValue> = found(reply.op_responses()).into_iter().flatten().collect();
-            let Some(first) = keys.first() else {
-                // Freed between the compare and the read: go again.
-                continue;
-            };
-            let waiting = holder_key(name, Entry::Queued, lease, holder);
-            let queued = keys.iter().position(|kv| kv.key() == waiting.as_bytes());
-            let behind = |at: usize| &keys[at.saturating_sub(1)];
-            if let Some(hold) = keys
-                .iter()
-                .find(|kv| Entry::of(kv.key()) == Some(Entry::Hold))
-            {
-                if hold.key() == mine.as_bytes() {
-                    let value = HoldValue::parse(hold.value()).ok_or(EtcdError::Foreign)?;
-                    if value.holder == holder {
-                        match self.reenter(hold, value).await? {
-                            Some(count) => {
-                                let token = token(hold.create_revision())?;
-                                return Ok(Attempted::Acquired { token, count });
-                            }
-                            None => continue,
-                        }
-                    }
-                }
-                if let Some(at) = queued {
-                    // In line: behind the key just before its own (a hold that came from
-                    // the line is younger than the keys waiting before it took its turn).
-                    self.wait_behind(key, attempt, behind(at), read_at);
-                    return Ok(Attempted::Held {
-                        left: None,
-                        queued: true,
-                    });
-                }
-                if attempt.waits.is_none_or(|w| w.is_zero()) {
-                    self.wait_behind(key, attempt, hold, read_at);
-                    return Ok(held);
-                }
-                // It waits: in line below, so that waiting instances take the lock in the
-                // order they came.
-            }
-            let reader = format!("r:{holder}");
-            if keys.iter().any(|kv| {
-                Entry::of(kv.key()) == Some(Entry::Reader) && holder_of(kv) == Some(reader.clone())
-            }) {
-                return Ok(Attempted::UpgradeRefused);
-            }
-            if let Some(at) = queued {
-                let waited = &keys[at];
-                if waited.create_revision() != first.create_revision() {
-                    self.wait_behind(key, attempt, behind(at), read_at);
-                    return Ok(Attempted::Held {
-                        left: None,
-                        queued: true,
-                    });
-                }
-                // Its turn, if every key is still younger: the hold goes beside its waiting
-                // key, which stays until the release (the readers behind it wake then).
-                let turn = Txn::new()
-                    .when([
-                        Compare::mod_revision(
-                            waiting.clone(),
-                            CompareOp::Equal,
-                            waited.mod_revision(),
-                        ),
-                        Compare::create_revision(
-                            start.clone(),
-                            CompareOp::Greater,
-                            waited.create_revision() - 1,
-                        )
-                        .with_range(end.clone()),
-                    ])
-                    .and_then(Self::take_ops(name, &mine, holder, lease));
-                let Some(reply) = self.txn_on(lease, turn).await? else {
-                    continue;
-                };
-                if reply.succeeded() {
-                    // Its waiting key is the hold's now: it goes with the release.
-                    key.out_of_line();
-                    return Ok(Attempted::Acquired {
-                        token: token(revision(&reply)?)?,
-                        count: 1,
-                    });
-                }
-                continue;
-            }
-            if attempt.waits.is_none_or(|w| w.is_zero()) {
-                return Ok(held);
-            }
-            // Kept out by a holder, shared holders or waiting writers: in line behind them
-            // (taken out when the acquisition ends, known before it is sent: the reply may
-            // not come).
-            let value = HoldValue::new(holder).encode();
-            key.left_in_line(waiting.clone(), value.clone());
-            let line_up = Txn::new()
-                .when([Compare::version(waiting.clone(), CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(
-                    waiting,
-                    value,
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            let Some(reply) = self.txn_on(lease, line_up).await? else {
-                continue;
-            };
-            if !reply.succeeded() {
-                continue;
-            }
-            // Every key read came before its own: it waits behind the youngest.
-            let last = keys.last().unwrap_or(first);
-            self.wait_behind(key, attempt, last, read_at);
-            return Ok(Attempted::Held {
-                left: None,
-                queued: true,
-            });
+        let read_at = revision(&reply)?;
+        if reply.succeeded() {
+            // The hold is the transaction's first write: its create revision.
+            return Ok(Some(Read::Taken(token(read_at)?)));
         }
-        Err(EtcdError::Contended)
+        let keys = found(reply.op_responses()).into_iter().flatten().collect();
+        Ok(Some(Read::Keys {
+            keys,
+            read_at,
+            written: 0,
+        }))
+    }
+
+    /// An exclusive attempt that found the lock's `keys` (read at `read_at`): re-enters the
+    /// holder's own hold, takes its turn in line, or waits, in line or behind the hold.
+    async fn exclusive_behind(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        lease: i64,
+        (keys, read_at): (&[KeyValue], i64),
+    ) -> Result<Round, EtcdError> {
+        let (holder, name) = (attempt.holder.as_str(), &*key.name);
+        if keys.is_empty() {
+            // Freed between the compare and the read: go again.
+            return Ok(None);
+        }
+        let waiting = holder_key(name, Entry::Queued, lease, holder);
+        let queued = keys.iter().position(|kv| kv.key() == waiting.as_bytes());
+        let line = line_of(keys);
+        let turn = turn(&line, queued.map(|at| &line[at].order), Kind::Exclusive);
+        // The key it waits behind, in line (a hold that came from the line is younger than
+        // the keys waiting before it took its turn, so this is the key just before its
+        // own; the first in line, which only a race leaves behind a younger hold, watches
+        // its own key).
+        let ahead = match &turn {
+            Turn::Waits { behind } => behind[0],
+            Turn::Holds => queued.unwrap_or(0),
+        };
+        let keeps_out = attempt.waits.is_none_or(|w| w.is_zero());
+        if let Some(hold) = keys
+            .iter()
+            .find(|kv| Entry::of(kv.key()) == Some(Entry::Hold))
+        {
+            if hold.key() == hold_key(name, lease).as_bytes() {
+                let value = HoldValue::parse(hold.value()).ok_or(EtcdError::Foreign)?;
+                if value.holder == holder {
+                    return self.reenter_hold(hold, value).await;
+                }
+            }
+            if queued.is_some() {
+                self.wait_behind(key, attempt, &keys[ahead], read_at);
+                return Ok(held(true));
+            }
+            if keeps_out {
+                self.wait_behind(key, attempt, hold, read_at);
+                return Ok(held(false));
+            }
+            // It waits: in line below, so that waiting instances take the lock in the
+            // order they came.
+        }
+        let reader = format!("r:{holder}");
+        if keys.iter().any(|kv| {
+            Entry::of(kv.key()) == Some(Entry::Reader) && holder_of(kv) == Some(reader.clone())
+        }) {
+            return Ok(Some(Attempted::UpgradeRefused));
+        }
+        match queued {
+            Some(at) if turn == Turn::Holds => self.take_turn(key, attempt, lease, &keys[at]).await,
+            Some(_) => {
+                self.wait_behind(key, attempt, &keys[ahead], read_at);
+                Ok(held(true))
+            }
+            None if keeps_out => Ok(held(false)),
+            None => {
+                self.line_up(key, attempt, lease, (&keys[ahead], read_at))
+                    .await
+            }
+        }
+    }
+
+    /// Re-enters the exclusive hold `hold` of `value`'s holder: its token is the hold's
+    /// create revision.
+    async fn reenter_hold(&self, hold: &KeyValue, value: HoldValue) -> Result<Round, EtcdError> {
+        Ok(match self.reenter(hold, value).await? {
+            Some(count) => Some(Attempted::Acquired {
+                token: token(hold.create_revision())?,
+                count,
+            }),
+            None => None,
+        })
+    }
+
+    /// The holder's key `waited`, first in line, takes its turn, if every key is still
+    /// younger: the hold goes beside its waiting key, which stays until the release (the
+    /// readers behind it wake then).
+    async fn take_turn(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        lease: i64,
+        waited: &KeyValue,
+    ) -> Result<Round, EtcdError> {
+        let (holder, name) = (attempt.holder.as_str(), &*key.name);
+        let (start, end) = holders(name);
+        let turn = Txn::new()
+            .when([
+                Compare::mod_revision(waited.key(), CompareOp::Equal, waited.mod_revision()),
+                Compare::create_revision(start, CompareOp::Greater, waited.create_revision() - 1)
+                    .with_range(end),
+            ])
+            .and_then(Self::take_ops(name, &hold_key(name, lease), holder, lease));
+        let Some(reply) = self.txn_on(lease, turn).await? else {
+            return Ok(None);
+        };
+        if !reply.succeeded() {
+            return Ok(None);
+        }
+        // Its waiting key is the hold's now: it goes with the release.
+        key.out_of_line();
+        Ok(Some(Attempted::Acquired {
+            token: token(revision(&reply)?)?,
+            count: 1,
+        }))
+    }
+
+    /// Kept out by a holder, shared holders or waiting writers: puts the holder's key in
+    /// line behind them, to wait behind `last`, the youngest key read at `read_at`.
+    async fn line_up(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        lease: i64,
+        (last, read_at): (&KeyValue, i64),
+    ) -> Result<Round, EtcdError> {
+        let holder = attempt.holder.as_str();
+        let waiting = holder_key(&key.name, Entry::Queued, lease, holder);
+        // Taken out when the acquisition ends, known before it is sent: the reply may not
+        // come.
+        let value = HoldValue::new(holder).encode();
+        key.left_in_line(waiting.clone(), value);
+        let line_up = Txn::new()
+            .when([Compare::version(waiting.clone(), CompareOp::Equal, 0)])
+            .and_then([put_hold(&waiting, holder, lease)]);
+        let Some(reply) = self.txn_on(lease, line_up).await? else {
+            return Ok(None);
+        };
+        if !reply.succeeded() {
+            return Ok(None);
+        }
+        self.wait_behind(key, attempt, last, read_at);
+        Ok(held(true))
     }
 
     /// One shared attempt: puts the holder's shared key if no writer's key is there, and
@@ -190,101 +257,129 @@ impl EtcdStore {
         key: &EtcdKey,
         attempt: &Attempt,
     ) -> Result<Attempted, EtcdError> {
-        let (holder, name) = (attempt.holder.as_str(), &*key.name);
+        self.in_rounds(move |lease| async move {
+            let mine = holder_key(&key.name, Entry::Reader, lease, attempt.holder.as_str());
+            match self.share_if_no_writer(key, attempt, lease, &mine).await? {
+                None => Ok(None),
+                Some(Read::Taken(token)) => Ok(Some(Attempted::Acquired { token, count: 1 })),
+                Some(Read::Keys {
+                    keys,
+                    read_at,
+                    written,
+                }) => {
+                    let read = (&keys[..], read_at, written);
+                    self.shared_behind(key, attempt, (lease, &mine), read).await
+                }
+            }
+        })
+        .await
+    }
+
+    /// Puts the holder's shared key `mine` if no writer's key is there, else reads the
+    /// lock's keys; and reads the last writer's token (none before the first, or once its
+    /// lease ended).
+    async fn share_if_no_writer(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        lease: i64,
+        mine: &str,
+    ) -> Result<Option<Read>, EtcdError> {
+        let name = &*key.name;
         let ((start, end), (writers_start, writers_end)) = (holders(name), writers(name));
         let fence = || TxnOp::get(fence_key(name), None);
-        // The last writer's token: none before the first (or once its lease ended).
+        let take = Txn::new()
+            .when([
+                Compare::version(writers_start, CompareOp::Equal, 0).with_range(writers_end),
+                Compare::version(mine, CompareOp::Equal, 0),
+            ])
+            .and_then([put_hold(mine, attempt.holder.as_str(), lease), fence()])
+            .or_else([TxnOp::get(start, Some(in_order(&end))), fence()]);
+        let Some(reply) = self.txn_on(lease, take).await? else {
+            return Ok(None);
+        };
+        let read_at = revision(&reply)?;
+        let succeeded = reply.succeeded();
+        let mut reads = found(reply.op_responses());
         let written = |fences: Option<&Vec<KeyValue>>| {
             fences
                 .and_then(|f| f.first())
                 .map_or(Ok(0), |f| token(f.mod_revision()))
         };
-        for _ in 0..ROUNDS {
-            let lease = self.lease.for_hold().await?;
-            let mine = holder_key(name, Entry::Reader, lease, holder);
-            let put = || {
-                let on_lease = PutOptions::new().with_lease(lease);
-                TxnOp::put(
-                    mine.clone(),
-                    HoldValue::new(holder).encode(),
-                    Some(on_lease),
-                )
-            };
-            let fresh = || Compare::version(mine.clone(), CompareOp::Equal, 0);
-            let take = Txn::new()
-                .when([
-                    Compare::version(writers_start.clone(), CompareOp::Equal, 0)
-                        .with_range(writers_end.clone()),
-                    fresh(),
-                ])
-                .and_then([put(), fence()])
-                .or_else([TxnOp::get(start.clone(), Some(in_order(&end))), fence()]);
-            let Some(reply) = self.txn_on(lease, take).await? else {
-                continue;
-            };
-            let read_at = revision(&reply)?;
-            let succeeded = reply.succeeded();
-            let mut reads = found(reply.op_responses());
-            if succeeded {
-                let token = written(reads.first())?;
-                return Ok(Attempted::Acquired { token, count: 1 });
-            }
-            let last_written = written(reads.get(1))?;
-            let keys = if reads.is_empty() {
-                Vec::new()
-            } else {
-                reads.swap_remove(0)
-            };
-            if let Some(held) = keys.iter().find(|kv| kv.key() == mine.as_bytes()) {
-                let value = HoldValue::parse(held.value()).ok_or(EtcdError::Foreign)?;
-                match self.reenter(held, value).await? {
-                    Some(count) => {
-                        let token = last_written;
-                        return Ok(Attempted::Acquired { token, count });
-                    }
-                    None => continue,
-                }
-            }
-            let hold = keys
-                .iter()
-                .find(|kv| Entry::of(kv.key()) == Some(Entry::Hold));
-            if let Some(hold) =
-                hold.filter(|h| holder_of(h).as_deref() == Some(attempt.owner.as_str()))
-            {
-                // The writer itself: its shared hold outlives the exclusive one.
-                let downgrade = Txn::new()
-                    .when([
-                        Compare::mod_revision(
-                            hold.key().to_vec(),
-                            CompareOp::Equal,
-                            hold.mod_revision(),
-                        ),
-                        fresh(),
-                    ])
-                    .and_then([put()]);
-                let Some(reply) = self.txn_on(lease, downgrade).await? else {
-                    continue;
-                };
-                if reply.succeeded() {
-                    let token = token(hold.create_revision())?;
-                    return Ok(Attempted::Acquired { token, count: 1 });
-                }
-                continue;
-            }
-            let writer = keys
-                .iter()
-                .rev()
-                .find(|kv| Entry::of(kv.key()).is_some_and(Entry::is_writer));
-            let Some(writer) = writer else {
-                // The writers left between the compare and the read: go again.
-                continue;
-            };
-            self.wait_behind(key, attempt, writer, read_at);
-            return Ok(Attempted::Held {
-                left: None,
-                queued: false,
-            });
+        if succeeded {
+            return Ok(Some(Read::Taken(written(reads.first())?)));
         }
-        Err(EtcdError::Contended)
+        let written = written(reads.get(1))?;
+        let keys = if reads.is_empty() {
+            Vec::new()
+        } else {
+            reads.swap_remove(0)
+        };
+        Ok(Some(Read::Keys {
+            keys,
+            read_at,
+            written,
+        }))
+    }
+
+    /// A shared attempt that found writers' keys among the lock's `keys` (read at
+    /// `read_at`, the last writer's token `written`): re-enters the holder's own shared
+    /// hold `mine`, downgrades its owner's exclusive hold, or waits behind the last writer.
+    async fn shared_behind(
+        &self,
+        key: &EtcdKey,
+        attempt: &Attempt,
+        (lease, mine): (i64, &str),
+        (keys, read_at, written): (&[KeyValue], i64, u64),
+    ) -> Result<Round, EtcdError> {
+        if let Some(held) = keys.iter().find(|kv| kv.key() == mine.as_bytes()) {
+            let value = HoldValue::parse(held.value()).ok_or(EtcdError::Foreign)?;
+            let count = self.reenter(held, value).await?;
+            return Ok(count.map(|count| Attempted::Acquired {
+                token: written,
+                count,
+            }));
+        }
+        let hold = keys
+            .iter()
+            .find(|kv| Entry::of(kv.key()) == Some(Entry::Hold));
+        if let Some(hold) = hold.filter(|h| holder_of(h).as_deref() == Some(attempt.owner.as_str()))
+        {
+            return self.downgrade(attempt, (lease, mine), hold).await;
+        }
+        match turn(&line_of(keys), None, Kind::Shared) {
+            Turn::Waits { behind } => {
+                self.wait_behind(key, attempt, &keys[behind[0]], read_at);
+                Ok(held(false))
+            }
+            // The writers left between the compare and the read: go again.
+            Turn::Holds => Ok(None),
+        }
+    }
+
+    /// The writer itself takes a shared hold `mine` beside its exclusive `hold`: its shared
+    /// hold outlives the exclusive one, and carries its token.
+    async fn downgrade(
+        &self,
+        attempt: &Attempt,
+        (lease, mine): (i64, &str),
+        hold: &KeyValue,
+    ) -> Result<Round, EtcdError> {
+        let downgrade = Txn::new()
+            .when([
+                Compare::mod_revision(hold.key(), CompareOp::Equal, hold.mod_revision()),
+                Compare::version(mine, CompareOp::Equal, 0),
+            ])
+            .and_then([put_hold(mine, attempt.holder.as_str(), lease)]);
+        let Some(reply) = self.txn_on(lease, downgrade).await? else {
+            return Ok(None);
+        };
+        if !reply.succeeded() {
+            return Ok(None);
+        }
+        Ok(Some(Attempted::Acquired {
+            token: token(hold.create_revision())?,
+            count: 1,
+        }))
     }
 }

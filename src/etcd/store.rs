@@ -17,9 +17,10 @@ use super::lease::Lease;
 use super::line::Line;
 use super::watch::Listener;
 use crate::core::hold::value::HoldValue;
+use crate::core::kit::turn::{self, EntryKind};
 use crate::core::runtime::Daemon;
 use crate::core::store::{
-    Attempt, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
+    Attempt, Attempted, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -30,6 +31,10 @@ use crate::lock::{BoxFuture, Kind};
 /// How many times a call goes round when its compare-and-swap finds the hold changed
 /// under it (only this backend writes its hold, so once is the rule).
 pub(super) const ROUNDS: usize = 4;
+
+/// What a round of an attempt came to: an answer, or go round again (the keys changed
+/// under it, or its lease is gone).
+pub(super) type Round = Option<Attempted>;
 
 /// etcd's default bound on the operations of one transaction is 128.
 const RENEW_BATCH: usize = 100;
@@ -78,6 +83,23 @@ pub(super) fn found(responses: Vec<TxnOpResponse>) -> Vec<Vec<KeyValue>> {
         .collect()
 }
 
+/// The keys read from a lock's (or a semaphore's) directory, in order, as the store kit's
+/// ordering rule takes them: by create revision, a writer's key (a hold, a waiting writer)
+/// keeping readers out. The rule counts every permit's key alike, whatever its kind.
+pub(super) fn line_of(keys: &[KeyValue]) -> Vec<turn::Entry<i64>> {
+    keys.iter()
+        .map(|kv| turn::Entry {
+            order: kv.create_revision(),
+            kind: if Entry::of(kv.key()).is_some_and(Entry::is_writer) {
+                EntryKind::Write
+            } else {
+                EntryKind::Read
+            },
+            own: false,
+        })
+        .collect()
+}
+
 /// The holder a key's value names, if it is a hold's value.
 pub(super) fn holder_of(kv: &KeyValue) -> Option<String> {
     HoldValue::parse(kv.value()).map(|v| v.holder)
@@ -107,6 +129,22 @@ impl EtcdStore {
                 Err(e)
             }
         }
+    }
+
+    /// Goes `round` after round (each given the lease a hold goes on) until one answers,
+    /// [`ROUNDS`] at the most.
+    pub(super) async fn in_rounds<F, R>(&self, mut round: F) -> Result<Attempted, EtcdError>
+    where
+        F: FnMut(i64) -> R,
+        R: Future<Output = Result<Round, EtcdError>>,
+    {
+        for _ in 0..ROUNDS {
+            let lease = self.lease.for_hold().await?;
+            if let Some(answer) = round(lease).await? {
+                return Ok(answer);
+            }
+        }
+        Err(EtcdError::Contended)
     }
 
     /// Re-enters the hold `held` of `value`'s holder: its count up, compared on its
@@ -203,28 +241,9 @@ impl EtcdStore {
             let Some(held) = read.take() else {
                 return Ok(Released::NotHeld);
             };
-            let Some(mut value) = HoldValue::parse(held.value()) else {
-                return Err(EtcdError::Foreign);
-            };
-            if value.holder != release.holder.as_str()
-                || only_token.is_some_and(|t| token(held.create_revision()).ok() != Some(t))
-            {
-                return Ok(Released::NotHeld);
-            }
-            if value.released.iter().any(|id| id == release.release_id) {
-                return Ok(Released::Remains);
-            }
-            let (ops, released) = if value.count > 1 {
-                value.count -= 1;
-                value.released.push(release.release_id.to_owned());
-                let keep = PutOptions::new().with_lease(held.lease());
-                let put = TxnOp::put(held.key().to_vec(), value.encode(), Some(keep));
-                (vec![put], Released::Remains)
-            } else if value.count == 0 {
-                // A permit still waiting in line: given back as never held.
-                (delete(), Released::NotHeld)
-            } else {
-                (delete(), Released::Freed)
+            let (ops, released) = match release_of(&held, release, only_token, delete)? {
+                Step::Write(ops, released) => (ops, released),
+                Step::Answer(answer) => return Ok(answer),
             };
             let swap = Txn::new()
                 .when([Compare::mod_revision(
@@ -278,6 +297,47 @@ impl EtcdStore {
         }
         Ok(held)
     }
+}
+
+/// What a release does to the holder's key it read.
+enum Step {
+    /// These writes, compared on the key's revision, and what they come to.
+    Write(Vec<TxnOp>, Released),
+    /// Nothing to write: the answer.
+    Answer(Released),
+}
+
+/// What the release `release` does to `held`, the holder's key as read (`only_token`: the
+/// token it must carry; `delete`: the writes that free it).
+fn release_of(
+    held: &KeyValue,
+    release: &Release<'_>,
+    only_token: Option<u64>,
+    delete: impl Fn() -> Vec<TxnOp>,
+) -> Result<Step, EtcdError> {
+    let Some(mut value) = HoldValue::parse(held.value()) else {
+        return Err(EtcdError::Foreign);
+    };
+    if value.holder != release.holder.as_str()
+        || only_token.is_some_and(|t| token(held.create_revision()).ok() != Some(t))
+    {
+        return Ok(Step::Answer(Released::NotHeld));
+    }
+    if value.released.iter().any(|id| id == release.release_id) {
+        return Ok(Step::Answer(Released::Remains));
+    }
+    Ok(if value.count > 1 {
+        value.count -= 1;
+        value.released.push(release.release_id.to_owned());
+        let keep = PutOptions::new().with_lease(held.lease());
+        let put = TxnOp::put(held.key().to_vec(), value.encode(), Some(keep));
+        Step::Write(vec![put], Released::Remains)
+    } else if value.count == 0 {
+        // A permit still waiting in line: given back as never held.
+        Step::Write(delete(), Released::NotHeld)
+    } else {
+        Step::Write(delete(), Released::Freed)
+    })
 }
 
 /// The key of `holder`'s hold of `kind` in the lock `name` under the lease `lease`.

@@ -8,6 +8,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::map::Map;
+use crate::core::kit::keys::{KeyName, Naming};
 use crate::core::store::{
     Answers, Attempt, Capabilities, Failure, Release, Released, Sent, Store, StoreKey,
 };
@@ -15,7 +16,6 @@ use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::recheck::Recheck;
 use crate::core::watchdog::{Due, Watchdog};
 use crate::error::LockError;
-use crate::key::validate;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind};
 
@@ -38,12 +38,7 @@ pub(crate) struct MemoryKey {
 
 impl MemoryKey {
     fn new(user: String, semaphore: bool, max_key_len: usize) -> Result<Self, LockError> {
-        validate(&user, max_key_len)?;
-        let name = if semaphore {
-            format!("permits:{user}")
-        } else {
-            Self::lock_name(&user)
-        };
+        let KeyName { user, name } = KeyName::new(&InMap, user, max_key_len, semaphore)?;
         Ok(MemoryKey {
             user,
             name: name.into(),
@@ -52,7 +47,21 @@ impl MemoryKey {
 
     /// The name of `user`'s lock in the map.
     pub(super) fn lock_name(user: &str) -> String {
+        InMap.lock(user)
+    }
+}
+
+/// The map's naming: `lock:<key>` and `permits:<key>`, one-to-one with no escaping (the
+/// map is looked up by whole names, never by prefix).
+struct InMap;
+
+impl Naming for InMap {
+    fn lock(&self, user: &str) -> String {
         format!("lock:{user}")
+    }
+
+    fn semaphore(&self, user: &str) -> String {
+        format!("permits:{user}")
     }
 }
 

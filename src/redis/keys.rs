@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use crate::core::kit::keys::{KeyName, Namespaced};
 use crate::error::KeyError;
-use crate::key::{namespaced, validate};
 
 /// The Redis names that belong to one user key.
 ///
@@ -26,8 +26,8 @@ pub(crate) struct LockKey {
 
 impl LockKey {
     pub(crate) fn new(namespace: &str, user: String, max_len: usize) -> Result<Self, KeyError> {
-        validate(&user, max_len)?;
-        Ok(Self::named(namespaced(namespace, &user), user))
+        let names = KeyName::new(&Namespaced(namespace), user, max_len, false)?;
+        Ok(Self::named(names))
     }
 
     /// The names of `user`'s semaphore (see permit_acquire.lua): a hash, counter and
@@ -37,11 +37,8 @@ impl LockKey {
         user: String,
         max_len: usize,
     ) -> Result<Self, KeyError> {
-        validate(&user, max_len)?;
-        Ok(Self::named(
-            format!("{}:permits", namespaced(namespace, &user)),
-            user,
-        ))
+        let names = KeyName::new(&Namespaced(namespace), user, max_len, true)?;
+        Ok(Self::named(names))
     }
 
     /// The sorted set of writers waiting for the lock's shared holders to leave (see
@@ -71,7 +68,8 @@ impl LockKey {
         format!("{}:record", self.lock)
     }
 
-    fn named(tagged: String, user: String) -> Self {
+    fn named(names: KeyName) -> Self {
+        let KeyName { user, name: tagged } = names;
         LockKey {
             fence: format!("{tagged}:fence"),
             channel: format!("{tagged}:released"),
@@ -89,4 +87,27 @@ impl LockKey {
 /// only before `25`, `7B` or `7D`.
 pub(crate) fn admin_channel(namespace: &str) -> String {
     format!("{namespace}:{{%admin}}:released")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_and_its_semaphore_keep_their_names_in_one_hash_slot() {
+        let key = LockKey::new("ns", "a{b}%".into(), 64).unwrap();
+        assert_eq!(&*key.lock, "ns:{a%7Bb%7D%25}");
+        assert_eq!(key.fence, "ns:{a%7Bb%7D%25}:fence");
+        assert_eq!(key.channel, "ns:{a%7Bb%7D%25}:released");
+        assert_eq!(key.user, "a{b}%");
+        let semaphore = LockKey::semaphore("ns", "a".into(), 64).unwrap();
+        assert_eq!(&*semaphore.lock, "ns:{a}:permits");
+        assert_eq!(semaphore.fence, "ns:{a}:permits:fence");
+        assert_eq!(semaphore.channel, "ns:{a}:permits:released");
+        assert_eq!(semaphore.record(), "ns:{a}:permits:record");
+        assert!(matches!(
+            LockKey::semaphore("ns", String::new(), 64),
+            Err(KeyError::Empty)
+        ));
+    }
 }

@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use super::Dialect;
+use crate::core::kit::keys::{KeyName, Namespaced};
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::{fnv1a, namespaced, validate};
+use crate::key::fnv1a;
 
 /// The names that belong to one user key: the row's name (`namespace:{key}`, or
 /// `namespace:{key}:permits` for the key's semaphore, a primitive of its own) and the
@@ -31,11 +32,8 @@ impl SqlKey {
         max_key_len: usize,
         semaphore: bool,
     ) -> Result<Self, KeyError> {
-        validate(&user, max_key_len)?;
-        let mut name = namespaced(namespace, &user);
-        if semaphore {
-            name.push_str(":permits");
-        }
+        let KeyName { user, name } =
+            KeyName::new(&Namespaced(namespace), user, max_key_len, semaphore)?;
         // Escaping may lengthen a key up to threefold: refuse what the column cannot hold,
         // in the key's own bytes, rather than let the server truncate or fail.
         if let Some(max_name) = D::MAX_NAME_LEN.filter(|&max| name.len() > max) {

@@ -3,15 +3,15 @@
 
 use std::sync::Arc;
 
-use zookeeper_client::{Client, CreateMode, Error as ClientError};
+use zookeeper_client::{Client, CreateMode, Error as ClientError, Stat};
 
 use super::error::ZkError;
 use super::keys::{READ_MARK, ZkKey, hold_prefix};
 use super::line::{Line, line, record_writer, shared_token};
 use super::store::{ROUNDS, ZkStore, child, token};
-use super::turn::{NodeKind, Turn, Wants, turn};
 use crate::core::hold::value::HoldValue;
 use crate::core::holder;
+use crate::core::kit::turn::{EntryKind, Turn, turn};
 use crate::core::store::{Attempt, Attempted};
 use crate::lock::Kind;
 
@@ -30,24 +30,20 @@ impl ZkStore {
         key: &ZkKey,
         attempt: &Attempt,
     ) -> Result<Attempted, ZkError> {
-        let wants = match attempt.kind {
-            Kind::Exclusive => Wants::Write,
-            Kind::Shared => Wants::Read,
-            Kind::Permit(n) => Wants::Permit(n),
-        };
+        let kind = attempt.kind;
         for _ in 0..ROUNDS {
             let client = self.session.client();
             // This session's values: the holder's own node, the owner's other holds.
             let now = line(&client, &key.path, |_, mine| mine).await?;
             if let Some(at) = now.find(attempt.holder.as_str()) {
-                if let Some(answer) = self.again(&client, key, &now, at, attempt, wants).await? {
+                if let Some(answer) = self.again(&client, key, &now, at, attempt).await? {
                     return Ok(answer);
                 }
                 continue;
             }
-            if wants == Wants::Write {
+            if kind == Kind::Exclusive {
                 let reader = holder(Kind::Shared, &attempt.owner);
-                if now.holds_as(NodeKind::Read, reader.as_str()) {
+                if now.holds_as(EntryKind::Read, reader.as_str()) {
                     return Ok(Attempted::UpgradeRefused);
                 }
                 if let Some(at) = now.my_writer() {
@@ -64,10 +60,10 @@ impl ZkStore {
             }
             let order = now.order(attempt.owner.as_str());
             // The turn of a node created now, last in line.
-            let stays = match turn(&order, order.len(), wants) {
-                Turn::Granted => false,
-                Turn::Waits { keep, .. } if keep && attempt.waits.is_some() => true,
-                Turn::Waits { behind, .. } => {
+            let stays = match turn(&order, None, kind) {
+                Turn::Holds => false,
+                Turn::Waits { .. } if keeps_place(kind) && attempt.waits.is_some() => true,
+                Turn::Waits { behind } => {
                     // No node: it would leave at once.
                     if self.watch_all(&client, key, &now, &behind).await? {
                         return Ok(Attempted::Held {
@@ -78,7 +74,7 @@ impl ZkStore {
                     continue;
                 }
             };
-            if let Some(answer) = self.enter(&client, key, attempt, wants, stays).await? {
+            if let Some(answer) = self.enter(&client, key, attempt, stays).await? {
                 return Ok(answer);
             }
         }
@@ -94,7 +90,6 @@ impl ZkStore {
         now: &Line,
         at: usize,
         attempt: &Attempt,
-        wants: Wants,
     ) -> Result<Round, ZkError> {
         let entry = &now.0[at];
         let Some((mut value, stat)) = entry.value.clone() else {
@@ -105,7 +100,7 @@ impl ZkStore {
         let in_line = value.count == 0;
         if in_line {
             let order = now.order(attempt.owner.as_str());
-            if let Turn::Waits { behind, .. } = turn(&order, at, wants) {
+            if let Turn::Waits { behind } = turn(&order, now.sequence(at), attempt.kind) {
                 let watched = self.watch_all(client, key, now, &behind).await?;
                 return Ok(watched.then(|| held(true)).flatten());
             }
@@ -117,9 +112,9 @@ impl ZkStore {
         if in_line {
             record_writer(client, &key.path, token(&stat)).await?;
         }
-        let token = match wants {
-            Wants::Read => shared_token(client, &key.path).await?,
-            Wants::Write | Wants::Permit(_) => token(&stat),
+        let token = match attempt.kind {
+            Kind::Shared => shared_token(client, &key.path).await?,
+            Kind::Exclusive | Kind::Permit(_) => token(&stat),
         };
         Ok(Some(Attempted::Acquired {
             token,
@@ -134,10 +129,57 @@ impl ZkStore {
         client: &Client,
         key: &ZkKey,
         attempt: &Attempt,
-        wants: Wants,
         stays: bool,
     ) -> Result<Round, ZkError> {
-        let lock = &key.path;
+        let (lock, kind) = (&key.path, attempt.kind);
+        let Some((name, stat)) = self.create(client, lock, attempt, stays).await? else {
+            return Ok(None);
+        };
+        let path = child(lock, &name);
+        // A reader needs the owner's own write node, if any, to tell a downgrade; a reader
+        // or a permit its session's holders, to tell its twin (below).
+        let now = line(client, lock, |_, mine| mine && kind != Kind::Exclusive).await?;
+        let Some(at) = now.place(&name) else {
+            return Ok(None);
+        };
+        if now.twin_before(at, attempt.holder.as_str()) {
+            // Another attempt of this holder (a re-entry beside the holder's own queued
+            // attempt) got its node in first: this one goes, and the next round re-enters
+            // that one (or, for another request's writer, waits behind it).
+            delete(client, &path).await?;
+            return Ok(None);
+        }
+        let node = Node { path, stat };
+        match turn(&now.order(attempt.owner.as_str()), now.sequence(at), kind) {
+            Turn::Holds => granted(client, lock, attempt, stays, node).await,
+            Turn::Waits { behind } if keeps_place(kind) && attempt.waits.is_some() => {
+                if !stays
+                    && !write(client, &node.path, &waiting(attempt), node.stat.version).await?
+                {
+                    return Ok(None);
+                }
+                let watched = self.watch_all(client, key, &now, &behind).await?;
+                Ok(watched.then(|| held(true)).flatten())
+            }
+            Turn::Waits { behind } => {
+                // Another node came first: this one leaves nothing behind and waits.
+                delete(client, &node.path).await?;
+                let watched = self.watch_all(client, key, &now, &behind).await?;
+                Ok(watched.then(|| held(false)).flatten())
+            }
+        }
+    }
+
+    /// Creates `attempt`'s node under `lock` (and `lock` itself if it is not there), with a
+    /// count of 0 if it `stays` in line: its name and stat, or `None` when the lock's node
+    /// went in between (the attempt goes round again).
+    async fn create(
+        &self,
+        client: &Client,
+        lock: &str,
+        attempt: &Attempt,
+        stays: bool,
+    ) -> Result<Option<(String, Stat)>, ZkError> {
         // The lock's node lives while it has nodes, and goes some time after.
         let container = CreateMode::Container.with_acls(self.session.acls());
         match client.create(lock, &[], &container).await {
@@ -145,81 +187,24 @@ impl ZkStore {
             Err(e) => return Err(e.into()),
         }
         let mut prefix = hold_prefix(client.session_id().0);
-        if wants == Wants::Read {
+        if attempt.kind == Kind::Shared {
             prefix.push_str(READ_MARK);
         }
         // A writer in line waits with a count of 0: no hold yet.
-        let mut value = HoldValue::new(attempt.holder.as_str());
-        value.count = u64::from(!stays);
+        let value = if stays {
+            waiting(attempt)
+        } else {
+            HoldValue::new(attempt.holder.as_str())
+        };
         let hold = CreateMode::EphemeralSequential.with_acls(self.session.acls());
-        let (stat, sequence) = match client
+        match client
             .create(&child(lock, &prefix), value.encode().as_bytes(), &hold)
             .await
         {
-            Ok(created) => created,
+            Ok((stat, sequence)) => Ok(Some((format!("{prefix}{sequence}"), stat))),
             // The empty container was deleted in between: again.
-            Err(ClientError::NoNode) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        let name = format!("{prefix}{sequence}");
-        let path = child(lock, &name);
-        // A reader needs the owner's own write node, if any, to tell a downgrade; a reader
-        // or a permit its session's holders, to tell its twin (below).
-        let owner = attempt.owner.as_str();
-        let now = line(client, lock, |_, mine| mine && wants != Wants::Write).await?;
-        let Some(at) = now.place(&name) else {
-            return Ok(None);
-        };
-        let kind = now.0[at].kind;
-        let twin = now.0[..at].iter().any(|e| {
-            e.mine
-                && e.kind == kind
-                && e.value
-                    .as_ref()
-                    .is_none_or(|(v, _)| v.holder == attempt.holder.as_str())
-        });
-        if twin {
-            // Another attempt of this holder (a re-entry beside the holder's own queued
-            // attempt) got its node in first: this one goes, and the next round re-enters
-            // that one (or, for another request's writer, waits behind it).
-            match client.delete(&path, None).await {
-                Ok(()) | Err(ClientError::NoNode) => return Ok(None),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        match turn(&now.order(owner), at, wants) {
-            Turn::Granted => {
-                value.count = 1;
-                if stays && !write(client, &path, &value, stat.version).await? {
-                    return Ok(None);
-                }
-                let token = match wants {
-                    Wants::Write => {
-                        record_writer(client, lock, token(&stat)).await?;
-                        token(&stat)
-                    }
-                    Wants::Read => shared_token(client, lock).await?,
-                    Wants::Permit(_) => token(&stat),
-                };
-                Ok(Some(Attempted::Acquired { token, count: 1 }))
-            }
-            Turn::Waits { behind, keep } if keep && attempt.waits.is_some() => {
-                value.count = 0;
-                if !stays && !write(client, &path, &value, stat.version).await? {
-                    return Ok(None);
-                }
-                let watched = self.watch_all(client, key, &now, &behind).await?;
-                Ok(watched.then(|| held(true)).flatten())
-            }
-            Turn::Waits { behind, .. } => {
-                // Another node came first: this one leaves nothing behind and waits.
-                match client.delete(&path, None).await {
-                    Ok(()) | Err(ClientError::NoNode) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                let watched = self.watch_all(client, key, &now, &behind).await?;
-                Ok(watched.then(|| held(false)).flatten())
-            }
+            Err(ClientError::NoNode) => Ok(None),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -239,6 +224,59 @@ impl ZkStore {
             }
         }
         Ok(true)
+    }
+}
+
+/// A node just created, at its path.
+struct Node {
+    path: String,
+    stat: Stat,
+}
+
+/// The node just created for `attempt` holds: made a hold if it was created to stay in
+/// line, and the token read (a writer's recorded for the shared holders after it).
+async fn granted(
+    client: &Client,
+    lock: &str,
+    attempt: &Attempt,
+    stays: bool,
+    node: Node,
+) -> Result<Round, ZkError> {
+    let value = HoldValue::new(attempt.holder.as_str());
+    if stays && !write(client, &node.path, &value, node.stat.version).await? {
+        return Ok(None);
+    }
+    let token = match attempt.kind {
+        Kind::Exclusive => {
+            record_writer(client, lock, token(&node.stat)).await?;
+            token(&node.stat)
+        }
+        Kind::Shared => shared_token(client, lock).await?,
+        Kind::Permit(_) => token(&node.stat),
+    };
+    Ok(Some(Attempted::Acquired { token, count: 1 }))
+}
+
+/// Whether a waiter of `kind` keeps its node in line: a writer does, so that the processes
+/// waiting for an exclusive lock take it in the order they came (Curator's
+/// `InterProcessMutex`), and new shared holders line up behind it (a stream of readers
+/// cannot starve it).
+fn keeps_place(kind: Kind) -> bool {
+    kind == Kind::Exclusive
+}
+
+/// The value of `attempt`'s holder waiting in line: a count of 0, no hold yet.
+fn waiting(attempt: &Attempt) -> HoldValue {
+    let mut value = HoldValue::new(attempt.holder.as_str());
+    value.count = 0;
+    value
+}
+
+/// Deletes the node at `path`, if it is still there.
+async fn delete(client: &Client, path: &str) -> Result<(), ZkError> {
+    match client.delete(path, None).await {
+        Ok(()) | Err(ClientError::NoNode) => Ok(()),
+        Err(e) => Err(e.into()),
     }
 }
 

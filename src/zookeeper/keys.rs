@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use super::turn::NodeKind;
+use crate::core::kit::keys::{KeyName, Naming};
+use crate::core::kit::turn::EntryKind;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::validate;
 
 /// The paths that belong to one user key: the lock's node `/<namespace>/{<key>}`, or its
 /// semaphore's `/<namespace>/{<key>}:permits` (container nodes, which ZooKeeper deletes
@@ -35,7 +35,20 @@ impl ZkKey {
         max_len: usize,
         semaphore: bool,
     ) -> Result<Self, KeyError> {
-        validate(&user, max_len)?;
+        let KeyName { user, name } = KeyName::new(&Under(root), user, max_len, semaphore)?;
+        Ok(ZkKey {
+            path: name.into(),
+            user,
+        })
+    }
+}
+
+/// ZooKeeper's naming: a key's lock is the node `{<key>}` under the namespace's node
+/// `root`, the key escaped into one path segment.
+struct Under<'a>(&'a str);
+
+impl Naming for Under<'_> {
+    fn refuse(&self, user: &str) -> Result<(), KeyError> {
         if user
             .chars()
             .any(|c| matches!(c, '\u{e000}'..='\u{f8ff}' | '\u{fff0}'..='\u{ffff}'))
@@ -46,18 +59,17 @@ impl ZkKey {
                     .to_owned(),
             });
         }
+        Ok(())
+    }
+
+    fn lock(&self, user: &str) -> String {
+        let root = self.0;
         let mut path = String::with_capacity(root.len() + user.len() + 3);
         path.push_str(root);
         path.push_str("/{");
-        escape_into(&mut path, &user);
+        escape_into(&mut path, user);
         path.push('}');
-        if semaphore {
-            path.push_str(":permits");
-        }
-        Ok(ZkKey {
-            path: path.into(),
-            user,
-        })
+        path
     }
 }
 
@@ -105,13 +117,13 @@ pub(crate) const READ_MARK: &str = "r-";
 
 /// A node's kind and sequence number, from its name (`<session>-<sequence>` or
 /// `<session>-r-<sequence>`); `None` for a name this crate never gives.
-pub(crate) fn node(name: &str) -> Option<(NodeKind, i64)> {
+pub(crate) fn node(name: &str) -> Option<(EntryKind, i64)> {
     let (rest, sequence) = name.rsplit_once('-')?;
     let sequence = sequence.parse().ok()?;
     let kind = if rest.ends_with("-r") {
-        NodeKind::Read
+        EntryKind::Read
     } else {
-        NodeKind::Write
+        EntryKind::Write
     };
     Some((kind, sequence))
 }
@@ -135,8 +147,8 @@ mod tests {
         ));
         let write = format!("{}0000000012", hold_prefix(7));
         let read = format!("{}{READ_MARK}0000000003", hold_prefix(-2));
-        assert_eq!(node(&write), Some((NodeKind::Write, 12)));
-        assert_eq!(node(&read), Some((NodeKind::Read, 3)));
+        assert_eq!(node(&write), Some((EntryKind::Write, 12)));
+        assert_eq!(node(&read), Some((EntryKind::Read, 3)));
         assert_eq!(node("stray"), None);
     }
 }

@@ -6,13 +6,15 @@ use zookeeper_client::{Client, Error as ClientError, MultiReadResult, Stat};
 use super::error::ZkError;
 use super::keys::{hold_prefix, node};
 use super::store::{child, holds, token};
-use super::turn::{Node, NodeKind};
 use crate::core::hold::value::HoldValue;
+use crate::core::kit::turn::{self, EntryKind};
 
 /// One node of a lock.
 pub(super) struct Entry {
     pub(super) name: String,
-    pub(super) kind: NodeKind,
+    /// Its sequence number: its place in the lock's line.
+    pub(super) sequence: i64,
+    pub(super) kind: EntryKind,
     /// Created by this session.
     pub(super) mine: bool,
     /// Its value and stat, when read (see [`line`]).
@@ -43,7 +45,7 @@ impl Line {
     }
 
     /// Whether this session holds a node of `kind` for `holder`.
-    pub(super) fn holds_as(&self, kind: NodeKind, holder: &str) -> bool {
+    pub(super) fn holds_as(&self, kind: EntryKind, holder: &str) -> bool {
         self.0
             .iter()
             .any(|e| e.kind == kind && e.of(holder) && e.holds())
@@ -54,18 +56,33 @@ impl Line {
     pub(super) fn my_writer(&self) -> Option<usize> {
         self.0
             .iter()
-            .position(|e| e.mine && e.kind == NodeKind::Write)
+            .position(|e| e.mine && e.kind == EntryKind::Write)
     }
 
     /// The line as the ordering rule sees it, for an attempt by `owner`.
-    pub(super) fn order(&self, owner: &str) -> Vec<Node> {
+    pub(super) fn order(&self, owner: &str) -> Vec<turn::Entry<i64>> {
         self.0
             .iter()
-            .map(|e| Node {
+            .map(|e| turn::Entry {
+                order: e.sequence,
                 kind: e.kind,
-                own: e.kind == NodeKind::Write && e.of(owner) && e.holds(),
+                own: e.kind == EntryKind::Write && e.of(owner) && e.holds(),
             })
             .collect()
+    }
+
+    /// The order of the node at place `at`, as the ordering rule takes it.
+    pub(super) fn sequence(&self, at: usize) -> Option<&i64> {
+        Some(&self.0[at].sequence)
+    }
+
+    /// Whether a node of the same kind as the one at `at`, of this session and of `holder`
+    /// (or not read), comes before it: another attempt of the same holder.
+    pub(super) fn twin_before(&self, at: usize, holder: &str) -> bool {
+        let kind = self.0[at].kind;
+        self.0[..at].iter().any(|e| {
+            e.mine && e.kind == kind && e.value.as_ref().is_none_or(|(v, _)| v.holder == holder)
+        })
     }
 
     /// The place of the node named `name`.
@@ -80,25 +97,24 @@ impl Line {
 pub(super) async fn line(
     client: &Client,
     lock: &str,
-    wanted: impl Fn(NodeKind, bool) -> bool,
+    wanted: impl Fn(EntryKind, bool) -> bool,
 ) -> Result<Line, ZkError> {
     let mine = hold_prefix(client.session_id().0);
-    let mut entries: Vec<(i64, Entry)> = holds(client, lock)
+    let mut entries: Vec<Entry> = holds(client, lock)
         .await?
         .into_iter()
         .filter_map(|name| {
             let (kind, sequence) = node(&name)?;
-            let entry = Entry {
+            Some(Entry {
                 mine: name.starts_with(&mine),
                 name,
+                sequence,
                 kind,
                 value: None,
-            };
-            Some((sequence, entry))
+            })
         })
         .collect();
-    entries.sort_unstable_by_key(|(sequence, _)| *sequence);
-    let mut entries: Vec<Entry> = entries.into_iter().map(|(_, e)| e).collect();
+    entries.sort_unstable_by_key(|e| e.sequence);
     let read: Vec<usize> = (0..entries.len())
         .filter(|&i| wanted(entries[i].kind, entries[i].mine))
         .collect();

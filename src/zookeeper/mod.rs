@@ -36,7 +36,7 @@
 //! versioned write of one holder's node, and lets ZooKeeper's order of nodes be the order
 //! of holders, which is what the recipes decide on.
 //!
-//! Whose turn it is, as Curator decides it (`turn.rs`, apart from any call): a writer holds
+//! Whose turn it is, as Curator decides it (the store kit's `turn.rs`, apart from any call): a writer holds
 //! when its node is the lowest; a reader when no write node is below its own (its owner's
 //! exclusive hold excepted); a permit when its node is among the `n` lowest of the
 //! semaphore's node (`/namespace/{key}:permits`; `n` is the caller's, read at every
@@ -72,7 +72,6 @@ mod release;
 mod renew;
 mod session;
 mod store;
-mod turn;
 mod watch;
 
 use std::fmt;

@@ -42,7 +42,7 @@ use super::error::ZkError;
 use super::keys::ZkKey;
 use super::line::line;
 use super::store::{ROUNDS, ZkStore, child, token};
-use super::turn::NodeKind;
+use crate::core::kit::turn::EntryKind;
 use crate::error::LockError;
 use crate::idempotency::{IdempotencyBackend, Records, RecordsOf, bounded};
 use crate::lock::{BoxFuture, HeldLock};
@@ -328,7 +328,7 @@ impl ZkStore {
         let mut replace = false;
         for _ in 0..ROUNDS {
             let now = line(&client, &key.path, |kind, mine| {
-                mine && kind == NodeKind::Write
+                mine && kind == EntryKind::Write
             })
             .await?;
             let hold = now.find(holder).map(|at| &now.0[at]);

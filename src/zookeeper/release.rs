@@ -7,7 +7,7 @@ use super::error::ZkError;
 use super::keys::ZkKey;
 use super::line::{line, shared_token};
 use super::store::{ROUNDS, ZkStore, child, token};
-use super::turn::NodeKind;
+use crate::core::kit::turn::EntryKind;
 use crate::core::store::{Release, Released, StoreKey};
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
@@ -34,8 +34,8 @@ impl ZkStore {
             let path = child(lock, &entry.name);
             if let Some(only) = release.only_token {
                 let held = match entry.kind {
-                    NodeKind::Read => shared_token(&client, lock).await?,
-                    NodeKind::Write => token(&stat),
+                    EntryKind::Read => shared_token(&client, lock).await?,
+                    EntryKind::Write => token(&stat),
                 };
                 if held != only {
                     return Ok(Released::NotHeld);
@@ -75,7 +75,7 @@ impl ZkStore {
     pub(super) async fn withdraw(&self, key: &ZkKey, owner: &str) -> Result<(), ZkError> {
         let client = self.session.client();
         let now = line(&client, &key.path, |kind, mine| {
-            mine && kind == NodeKind::Write
+            mine && kind == EntryKind::Write
         })
         .await?;
         let Some(entry) = now.find(owner).map(|at| &now.0[at]) else {
@@ -109,7 +109,7 @@ impl ZkStore {
         let client = self.session.client();
         let now = line(&client, &key.path, |_, _| true).await.map_err(fail)?;
         let holds: Vec<_> = now.0.iter().filter(|e| e.holds()).collect();
-        let writer = holds.iter().find(|e| e.kind == NodeKind::Write);
+        let writer = holds.iter().find(|e| e.kind == EntryKind::Write);
         let (mode, holding): (_, Vec<_>) = match (of, writer) {
             (_, _) if holds.is_empty() => (LockMode::Free, Vec::new()),
             (Primitive::Semaphore, _) => (LockMode::Permits, holds.clone()),

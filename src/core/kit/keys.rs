@@ -1,0 +1,140 @@
+//! A user key's names in a store: the key validated once, and its lock's (or its
+//! semaphore's) name, spelt by the store's [`Naming`].
+//!
+//! Each store's key type (Redis's `LockKey`, `SqlKey`, `EtcdKey`, `ZkKey`, `MemoryKey`)
+//! starts from a [`KeyName`] and adds what only it names (counters, channels, a line).
+
+use crate::error::KeyError;
+use crate::key::{namespaced, validate};
+
+/// What ends the name of a key's semaphore, after its lock's name: a primitive of its own,
+/// apart from the key's lock.
+pub(crate) const SEMAPHORE: &str = ":permits";
+
+/// How a store spells the name of a user key's lock: the part of naming that is the
+/// store's own.
+pub(crate) trait Naming {
+    /// Refuses (400) a key the store cannot name, besides what every store refuses (an
+    /// empty or over-long key, control characters): nothing more by default.
+    fn refuse(&self, _user: &str) -> Result<(), KeyError> {
+        Ok(())
+    }
+
+    /// The name of `user`'s lock (`user` valid).
+    fn lock(&self, user: &str) -> String;
+
+    /// The name of `user`'s semaphore: its lock's, then [`SEMAPHORE`].
+    fn semaphore(&self, user: &str) -> String {
+        let mut name = self.lock(user);
+        name.push_str(SEMAPHORE);
+        name
+    }
+}
+
+/// The naming of the stores whose names are flat strings, `namespace:{key}` (see
+/// [`namespaced`]): Redis (the braces are the cluster hash tag), the SQL stores and etcd.
+pub(crate) struct Namespaced<'a>(pub(crate) &'a str);
+
+impl Naming for Namespaced<'_> {
+    fn lock(&self, user: &str) -> String {
+        namespaced(self.0, user)
+    }
+}
+
+/// A user key, validated, and the store's name of its lock (or its semaphore).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyName {
+    /// The key as the application gave it (errors, spans, `HeldLock::key`).
+    pub(crate) user: String,
+    /// The lock's (or the semaphore's) name in the store.
+    pub(crate) name: String,
+}
+
+impl KeyName {
+    /// The names of `user`'s lock (its semaphore's if `semaphore`) as `naming` spells them;
+    /// refuses (400) an empty key, one over `max_len` bytes, one with control characters,
+    /// and what `naming` refuses.
+    pub(crate) fn new(
+        naming: &impl Naming,
+        user: String,
+        max_len: usize,
+        semaphore: bool,
+    ) -> Result<Self, KeyError> {
+        validate(&user, max_len)?;
+        naming.refuse(&user)?;
+        let name = if semaphore {
+            naming.semaphore(&user)
+        } else {
+            naming.lock(&user)
+        };
+        Ok(KeyName { user, name })
+    }
+}
+
+/// Whether the store name `name` is a semaphore's (named by a [`Naming`] that keeps the
+/// default [`Naming::semaphore`]).
+#[cfg_attr(
+    not(any(test, feature = "etcd")),
+    expect(dead_code, reason = "only etcd tells a semaphore by its name")
+)]
+pub(crate) fn is_semaphore(name: &str) -> bool {
+    name.ends_with(SEMAPHORE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A naming that refuses keys that start with `x` and spells a lock `<key>!`.
+    struct Bang;
+
+    impl Naming for Bang {
+        fn refuse(&self, user: &str) -> Result<(), KeyError> {
+            if user.starts_with('x') {
+                return Err(KeyError::Malformed {
+                    reason: "no x".to_owned(),
+                });
+            }
+            Ok(())
+        }
+
+        fn lock(&self, user: &str) -> String {
+            format!("{user}!")
+        }
+    }
+
+    #[test]
+    fn every_store_refuses_empty_over_long_and_control_keys_before_its_own_refusals() {
+        let named = |user: &str, max_len| KeyName::new(&Bang, user.to_owned(), max_len, false);
+        assert_eq!(named("", 8), Err(KeyError::Empty));
+        assert_eq!(
+            named("abcdefghi", 8),
+            Err(KeyError::TooLong { len: 9, max: 8 })
+        );
+        assert_eq!(named("a\nb", 8), Err(KeyError::ControlCharacter));
+        assert!(matches!(named("x", 8), Err(KeyError::Malformed { .. })));
+        // What every store refuses comes first.
+        assert_eq!(named("x\n", 8), Err(KeyError::ControlCharacter));
+        assert_eq!(
+            named("xxxxxxxxx", 8),
+            Err(KeyError::TooLong { len: 9, max: 8 })
+        );
+        assert_eq!(
+            named("abcdefgh", 8).map(|k| k.name),
+            Ok("abcdefgh!".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_semaphore_is_named_after_its_lock_and_a_store_may_spell_the_lock() {
+        let key = KeyName::new(&Bang, "k".into(), 8, true).unwrap();
+        assert_eq!((&*key.user, &*key.name), ("k", "k!:permits"));
+        assert!(is_semaphore(&key.name));
+        let lock = KeyName::new(&Namespaced("ns"), "a{b}%:permits".into(), 64, false).unwrap();
+        assert_eq!(lock.name, "ns:{a%7Bb%7D%25:permits}");
+        assert!(!is_semaphore(&lock.name));
+        let semaphore = KeyName::new(&Namespaced("ns"), "a{b}".into(), 64, true).unwrap();
+        assert_eq!(semaphore.name, "ns:{a%7Bb%7D}:permits");
+        assert_eq!(semaphore.user, "a{b}");
+    }
+}
