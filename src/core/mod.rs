@@ -27,7 +27,10 @@
 //!   share (`replies.rs`, read by those stores only), the backends' shared methods and
 //!   operator calls, and the takeovers a store announces.
 //! - `kit/`: the store kit, what every store's builder takes from the core: the settings
-//!   they share (`settings.rs`).
+//!   they share (`settings.rs`), the supervised listening connection that wakes waiters
+//!   (`listener.rs`: pub/sub, LISTEN, the MySQL wake connection, etcd's watch,
+//!   ZooKeeper's session, each reconnected with one capped backoff, `backoff.rs`, and
+//!   each outage logged once).
 //! - `wakeups.rs`: which channels have waiters, for the store's listening connection.
 //! - `runtime/`: where tasks run, and the janitor that sweeps expired rows and records.
 //!

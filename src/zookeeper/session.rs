@@ -85,8 +85,9 @@ impl Connect {
 pub(crate) struct Session {
     connect: Connect,
     current: watch::Sender<Client>,
-    /// One replacement at a time.
-    replacing: tokio::sync::Mutex<()>,
+    /// One replacement at a time, over the id of the last ended session announced: its
+    /// loss is logged and rechecked once, however many tries its replacement takes.
+    replacing: tokio::sync::Mutex<Option<i64>>,
     /// Raised when a session ended: every hold is checked at once.
     recheck: Recheck,
 }
@@ -96,7 +97,7 @@ impl Session {
         Session {
             connect,
             current: watch::Sender::new(client),
-            replacing: tokio::sync::Mutex::new(()),
+            replacing: tokio::sync::Mutex::new(None),
             recheck,
         }
     }
@@ -125,18 +126,35 @@ impl Session {
     /// Opens a new session in place of the ended `lost` (unless that was done already):
     /// the holds under `lost` are gone, and every hold is checked at once.
     pub(crate) async fn replace(&self, lost: i64) -> Result<Client, ZkError> {
-        let _one_at_a_time = self.replacing.lock().await;
+        let mut announced = self.replacing.lock().await;
         if self.id() != lost {
             return Ok(self.client());
         }
-        tracing::warn!(
-            session = format_args!("{lost:#x}"),
-            "the ZooKeeper session ended; every hold under it is lost"
-        );
-        self.recheck.raise("the ZooKeeper session ended");
+        if Self::announce(&mut announced, lost) {
+            tracing::warn!(
+                session = format_args!("{lost:#x}"),
+                "the ZooKeeper session ended; every hold under it is lost"
+            );
+            self.recheck.raise("the ZooKeeper session ended");
+        }
         let client = self.connect.open().await?;
         self.current.send_replace(client.clone());
         Ok(client)
+    }
+}
+
+impl Session {
+    /// Records that session `lost` ended: `true` the first time.
+    fn announce(announced: &mut Option<i64>, lost: i64) -> bool {
+        announced.replace(lost) != Some(lost)
+    }
+
+    /// Records, for the listening loop that logs it itself, that session `lost` ended:
+    /// its holds are checked at once, and [`replace`](Self::replace) logs nothing of it.
+    async fn ended(&self, lost: i64) {
+        if Self::announce(&mut *self.replacing.lock().await, lost) {
+            self.recheck.raise("the ZooKeeper session ended");
+        }
     }
 }
 
@@ -195,8 +213,12 @@ impl Listen for Following {
                 // Another call replaced the session: follow the new one.
                 Followed::Replaced => client = self.session.client(),
                 Followed::Ended(state) => {
-                    self.ended = Some(client.session_id().0);
-                    return Lost::Failed(format!("the session ended ({state:?})"));
+                    let lost = client.session_id().0;
+                    self.session.ended(lost).await;
+                    self.ended = Some(lost);
+                    return Lost::Failed(format!(
+                        "the session {lost:#x} ended ({state:?}); every hold under it is lost"
+                    ));
                 }
             }
         }

@@ -46,6 +46,7 @@ mod many;
 #[cfg(feature = "axum")]
 mod mysql;
 mod mysql_faults;
+mod outages;
 #[cfg(feature = "axum")]
 mod postgres;
 mod postgres_faults;

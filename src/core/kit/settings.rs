@@ -173,7 +173,9 @@ macro_rules! store_setters {
     (@max_key_len ($field:ident) () $(#[$doc:meta])*) => {
         /// The longest key accepted, in bytes (default 1024); longer keys are refused with
         /// [`KeyError::TooLong`](crate::KeyError::TooLong) (400 from the layer), never
-        /// truncated. Refused at build if zero.
+        /// truncated. It counts the key as the extractor returns it, a route's prefix
+        /// included (`PathParam::new("id").prefix("order")` makes `order:42`, 8 bytes), and
+        /// not the namespace. Refused at build if zero.
         ///
         $(#[$doc])*
         pub fn max_key_len(mut self, len: usize) -> Self {

@@ -1,0 +1,251 @@
+//! What an operator sees of a store that goes away and comes back: on every store, one
+//! WARN line when the backend's listening connection is lost (its cause beside it), DEBUG
+//! while it stays down, and one INFO line when it is back.
+//!
+//! The backend runs on a runtime of the test's own thread, so that its tasks log to the
+//! thread's subscriber; each step waits for the line it needs (woken by every write), not
+//! for a time.
+
+use crate::support;
+
+use std::future::Future;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tower_lock::LockBackend;
+use tracing_subscriber::layer::SubscriberExt;
+
+/// Generous bound on each awaited line: catches hangs only.
+const HANG: Duration = Duration::from_secs(60);
+
+/// The crate's log lines, and a signal on every write.
+#[derive(Clone, Default)]
+struct Log {
+    lines: support::Lines,
+    written: Arc<Notify>,
+}
+
+impl Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.lines.write(buf)?;
+        self.written.notify_waiters();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    /// Waits until `count` lines contain `text`.
+    async fn until(&self, text: &str, count: usize) {
+        let seen = async {
+            loop {
+                let written = self.written.notified();
+                tokio::pin!(written);
+                written.as_mut().enable();
+                if self.count(text) >= count {
+                    return;
+                }
+                written.await;
+            }
+        };
+        tokio::time::timeout(HANG, seen)
+            .await
+            .unwrap_or_else(|_| panic!("{count} lines of {text:?}:\n{}", self.lines.text()));
+    }
+
+    fn count(&self, text: &str) -> usize {
+        self.lines
+            .text()
+            .lines()
+            .filter(|l| l.contains(text))
+            .count()
+    }
+}
+
+/// A server that can be stopped and started again on its port.
+trait Outage {
+    fn stop(&mut self);
+    fn start(&mut self);
+}
+
+/// Builds a backend with `build` on a runtime of this thread, stops the server, waits
+/// until the backend's listener (`name`) logged the loss and then failed to reconnect
+/// twice more, starts the server, and waits for the INFO line: the WARN is logged once.
+fn an_outage_is_logged_once<S, B, F>(name: &str, server: &mut S, build: impl FnOnce() -> F)
+where
+    S: Outage,
+    B: LockBackend,
+    F: Future<Output = B>,
+{
+    let log = Log::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::new("tower_lock=debug"))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer({
+                    let log = log.clone();
+                    move || log.clone()
+                }),
+        );
+    tracing::subscriber::with_default(subscriber, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let backend = build().await;
+            // The listener is up once it has served one acquisition's wake-ups.
+            backend
+                .lock("k")
+                .try_once()
+                .await
+                .expect("free")
+                .release()
+                .await
+                .expect("released");
+            server.stop();
+            log.until(&format!("{name} connection lost; reconnecting"), 1)
+                .await;
+            log.until(&format!("{name} still cannot connect"), 2).await;
+            server.start();
+            log.until(&format!("{name} connected again"), 1).await;
+            drop(backend);
+        });
+    });
+    let warnings = log
+        .lines
+        .text()
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains(name))
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    assert_eq!(warnings.len(), 1, "one WARN per outage: {warnings:#?}");
+    assert!(
+        warnings[0].contains("reason="),
+        "its cause: {}",
+        warnings[0]
+    );
+}
+
+impl Outage for support::RedisServer {
+    fn stop(&mut self) {
+        self.kill();
+    }
+
+    fn start(&mut self) {
+        self.restart();
+    }
+}
+
+#[test]
+fn redis_an_outage_is_logged_once_and_the_return_at_info() {
+    crate::needs!(Redis);
+    let mut server = support::RedisServer::start();
+    let url = server.url();
+    an_outage_is_logged_once("lock subscriber", &mut server, || async move {
+        tower_lock::RedisBackend::connect(&url)
+            .await
+            .expect("backend")
+    });
+}
+
+impl Outage for support::postgres::PostgresServer {
+    fn stop(&mut self) {
+        support::postgres::PostgresServer::stop(self);
+    }
+
+    fn start(&mut self) {
+        self.start_again();
+    }
+}
+
+#[test]
+fn postgres_an_outage_is_logged_once_and_the_return_at_info() {
+    crate::needs!(Postgres);
+    let mut server = support::postgres::PostgresServer::start();
+    let url = server.url();
+    an_outage_is_logged_once("lock listener", &mut server, || async move {
+        tower_lock::PostgresBackend::builder(url)
+            .migrate()
+            .build()
+            .await
+            .expect("backend")
+    });
+}
+
+impl Outage for support::mariadb::MariaDbServer {
+    fn stop(&mut self) {
+        support::mariadb::MariaDbServer::stop(self);
+    }
+
+    fn start(&mut self) {
+        self.start_again();
+    }
+}
+
+#[test]
+fn mariadb_an_outage_is_logged_once_and_the_return_at_info() {
+    crate::needs!(MariaDb);
+    let mut server = support::mariadb::MariaDbServer::start();
+    let url = server.url();
+    an_outage_is_logged_once("lock wake connection", &mut server, || async move {
+        support::mariadb::builder_on(&url)
+            .build()
+            .await
+            .expect("backend")
+    });
+}
+
+#[cfg(feature = "etcd")]
+impl Outage for support::etcd::EtcdServer {
+    fn stop(&mut self) {
+        self.kill();
+    }
+
+    fn start(&mut self) {
+        self.start_again();
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_an_outage_is_logged_once_and_the_return_at_info() {
+    crate::needs!(Etcd);
+    let mut server = support::etcd::EtcdServer::start();
+    let endpoint = server.endpoint();
+    an_outage_is_logged_once("etcd watch", &mut server, || async move {
+        support::etcd::builder_on(&[endpoint])
+            .build()
+            .await
+            .expect("backend")
+    });
+}
+
+impl Outage for support::zookeeper::ZkServer {
+    fn stop(&mut self) {
+        self.kill();
+    }
+
+    fn start(&mut self) {
+        self.start_again();
+    }
+}
+
+#[test]
+fn zookeeper_an_outage_is_logged_once_and_the_return_at_info() {
+    crate::needs!(ZooKeeper);
+    let mut server = support::zookeeper::ZkServer::start();
+    let hosts = server.hosts();
+    an_outage_is_logged_once("ZooKeeper session", &mut server, || async move {
+        support::zookeeper::builder_on(&hosts)
+            .build()
+            .await
+            .expect("backend")
+    });
+}
