@@ -18,7 +18,7 @@ use crate::core::kit::listener::Listener;
 use crate::core::kit::settings::{StoreSettings, refuse_under_a_second};
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{self, Config, Server, Target, admin_channel};
+use crate::sql::{self, Config, Server, Staleness, Target, admin_channel};
 
 /// Configures a [`MySqlBackend`]; created by [`MySqlBackend::builder`] or
 /// [`MySqlBackend::from_pool`].
@@ -84,6 +84,7 @@ impl Server for MySql {
     fn pool(
         url: &str,
         settings: &StoreSettings,
+        stale: &Staleness,
     ) -> Result<(MySqlPool, MySqlConnectOptions), BuildError> {
         let options = MySqlConnectOptions::from_str(url).map_err(|e| BuildError::Url {
             source: Box::new(e),
@@ -91,7 +92,7 @@ impl Server for MySql {
         // A row lock is waited for no longer than a call may take (whole seconds).
         let lock_wait = settings.command_timeout.as_millis().div_ceil(1000).max(1);
         let set = format!("SET SESSION innodb_lock_wait_timeout = {lock_wait}");
-        let pool = sql::pool_options::<sqlx::MySql>(settings)
+        let pool = sql::pool_options::<sqlx::MySql>(settings, stale)
             .after_connect(move |conn, _| {
                 let set = set.clone();
                 Box::pin(async move { conn.execute(set.as_str()).await.map(drop) })
@@ -123,7 +124,7 @@ impl Server for MySql {
     }
 
     fn wake(
-        (pool, options): (&MySqlPool, &MySqlConnectOptions),
+        (pool, options, stale): (&MySqlPool, &MySqlConnectOptions, &Staleness),
         (settings, config): (&StoreSettings, &Config),
         parts: &Parts,
     ) -> Listener {
@@ -140,6 +141,7 @@ impl Server for MySql {
                 command_timeout: settings.command_timeout,
                 park: config.ping_interval,
                 max_backoff: settings.max_backoff,
+                stale: stale.clone(),
             },
             parts.recheck.clone(),
             parts.shutdown.clone(),

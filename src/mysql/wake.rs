@@ -30,6 +30,7 @@ use crate::core::kit::listener::{Listen, Listener, Lost};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
+use crate::sql::Staleness;
 
 /// Settings of the wake connection.
 #[derive(Debug, Clone)]
@@ -44,6 +45,9 @@ pub(crate) struct WakeConfig {
     /// How long one park lasts at most: the connection's ping interval.
     pub(crate) park: Duration,
     pub(crate) max_backoff: Duration,
+    /// Raised when the connection is lost or opened again: the server may have dropped
+    /// the command pool's idle connections too.
+    pub(crate) stale: Staleness,
 }
 
 /// What the task works with: the command pool (registrations) and the options its own
@@ -121,11 +125,14 @@ impl Listen for Waking {
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err("connect timed out".to_owned()),
         };
-        Ok((open().await?, open().await?))
+        let opened = (open().await?, open().await?);
+        self.config.stale.raise();
+        Ok(opened)
     }
 
     async fn serve(&mut self, (mut conn, mut gate): Self::Connection, proven: &mut bool) -> Lost {
         let Err(reason) = self.serve_parked((&mut conn, &mut gate), proven).await;
+        self.config.stale.raise();
         Lost::Failed(reason)
     }
 }

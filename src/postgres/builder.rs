@@ -18,7 +18,7 @@ use crate::core::kit::listener::Listener;
 use crate::core::kit::settings::StoreSettings;
 use crate::core::wakeups::Wakeups;
 use crate::error::BuildError;
-use crate::sql::{self, Config, Server, Target, admin_channel};
+use crate::sql::{self, Config, Server, Staleness, Target, admin_channel};
 
 /// The `application_name` of the command connections, unless the URL sets one.
 const APPLICATION_NAME: &str = "tower-lock";
@@ -81,7 +81,11 @@ impl Server for Postgres {
         Ok(())
     }
 
-    fn pool(url: &str, settings: &StoreSettings) -> Result<(PgPool, PgConnectOptions), BuildError> {
+    fn pool(
+        url: &str,
+        settings: &StoreSettings,
+        stale: &Staleness,
+    ) -> Result<(PgPool, PgConnectOptions), BuildError> {
         let statement_timeout = settings
             .command_timeout
             .saturating_mul(2)
@@ -96,7 +100,7 @@ impl Server for Postgres {
         if options.get_application_name().is_none() {
             options = options.application_name(APPLICATION_NAME);
         }
-        let pool = sql::pool_options(settings).connect_lazy_with(options.clone());
+        let pool = sql::pool_options(settings, stale).connect_lazy_with(options.clone());
         Ok((pool, options))
     }
 
@@ -123,7 +127,7 @@ impl Server for Postgres {
     }
 
     fn wake(
-        (_, options): (&PgPool, &PgConnectOptions),
+        (_, options, stale): (&PgPool, &PgConnectOptions, &Staleness),
         (settings, config): (&StoreSettings, &Config),
         parts: &Parts,
     ) -> Listener {
@@ -139,6 +143,7 @@ impl Server for Postgres {
                 command_timeout: settings.command_timeout,
                 ping_interval: config.ping_interval,
                 max_backoff: settings.max_backoff,
+                stale: stale.clone(),
             },
             parts.recheck.clone(),
             parts.shutdown.clone(),

@@ -18,6 +18,7 @@ use crate::core::kit::listener::{Listen, Listener, Lost};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
+use crate::sql::Staleness;
 
 /// Timing of the listening connection.
 #[derive(Debug, Clone)]
@@ -29,6 +30,9 @@ pub(crate) struct ListenConfig {
     pub(crate) command_timeout: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) max_backoff: Duration,
+    /// Raised when the connection is lost or opened again: the server may have dropped
+    /// the command pool's idle connections too.
+    pub(crate) stale: Staleness,
 }
 
 /// Starts the listener on a connection of `pool` (a pool of its own: the connection is
@@ -69,6 +73,7 @@ impl Listen for Listening {
         match timeout(self.config.connect_timeout, connecting).await {
             Ok(Ok(listener)) => {
                 self.wakeups.connected();
+                self.config.stale.raise();
                 self.recheck
                     .raise("the listening connection was (re)opened");
                 Ok(listener)
@@ -86,6 +91,7 @@ impl Listen for Listening {
             proven,
         );
         let Err(reason) = served.await;
+        self.config.stale.raise();
         Lost::Failed(reason)
     }
 }

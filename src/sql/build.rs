@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Connection;
-use tokio::time::timeout;
+use tokio::time::{Instant, timeout};
 
 use super::{Calls, Dialect, Refusal, SqlStore, admin_channel, janitor};
 use crate::core::kit::settings::{StoreSettings, refuse_under_a_second};
@@ -149,16 +149,44 @@ impl<D: sqlx::Database> fmt::Debug for Target<D> {
     }
 }
 
-/// The pool a SQL backend opens of its own, as `settings` size it: a statement on a dead
-/// connection fails and is retried, so none is pinged before use (a ping before every call
-/// would double the round trips).
+/// The pool a SQL backend opens of its own, as `settings` size it. A connection is not
+/// pinged before every use (that would double the round trips), only when it has been
+/// idle since `stale` was last raised: the server may have dropped it meanwhile (a
+/// restart), and the first requests after it would otherwise fail on dead connections.
 pub(crate) fn pool_options<D: sqlx::Database>(
     settings: &StoreSettings,
+    stale: &Staleness,
 ) -> sqlx::pool::PoolOptions<D> {
+    let stale = stale.clone();
     sqlx::pool::PoolOptions::new()
         .max_connections(settings.pool_size)
         .acquire_timeout(settings.connect_timeout)
         .test_before_acquire(false)
+        .before_acquire(move |conn: &mut D::Connection, meta| {
+            let suspect = stale.suspects(meta.idle_for);
+            Box::pin(async move {
+                // A connection that fails its ping is closed, and another one taken.
+                Ok(!suspect || conn.ping().await.is_ok())
+            })
+        })
+}
+
+/// When the server may last have dropped the pool's idle connections: the backend's
+/// listening connection was lost or opened again (a restart, a network fault).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Staleness(Arc<std::sync::Mutex<Option<Instant>>>);
+
+impl Staleness {
+    /// The server may have dropped every connection idle until now.
+    pub(crate) fn raise(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
+    /// Whether a connection idle for `idle_for` has been idle since the last raise.
+    fn suspects(&self, idle_for: Duration) -> bool {
+        let raised = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        raised.is_some_and(|at| idle_for >= at.elapsed())
+    }
 }
 
 /// The settings a SQL builder starts with, besides its own ([`Config`]): a pool of 8
@@ -210,6 +238,7 @@ pub(crate) trait Server: Calls {
     fn pool(
         url: &str,
         settings: &StoreSettings,
+        stale: &Staleness,
     ) -> Result<(sqlx::Pool<Self>, Options<Self>), BuildError>;
 
     /// Refuses a server that takes no writes: every acquisition would fail.
@@ -236,9 +265,10 @@ pub(crate) trait Server: Calls {
     fn call_failure(e: sqlx::Error, options: &Options<Self>, table: &str) -> BuildError;
 
     /// Starts the connection the backend's waiters are woken through, given the command
-    /// pool and the options of its connections, and the settings.
+    /// pool and the options of its connections (and what the connection raises when it is
+    /// lost or opened again), and the settings.
     fn wake(
-        connections: (&sqlx::Pool<Self>, &Options<Self>),
+        connections: (&sqlx::Pool<Self>, &Options<Self>, &Staleness),
         settings: (&StoreSettings, &Config),
         parts: &Parts,
     ) -> Self::Wake;
@@ -268,10 +298,12 @@ where
     D::schema_sql(&config.table)?;
     refuse_under_a_second("fence_ttl", config.fence_ttl)?;
     D::validate(&config)?;
+    // A pool given by the application is its own: its idle connections are not checked.
+    let stale = Staleness::default();
     let (pool, options) = match target {
         Target::Url(url) => {
             check_scheme::<D>(&url)?;
-            D::pool(&url, &settings)?
+            D::pool(&url, &settings, &stale)?
         }
         Target::Pool(pool) => {
             let options = (*pool.connect_options()).clone();
@@ -291,7 +323,7 @@ where
             .map_err(|e| e.unwrap_or_else(failure))?;
     }
     let parts = settings.parts();
-    let wake = D::wake((&pool, &options), (&settings, &config), &parts);
+    let wake = D::wake((&pool, &options, &stale), (&settings, &config), &parts);
     let sql = D::statements(&config.table);
     let janitor = janitor::spawn(
         pool.clone(),

@@ -82,6 +82,20 @@ where
     B: LockBackend,
     F: Future<Output = B>,
 {
+    through_an_outage(name, server, build, async |_| {});
+}
+
+/// [`an_outage_is_logged_once`], running `after` once the backend's listener is back.
+fn through_an_outage<S, B, F>(
+    name: &str,
+    server: &mut S,
+    build: impl FnOnce() -> F,
+    after: impl AsyncFnOnce(&B),
+) where
+    S: Outage,
+    B: LockBackend,
+    F: Future<Output = B>,
+{
     let log = Log::default();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_subscriber::EnvFilter::new("tower_lock=debug"))
@@ -101,20 +115,21 @@ where
         runtime.block_on(async {
             let backend = build().await;
             // The listener is up once it has served one acquisition's wake-ups.
-            backend
-                .lock("k")
-                .try_once()
-                .await
-                .expect("free")
-                .release()
-                .await
-                .expect("released");
+            // Eight at once: the command pool opens several connections, idle from now.
+            let holds = futures_util::future::join_all(
+                (0..8).map(|i| backend.lock(format!("k{i}")).try_once()),
+            )
+            .await;
+            for hold in holds {
+                hold.expect("free").release().await.expect("released");
+            }
             server.stop();
             log.until(&format!("{name} connection lost; reconnecting"), 1)
                 .await;
             log.until(&format!("{name} still cannot connect"), 2).await;
             server.start();
             log.until(&format!("{name} connected again"), 1).await;
+            after(&backend).await;
             drop(backend);
         });
     });
@@ -166,17 +181,28 @@ impl Outage for support::postgres::PostgresServer {
 }
 
 #[test]
-fn postgres_an_outage_is_logged_once_and_the_return_at_info() {
+fn postgres_an_outage_is_logged_once_and_the_first_requests_after_it_are_served() {
     crate::needs!(Postgres);
     let mut server = support::postgres::PostgresServer::start();
     let url = server.url();
-    an_outage_is_logged_once("lock listener", &mut server, || async move {
+    let build = || async move {
         tower_lock::PostgresBackend::builder(url)
             .migrate()
             .build()
             .await
             .expect("backend")
-    });
+    };
+    through_an_outage("lock listener", &mut server, build, every_request_served);
+}
+
+/// Once the server is back, none of the pool's connections from before the outage fails
+/// a request: sixteen acquisitions in turn, each served.
+async fn every_request_served<B: LockBackend>(backend: &B) {
+    for i in 0..16 {
+        let hold = backend.lock(format!("after{i}")).try_once().await;
+        let hold = hold.unwrap_or_else(|e| panic!("request {i} after the restart: {e:?}"));
+        hold.release().await.expect("released");
+    }
 }
 
 impl Outage for support::mariadb::MariaDbServer {
@@ -190,16 +216,22 @@ impl Outage for support::mariadb::MariaDbServer {
 }
 
 #[test]
-fn mariadb_an_outage_is_logged_once_and_the_return_at_info() {
+fn mariadb_an_outage_is_logged_once_and_the_first_requests_after_it_are_served() {
     crate::needs!(MariaDb);
     let mut server = support::mariadb::MariaDbServer::start();
     let url = server.url();
-    an_outage_is_logged_once("lock wake connection", &mut server, || async move {
+    let build = || async move {
         support::mariadb::builder_on(&url)
             .build()
             .await
             .expect("backend")
-    });
+    };
+    through_an_outage(
+        "lock wake connection",
+        &mut server,
+        build,
+        every_request_served,
+    );
 }
 
 #[cfg(feature = "etcd")]
