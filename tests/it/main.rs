@@ -21,6 +21,7 @@ mod cluster_tls;
 mod conformance;
 mod connect;
 mod dataloss;
+mod doc_messages;
 #[cfg(all(feature = "axum", feature = "etcd"))]
 mod etcd;
 #[cfg(feature = "etcd")]
