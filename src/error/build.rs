@@ -135,6 +135,9 @@ pub enum BuildError {
         file: &'static str,
         /// The lock table's name.
         table: String,
+        /// What the schema's routines are on this server: `functions` (PostgreSQL) or
+        /// `procedures` (MySQL).
+        routines: &'static str,
         /// The version the database has, if any.
         found: Option<i32>,
         /// The version this crate needs.
@@ -254,9 +257,10 @@ impl fmt::Display for BuildError {
                 backend,
                 file,
                 table,
+                routines,
                 found,
                 expected,
-            } => schema_message(f, (backend, file, table), *found, *expected),
+            } => schema_message(f, (backend, file, table, routines), *found, *expected),
             BuildError::ReadOnly { reason } => {
                 write!(f, "the server takes no writes: {reason}")
             }
@@ -299,14 +303,14 @@ impl fmt::Display for BuildError {
 /// The message of [`BuildError::Schema`]: the table missing, or at another version.
 fn schema_message(
     f: &mut fmt::Formatter<'_>,
-    (backend, file, table): (&str, &str, &str),
+    (backend, file, table, routines): (&str, &str, &str, &str),
     found: Option<i32>,
     expected: i32,
 ) -> fmt::Result {
     match found {
         None => write!(
             f,
-            "the database has no lock table `{table}` (or not its routines)"
+            "the database has no lock table `{table}` (or not its {routines})"
         )?,
         Some(found) => write!(
             f,

@@ -167,6 +167,7 @@ pub(crate) async fn check(
         backend: "MySqlBackend",
         file: "src/mysql/schema.sql",
         table: table.to_owned(),
+        routines: "procedures",
         found,
         expected: SCHEMA_VERSION,
     }))

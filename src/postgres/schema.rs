@@ -70,6 +70,7 @@ pub(crate) async fn check(
         backend: "PostgresBackend",
         file: "src/postgres/schema.sql",
         table: table.to_owned(),
+        routines: "functions",
         found,
         expected: SCHEMA_VERSION,
     }))

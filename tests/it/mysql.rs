@@ -30,7 +30,8 @@ async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_c
     };
     let message = error.to_string();
     assert!(
-        message.contains("src/mysql/schema.sql")
+        message.contains("(or not its procedures)")
+            && message.contains("src/mysql/schema.sql")
             && message.contains("MySqlBackend::schema_sql")
             && message.contains("migrate()"),
         "{message}"

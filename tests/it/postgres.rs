@@ -34,7 +34,9 @@ async fn build_refuses_a_database_without_the_table_naming_the_sql_and_migrate_c
     };
     let message = error.to_string();
     assert!(
-        message.contains("src/postgres/schema.sql") && message.contains("migrate()"),
+        message.contains("(or not its functions)")
+            && message.contains("src/postgres/schema.sql")
+            && message.contains("migrate()"),
         "{message}"
     );
     // migrate() creates it, and running it again (another instance starting) changes
