@@ -378,7 +378,7 @@ fn connect_message(
         ConnectFailure::ExpectsTls { scheme } => write!(
             f,
             "the server at {addr} closed the connection on a plaintext request: it may \
-             expect TLS (use `{scheme}`)"
+             expect TLS (use `{scheme}`), or not be the store's client port"
         ),
         ConnectFailure::UnknownDatabase { name } => write!(
             f,

@@ -113,7 +113,17 @@ pub(super) fn call_failure(
 ) -> BuildError {
     match number(&e) {
         // Access denied to a table, a column or a routine.
-        Some(1142 | 1143 | 1370) => BuildError::Rights {
+        // MySQL answers a missing routine with this too, to a user who may not execute it.
+        Some(1370) => BuildError::Rights {
+            user: options.get_username().to_owned(),
+            addr: MySql::addr(options),
+            right: format!(
+                "execute the procedures of the lock table `{table}` (or they are not in this \
+                 database: see `MySqlBackend::schema_sql` and `migrate()`)"
+            ),
+            source: Box::new(e),
+        },
+        Some(1142 | 1143) => BuildError::Rights {
             user: options.get_username().to_owned(),
             addr: MySql::addr(options),
             right: format!("use the lock table `{table}` and its procedures"),

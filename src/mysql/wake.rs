@@ -112,7 +112,7 @@ struct Park {
 }
 
 impl Listen for Waking {
-    const NAME: &'static str = "lock wake connection";
+    const NAME: &'static str = "lock waker";
     /// The parked connection, and the gate: a second connection holding the named lock
     /// the first parks on.
     type Connection = (MySqlConnection, MySqlConnection);

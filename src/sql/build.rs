@@ -34,7 +34,12 @@ pub(crate) fn connect_failure<D: Dialect>(
                 };
             }
             Some(Refusal::DatabaseDenied) => {
-                let right = format!("use the database `{}`", D::database(options));
+                // MySQL says the same of a database that does not exist, to a user without
+                // rights on it.
+                let right = format!(
+                    "use the database `{}` (or it does not exist)",
+                    D::database(options)
+                );
                 return rights::<D>(e, options, right);
             }
             Some(Refusal::UnknownDatabase) => ConnectFailure::UnknownDatabase {

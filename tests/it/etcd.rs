@@ -176,7 +176,7 @@ async fn https_endpoints_with_a_private_ca_and_a_client_certificate() {
         error.to_string(),
         format!(
             "the server at {plain} closed the connection on a plaintext request: it may \
-             expect TLS (use `https://`)"
+             expect TLS (use `https://`), or not be the store's client port"
         )
     );
 }

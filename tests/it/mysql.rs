@@ -213,7 +213,10 @@ async fn build_names_an_unknown_database_a_database_denied_and_a_migration_the_u
     };
     assert_eq!(
         error.to_string(),
-        format!("the user `{user}` of the server at {addr} may not use the database `test`")
+        format!(
+            "the user `{user}` of the server at {addr} may not use the database `test` (or it \
+             does not exist)"
+        )
     );
     // Its own database, under migrate() without CREATE.
     let own = server
@@ -229,6 +232,20 @@ async fn build_names_an_unknown_database_a_database_denied_and_a_migration_the_u
             "the user `{user}` of the server at {addr} may not create the lock table \
              `tower_lock` and its procedures (what `migrate()` does: run the SQL of \
              `MySqlBackend::schema_sql` as a user who may, or grant CREATE)"
+        )
+    );
+    // Without migrate(), in a database without the schema: MySQL answers a user who may
+    // not EXECUTE as it answers a missing procedure.
+    let refused = MySqlBackend::connect(&own).await;
+    let Err(error @ BuildError::Rights { .. }) = &refused else {
+        panic!("no EXECUTE, or no schema: {refused:?}");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the user `{user}` of the server at {addr} may not execute the procedures of the \
+             lock table `tower_lock` (or they are not in this database: see \
+             `MySqlBackend::schema_sql` and `migrate()`)"
         )
     );
 }

@@ -226,12 +226,7 @@ fn mariadb_an_outage_is_logged_once_and_the_first_requests_after_it_are_served()
             .await
             .expect("backend")
     };
-    through_an_outage(
-        "lock wake connection",
-        &mut server,
-        build,
-        every_request_served,
-    );
+    through_an_outage("lock waker", &mut server, build, every_request_served);
 }
 
 #[cfg(feature = "etcd")]
