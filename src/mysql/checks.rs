@@ -112,23 +112,20 @@ pub(super) fn call_failure(
     table: &str,
 ) -> BuildError {
     match number(&e) {
-        // Access denied to a table, a column or a routine.
-        // MySQL answers a missing routine with this too, to a user who may not execute it.
-        Some(1370) => BuildError::Rights {
-            user: options.get_username().to_owned(),
-            addr: MySql::addr(options),
-            right: format!(
+        // Access denied to a routine; MySQL answers a missing routine with this too, to a
+        // user who may not execute it.
+        Some(1370) => {
+            let right = format!(
                 "execute the procedures of the lock table `{table}` (or they are not in this \
                  database: see `MySqlBackend::schema_sql` and `migrate()`)"
-            ),
-            source: Box::new(e),
-        },
-        Some(1142 | 1143) => BuildError::Rights {
-            user: options.get_username().to_owned(),
-            addr: MySql::addr(options),
-            right: format!("use the lock table `{table}` and its procedures"),
-            source: Box::new(e),
-        },
+            );
+            sql::rights::<MySql>(e, options, right)
+        }
+        // Access denied to a table or a column.
+        Some(1142 | 1143) => {
+            let right = format!("use the lock table `{table}` and its procedures");
+            sql::rights::<MySql>(e, options, right)
+        }
         // The server runs with read_only (or is in read-only mode).
         Some(1290 | 1836 | 1792) => BuildError::ReadOnly {
             reason: "the server refuses writes (read_only is on: a replica?)",

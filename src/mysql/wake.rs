@@ -26,7 +26,7 @@ use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::{INTERRUPTED, number};
-use crate::core::kit::listener::{Listen, Listener, Lost};
+use crate::core::kit::listener::{Listen, Listener, Lost, within};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
@@ -119,14 +119,9 @@ impl Listen for Waking {
 
     async fn connect(&mut self) -> Result<Self::Connection, String> {
         let bound = self.config.connect_timeout;
-        let open = async || match timeout(bound, MySqlConnection::connect_with(&self.options)).await
-        {
-            Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("connect timed out".to_owned()),
-        };
+        let open = || within(bound, MySqlConnection::connect_with(&self.options));
         let opened = (open().await?, open().await?);
-        self.config.stale.raise();
+        self.config.stale.opened();
         Ok(opened)
     }
 

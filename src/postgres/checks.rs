@@ -7,7 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool};
 use super::store::PgStore;
 use crate::error::BuildError;
 use crate::key::namespaced;
-use crate::sql::{self, Dialect};
+use crate::sql;
 
 /// Refuses a server that takes no writes: every acquisition would fail.
 pub(super) async fn refuse_read_only(
@@ -56,16 +56,17 @@ pub(super) async fn probe(store: &PgStore, options: &PgConnectOptions) -> Result
             .bind(&name)
             .execute(&store.pool)
             .await
-            .map_err(|e| match &e {
-                sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => {
-                    BuildError::Rights {
-                        user: options.get_username().to_owned(),
-                        addr: Postgres::addr(options),
-                        right: format!("use the lock table `{table}` and its functions ({db})"),
-                        source: Box::new(e),
-                    }
+            .map_err(|e| {
+                let denied = match &e {
+                    sqlx::Error::Database(db) if db.code().as_deref() == Some("42501") => Some(
+                        format!("use the lock table `{table}` and its functions ({db})"),
+                    ),
+                    _ => None,
+                };
+                match denied {
+                    Some(right) => sql::rights::<Postgres>(e, options, right),
+                    None => connect_failure(e, options),
                 }
-                _ => connect_failure(e, options),
             })?;
     }
     Ok(())

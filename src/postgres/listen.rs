@@ -14,7 +14,7 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::kit::listener::{Listen, Listener, Lost};
+use crate::core::kit::listener::{Listen, Listener, Lost, within};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
 use crate::core::watchdog::recheck::Recheck;
@@ -70,17 +70,12 @@ impl Listen for Listening {
 
     async fn connect(&mut self) -> Result<PgListener, String> {
         let connecting = PgListener::connect_with(&self.pool);
-        match timeout(self.config.connect_timeout, connecting).await {
-            Ok(Ok(listener)) => {
-                self.wakeups.connected();
-                self.config.stale.raise();
-                self.recheck
-                    .raise("the listening connection was (re)opened");
-                Ok(listener)
-            }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("connect timed out".to_owned()),
-        }
+        let listener = within(self.config.connect_timeout, connecting).await?;
+        self.wakeups.connected();
+        self.config.stale.opened();
+        self.recheck
+            .raise("the listening connection was (re)opened");
+        Ok(listener)
     }
 
     async fn serve(&mut self, mut listener: PgListener, proven: &mut bool) -> Lost {

@@ -77,7 +77,11 @@ pub(crate) fn connect_failure<D: Dialect>(
 }
 
 /// The build error of a right the user lacks.
-fn rights<D: Dialect>(e: sqlx::Error, options: &Options<D>, right: String) -> BuildError {
+pub(crate) fn rights<D: Dialect>(
+    e: sqlx::Error,
+    options: &Options<D>,
+    right: String,
+) -> BuildError {
     BuildError::Rights {
         user: D::user(options).to_owned(),
         addr: D::addr(options),
@@ -179,18 +183,39 @@ pub(crate) fn pool_options<D: sqlx::Database>(
 /// When the server may last have dropped the pool's idle connections: the backend's
 /// listening connection was lost or opened again (a restart, a network fault).
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Staleness(Arc<std::sync::Mutex<Option<Instant>>>);
+pub(crate) struct Staleness(Arc<std::sync::Mutex<Stale>>);
+
+#[derive(Debug, Default)]
+struct Stale {
+    /// The listening connection was opened once: a later opening is a reopening.
+    opened: bool,
+    /// The last sign, if any.
+    since: Option<Instant>,
+}
 
 impl Staleness {
     /// The server may have dropped every connection idle until now.
     pub(crate) fn raise(&self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        self.state().since = Some(Instant::now());
     }
 
-    /// Whether a connection idle for `idle_for` has been idle since the last raise.
+    /// The listening connection was opened: the first time at build, whose connections
+    /// are fresh; any later time after a loss, which may have dropped idle ones too.
+    pub(crate) fn opened(&self) {
+        let mut state = self.state();
+        if std::mem::replace(&mut state.opened, true) {
+            state.since = Some(Instant::now());
+        }
+    }
+
+    /// Whether a connection idle for `idle_for` has been idle since the last sign.
     fn suspects(&self, idle_for: Duration) -> bool {
-        let raised = *self.0.lock().unwrap_or_else(|e| e.into_inner());
-        raised.is_some_and(|at| idle_for >= at.elapsed())
+        let since = self.state().since;
+        since.is_some_and(|at| idle_for >= at.elapsed())
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Stale> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 pub(crate) use self::backend::sql_backend;
 pub(crate) use self::build::{
-    Config, Server, Staleness, Target, build, connect_failure, pool_options, settings,
+    Config, Server, Staleness, Target, build, connect_failure, pool_options, rights, settings,
 };
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};

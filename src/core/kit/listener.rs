@@ -20,6 +20,18 @@ use crate::core::runtime::{Daemon, Spawner};
 use crate::core::wakeups::{Disconnected, Waiter, Wakeups};
 use crate::lock::LockOwner;
 
+/// `connecting` within `bound`: the connection, or why not, as [`Listen::connect`]
+/// says it.
+pub(crate) async fn within<T, E: std::fmt::Display>(
+    bound: Duration,
+    connecting: impl Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(bound, connecting).await {
+        Ok(connected) => connected.map_err(|e| e.to_string()),
+        Err(_) => Err("connect timed out".to_owned()),
+    }
+}
+
 /// Why a connection was given up.
 #[derive(Debug)]
 pub(crate) enum Lost {

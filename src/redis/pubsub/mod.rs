@@ -20,7 +20,7 @@ use super::admin::AdminChannel;
 use super::connection::pool::FailureEpoch;
 use super::connection::topology::{Topology, TopologyChanges};
 use super::run_id::ServerIdentity;
-use crate::core::kit::listener::{Listen, Listener, Lost, supervise};
+use crate::core::kit::listener::{Listen, Listener, Lost, supervise, within};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::{Grant, Waiter, Wakeups};
 use crate::lock::LockOwner;
@@ -178,18 +178,13 @@ impl Listen for Subscribing {
     async fn connect(&mut self) -> Result<Self::Connection, String> {
         let topology = &self.topology;
         let connecting = async { topology.subscriber_client().await?.get_async_pubsub().await };
-        match timeout(self.config.connect_timeout, connecting).await {
-            Ok(Ok(pubsub)) => {
-                self.shared.wakeups.connected();
-                // The first sign of a restart (the old connection ended with the server)
-                // or of a fault that may have hidden one: held locks may be gone.
-                self.server
-                    .recheck("the subscriber connection was (re)opened");
-                Ok(pubsub.split())
-            }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("connect timed out".to_owned()),
-        }
+        let pubsub = within(self.config.connect_timeout, connecting).await?;
+        self.shared.wakeups.connected();
+        // The first sign of a restart (the old connection ended with the server) or of a
+        // fault that may have hidden one: held locks may be gone.
+        self.server
+            .recheck("the subscriber connection was (re)opened");
+        Ok(pubsub.split())
     }
 
     async fn serve(&mut self, (mut sink, mut stream): Self::Connection, proven: &mut bool) -> Lost {
@@ -202,41 +197,15 @@ impl Listen for Subscribing {
             proven,
         )
         .await;
-        match ended {
-            Ended::Lost(reason) => {
-                self.failure_epoch.raise();
-                Lost::Failed(reason)
-            }
-            Ended::Refused(error) => Lost::Refused {
-                error: error.to_string(),
-                message: REFUSED,
-            },
+        // A failed connection may mean the server restarted; a refusal does not.
+        if let Lost::Failed(_) = ended {
+            self.failure_epoch.raise();
         }
+        ended
     }
 
     async fn hurry(&mut self) {
         self.changes.next().await;
-    }
-}
-
-/// Why a served connection ended.
-enum Ended {
-    /// The connection failed: it is replaced, and the server may have restarted.
-    Lost(String),
-    /// The server refused a SUBSCRIBE for lack of rights (NOPERM): the ACL user's channel
-    /// rights were revoked after build. Retried on a new connection, under the backoff.
-    Refused(redis::RedisError),
-}
-
-impl From<String> for Ended {
-    fn from(reason: String) -> Self {
-        Ended::Lost(reason)
-    }
-}
-
-impl From<&str> for Ended {
-    fn from(reason: &str) -> Self {
-        Ended::Lost(reason.to_owned())
     }
 }
 
@@ -248,7 +217,7 @@ async fn serve(
     config: &SubscriberConfig,
     changes: &mut TopologyChanges,
     proven: &mut bool,
-) -> Result<std::convert::Infallible, Ended> {
+) -> Result<std::convert::Infallible, Lost> {
     let mut ping = tokio::time::interval(config.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick completes at once; the connection was just proven by the handshake.
@@ -282,7 +251,7 @@ async fn reconcile(
     sink: &mut PubSubSink,
     command_timeout: Duration,
     proven: &mut bool,
-) -> Result<(), Ended> {
+) -> Result<(), Lost> {
     loop {
         let (subscribe, unsubscribe) = shared.wakeups.registry().changes();
         if subscribe.is_empty() && unsubscribe.is_empty() {
@@ -300,8 +269,13 @@ async fn reconcile(
                 .await
                 .map_err(|_| "subscribe timed out".to_owned())?
                 .map_err(|e| match e.code() {
-                    Some("NOPERM") => Ended::Refused(e),
-                    _ => Ended::Lost(format!("subscribe failed: {e}")),
+                    // The ACL user's channel rights were revoked after build: retried on a
+                    // new connection, under the backoff.
+                    Some("NOPERM") => Lost::Refused {
+                        error: e.to_string(),
+                        message: REFUSED,
+                    },
+                    _ => Lost::Failed(format!("subscribe failed: {e}")),
                 })?;
             *proven = true;
             shared.wakeups.registry().confirmed(subscribe);

@@ -28,7 +28,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use super::Shared;
 use super::SubscriberConfig;
 use crate::core::kit::backoff::Backoff;
-use crate::core::kit::listener::{Listen, Lost};
+use crate::core::kit::listener::{Listen, Lost, within};
 use crate::redis::connection::cluster::{self, ClusterNodes};
 use crate::redis::connection::pool::FailureEpoch;
 use crate::redis::run_id::ServerIdentity;
@@ -69,17 +69,12 @@ impl Listen for ShardListen {
     async fn connect(&mut self) -> Result<Self::Connection, String> {
         let (pushes, received) = unbounded_channel();
         let connecting = self.nodes.connect_subscriber(pushes);
-        match timeout(self.config.connect_timeout, connecting).await {
-            Ok(Ok(conn)) => {
-                self.shared.wakeups.connected();
-                // A node may have restarted or failed over while the subscriber was away.
-                self.server
-                    .recheck("the subscriber connection was (re)opened");
-                Ok((conn, received))
-            }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("connect timed out".to_owned()),
-        }
+        let conn = within(self.config.connect_timeout, connecting).await?;
+        self.shared.wakeups.connected();
+        // A node may have restarted or failed over while the subscriber was away.
+        self.server
+            .recheck("the subscriber connection was (re)opened");
+        Ok((conn, received))
     }
 
     async fn serve(&mut self, (conn, pushes): Self::Connection, proven: &mut bool) -> Lost {
