@@ -4,7 +4,6 @@
 
 use crate::support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use support::mariadb::{self, MariaDbServer, fresh_database};
@@ -253,47 +252,18 @@ async fn build_names_an_unknown_database_a_database_denied_and_a_migration_the_u
 #[test]
 fn the_wake_connections_park_is_not_logged_as_a_slow_statement() {
     crate::needs!(MariaDb);
-    use tracing_subscriber::layer::SubscriberExt;
     // sqlx logs each statement when it ends, at WARN "slow statement" past a second (a
-    // park lasts its whole interval when nothing wakes it), else at DEBUG. The backend
-    // runs on a runtime of this thread, so its tasks log to this thread's subscriber.
-    let (lines, parked) = (
-        support::Lines::default(),
-        Arc::new(tokio::sync::Notify::new()),
-    );
-    let writer = {
-        let (lines, parked) = (lines.clone(), parked.clone());
-        move || support::Watched {
-            lines: lines.clone(),
-            on: "woken = 1), 0, GET_LOCK",
-            seen: parked.clone(),
-        }
-    };
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_subscriber::EnvFilter::new("sqlx::query=debug"))
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_ansi(false)
-                .with_writer(writer),
-        );
-    tracing::subscriber::with_default(subscriber, || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
+    // park lasts its whole interval when nothing wakes it), else at DEBUG.
+    let log = support::logged_on_this_thread("sqlx::query=debug", async |log| {
+        let backend = mariadb::builder(&mariadb::fresh_namespace())
+            .wake_ping_interval(Duration::from_secs(1))
             .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            let backend = mariadb::builder(&mariadb::fresh_namespace())
-                .wake_ping_interval(Duration::from_secs(1))
-                .build()
-                .await
-                .expect("backend");
-            // One park ran to its end (1 s, nothing woke it).
-            tokio::time::timeout(Duration::from_secs(30), parked.notified())
-                .await
-                .expect("a park ended");
-            drop(backend);
-        });
+            .await
+            .expect("backend");
+        // One park ran to its end (1 s, nothing woke it).
+        log.until("woken = 1), 0, GET_LOCK", 1).await;
+        drop(backend);
     });
-    let text = lines.text();
+    let text = log.text();
     assert!(!text.contains("slow statement"), "{text}");
 }

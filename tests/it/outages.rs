@@ -3,69 +3,14 @@
 //! while it stays down, and one INFO line when it is back.
 //!
 //! The backend runs on a runtime of the test's own thread, so that its tasks log to the
-//! thread's subscriber; each step waits for the line it needs (woken by every write), not
-//! for a time.
+//! thread's subscriber ([`support::logged_on_this_thread`]); each step waits for the line
+//! it needs, not for a time.
 
 use crate::support;
 
 use std::future::Future;
-use std::io::Write;
-use std::sync::Arc;
-use std::time::Duration;
 
-use tokio::sync::Notify;
 use tower_lock::LockBackend;
-use tracing_subscriber::layer::SubscriberExt;
-
-/// Generous bound on each awaited line: catches hangs only.
-const HANG: Duration = Duration::from_secs(60);
-
-/// The crate's log lines, and a signal on every write.
-#[derive(Clone, Default)]
-struct Log {
-    lines: support::Lines,
-    written: Arc<Notify>,
-}
-
-impl Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.lines.write(buf)?;
-        self.written.notify_waiters();
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Log {
-    /// Waits until `count` lines contain `text`.
-    async fn until(&self, text: &str, count: usize) {
-        let seen = async {
-            loop {
-                let written = self.written.notified();
-                tokio::pin!(written);
-                written.as_mut().enable();
-                if self.count(text) >= count {
-                    return;
-                }
-                written.await;
-            }
-        };
-        tokio::time::timeout(HANG, seen)
-            .await
-            .unwrap_or_else(|_| panic!("{count} lines of {text:?}:\n{}", self.lines.text()));
-    }
-
-    fn count(&self, text: &str) -> usize {
-        self.lines
-            .text()
-            .lines()
-            .filter(|l| l.contains(text))
-            .count()
-    }
-}
 
 /// A server that can be stopped and started again on its port.
 trait Outage {
@@ -96,45 +41,29 @@ fn through_an_outage<S, B, F>(
     B: LockBackend,
     F: Future<Output = B>,
 {
-    let log = Log::default();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_subscriber::EnvFilter::new("tower_lock=debug"))
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_ansi(false)
-                .with_writer({
-                    let log = log.clone();
-                    move || log.clone()
-                }),
-        );
-    tracing::subscriber::with_default(subscriber, || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            let backend = build().await;
-            // The listener is up once it has served one acquisition's wake-ups.
-            // Eight at once: the command pool opens several connections, idle from now.
-            let holds = futures_util::future::join_all(
-                (0..8).map(|i| backend.lock(format!("k{i}")).try_once()),
-            )
+    let log = support::logged_on_this_thread("tower_lock=debug", async |log| {
+        let backend = build().await;
+        // Its listening connection is open before the server goes away: the loss is
+        // the one logged.
+        log.until(&format!("{name} connected"), 1).await;
+        // Eight at once: the command pool opens several connections, idle from now.
+        let holds = futures_util::future::join_all(
+            (0..8).map(|i| backend.lock(format!("k{i}")).try_once()),
+        )
+        .await;
+        for hold in holds {
+            hold.expect("free").release().await.expect("released");
+        }
+        server.stop();
+        log.until(&format!("{name} connection lost; reconnecting"), 1)
             .await;
-            for hold in holds {
-                hold.expect("free").release().await.expect("released");
-            }
-            server.stop();
-            log.until(&format!("{name} connection lost; reconnecting"), 1)
-                .await;
-            log.until(&format!("{name} still cannot connect"), 2).await;
-            server.start();
-            log.until(&format!("{name} connected again"), 1).await;
-            after(&backend).await;
-            drop(backend);
-        });
+        log.until(&format!("{name} still cannot connect"), 2).await;
+        server.start();
+        log.until(&format!("{name} connected again"), 1).await;
+        after(&backend).await;
+        drop(backend);
     });
     let warnings = log
-        .lines
         .text()
         .lines()
         .filter(|l| l.contains(" WARN ") && l.contains(name))

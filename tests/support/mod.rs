@@ -580,36 +580,94 @@ pub async fn warnings_of<T>(future: impl std::future::Future<Output = T>) -> (T,
     (output, text)
 }
 
-/// Where a test's subscriber writes ([`warnings_of`]'s, or one of the test's own).
+/// Where a test's subscriber writes ([`warnings_of`]'s, or a [`Log`]'s).
 #[derive(Clone, Default)]
-pub struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl Lines {
     /// What was written so far.
-    pub fn text(&self) -> String {
+    fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().expect("lines")).into_owned()
     }
 }
 
-/// A writer into `lines` that signals `seen` (once per write) when a write contains `on`.
-pub struct Watched {
-    pub lines: Lines,
-    pub on: &'static str,
-    pub seen: Arc<tokio::sync::Notify>,
+/// A subscriber's lines, and a signal on every write: what a test waits for in the log.
+#[derive(Clone, Default)]
+pub struct Log {
+    lines: Lines,
+    written: Arc<tokio::sync::Notify>,
 }
 
-impl Write for Watched {
+impl Write for Log {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.lines.write(buf)?;
-        if String::from_utf8_lossy(buf).contains(self.on) {
-            self.seen.notify_one();
-        }
+        self.written.notify_waiters();
         Ok(buf.len())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+impl Log {
+    /// Waits until `count` lines contain `text` (woken by each write; the bound catches
+    /// hangs only).
+    pub async fn until(&self, text: &str, count: usize) {
+        let seen = async {
+            loop {
+                let written = self.written.notified();
+                tokio::pin!(written);
+                written.as_mut().enable();
+                if self.count(text) >= count {
+                    return;
+                }
+                written.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), seen)
+            .await
+            .unwrap_or_else(|_| panic!("{count} lines of {text:?}:\n{}", self.text()));
+    }
+
+    /// How many lines contain `text`.
+    pub fn count(&self, text: &str) -> usize {
+        self.text().lines().filter(|l| l.contains(text)).count()
+    }
+
+    /// What was logged so far.
+    pub fn text(&self) -> String {
+        self.lines.text()
+    }
+}
+
+/// Runs `body` on a runtime of this thread under a subscriber that writes what `filter`
+/// lets through to the [`Log`] it is given: the tasks a backend spawns there log to it,
+/// which they would not under [`warnings_of`].
+pub fn logged_on_this_thread<F: std::future::Future<Output = ()>>(
+    filter: &str,
+    body: impl FnOnce(Log) -> F,
+) -> Log {
+    use tracing_subscriber::layer::SubscriberExt;
+    let log = Log::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::new(filter))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer({
+                    let log = log.clone();
+                    move || log.clone()
+                }),
+        );
+    tracing::subscriber::with_default(subscriber, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(body(log.clone()));
+    });
+    log
 }
 
 impl Write for Lines {
