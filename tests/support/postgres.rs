@@ -372,11 +372,14 @@ pub async fn backend_in(namespace: &str) -> tower_lock::PostgresBackend {
         .expect("backend connects to the test PostgreSQL")
 }
 
-/// The builder of [`backend_in`], to set more before building.
+/// The builder of [`backend_in`], to set more before building, with a connect timeout
+/// that only catches hangs (as MariaDB's: the tests of a binary start their backends at
+/// once, on two cores, and a new connection may take over the default second).
 pub fn builder(namespace: &str) -> tower_lock::PostgresBackendBuilder {
     tower_lock::PostgresBackend::builder(shared().url())
         .namespace(namespace)
         .migrate()
+        .connect_timeout(std::time::Duration::from_secs(10))
 }
 
 /// A namespace no other test uses.
