@@ -6,7 +6,7 @@ mod checks;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::ConnectOptions;
 use tokio::time::timeout;
 
 use self::checks::{probe, timed_out};
@@ -14,6 +14,7 @@ use super::EtcdBackend;
 use super::error::EtcdError;
 use super::keys::namespace_prefix;
 use super::lease::{Lease, keep_alive_until_shutdown};
+use super::members::Members;
 use super::store::EtcdStore;
 use super::watch::{Listener, WatchConfig};
 use crate::core::Core;
@@ -151,17 +152,12 @@ impl EtcdBackendBuilder {
         if endpoints.iter().any(|e| e.starts_with("https://")) {
             options = self.tls(options)?;
         }
-        let connecting = Client::connect(endpoints.clone(), Some(options));
-        let client = match timeout(self.settings.connect_timeout, connecting).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(self.refused(&addr, e)),
-            Err(_) => return Err(timed_out(&addr)),
-        };
+        let members = Arc::new(Members::new(endpoints, options));
         let parts = self.settings.parts();
         let ttl =
             i64::try_from(self.lease_ttl.as_secs() + u64::from(self.lease_ttl.subsec_nanos() > 0))
                 .unwrap_or(i64::MAX);
-        let granting = Lease::grant(client.lease_client(), ttl, parts.recheck.clone());
+        let granting = Lease::grant(members.clone(), ttl, parts.recheck.clone());
         let lease = match timeout(self.settings.connect_timeout, granting).await {
             Ok(Ok(lease)) => Arc::new(lease),
             Ok(Err(EtcdError::Client(e))) => return Err(self.refused(&addr, e)),
@@ -174,7 +170,7 @@ impl EtcdBackendBuilder {
             }
             Err(_) => return Err(timed_out(&addr)),
         };
-        let probing = probe(&client, &self.settings.namespace);
+        let probing = probe(&members, &self.settings.namespace);
         match timeout(self.settings.connect_timeout, probing).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(self.refused(&addr, e)),
@@ -183,7 +179,7 @@ impl EtcdBackendBuilder {
         let listener = Listener::spawn(
             Wakeups::new(parts.metrics.clone()),
             WatchConfig {
-                client: client.watch_client(),
+                members: members.clone(),
                 prefix: namespace_prefix(&self.settings.namespace),
                 connect_timeout: self.settings.connect_timeout,
                 max_backoff: self.settings.max_backoff,
@@ -201,7 +197,7 @@ impl EtcdBackendBuilder {
             )
         };
         let store = EtcdStore {
-            client,
+            members,
             lease,
             listener,
             keeper,

@@ -114,12 +114,7 @@ impl EtcdError {
 
 impl Failure for EtcdError {
     fn may_have_run(&self) -> bool {
-        // A call the channel sent and whose answer never came (the server went away, the
-        // deadline passed) may have been applied by the cluster.
-        matches!(
-            self.code(),
-            Some(code::UNAVAILABLE | code::DEADLINE_EXCEEDED | code::CANCELLED | code::UNKNOWN)
-        )
+        matches!(self, EtcdError::Client(e) if unanswered(e))
     }
 
     fn is_transient(&self) -> bool {
@@ -144,6 +139,15 @@ impl Failure for EtcdError {
     fn is_foreign(&self) -> bool {
         matches!(self, EtcdError::Foreign)
     }
+}
+
+/// A call the channel sent and whose answer never came (the server went away, the
+/// deadline passed): the cluster may have applied it.
+pub(crate) fn unanswered(e: &ClientError) -> bool {
+    matches!(
+        status_code(e),
+        Some(code::UNAVAILABLE | code::DEADLINE_EXCEEDED | code::CANCELLED | code::UNKNOWN)
+    )
 }
 
 /// The gRPC status code of a call the server (or the channel) answered.

@@ -34,7 +34,7 @@ impl EtcdStore {
             TxnOp::get(start, Some(in_order(&end))),
             TxnOp::get(fence_key(&key.name), None),
         ]);
-        let reply = self.kv().txn(read).await.map_err(|e| fail(e.into()))?;
+        let reply = self.kv().read(read).await.map_err(|e| fail(e.into()))?;
         let mut reads = found(reply.op_responses()).into_iter();
         let (keys, fence) = (reads.next().unwrap_or_default(), reads.next());
         // Holds only: not the keys that wait in line.

@@ -19,14 +19,15 @@
 //! A keep-alive stream that stalls silently confirms nothing: the core counts the holds
 //! lost when their lease passes unconfirmed, before etcd frees their keys.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
+use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::EtcdError;
+use super::members::Members;
 use crate::core::watchdog::recheck::Recheck;
 
 /// The current lease and what etcd last confirmed of it.
@@ -48,7 +49,7 @@ struct Stream {
 
 /// The backend's lease (see the module docs).
 pub(crate) struct Lease {
-    client: LeaseClient,
+    members: Arc<Members>,
     /// The TTL asked for, in whole seconds.
     ttl_secs: i64,
     state: Mutex<State>,
@@ -61,19 +62,19 @@ pub(crate) struct Lease {
 impl Lease {
     /// Grants the backend's lease.
     pub(crate) async fn grant(
-        mut client: LeaseClient,
+        members: Arc<Members>,
         ttl_secs: i64,
         recheck: Recheck,
     ) -> Result<Self, EtcdError> {
         let sent = Instant::now();
-        let granted = client.grant(ttl_secs, None).await?;
+        let granted = members.grant(ttl_secs).await?;
         let state = State {
             id: granted.id(),
             ttl: secs(granted.ttl()),
             confirmed: sent,
         };
         Ok(Lease {
-            client,
+            members,
             ttl_secs,
             state: Mutex::new(state),
             stream: tokio::sync::Mutex::new(None),
@@ -139,7 +140,7 @@ impl Lease {
                 ttl
             }
             // The first keep-alive of a new stream is sent and answered when it opens.
-            None => match self.client.clone().keep_alive(id).await {
+            None => match self.members.keep_alive(id).await {
                 Ok((keeper, answers)) => {
                     *slot = Some(Stream {
                         id,
@@ -166,7 +167,7 @@ impl Lease {
         if ttl <= 0 || lapsed {
             drop(slot);
             if lapsed {
-                let revoked = self.client.clone().revoke(id).await;
+                let revoked = self.members.revoke(id).await;
                 if let Err(error) = revoked {
                     tracing::debug!(%error, lease = id, "could not revoke a lapsed etcd lease");
                 }
@@ -194,7 +195,7 @@ impl Lease {
         );
         self.recheck.raise("the etcd lease was lost");
         let sent = Instant::now();
-        let granted = self.client.clone().grant(self.ttl_secs, None).await?;
+        let granted = self.members.grant(self.ttl_secs).await?;
         *self.state() = State {
             id: granted.id(),
             ttl: secs(granted.ttl()),
@@ -205,7 +206,7 @@ impl Lease {
 
     /// Revokes the lease: every hold under it is freed at once.
     pub(crate) async fn revoke(&self) -> Result<(), EtcdError> {
-        self.client.clone().revoke(self.id()).await?;
+        self.members.revoke(self.id()).await?;
         Ok(())
     }
 }
@@ -215,7 +216,7 @@ impl Lease {
 /// backend's next hold finds it confirmed; revokes it at shutdown, freeing the backend's
 /// holds at once.
 pub(crate) async fn keep_alive_until_shutdown(
-    lease: std::sync::Arc<Lease>,
+    lease: Arc<Lease>,
     command_timeout: Duration,
     shutdown: CancellationToken,
 ) {

@@ -9,9 +9,10 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 
 use super::behind::Behind;
+use super::members::Members;
 use crate::core::kit::backoff::Backoff;
 use crate::core::wakeups::Wakeups;
 
@@ -21,7 +22,7 @@ const MAX_WITHDRAW_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What an acquisition needs to take its key out of line, and that key.
 pub(crate) struct Line {
-    kv: KvClient,
+    kv: Arc<Members>,
     pub(crate) behind: Arc<Behind>,
     pub(crate) wakeups: Wakeups,
     /// The key left in line, and its value then (it is deleted only if unchanged).
@@ -35,7 +36,7 @@ impl std::fmt::Debug for Line {
 }
 
 impl Line {
-    pub(crate) fn new(kv: KvClient, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
+    pub(crate) fn new(kv: Arc<Members>, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
         Line {
             kv,
             behind,
@@ -68,7 +69,7 @@ impl Line {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let mut kv = self.kv.clone();
+        let kv = self.kv.clone();
         runtime.spawn(async move {
             // Sent again until etcd answers: the key lives under the backend's lease, which
             // lives as long as the backend, and until it goes everyone behind it waits (an

@@ -38,6 +38,7 @@ mod inspect;
 mod keys;
 mod lease;
 mod line;
+mod members;
 mod permits;
 mod records;
 mod rw;
@@ -113,8 +114,10 @@ pub struct EtcdBackend {
 
 impl EtcdBackend {
     /// Starts configuring a backend on the etcd cluster at `endpoints`
-    /// (`http://host:port`, `host:port`, or `https://host:port` with the `tls` feature;
-    /// any member of the cluster will do, and the client moves to another when one fails).
+    /// (`http://host:port`, `host:port`, or `https://host:port` with the `tls` feature).
+    /// Give every member: calls go to one member at a time, and to the next when one
+    /// cannot serve them (down, unreachable, without a leader), so a minority of members
+    /// down costs no call.
     pub fn builder<I>(endpoints: I) -> EtcdBackendBuilder
     where
         I: IntoIterator,

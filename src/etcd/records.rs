@@ -89,8 +89,7 @@ impl EtcdStore {
         let fail = |e: EtcdError| LockError::backend(RECORD_CONTEXT, e);
         let late = |e| LockError::backend(RECORD_CONTEXT, e);
         let bytes = record.len();
-        let mut leases = self.client.lease_client();
-        let grant = async { leases.grant(ttl_secs(retention), None).await };
+        let grant = self.members.grant(ttl_secs(retention));
         let lease = bounded(bound, async { grant.await.map_err(EtcdError::from) })
             .await?
             .id();
@@ -121,7 +120,7 @@ impl EtcdStore {
         };
         // Nothing went on the lease, or (a call whose answer never came) maybe the record:
         // revoking it deletes that too, so a failed store leaves nothing.
-        match timeout(bound, leases.revoke(lease)).await {
+        match timeout(bound, self.members.revoke(lease)).await {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => tracing::debug!(%error, "could not revoke an unused record lease"),
             Err(_) => tracing::debug!("revoking an unused record lease timed out"),

@@ -17,7 +17,7 @@ use super::keys::{Entry, EtcdKey, fence_key, hold_key, holder_key, holders, writ
 use super::store::{EtcdStore, Round, found, holder_of, in_order, line_of, revision, token};
 use crate::core::hold::value::HoldValue;
 use crate::core::kit::turn::{Turn, turn};
-use crate::core::store::{Attempt, Attempted};
+use crate::core::store::{Attempt, Attempted, Failure};
 use crate::lock::Kind;
 
 /// The answer of an attempt that is kept out, `queued` if its key waits in line.
@@ -87,12 +87,19 @@ impl EtcdStore {
     ) -> Result<Option<Read>, EtcdError> {
         let (holder, name) = (attempt.holder.as_str(), &*key.name);
         let (start, end) = holders(name);
+        let hold = hold_key(name, lease);
         let take = Txn::new()
             .when([Compare::version(start.clone(), CompareOp::Equal, 0).with_range(end.clone())])
-            .and_then(Self::take_ops(name, &hold_key(name, lease), holder, lease))
-            .or_else([TxnOp::get(start, Some(in_order(&end)))]);
-        let Some(reply) = self.txn_on(lease, take).await? else {
-            return Ok(None);
+            .and_then(Self::take_ops(name, &hold, holder, lease))
+            .or_else([TxnOp::get(start.clone(), Some(in_order(&end)))]);
+        let seen = self.members.seen();
+        let reply = match self.txn_on(lease, take).await {
+            Ok(Some(reply)) => reply,
+            Ok(None) => return Ok(None),
+            Err(e) if e.may_have_run() => {
+                return self.taken_or_not(&hold, holder, seen, (start, end)).await;
+            }
+            Err(e) => return Err(e),
         };
         let read_at = revision(&reply)?;
         if reply.succeeded() {
@@ -100,6 +107,38 @@ impl EtcdStore {
             return Ok(Some(Read::Taken(token(read_at)?)));
         }
         let keys = found(reply.op_responses()).into_iter().flatten().collect();
+        Ok(Some(Read::Keys {
+            keys,
+            read_at,
+            written: 0,
+        }))
+    }
+
+    /// What a take whose answer never came did, read on the next member that answers
+    /// (etcd is linearizable: the read sees the take if it was applied): its hold is there
+    /// if the holder's hold key was created after `seen` (the highest revision answered
+    /// before the take was sent: a hold of the holder from before has a revision at most
+    /// that, and only one exclusive attempt per process and lock is ever out); else the
+    /// lock's keys, as the take would have read them.
+    async fn taken_or_not(
+        &self,
+        hold: &str,
+        holder: &str,
+        seen: i64,
+        (start, end): (String, String),
+    ) -> Result<Option<Read>, EtcdError> {
+        let read = Txn::new().and_then([TxnOp::get(start, Some(in_order(&end)))]);
+        let reply = self.kv().read(read).await?;
+        let read_at = revision(&reply)?;
+        let keys: Vec<KeyValue> = found(reply.op_responses()).into_iter().flatten().collect();
+        let taken = keys.iter().find(|kv| {
+            kv.key() == hold.as_bytes()
+                && kv.create_revision() > seen
+                && holder_of(kv).is_some_and(|h| h == holder)
+        });
+        if let Some(taken) = taken {
+            return Ok(Some(Read::Taken(token(taken.create_revision())?)));
+        }
         Ok(Some(Read::Keys {
             keys,
             read_at,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, GetOptions, KeyValue, KvClient, PutOptions, SortOrder, SortTarget,
+    Compare, CompareOp, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget,
     Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 
@@ -15,6 +15,7 @@ use super::error::EtcdError;
 use super::keys::{Entry, EtcdKey, hold_key, holder_key, is_semaphore};
 use super::lease::Lease;
 use super::line::Line;
+use super::members::Members;
 use super::watch::Listener;
 use crate::core::hold::value::HoldValue;
 use crate::core::kit::turn::{self, EntryKind};
@@ -41,7 +42,7 @@ const RENEW_BATCH: usize = 100;
 
 /// Locks in one etcd cluster, under the namespace's prefix.
 pub(crate) struct EtcdStore {
-    pub(crate) client: Client,
+    pub(crate) members: Arc<Members>,
     pub(crate) lease: Arc<Lease>,
     pub(crate) listener: Listener,
     /// Keeps the lease alive while the backend lives, and revokes it at shutdown.
@@ -106,8 +107,9 @@ pub(super) fn holder_of(kv: &KeyValue) -> Option<String> {
 }
 
 impl EtcdStore {
-    pub(super) fn kv(&self) -> KvClient {
-        self.client.kv_client()
+    /// The cluster's members, every call going to the member in use.
+    pub(super) fn kv(&self) -> &Members {
+        &self.members
     }
 
     /// Runs `txn`, whose writes go on the lease `lease`: `None` when that lease is gone
@@ -279,7 +281,7 @@ impl EtcdStore {
                 TxnOp::get(key_of(name, kind, lease, holder), None)
             })
             .collect();
-        let reply = self.kv().txn(Txn::new().and_then(reads)).await?;
+        let reply = self.kv().read(Txn::new().and_then(reads)).await?;
         let responses = reply.op_responses();
         if responses.len() != batch.len() {
             return Err(EtcdError::Unexpected("a renewal read"));
@@ -371,7 +373,7 @@ impl Store for EtcdStore {
         let serial = self.acquisitions.fetch_add(1, Ordering::Relaxed);
         let key = EtcdKey::new(&self.namespace, user, self.max_key_len, semaphore, serial)?;
         let (behind, wakeups) = (self.listener.behind(), self.listener.wakeups());
-        let line = Line::new(self.kv(), behind.clone(), wakeups.clone());
+        let line = Line::new(self.members.clone(), behind.clone(), wakeups.clone());
         Ok(key.waiting_in(line))
     }
 

@@ -12,11 +12,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{EventType, WatchClient, WatchFilterType, WatchOptions, WatchStream};
+use etcd_client::{EventType, WatchFilterType, WatchOptions, WatchStream};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 
 use super::behind::Behind;
+use super::members::Members;
 use crate::core::kit::listener::{self as kit, Listen, Lost};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::{Waiter, Wakeups};
@@ -32,7 +33,7 @@ pub(crate) struct Listener {
 /// What the watch task needs.
 #[derive(Clone)]
 pub(crate) struct WatchConfig {
-    pub(crate) client: WatchClient,
+    pub(crate) members: Arc<Members>,
     /// The namespace's prefix (see `keys::namespace_prefix`).
     pub(crate) prefix: String,
     pub(crate) connect_timeout: Duration,
@@ -95,8 +96,7 @@ impl Listen for Watching {
         let options = WatchOptions::new()
             .with_prefix()
             .with_filters([WatchFilterType::NoPut]);
-        let mut client = self.config.client.clone();
-        let opened = client.watch(self.config.prefix.clone(), Some(options));
+        let opened = self.config.members.watch(self.config.prefix.clone(), options);
         let mut stream = match timeout(self.config.connect_timeout, opened).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(format!("watch failed: {e}")),

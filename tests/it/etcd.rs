@@ -471,6 +471,72 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
     );
 }
 
+/// Takes and releases `n` holds of `backend` one after the other; the failures, each with
+/// its cause.
+async fn holds(backend: &tower_lock::EtcdBackend, n: usize) -> Vec<String> {
+    let mut failures = Vec::new();
+    for i in 0..n {
+        let taken = backend.lock(format!("k{}", i % 4)).try_once().await;
+        match taken {
+            Ok(held) => {
+                if let Err(e) = held.release().await {
+                    failures.push(format!("release {i}: {}", support::chain(&e)));
+                }
+            }
+            Err(e) => failures.push(format!("acquisition {i}: {}", support::chain(&e))),
+        }
+    }
+    failures
+}
+
+/// Three members, a follower stopped (a minority, which etcd survives): a backend that
+/// ran before keeps taking and releasing every hold on the other two, one built with the
+/// stopped member first in its list builds and does the same, and each backend says once,
+/// at WARN, which member is down.
+#[test]
+fn a_member_down_costs_no_call_and_each_backend_names_it_once() {
+    crate::needs!(Etcd);
+    let mut cluster = EtcdCluster::start();
+    let down = (cluster.leader().expect("a leader") + 1) % 3;
+    // The stopped member first: the member every backend calls first.
+    let mut endpoints = cluster.endpoints();
+    endpoints.rotate_left(down);
+    let stopped = endpoints[0].clone();
+    let namespace = etcd::fresh_namespace();
+    let log = support::logged_on_this_thread("tower_lock=info", async |_| {
+        let running = etcd::builder_on(&endpoints)
+            .namespace(&namespace)
+            .build()
+            .await
+            .expect("a backend on the cluster");
+        assert_eq!(holds(&running, 4).await, Vec::<String>::new(), "before");
+        cluster.members[down].kill();
+        let failures = holds(&running, 50).await;
+        assert!(failures.is_empty(), "a backend that ran before: {failures:#?}");
+        let fresh = etcd::builder_on(&endpoints)
+            .namespace(&namespace)
+            .build()
+            .await
+            .expect("builds with its first member down");
+        let failures = holds(&fresh, 50).await;
+        assert!(failures.is_empty(), "a backend built since: {failures:#?}");
+    });
+    let said = |endpoint: &str| {
+        log.text()
+            .lines()
+            .filter(|l| l.contains(" WARN ") && l.contains("etcd member down"))
+            .filter(|l| l.contains(&format!("member={endpoint} ")))
+            .count()
+    };
+    for line in log.text().lines().filter(|l| l.contains("etcd member")) {
+        eprintln!("{line}");
+    }
+    assert_eq!(said(&stopped), 2, "once per backend: {}", log.text());
+    for up in &endpoints[1..] {
+        assert_eq!(said(up), 0, "{up} is up: {}", log.text());
+    }
+}
+
 #[tokio::test]
 async fn force_release_frees_the_key_and_its_holder_sees_lost() {
     crate::needs!(Etcd);

@@ -3,13 +3,14 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::ConnectOptions;
 
 use super::EtcdBackendBuilder;
 use crate::core::kit::settings::refuse_zero;
 use crate::error::{BuildError, ConnectFailure};
 use crate::etcd::error::{code, status_code};
 use crate::etcd::keys::namespace_prefix;
+use crate::etcd::members::Members;
 
 impl EtcdBackendBuilder {
     /// The settings checked, and the endpoints as etcd-client takes them.
@@ -140,7 +141,7 @@ impl EtcdBackendBuilder {
 /// whose condition never holds, with a write in the namespace and a read of it in its
 /// branches
 /// (etcd checks the rights of both branches before it evaluates the condition).
-pub(super) async fn probe(client: &Client, namespace: &str) -> Result<(), etcd_client::Error> {
+pub(super) async fn probe(members: &Members, namespace: &str) -> Result<(), etcd_client::Error> {
     use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
     let prefix = namespace_prefix(namespace);
     let probe_key = format!("{prefix}%probe}}");
@@ -151,7 +152,8 @@ pub(super) async fn probe(client: &Client, namespace: &str) -> Result<(), etcd_c
             prefix,
             Some(GetOptions::new().with_prefix().with_limit(1)),
         )]);
-    client.kv_client().txn(never).await.map(drop)
+    // It never writes.
+    members.read(never).await.map(drop)
 }
 
 pub(super) fn timed_out(addr: &str) -> BuildError {
