@@ -469,24 +469,9 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
         seen.holds,
         seen.failures
     );
-}
-
-/// Takes and releases `n` holds of `backend` one after the other; the failures, each with
-/// its cause.
-async fn holds(backend: &tower_lock::EtcdBackend, n: usize) -> Vec<String> {
-    let mut failures = Vec::new();
-    for i in 0..n {
-        let taken = backend.lock(format!("k{}", i % 4)).try_once().await;
-        match taken {
-            Ok(held) => {
-                if let Err(e) = held.release().await {
-                    failures.push(format!("release {i}: {}", support::chain(&e)));
-                }
-            }
-            Err(e) => failures.push(format!("acquisition {i}: {}", support::chain(&e))),
-        }
+    for error in &seen.errors {
+        eprintln!("  {error}");
     }
-    failures
 }
 
 /// Three members, a follower stopped (a minority, which etcd survives): a backend that
@@ -509,16 +494,16 @@ fn a_member_down_costs_no_call_and_each_backend_names_it_once() {
             .build()
             .await
             .expect("a backend on the cluster");
-        assert_eq!(holds(&running, 4).await, Vec::<String>::new(), "before");
+        assert_eq!(support::failover::holds(&running, 4).await, Vec::<String>::new(), "before");
         cluster.members[down].kill();
-        let failures = holds(&running, 50).await;
+        let failures = support::failover::holds(&running, 50).await;
         assert!(failures.is_empty(), "a backend that ran before: {failures:#?}");
         let fresh = etcd::builder_on(&endpoints)
             .namespace(&namespace)
             .build()
             .await
             .expect("builds with its first member down");
-        let failures = holds(&fresh, 50).await;
+        let failures = support::failover::holds(&fresh, 50).await;
         assert!(failures.is_empty(), "a backend built since: {failures:#?}");
     });
     let said = |endpoint: &str| {

@@ -1,5 +1,6 @@
 //! A key taken in turns across a failover of a consensus store (etcd's leader, a
-//! ZooKeeper server): the body both stores' leader-kill tests share.
+//! ZooKeeper server): the body both stores' leader-kill tests share; and holds taken one
+//! after the other, for the tests of a member down.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,8 @@ pub struct Failover {
     pub holds: usize,
     /// Acquisitions that failed (503) while the store elected a leader.
     pub failures: u64,
+    /// What the first few of them said.
+    pub errors: Vec<String>,
 }
 
 /// Four tasks of `instances` take one key in turns; after 50 holds `kill` stops the
@@ -28,23 +31,29 @@ where
     let inside = Arc::new(AtomicU64::new(0));
     let tokens = Arc::new(Mutex::new(Vec::<u64>::new()));
     let failures = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..4)
         .map(|i| {
             let backend = instances[i % instances.len()].clone();
-            let (inside, tokens, failures, stop) = (
+            let (inside, tokens, failures, errors, stop) = (
                 inside.clone(),
                 tokens.clone(),
                 failures.clone(),
+                errors.clone(),
                 stop.clone(),
             );
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let guard = match backend.lock("k").wait(Duration::from_secs(30)).await {
                         Ok(guard) => guard,
-                        Err(_) => {
+                        Err(e) => {
                             // 503 while the store elects a leader.
                             failures.fetch_add(1, Ordering::Relaxed);
+                            let mut errors = errors.lock().expect("errors");
+                            if errors.len() < 4 {
+                                errors.push(super::chain(&e));
+                            }
                             continue;
                         }
                     };
@@ -89,5 +98,23 @@ where
         at_kill,
         holds: tokens.len(),
         failures: failures.load(Ordering::Relaxed),
+        errors: errors.lock().expect("errors").clone(),
     }
+}
+
+/// Takes and releases `n` holds of `backend` one after the other (on four keys in turn);
+/// the failures, each with its cause.
+pub async fn holds<B: LockBackend>(backend: &B, n: usize) -> Vec<String> {
+    let mut failures = Vec::new();
+    for i in 0..n {
+        match backend.lock(format!("k{}", i % 4)).try_once().await {
+            Ok(held) => {
+                if let Err(e) = held.release().await {
+                    failures.push(format!("release {i}: {}", super::chain(&e)));
+                }
+            }
+            Err(e) => failures.push(format!("acquisition {i}: {}", super::chain(&e))),
+        }
+    }
+    failures
 }
