@@ -37,7 +37,6 @@ enum Moves {
     IfUnanswered,
 }
 
-
 /// One member's endpoint and connection.
 struct Member {
     endpoint: String,

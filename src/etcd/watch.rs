@@ -96,7 +96,10 @@ impl Listen for Watching {
         let options = WatchOptions::new()
             .with_prefix()
             .with_filters([WatchFilterType::NoPut]);
-        let opened = self.config.members.watch(self.config.prefix.clone(), options);
+        let opened = self
+            .config
+            .members
+            .watch(self.config.prefix.clone(), options);
         let mut stream = match timeout(self.config.connect_timeout, opened).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(format!("watch failed: {e}")),

@@ -14,7 +14,7 @@ use super::keys::LockKey;
 use super::pubsub::Subscriber;
 use super::replay::Replays;
 use super::replicas::{SyncReplicas, Write};
-use super::replies::{parse_attempt, parse_release};
+use super::replies::{GuardSaid, parse_attempt, parse_release};
 use super::scripts::{Scripts, millis};
 use crate::core::store::{
     Attempt, Attempted, Calls, Capabilities, Failure, Grants, Records, Release, Released, Sent,
@@ -46,6 +46,8 @@ pub(crate) struct RedisStore {
     pub(crate) grant_lease: Option<Duration>,
     /// The longest lease the restart guard outwaits after a restart; `None`: no guard.
     pub(crate) restart_guard: Option<Duration>,
+    /// What the guard said so far (see [`GuardSaid`]).
+    pub(crate) guard_said: GuardSaid,
     /// Replicas that must acknowledge an acquisition; `None`: none.
     pub(crate) sync_replicas: Option<SyncReplicas>,
     /// This backend's instance id, on a cluster only: its releases are recorded beside each
@@ -143,7 +145,7 @@ impl Store for RedisStore {
                 conn.invoke::<Vec<i64>>(&invocation).await
             };
             let attempted = match reply {
-                Ok(reply) => parse_attempt(&reply, store.turn_grace.is_some()),
+                Ok(reply) => parse_attempt(&reply, store.turn_grace.is_some(), &store.guard_said),
                 Err(e) => return (Err(e), Some(conn)),
             };
             match (&attempted, store.sync_replicas) {

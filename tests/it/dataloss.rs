@@ -165,6 +165,58 @@ async fn guarded(server: &RedisServer) -> RedisBackend {
         .expect("backend connects to the test server")
 }
 
+/// A server that just started: the guard's refusals are announced once at INFO, naming the
+/// server (an operator who sees every request wait after a start learns why), however
+/// many acquisitions it refuses; and once more when the server grants again.
+#[test]
+fn the_restart_guard_is_announced_once_and_its_end_too() {
+    crate::needs!(Redis);
+    let server = RedisServer::start();
+    let log = support::logged_on_this_thread("tower_lock=info", async |log| {
+        // A guard far longer than building and three tries take, however slow the machine.
+        let backend = RedisBackend::builder(server.url())
+            .restart_guard()
+            .max_lease(Duration::from_secs(10))
+            .build()
+            .await
+            .expect("backend connects to the test server");
+        for _ in 0..3 {
+            let refused = backend.lock("k").try_once().await;
+            assert!(
+                matches!(refused, Err(LockError::Contended { .. })),
+                "{refused:?}"
+            );
+        }
+        let held = backend
+            .lock("k")
+            .wait(HANG)
+            .await
+            .expect("granted once guarded");
+        held.release().await.expect("released");
+        log.until("the restart guard has passed", 1).await;
+    });
+    let lines = |said: &str| {
+        log.text()
+            .lines()
+            .filter(|l| l.contains(" INFO ") && l.contains(said))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let refusals = lines("its restart guard grants nothing");
+    assert_eq!(refusals.len(), 1, "{}", log.text());
+    assert!(
+        refusals[0].contains(&format!("server=127.0.0.1:{}", server.port())),
+        "{}",
+        refusals[0]
+    );
+    assert_eq!(
+        lines("the restart guard has passed").len(),
+        1,
+        "{}",
+        log.text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_guard_grants_nothing_until_the_old_holder_has_stopped() {
     crate::needs!(Redis);

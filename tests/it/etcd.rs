@@ -494,10 +494,17 @@ fn a_member_down_costs_no_call_and_each_backend_names_it_once() {
             .build()
             .await
             .expect("a backend on the cluster");
-        assert_eq!(support::failover::holds(&running, 4).await, Vec::<String>::new(), "before");
+        assert_eq!(
+            support::failover::holds(&running, 4).await,
+            Vec::<String>::new(),
+            "before"
+        );
         cluster.members[down].kill();
         let failures = support::failover::holds(&running, 50).await;
-        assert!(failures.is_empty(), "a backend that ran before: {failures:#?}");
+        assert!(
+            failures.is_empty(),
+            "a backend that ran before: {failures:#?}"
+        );
         let fresh = etcd::builder_on(&endpoints)
             .namespace(&namespace)
             .build()

@@ -244,20 +244,7 @@ async fn waiters_behind_a_hold_that_never_renews_make_no_call_until_it_is_releas
         settled - before
     );
     assert_eq!(after_waiting, settled, "no script calls while waiting");
-    // Released by hand, as the release script would: deleted and announced everywhere.
-    for conn in &mut conns {
-        let _: () = redis::pipe()
-            .cmd("DEL")
-            .arg(&lock)
-            .ignore()
-            .cmd("PUBLISH")
-            .arg(&channel)
-            .arg("released")
-            .ignore()
-            .query_async(conn)
-            .await
-            .expect("release by hand");
-    }
+    release_by_hand(&mut conns, &lock, &channel).await;
     for waiter in waiters {
         let token = tokio::time::timeout(Duration::from_secs(30), waiter)
             .await
@@ -299,6 +286,28 @@ async fn hold_by_hand(
         conns.push(conn);
     }
     conns
+}
+
+/// Releases the hold of [`hold_by_hand`] as the release script would: deleted and
+/// announced on `channel` on every master.
+async fn release_by_hand(
+    conns: &mut [redis::aio::MultiplexedConnection],
+    lock: &str,
+    channel: &str,
+) {
+    for conn in conns {
+        let _: () = redis::pipe()
+            .cmd("DEL")
+            .arg(lock)
+            .ignore()
+            .cmd("PUBLISH")
+            .arg(channel)
+            .arg("released")
+            .ignore()
+            .query_async(conn)
+            .await
+            .expect("release by hand");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -441,4 +450,47 @@ async fn a_grants_token_is_written_back_so_a_lagging_majority_issues_above_it() 
             .await
             .expect("DEL");
     }
+}
+
+/// Four fresh backends (nothing subscribed, no connection used yet) on masters past their
+/// restart guard, 32 tasks waiting for one key that a hold by hand keeps for a minute:
+/// released (by hand, as the release script would), the key goes to each task in turn
+/// within its wait of 30 s. A fresh backend's waiters not woken by that release would
+/// sleep until the minute's end, past their wait.
+///
+/// (Fresh masters, which the guard keeps from granting anything for one `max_lease` after
+/// their start, make the first waits of any backend wait that out: that is the guard, see
+/// `restart_guard`, not a missed wake-up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_contention_of_fresh_backends_is_served_by_wakeups() {
+    crate::needs!(Redis);
+    let quorum = quorum::shared();
+    let _turn = quorum.exclusive().await;
+    let backends = quorum.backends(4).await;
+    let lock = format!("{}:{{k}}", backends[0].namespace());
+    let mut conns = hold_by_hand(quorum, &lock).await;
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (backend, inside) = (backends[i % 4].clone(), inside.clone());
+            tokio::spawn(async move {
+                let held = backend.lock("k").wait(Duration::from_secs(30)).await?;
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                held.release().await
+            })
+        })
+        .collect();
+    // Every backend's contender waits, subscribed on every master.
+    let channel = format!("{lock}:released");
+    listening(&conns, &channel, 4).await;
+    release_by_hand(&mut conns, &lock, &channel).await;
+    let mut failures = Vec::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        if let Err(e) = task.await.expect("no panic") {
+            failures.push(format!("task {i}: {}", support::chain(&e)));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -20,6 +20,7 @@ use crate::redis::connection::topology::Topology;
 use crate::redis::keys::admin_channel;
 use crate::redis::pubsub::{Subscriber, SubscriberConfig};
 use crate::redis::replay::{ReplayConfig, Replays};
+use crate::redis::replies::GuardSaid;
 use crate::redis::run_id::ServerIdentity;
 use crate::redis::scripts::Scripts;
 use crate::redis::store::RedisStore;
@@ -143,6 +144,7 @@ impl RedisBackendBuilder {
             grant_lease: (!self.quorum_master && self.sync_replicas.is_none())
                 .then_some(self.grant_lease),
             restart_guard: self.restart_guard.then_some(self.max_lease),
+            guard_said: GuardSaid::new(&peer.addr),
             sync_replicas: self.sync_replicas,
             resent_guard,
             force_serials: AtomicU64::new(0),

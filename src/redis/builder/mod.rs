@@ -275,7 +275,10 @@ impl RedisBackendBuilder {
     /// wait it out (503 if their wait is shorter), a
     /// [`try_once`](crate::LockRequest::try_once) or fail-fast layer gets
     /// [`LockError::Contended`](crate::LockError::Contended) (409) with the time left as
-    /// `Retry-After`. Locks that survived the restart (persistence) are held, renewed and
+    /// `Retry-After`; the backend says so once per server at INFO (`the Redis server
+    /// started less than max_lease ago: ...`), and once when the server grants again. The
+    /// guard counts the server's uptime: a backend built later (a deploy of the service)
+    /// waits for nothing. Locks that survived the restart (persistence) are held, renewed and
     /// re-entered as before. With the guard on, a request's lease is capped at `max_lease`.
     /// The Redis user must be allowed to run `INFO`.
     ///
