@@ -23,19 +23,45 @@ fn held(queued: bool) -> Round {
     Some(Attempted::Held { left: None, queued })
 }
 
+/// The holder's own node as an attempt's first look found it: what a write of that
+/// attempt whose answer never came (the connection was lost) may have changed.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Before {
+    /// No node: one found later was created by the attempt.
+    Nothing,
+    /// Its node at this version, with this count.
+    Node { version: i32, count: u64 },
+}
+
+/// How an attempt runs: afresh, or again after a call of an earlier run was lost.
+pub(super) struct Run {
+    /// Set by the run's first look at the lock (kept by a run again).
+    pub(super) before: Option<Before>,
+    /// A call of an earlier run may have changed the holder's node.
+    pub(super) again: bool,
+}
+
 impl ZkStore {
     /// One attempt (see the module docs of `zookeeper`).
     pub(super) async fn attempt_once(
         &self,
         key: &ZkKey,
         attempt: &Attempt,
+        run: &mut Run,
     ) -> Result<Attempted, ZkError> {
         let kind = attempt.kind;
         for _ in 0..ROUNDS {
             let client = self.session.client();
             // This session's values: the holder's own node, the owner's other holds.
             let now = line(&client, &key.path, |_, mine| mine).await?;
-            if let Some(at) = now.find(attempt.holder.as_str()) {
+            let mine = now.find(attempt.holder.as_str());
+            let before = *run.before.get_or_insert_with(|| before(&now, mine));
+            if let (true, Some(at)) = (std::mem::take(&mut run.again), mine) {
+                if let Some(answer) = self.settle(&client, key, &now, at, attempt, before).await? {
+                    return Ok(answer);
+                }
+            }
+            if let Some(at) = mine {
                 if let Some(answer) = self.again(&client, key, &now, at, attempt).await? {
                     return Ok(answer);
                 }
@@ -79,6 +105,54 @@ impl ZkStore {
             }
         }
         Err(ZkError::Contended)
+    }
+
+    /// What a lost write of an earlier run did to the holder's node at `at` (found with
+    /// `before` at its first look), finished: a node created since, as a hold, is placed as
+    /// one just created; a count raised by one since (the version moved on) is the hold the
+    /// write took (a writer's turn from the line, or a re-entry). `None`: nothing of the
+    /// kind, the attempt goes on as any other.
+    async fn settle(
+        &self,
+        client: &Client,
+        key: &ZkKey,
+        now: &Line,
+        at: usize,
+        attempt: &Attempt,
+        before: Before,
+    ) -> Result<Round, ZkError> {
+        let entry = &now.0[at];
+        let Some((value, stat)) = &entry.value else {
+            return Ok(None);
+        };
+        match before {
+            // Created as a hold (one created to wait in line has a count of 0, which the
+            // next look handles as any writer's in line).
+            Before::Nothing if value.count >= 1 => {
+                let node = Node {
+                    path: child(&key.path, &entry.name),
+                    stat: *stat,
+                };
+                self.placed(client, key, attempt, false, (&entry.name, node))
+                    .await
+            }
+            Before::Node { version, count }
+                if stat.version > version && value.count == count + 1 =>
+            {
+                if count == 0 {
+                    record_writer(client, &key.path, token(stat)).await?;
+                }
+                let token = match attempt.kind {
+                    Kind::Shared => shared_token(client, &key.path).await?,
+                    Kind::Exclusive | Kind::Permit(_) => token(stat),
+                };
+                Ok(Some(Attempted::Acquired {
+                    token,
+                    count: value.count,
+                }))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// An attempt by a holder that has a node already: a re-entry of its hold, or the
@@ -131,25 +205,38 @@ impl ZkStore {
         attempt: &Attempt,
         stays: bool,
     ) -> Result<Round, ZkError> {
-        let (lock, kind) = (&key.path, attempt.kind);
-        let Some((name, stat)) = self.create(client, lock, attempt, stays).await? else {
+        let Some((name, stat)) = self.create(client, &key.path, attempt, stays).await? else {
             return Ok(None);
         };
-        let path = child(lock, &name);
+        let path = child(&key.path, &name);
+        self.placed(client, key, attempt, stays, (&name, Node { path, stat }))
+            .await
+    }
+
+    /// The holder's node `node`, just created (named `name`), kept if its turn has come or
+    /// if it `stays` in line; else deleted.
+    async fn placed(
+        &self,
+        client: &Client,
+        key: &ZkKey,
+        attempt: &Attempt,
+        stays: bool,
+        (name, node): (&str, Node),
+    ) -> Result<Round, ZkError> {
+        let (lock, kind) = (&key.path, attempt.kind);
         // A reader needs the owner's own write node, if any, to tell a downgrade; a reader
         // or a permit its session's holders, to tell its twin (below).
         let now = line(client, lock, |_, mine| mine && kind != Kind::Exclusive).await?;
-        let Some(at) = now.place(&name) else {
+        let Some(at) = now.place(name) else {
             return Ok(None);
         };
         if now.twin_before(at, attempt.holder.as_str()) {
             // Another attempt of this holder (a re-entry beside the holder's own queued
             // attempt) got its node in first: this one goes, and the next round re-enters
             // that one (or, for another request's writer, waits behind it).
-            delete(client, &path).await?;
+            delete(client, &node.path).await?;
             return Ok(None);
         }
-        let node = Node { path, stat };
         match turn(&now.order(attempt.owner.as_str()), now.sequence(at), kind) {
             Turn::Holds => granted(client, lock, attempt, stays, node).await,
             Turn::Waits { behind } if keeps_place(kind) && attempt.waits.is_some() => {
@@ -293,5 +380,16 @@ async fn write(
         Ok(_) => Ok(true),
         Err(ClientError::BadVersion | ClientError::NoNode) => Ok(false),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// What an attempt's first look at `now` found of the holder's own node (at `mine`).
+fn before(now: &Line, mine: Option<usize>) -> Before {
+    match mine.and_then(|at| now.0[at].value.as_ref()) {
+        Some((value, stat)) => Before::Node {
+            version: stat.version,
+            count: value.count,
+        },
+        None => Before::Nothing,
     }
 }

@@ -71,7 +71,7 @@ impl ZkError {
     /// one on a call) when reading or writing failed or the server went silent for the
     /// connection's timeout ("no response from connection in ...", as after the process
     /// was paused). The client then reconnects, or finds its session expired.
-    fn connection_failed(&self) -> bool {
+    pub(super) fn connection_failed(&self) -> bool {
         matches!(
             self,
             ZkError::Client(ClientError::ConnectionLoss | ClientError::Custom(_))

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use zookeeper_client::{Client, Error as ClientError, Stat};
 
+use super::attempt::Run;
 use super::error::ZkError;
 use super::keys::ZkKey;
 use super::records::Shelf;
@@ -93,11 +94,29 @@ impl Store for ZkStore {
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             let lost = store.session.id();
-            let attempted = match store.attempt_once(&key, &attempt).await {
+            let mut run = Run {
+                before: None,
+                again: false,
+            };
+            let attempted = match store.attempt_once(&key, &attempt, &mut run).await {
                 Err(e) if e.session_ended() => match store.session.replace(lost).await {
-                    Ok(_) => store.attempt_once(&key, &attempt).await,
+                    Ok(_) => {
+                        // The old session's nodes went with it.
+                        let mut afresh = Run {
+                            before: None,
+                            again: false,
+                        };
+                        store.attempt_once(&key, &attempt, &mut afresh).await
+                    }
                     Err(e) => Err(e),
                 },
+                // The connection was lost, not the session: the client moves it to another
+                // server, and the attempt runs again there, settling what a call whose
+                // answer never came did (see `Run`).
+                Err(e) if e.connection_failed() => {
+                    run.again = true;
+                    store.attempt_once(&key, &attempt, &mut run).await
+                }
                 attempted => attempted,
             };
             (attempted, Some(()))

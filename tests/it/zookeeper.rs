@@ -535,6 +535,60 @@ async fn the_leader_killed_mid_run_loses_no_hold_and_tokens_keep_increasing() {
     );
 }
 
+/// Three servers, the follower a backend's session is on stopped (a minority, which
+/// ZooKeeper survives): that backend moves its session to another server and takes and
+/// releases every hold, and one built with the stopped server first in its connection
+/// string builds and does the same.
+#[test]
+fn a_server_down_costs_no_call() {
+    crate::needs!(ZooKeeper);
+    let mut ensemble = ZkEnsemble::start();
+    let namespace = zk::fresh_namespace();
+    support::logged_on_this_thread("tower_lock=info", async |_| {
+        // The client picks a server at random: built again until its session is on a
+        // follower (two servers in three are).
+        let mut running = None;
+        for _ in 0..32 {
+            let backend = zk::builder_on(&ensemble.hosts())
+                .namespace(&namespace)
+                .session_timeout(Duration::from_secs(5))
+                .build()
+                .await
+                .expect("a backend on the ensemble");
+            let leader = ensemble.leader().expect("a leader");
+            let sid = format!("sid={:#x},", backend.session_id());
+            let on = ensemble
+                .members
+                .iter()
+                .position(|m| m.four("cons").is_some_and(|c| c.contains(&sid)));
+            if let Some(on) = on.filter(|&on| on != leader) {
+                running = Some((backend, on));
+                break;
+            }
+        }
+        let (running, down) = running.expect("a session on a follower in 32 builds");
+        assert_eq!(
+            support::failover::holds(&running, 4).await,
+            Vec::<String>::new()
+        );
+        ensemble.members[down].kill();
+        let failures = support::failover::holds(&running, 50).await;
+        assert!(
+            failures.is_empty(),
+            "a backend that ran before: {failures:#?}"
+        );
+        let mut hosts: Vec<String> = ensemble.members.iter().map(ZkServer::hosts).collect();
+        hosts.rotate_left(down);
+        let fresh = zk::builder_on(&hosts.join(","))
+            .namespace(&namespace)
+            .build()
+            .await
+            .expect("builds with a server down");
+        let failures = support::failover::holds(&fresh, 50).await;
+        assert!(failures.is_empty(), "a backend built since: {failures:#?}");
+    });
+}
+
 #[tokio::test]
 async fn force_release_frees_the_key_and_its_holders_see_lost() {
     crate::needs!(ZooKeeper);
