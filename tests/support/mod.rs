@@ -649,6 +649,11 @@ pub fn logged_on_this_thread<F: std::future::Future<Output = ()>>(
     body: impl FnOnce(Log) -> F,
 ) -> Log {
     use tracing_subscriber::layer::SubscriberExt;
+    // A global subscriber first, which stays registered: with this thread's the only one
+    // registered, tracing-core caches a call site first hit on another thread (a backend
+    // of a test running beside this one) with that thread's interest, none, and this
+    // thread's subscriber never sees its events.
+    init_tracing();
     let log = Log::default();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_subscriber::EnvFilter::new(filter))
