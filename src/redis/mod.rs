@@ -178,7 +178,12 @@ impl RedisBackend {
     /// `build` refuses fewer than three URLs, a URL whose server is a replica or a node of
     /// a Redis Cluster, and two URLs of one server (by its `run_id`), with
     /// [`BuildError::Quorum`] naming the URL's address; each master is checked as
-    /// [`build`](RedisBackendBuilder::build) checks a single server.
+    /// [`build`](RedisBackendBuilder::build) checks a single server. A master that cannot
+    /// be reached (down, restarting) does not stop the build while a majority is checked:
+    /// it takes no part in acquisitions until it answers and passes the same checks (one
+    /// WARN when built without it, one INFO when it takes part, an ERROR if a check
+    /// refuses it); with fewer than a majority reachable, `build` fails naming the first
+    /// that was not.
     pub fn quorum(masters: impl IntoIterator<Item = impl AsRef<str>>) -> RedisBackendBuilder {
         let urls = masters.into_iter().map(|u| u.as_ref().to_owned()).collect();
         RedisBackendBuilder::new_quorum(urls)

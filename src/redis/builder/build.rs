@@ -12,7 +12,7 @@ use super::quorum::refuse_non_master;
 use super::{RedisBackendBuilder, Target};
 use crate::core::wakeups::Wakeups;
 use crate::core::{Core, Parts};
-use crate::error::BuildError;
+use crate::error::{BuildError, ConnectFailure};
 use crate::redis::connection::cluster::ClusterNodes;
 use crate::redis::connection::pool::{Pool, RedisCause};
 use crate::redis::connection::sentinel::{MasterAuth, SentinelGroup};
@@ -80,8 +80,19 @@ impl RedisBackendBuilder {
     }
 
     /// Connects to one deployment (a server, a Sentinel group, a cluster), checks it and
-    /// starts its subscriber: the store of a backend, or one master of a quorum.
+    /// starts its subscriber: the store of a backend.
     pub(super) async fn store(&self, parts: &Parts) -> Result<RedisStore, BuildError> {
+        let (store, _) = self.master(parts, false).await?;
+        Ok(store)
+    }
+
+    /// [`store`](Self::store), for one master of a quorum when `down_is_later`: a server
+    /// that cannot be reached is built unchecked, with its checks to run when it answers.
+    pub(super) async fn master(
+        &self,
+        parts: &Parts,
+        down_is_later: bool,
+    ) -> Result<(RedisStore, Option<LaterChecks>), BuildError> {
         let (topology, peer) = self.topology().await?;
         let scripts = Arc::new(Scripts::new(topology.is_cluster()));
         let server = ServerIdentity::new(parts.recheck.clone());
@@ -92,6 +103,7 @@ impl RedisBackendBuilder {
             self.settings.command_timeout,
             server.clone(),
         );
+        let mut later = None;
         if let Err(error) = self.check(&pool, &scripts, &peer).await {
             let error = match &topology {
                 Topology::Cluster(nodes) if peer.tls => {
@@ -99,7 +111,17 @@ impl RedisBackendBuilder {
                 }
                 _ => error,
             };
-            return Err(diagnose(error, peer.tls, self.settings.connect_timeout).await);
+            let error = diagnose(error, peer.tls, self.settings.connect_timeout).await;
+            if !(down_is_later && is_down(&error)) {
+                return Err(error);
+            }
+            later = Some(LaterChecks {
+                builder: self.clone(),
+                pool: pool.clone(),
+                scripts: scripts.clone(),
+                peer: peer.clone(),
+                error,
+            });
         }
         let subscriber = Subscriber::spawn(
             (topology, Wakeups::new(parts.metrics.clone())),
@@ -129,7 +151,7 @@ impl RedisBackendBuilder {
         });
         // A cluster client sends a call again by itself (see acquire.lua).
         let resent_guard = scripts.sharded.then(|| Arc::from(parts.owners.instance()));
-        Ok(RedisStore {
+        let store = RedisStore {
             pool,
             scripts,
             subscriber,
@@ -148,7 +170,48 @@ impl RedisBackendBuilder {
             sync_replicas: self.sync_replicas,
             resent_guard,
             force_serials: AtomicU64::new(0),
-        })
+        };
+        Ok((store, later))
+    }
+}
+
+/// Whether a failed build says only that the server cannot be reached now.
+pub(super) fn is_down(error: &BuildError) -> bool {
+    matches!(
+        error,
+        BuildError::Connect {
+            failure: ConnectFailure::Refused | ConnectFailure::TimedOut | ConnectFailure::Closed,
+            ..
+        }
+    )
+}
+
+/// The checks of a quorum's master that was down at build, to run when it answers (see
+/// `quorum.rs`).
+pub(super) struct LaterChecks {
+    builder: RedisBackendBuilder,
+    pool: Pool,
+    scripts: Arc<Scripts>,
+    peer: Peer,
+    /// Why the build could not check it.
+    pub(super) error: BuildError,
+}
+
+impl LaterChecks {
+    /// The checks a build runs, now.
+    pub(super) async fn run(&self) -> Result<(), BuildError> {
+        self.builder
+            .check(&self.pool, &self.scripts, &self.peer)
+            .await
+    }
+
+    /// The server's `run_id`, if it tells it.
+    pub(super) async fn run_id(&self) -> Option<String> {
+        let info = (self.pool)
+            .query::<String>(redis::cmd("INFO").arg("server"))
+            .await
+            .ok()?;
+        super::quorum::info_field(&info, "run_id").map(str::to_owned)
     }
 }
 

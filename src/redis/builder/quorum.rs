@@ -2,11 +2,15 @@
 //! single server is, then refused if it is not an independent master.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 
+use super::build::{LaterChecks, is_down};
 use super::{RedisBackendBuilder, Target};
-use crate::core::Core;
+use crate::core::kit::backoff::Backoff;
+use crate::core::{Core, Parts};
 use crate::error::BuildError;
 use crate::redis::connection::pool::Pool;
 use crate::redis::quorum::QuorumStore;
@@ -42,15 +46,29 @@ impl RedisBackendBuilder {
                 ..self.clone()
             })
             .collect();
-        let stores = join_all(builders.iter().map(|b| b.store(&parts))).await;
-        let masters = match distinct_masters(&urls, stores).await {
-            Ok(masters) => masters,
+        let stores = join_all(builders.iter().map(|b| b.master(&parts, true))).await;
+        let (masters, later) = match distinct_masters(&urls, stores).await {
+            Ok(built) => built,
             Err(e) => {
                 // The masters built so far have tasks running: stop them.
                 parts.shutdown.cancel();
                 return Err(e);
             }
         };
+        let checked: Vec<Arc<AtomicBool>> = (later.slots.iter())
+            .map(|slot| Arc::new(AtomicBool::new(slot.is_none())))
+            .collect();
+        let up = checked.iter().filter(|c| c.load(Ordering::Relaxed)).count();
+        if up < urls.len() / 2 + 1 {
+            parts.shutdown.cancel();
+            // The first master that could not be reached says why.
+            let error = later.slots.into_iter().flatten().next().map(|l| l.error);
+            return Err(error.unwrap_or(BuildError::Quorum {
+                addr: String::new(),
+                reason: "fewer than a majority of its masters answered",
+            }));
+        }
+        later.check_when_up(&urls, &checked, &parts, self.settings.max_backoff);
         let Some(lead) = masters.first().cloned() else {
             return refuse(String::new(), "it has no master");
         };
@@ -59,6 +77,7 @@ impl RedisBackendBuilder {
             lead,
             master_timeout: self.settings.command_timeout / 2,
             permits: Default::default(),
+            checked,
         };
         Ok(RedisBackend {
             inner: Inner::Quorum(Core::new(store, parts)),
@@ -66,32 +85,133 @@ impl RedisBackendBuilder {
     }
 }
 
-/// The masters built for `urls`, unless one failed or two are the same server.
+/// The masters built for `urls`, and the checks of those that were down (unless one
+/// failed otherwise, or two are the same server).
 async fn distinct_masters(
     urls: &[String],
-    stores: Vec<Result<RedisStore, BuildError>>,
-) -> Result<Vec<Arc<RedisStore>>, BuildError> {
+    stores: Vec<Result<(RedisStore, Option<LaterChecks>), BuildError>>,
+) -> Result<(Vec<Arc<RedisStore>>, Later), BuildError> {
     let mut masters: Vec<Arc<RedisStore>> = Vec::with_capacity(urls.len());
-    let mut run_ids: Vec<String> = Vec::with_capacity(urls.len());
+    let mut later = Later::default();
     for (url, store) in urls.iter().zip(stores) {
-        let store = store?;
-        let info = store
-            .pool
-            .query::<String>(redis::cmd("INFO").arg("server"))
-            .await
-            .unwrap_or_default();
-        let run_id = info_field(&info, "run_id").unwrap_or_default().to_owned();
-        if run_ids.contains(&run_id) {
-            return Err(BuildError::Quorum {
-                addr: addr_of(url),
-                reason: "it is the same server (run_id) as another URL of the quorum: a \
-                         majority must be of distinct servers",
-            });
+        let (store, checks) = store?;
+        if checks.is_none() {
+            let info = store
+                .pool
+                .query::<String>(redis::cmd("INFO").arg("server"))
+                .await
+                .unwrap_or_default();
+            let run_id = info_field(&info, "run_id").unwrap_or_default().to_owned();
+            if !later.distinct(run_id) {
+                return Err(same_server(addr_of(url)));
+            }
         }
-        run_ids.push(run_id);
+        later.slots.push(checks);
         masters.push(Arc::new(store));
     }
-    Ok(masters)
+    Ok((masters, later))
+}
+
+fn same_server(addr: String) -> BuildError {
+    BuildError::Quorum {
+        addr,
+        reason: "it is the same server (run_id) as another URL of the quorum: a majority \
+                 must be of distinct servers",
+    }
+}
+
+/// The checks of the masters that were down at build (by index), and the `run_id`s of the
+/// masters checked.
+#[derive(Default)]
+struct Later {
+    slots: Vec<Option<LaterChecks>>,
+    run_ids: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Later {
+    /// Records a checked master's `run_id`: `false` if another master has it.
+    fn distinct(&self, run_id: String) -> bool {
+        let mut run_ids = self.run_ids.lock().unwrap_or_else(|e| e.into_inner());
+        if run_ids.contains(&run_id) {
+            return false;
+        }
+        run_ids.push(run_id);
+        true
+    }
+
+    /// Checks each master that was down at build once it answers (with capped backoff,
+    /// until the backend is dropped), and lets it take part in acquisitions once it passed
+    /// the build's checks and is not another master's server. Logged once each way: WARN
+    /// when built without it, INFO when it takes part, ERROR when a check refuses it.
+    fn check_when_up(
+        self,
+        urls: &[String],
+        checked: &[Arc<AtomicBool>],
+        parts: &Parts,
+        max_backoff: Duration,
+    ) {
+        let run_ids = self.run_ids.clone();
+        for (i, slot) in self.slots.into_iter().enumerate() {
+            let (Some(checks), Some(flag)) = (slot, checked.get(i).cloned()) else {
+                continue;
+            };
+            let addr = addr_of(&urls[i]);
+            tracing::warn!(
+                master = %addr,
+                error = %checks.error,
+                "quorum master down at build; it takes part in acquisitions once it answers \
+                 and passes the build's checks"
+            );
+            let (run_ids, shutdown) = (run_ids.clone(), parts.shutdown.clone());
+            parts.runtime.spawn(async move {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = check_until_passed(&checks, &addr, run_ids, max_backoff) => {
+                        flag.store(true, Ordering::Release);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Runs `checks` until they pass (a refusal logged once at ERROR, then again after the
+/// backoff), and the master proves a server of its own.
+async fn check_until_passed(
+    checks: &LaterChecks,
+    addr: &str,
+    run_ids: Arc<std::sync::Mutex<Vec<String>>>,
+    max_backoff: Duration,
+) {
+    let mut backoff = Backoff::up_to(max_backoff);
+    let mut refused = false;
+    loop {
+        match checks.run().await {
+            Ok(()) => {
+                let run_id = checks.run_id().await.unwrap_or_default();
+                let mut ids = run_ids.lock().unwrap_or_else(|e| e.into_inner());
+                if !ids.contains(&run_id) {
+                    ids.push(run_id);
+                    drop(ids);
+                    tracing::info!(master = %addr, "quorum master checked; it takes part in acquisitions");
+                    return;
+                }
+                drop(ids);
+                if !std::mem::replace(&mut refused, true) {
+                    tracing::error!(master = %addr, error = %same_server(addr.to_owned()), "quorum master refused");
+                }
+            }
+            Err(e) if is_down(&e) => {
+                tracing::debug!(master = %addr, error = %e, "quorum master still down")
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut refused, true) {
+                    tracing::error!(master = %addr, error = %e, "quorum master refused");
+                }
+            }
+        }
+        tokio::time::sleep(backoff.next()).await;
+    }
 }
 
 /// Refuses a quorum's master that is a node of a Redis Cluster or a replica, naming it,
@@ -131,7 +251,7 @@ fn addr_of(url: &str) -> String {
 }
 
 /// The value of `name` in an `INFO` reply.
-fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub(super) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
         .map(str::trim)

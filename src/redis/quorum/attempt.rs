@@ -3,6 +3,7 @@
 //! algorithm), otherwise every partial hold is given back at once.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
@@ -116,14 +117,21 @@ impl QuorumStore {
 
     /// The attempt on every master, each within the time for one master.
     async fn tally(&self, key: &Arc<LockKey>, attempt: &Attempt) -> Tally {
-        let calls: Vec<_> = self
-            .masters
-            .iter()
-            .map(|master| tokio::spawn(master.attempt(key, copy(attempt))))
+        let checked = |i: usize| {
+            self.checked
+                .get(i)
+                .is_some_and(|c| c.load(Ordering::Acquire))
+        };
+        let calls: Vec<_> = (self.masters.iter().enumerate())
+            .map(|(i, master)| checked(i).then(|| tokio::spawn(master.attempt(key, copy(attempt)))))
             .collect();
         let deadline = tokio::time::Instant::now() + self.master_timeout;
         let mut tally = Tally::default();
-        for (i, mut call) in calls.into_iter().enumerate() {
+        for (i, call) in calls.into_iter().enumerate() {
+            let Some(mut call) = call else {
+                tally.failures.push(MasterFailure::Unchecked);
+                continue;
+            };
             let (reply, conn) = match timeout_at(deadline, &mut call).await {
                 Ok(Ok(sent)) => sent,
                 // The call's task panicked or was cancelled: nothing to give back.

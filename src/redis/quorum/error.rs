@@ -14,6 +14,9 @@ pub(crate) enum MasterFailure {
     Failed(CommandError),
     /// It did not answer within the quorum's time for one master: the call may have run.
     TimedOut,
+    /// It was down when the backend was built, and has not passed the build's checks
+    /// since: it takes no part in acquisitions.
+    Unchecked,
 }
 
 impl MasterFailure {
@@ -21,6 +24,7 @@ impl MasterFailure {
         match self {
             MasterFailure::Failed(e) => e.may_have_run(),
             MasterFailure::TimedOut => true,
+            MasterFailure::Unchecked => false,
         }
     }
 
@@ -34,6 +38,9 @@ impl fmt::Display for MasterFailure {
         match self {
             MasterFailure::Failed(e) => e.fmt(f),
             MasterFailure::TimedOut => f.write_str("the master did not answer in time"),
+            MasterFailure::Unchecked => f.write_str(
+                "the master was down when the backend was built and has not been checked since",
+            ),
         }
     }
 }
@@ -42,7 +49,7 @@ impl StdError for MasterFailure {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
             MasterFailure::Failed(e) => Some(e),
-            MasterFailure::TimedOut => None,
+            MasterFailure::TimedOut | MasterFailure::Unchecked => None,
         }
     }
 }

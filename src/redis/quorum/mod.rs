@@ -15,6 +15,7 @@ mod operator;
 mod records;
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -45,6 +46,9 @@ pub(crate) struct QuorumStore {
     /// How many masters must keep each permit hold for its renewal to count (see
     /// [`QuorumStore::needed`]): set at its grant, dropped at its release.
     pub(crate) permits: Mutex<HashMap<(Arc<str>, LockOwner), usize>>,
+    /// Whether each master (by index) passed the build's checks: one down at build takes
+    /// part in acquisitions only once it answers and passes them (see the builder).
+    pub(crate) checked: Vec<Arc<AtomicBool>>,
 }
 
 impl QuorumStore {

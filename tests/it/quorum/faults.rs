@@ -137,3 +137,52 @@ async fn a_master_restarted_empty_under_a_held_lock_lets_no_second_holder_in() {
     assert!(second.fencing_token() > first.fencing_token());
     second.release().await.expect("released");
 }
+
+/// Master 4 of five down when a backend is built: the build succeeds (a majority is up),
+/// says once at WARN which master is down, and every hold is taken and released on the
+/// others; started again, the master is checked as a build checks it and takes part in
+/// acquisitions from then on (a hold is on it too).
+#[test]
+fn a_master_down_at_build_is_checked_and_takes_part_once_it_answers() {
+    crate::needs!(Redis);
+    let quorum = quorum::shared();
+    let log = support::logged_on_this_thread("tower_lock=info", async |log| {
+        let _turn = quorum.exclusive().await;
+        quorum.kill(4);
+        let backend = quorum
+            .builder()
+            .build()
+            .await
+            .expect("builds with a majority up");
+        let failures = support::failover::holds(&backend, 20).await;
+        assert!(failures.is_empty(), "with a master down: {failures:#?}");
+        quorum.restart(4);
+        log.until("quorum master checked", 1).await;
+        quorum.past_guards().await;
+        let lock = format!("{}:{{k0}}", backend.namespace());
+        let held = backend.lock("k0").try_once().await.expect("free");
+        let master = quorum.servers()[4].0.url();
+        let on_master: bool = redis::cmd("EXISTS")
+            .arg(&lock)
+            .query_async(
+                &mut redis::Client::open(master.as_str())
+                    .expect("url")
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("connect"),
+            )
+            .await
+            .expect("EXISTS");
+        assert!(on_master, "the hold is on the master checked since");
+        held.release().await.expect("released");
+    });
+    let down = format!("master=127.0.0.1:{}", quorum.servers()[4].0.port());
+    let warned = log
+        .text()
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains("quorum master down at build"))
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    assert_eq!(warned.len(), 1, "{}", log.text());
+    assert!(warned[0].contains(&down), "{}", warned[0]);
+}
