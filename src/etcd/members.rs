@@ -10,8 +10,9 @@
 //! could not be connected to, or refused it for want of a leader (the backend asks for
 //! one, see the builder) before looking at it; a read moves on also when its answer never
 //! came (a read that ran changed nothing). A write that was sent and whose answer never
-//! came may have run: it fails, and the caller settles what it did on the next member
-//! (an acquisition reads whether its hold was put, see `rw.rs`), as etcd is linearizable.
+//! came may have run: it fails, and the caller settles what it did on the next member (an
+//! exclusive acquisition's next round reads whether its hold was put or re-entered, see
+//! `Settle` in `rw.rs`), as etcd is linearizable.
 //!
 //! An operator reads one WARN line when a member is found down, naming it and the cause,
 //! and one INFO line when it answers again; calls meanwhile go to the others, silently.

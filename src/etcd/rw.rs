@@ -10,6 +10,8 @@
 //! wait with; one that an exclusive holder keeps out waits behind that hold with nothing
 //! in etcd, as do readers (see the module docs of `etcd`).
 
+use std::sync::atomic::Ordering;
+
 use etcd_client::{Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp};
 
 use super::error::EtcdError;
@@ -44,6 +46,18 @@ fn put_hold(key: &str, holder: &str, lease: i64) -> TxnOp {
     TxnOp::put(key, HoldValue::new(holder).encode(), Some(on_lease))
 }
 
+/// What an exclusive attempt needs to settle a write of its own whose answer never came
+/// (its member went away): etcd is linearizable, so the next round, on the next member,
+/// reads what the write did. A hold key of the holder changed above `seen`, the highest
+/// revision answered before the attempt's first write, was put or re-entered by it (only
+/// one exclusive attempt per process and lock is ever out, and no other call writes that
+/// key): it is the attempt's hold, not one to re-enter again.
+struct Settle {
+    seen: i64,
+    /// A write of the attempt was lost (once: a second loss fails the attempt).
+    lost: std::sync::atomic::AtomicBool,
+}
+
 impl EtcdStore {
     /// The writes that take the lock `name` exclusively for `holder` as `hold` on the lease
     /// `lease`: the hold, and the fence record whose mod revision is then the hold's token.
@@ -65,14 +79,31 @@ impl EtcdStore {
         key: &EtcdKey,
         attempt: &Attempt,
     ) -> Result<Attempted, EtcdError> {
+        // The highest revision answered before the attempt's first write: what the
+        // attempt's own writes put or changed has a higher one (see `Settle`).
+        let settle = Settle {
+            seen: self.members.seen(),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        };
+        let settle = &settle;
         self.in_rounds(move |lease| async move {
-            match self.take_if_free(key, attempt, lease).await? {
-                None => Ok(None),
-                Some(Read::Taken(token)) => Ok(Some(Attempted::Acquired { token, count: 1 })),
-                Some(Read::Keys { keys, read_at, .. }) => {
-                    self.exclusive_behind(key, attempt, lease, (&keys, read_at))
-                        .await
+            let round = async {
+                match self.take_if_free(key, attempt, lease).await? {
+                    None => Ok(None),
+                    Some(Read::Taken(token)) => Ok(Some(Attempted::Acquired { token, count: 1 })),
+                    Some(Read::Keys { keys, read_at, .. }) => {
+                        self.exclusive_behind(key, attempt, lease, (&keys, read_at), settle)
+                            .await
+                    }
                 }
+            };
+            match round.await {
+                // A write whose answer never came (its member went away): the next round,
+                // on the next member, finds what it did.
+                Err(e) if e.may_have_run() && !settle.lost.swap(true, Ordering::Relaxed) => {
+                    Ok(None)
+                }
+                round => round,
             }
         })
         .await
@@ -87,19 +118,12 @@ impl EtcdStore {
     ) -> Result<Option<Read>, EtcdError> {
         let (holder, name) = (attempt.holder.as_str(), &*key.name);
         let (start, end) = holders(name);
-        let hold = hold_key(name, lease);
         let take = Txn::new()
             .when([Compare::version(start.clone(), CompareOp::Equal, 0).with_range(end.clone())])
-            .and_then(Self::take_ops(name, &hold, holder, lease))
-            .or_else([TxnOp::get(start.clone(), Some(in_order(&end)))]);
-        let seen = self.members.seen();
-        let reply = match self.txn_on(lease, take).await {
-            Ok(Some(reply)) => reply,
-            Ok(None) => return Ok(None),
-            Err(e) if e.may_have_run() => {
-                return self.taken_or_not(&hold, holder, seen, (start, end)).await;
-            }
-            Err(e) => return Err(e),
+            .and_then(Self::take_ops(name, &hold_key(name, lease), holder, lease))
+            .or_else([TxnOp::get(start, Some(in_order(&end)))]);
+        let Some(reply) = self.txn_on(lease, take).await? else {
+            return Ok(None);
         };
         let read_at = revision(&reply)?;
         if reply.succeeded() {
@@ -107,38 +131,6 @@ impl EtcdStore {
             return Ok(Some(Read::Taken(token(read_at)?)));
         }
         let keys = found(reply.op_responses()).into_iter().flatten().collect();
-        Ok(Some(Read::Keys {
-            keys,
-            read_at,
-            written: 0,
-        }))
-    }
-
-    /// What a take whose answer never came did, read on the next member that answers
-    /// (etcd is linearizable: the read sees the take if it was applied): its hold is there
-    /// if the holder's hold key was created after `seen` (the highest revision answered
-    /// before the take was sent: a hold of the holder from before has a revision at most
-    /// that, and only one exclusive attempt per process and lock is ever out); else the
-    /// lock's keys, as the take would have read them.
-    async fn taken_or_not(
-        &self,
-        hold: &str,
-        holder: &str,
-        seen: i64,
-        (start, end): (String, String),
-    ) -> Result<Option<Read>, EtcdError> {
-        let read = Txn::new().and_then([TxnOp::get(start, Some(in_order(&end)))]);
-        let reply = self.kv().read(read).await?;
-        let read_at = revision(&reply)?;
-        let keys: Vec<KeyValue> = found(reply.op_responses()).into_iter().flatten().collect();
-        let taken = keys.iter().find(|kv| {
-            kv.key() == hold.as_bytes()
-                && kv.create_revision() > seen
-                && holder_of(kv).is_some_and(|h| h == holder)
-        });
-        if let Some(taken) = taken {
-            return Ok(Some(Read::Taken(token(taken.create_revision())?)));
-        }
         Ok(Some(Read::Keys {
             keys,
             read_at,
@@ -154,6 +146,7 @@ impl EtcdStore {
         attempt: &Attempt,
         lease: i64,
         (keys, read_at): (&[KeyValue], i64),
+        settle: &Settle,
     ) -> Result<Round, EtcdError> {
         let (holder, name) = (attempt.holder.as_str(), &*key.name);
         if keys.is_empty() {
@@ -180,6 +173,16 @@ impl EtcdStore {
             if hold.key() == hold_key(name, lease).as_bytes() {
                 let value = HoldValue::parse(hold.value()).ok_or(EtcdError::Foreign)?;
                 if value.holder == holder {
+                    if settle.lost.load(Ordering::Relaxed) && hold.mod_revision() > settle.seen {
+                        // Put (a take, a turn) or re-entered by this attempt's lost write.
+                        if queued.is_some() {
+                            key.out_of_line();
+                        }
+                        return Ok(Some(Attempted::Acquired {
+                            token: token(hold.create_revision())?,
+                            count: value.count,
+                        }));
+                    }
                     return self.reenter_hold(hold, value).await;
                 }
             }
