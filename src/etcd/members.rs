@@ -114,11 +114,12 @@ impl Members {
             match answer {
                 Err(e) if not_taken(&e) || (moves == Moves::IfUnanswered && unanswered(&e)) => {
                     if !member.down.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            member = %member.endpoint,
-                            error = %reason(&e),
-                            "etcd member down; calls go to the other members"
-                        );
+                        let (member, error) = (&member.endpoint, reason(&e));
+                        if self.members.len() > 1 {
+                            tracing::warn!(%member, %error, "etcd member down; calls go to the other members");
+                        } else {
+                            tracing::warn!(%member, %error, "etcd member down");
+                        }
                     }
                     last = Some(e);
                 }
