@@ -34,7 +34,7 @@ impl EtcdStore {
             TxnOp::get(start, Some(in_order(&end))),
             TxnOp::get(fence_key(&key.name), None),
         ]);
-        let reply = self.kv().read(read).await.map_err(|e| fail(e.into()))?;
+        let reply = self.members.read(read).await.map_err(|e| fail(e.into()))?;
         let mut reads = found(reply.op_responses()).into_iter();
         let (keys, fence) = (reads.next().unwrap_or_default(), reads.next());
         // Holds only: not the keys that wait in line.
@@ -76,7 +76,10 @@ impl EtcdStore {
                 .map(|(kv, _)| TxnOp::delete(kv.key().to_vec(), None))
                 .collect();
             let freeing = Txn::new().and_then(deletes);
-            self.kv().txn(freeing).await.map_err(|e| fail(e.into()))?;
+            self.members
+                .txn(freeing)
+                .await
+                .map_err(|e| fail(e.into()))?;
         }
         let to_u32 = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         Ok(LockInfo {

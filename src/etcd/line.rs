@@ -22,7 +22,7 @@ const MAX_WITHDRAW_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What an acquisition needs to take its key out of line, and that key.
 pub(crate) struct Line {
-    kv: Arc<Members>,
+    members: Arc<Members>,
     pub(crate) behind: Arc<Behind>,
     pub(crate) wakeups: Wakeups,
     /// The key left in line, and its value then (it is deleted only if unchanged).
@@ -36,9 +36,9 @@ impl std::fmt::Debug for Line {
 }
 
 impl Line {
-    pub(crate) fn new(kv: Arc<Members>, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
+    pub(crate) fn new(members: Arc<Members>, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
         Line {
-            kv,
+            members,
             behind,
             wakeups,
             left: Mutex::new(None),
@@ -69,7 +69,7 @@ impl Line {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let kv = self.kv.clone();
+        let members = self.members.clone();
         runtime.spawn(async move {
             // Sent again until etcd answers: the key lives under the backend's lease, which
             // lives as long as the backend, and until it goes everyone behind it waits (an
@@ -80,7 +80,7 @@ impl Line {
                 let withdraw = Txn::new()
                     .when([Compare::value(key.clone(), CompareOp::Equal, value.clone())])
                     .and_then([TxnOp::delete(key.clone(), None)]);
-                match kv.txn(withdraw).await {
+                match members.txn(withdraw).await {
                     Ok(_) => return,
                     Err(e) => {
                         tracing::debug!(%key, error = %e, "etcd: a key waiting in line was not withdrawn; again");

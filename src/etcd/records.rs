@@ -42,7 +42,7 @@ impl Records for EtcdBackend {
         );
         Box::pin(async move {
             let name = store.lock_name(key)?;
-            let get = async { store.kv().get(record_key(&name), None).await };
+            let get = async { store.members.get(record_key(&name), None).await };
             let mut reply = bounded(bound, async { get.await.map_err(EtcdError::from) }).await?;
             let record = reply.take_kvs().into_iter().next();
             Ok(record.map(|kv| Bytes::from(kv.into_key_value().1)))
@@ -105,7 +105,7 @@ impl EtcdStore {
         let txn = Txn::new()
             .when([Compare::create_revision(hold, CompareOp::Equal, revision)])
             .and_then([put]);
-        let stored = match timeout(bound, self.kv().txn(txn)).await {
+        let stored = match timeout(bound, self.members.txn(txn)).await {
             Ok(Ok(reply)) if reply.succeeded() => return Ok(true),
             Ok(Ok(_)) => Ok(false),
             Ok(Err(e)) => {

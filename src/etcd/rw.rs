@@ -10,7 +10,7 @@
 //! wait with; one that an exclusive holder keeps out waits behind that hold with nothing
 //! in etcd, as do readers (see the module docs of `etcd`).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use etcd_client::{Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp};
 
@@ -55,7 +55,7 @@ fn put_hold(key: &str, holder: &str, lease: i64) -> TxnOp {
 struct Settle {
     seen: i64,
     /// A write of the attempt was lost (once: a second loss fails the attempt).
-    lost: std::sync::atomic::AtomicBool,
+    lost: AtomicBool,
 }
 
 impl EtcdStore {
@@ -83,7 +83,7 @@ impl EtcdStore {
         // attempt's own writes put or changed has a higher one (see `Settle`).
         let settle = Settle {
             seen: self.members.seen(),
-            lost: std::sync::atomic::AtomicBool::new(false),
+            lost: AtomicBool::new(false),
         };
         let settle = &settle;
         self.in_rounds(move |lease| async move {

@@ -107,11 +107,6 @@ pub(super) fn holder_of(kv: &KeyValue) -> Option<String> {
 }
 
 impl EtcdStore {
-    /// The cluster's members, every call going to the member in use.
-    pub(super) fn kv(&self) -> &Members {
-        &self.members
-    }
-
     /// Runs `txn`, whose writes go on the lease `lease`: `None` when that lease is gone
     /// (a new one was granted: the caller goes again).
     pub(super) async fn txn_on(
@@ -119,7 +114,7 @@ impl EtcdStore {
         lease: i64,
         txn: Txn,
     ) -> Result<Option<TxnResponse>, EtcdError> {
-        match self.kv().txn(txn).await {
+        match self.members.txn(txn).await {
             Ok(reply) => Ok(Some(reply)),
             Err(e) => {
                 let e = EtcdError::from(e);
@@ -169,7 +164,7 @@ impl EtcdStore {
                 Some(PutOptions::new().with_lease(held.lease())),
             )]);
         Ok(self
-            .kv()
+            .members
             .txn(reenter)
             .await?
             .succeeded()
@@ -234,7 +229,7 @@ impl EtcdStore {
             .when(compares)
             .and_then(delete())
             .or_else([TxnOp::get(mine.clone(), None)]);
-        let reply = self.kv().txn(last).await?;
+        let reply = self.members.txn(last).await?;
         if reply.succeeded() {
             return Ok(Released::Freed);
         }
@@ -255,7 +250,7 @@ impl EtcdStore {
                 )])
                 .and_then(ops)
                 .or_else([TxnOp::get(mine.clone(), None)]);
-            let reply = self.kv().txn(swap).await?;
+            let reply = self.members.txn(swap).await?;
             if reply.succeeded() {
                 return Ok(released);
             }
@@ -281,7 +276,7 @@ impl EtcdStore {
                 TxnOp::get(key_of(name, kind, lease, holder), None)
             })
             .collect();
-        let reply = self.kv().read(Txn::new().and_then(reads)).await?;
+        let reply = self.members.read(Txn::new().and_then(reads)).await?;
         let responses = reply.op_responses();
         if responses.len() != batch.len() {
             return Err(EtcdError::Unexpected("a renewal read"));

@@ -33,7 +33,9 @@ pub(super) enum Before {
     Node { version: i32, count: u64 },
 }
 
-/// How an attempt runs: afresh, or again after a call of an earlier run was lost.
+/// How an attempt runs: afresh (`Run::default()`), or again after a call of an earlier run
+/// was lost.
+#[derive(Default)]
 pub(super) struct Run {
     /// Set by the run's first look at the lock (kept by a run again).
     pub(super) before: Option<Before>,
@@ -139,17 +141,8 @@ impl ZkStore {
             Before::Node { version, count }
                 if stat.version > version && value.count == count + 1 =>
             {
-                if count == 0 {
-                    record_writer(client, &key.path, token(stat)).await?;
-                }
-                let token = match attempt.kind {
-                    Kind::Shared => shared_token(client, &key.path).await?,
-                    Kind::Exclusive | Kind::Permit(_) => token(stat),
-                };
-                Ok(Some(Attempted::Acquired {
-                    token,
-                    count: value.count,
-                }))
+                let writer = count == 0;
+                taken(client, &key.path, attempt.kind, stat, writer, value.count).await
             }
             _ => Ok(None),
         }
@@ -183,17 +176,7 @@ impl ZkStore {
         if !write(client, &path, &value, stat.version).await? {
             return Ok(None);
         }
-        if in_line {
-            record_writer(client, &key.path, token(&stat)).await?;
-        }
-        let token = match attempt.kind {
-            Kind::Shared => shared_token(client, &key.path).await?,
-            Kind::Exclusive | Kind::Permit(_) => token(&stat),
-        };
-        Ok(Some(Attempted::Acquired {
-            token,
-            count: value.count,
-        }))
+        taken(client, &key.path, attempt.kind, &stat, in_line, value.count).await
     }
 
     /// Creates the holder's node, last in line, and keeps it if its turn has come, or if
@@ -333,15 +316,29 @@ async fn granted(
     if stays && !write(client, &node.path, &value, node.stat.version).await? {
         return Ok(None);
     }
-    let token = match attempt.kind {
-        Kind::Exclusive => {
-            record_writer(client, lock, token(&node.stat)).await?;
-            token(&node.stat)
-        }
+    let writer = attempt.kind == Kind::Exclusive;
+    taken(client, lock, attempt.kind, &node.stat, writer, 1).await
+}
+
+/// A hold of `kind` taken with `count` by the node of `stat`: its token read (a shared
+/// hold's is the last writer's), and a `writer`'s token recorded for the shared holders
+/// after it.
+async fn taken(
+    client: &Client,
+    lock: &str,
+    kind: Kind,
+    stat: &Stat,
+    writer: bool,
+    count: u64,
+) -> Result<Round, ZkError> {
+    if writer {
+        record_writer(client, lock, token(stat)).await?;
+    }
+    let token = match kind {
         Kind::Shared => shared_token(client, lock).await?,
-        Kind::Permit(_) => token(&node.stat),
+        Kind::Exclusive | Kind::Permit(_) => token(stat),
     };
-    Ok(Some(Attempted::Acquired { token, count: 1 }))
+    Ok(Some(Attempted::Acquired { token, count }))
 }
 
 /// Whether a waiter of `kind` keeps its node in line: a writer does, so that the processes

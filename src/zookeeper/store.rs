@@ -94,19 +94,14 @@ impl Store for ZkStore {
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             let lost = store.session.id();
-            let mut run = Run {
-                before: None,
-                again: false,
-            };
+            let mut run = Run::default();
             let attempted = match store.attempt_once(&key, &attempt, &mut run).await {
                 Err(e) if e.session_ended() => match store.session.replace(lost).await {
                     Ok(_) => {
                         // The old session's nodes went with it.
-                        let mut afresh = Run {
-                            before: None,
-                            again: false,
-                        };
-                        store.attempt_once(&key, &attempt, &mut afresh).await
+                        store
+                            .attempt_once(&key, &attempt, &mut Run::default())
+                            .await
                     }
                     Err(e) => Err(e),
                 },

@@ -155,11 +155,16 @@ async fn subscriber_killed_alone_rechecks_held_locks_without_losing_them() {
 const GUARD: Duration = Duration::from_secs(2);
 
 async fn guarded(server: &RedisServer) -> RedisBackend {
+    guarded_for(server, GUARD).await
+}
+
+/// A backend whose restart guard outwaits `max_lease`.
+async fn guarded_for(server: &RedisServer, max_lease: Duration) -> RedisBackend {
     RedisBackend::builder(server.url())
         .command_timeout(Duration::from_millis(500))
         .connect_timeout(Duration::from_millis(500))
         .restart_guard()
-        .max_lease(GUARD)
+        .max_lease(max_lease)
         .build()
         .await
         .expect("backend connects to the test server")
@@ -173,13 +178,9 @@ fn the_restart_guard_is_announced_once_and_its_end_too() {
     crate::needs!(Redis);
     let server = RedisServer::start();
     let log = support::logged_on_this_thread("tower_lock=info", async |log| {
-        // A guard far longer than building and three tries take, however slow the machine.
-        let backend = RedisBackend::builder(server.url())
-            .restart_guard()
-            .max_lease(Duration::from_secs(10))
-            .build()
-            .await
-            .expect("backend connects to the test server");
+        // A guard as long as the bound on hangs: building and three tries take
+        // milliseconds of it.
+        let backend = guarded_for(&server, HANG).await;
         for _ in 0..3 {
             let refused = backend.lock("k").try_once().await;
             assert!(
@@ -187,9 +188,10 @@ fn the_restart_guard_is_announced_once_and_its_end_too() {
                 "{refused:?}"
             );
         }
+        // The guard ends up to two seconds after `HANG` from the server's start.
         let held = backend
             .lock("k")
-            .wait(HANG)
+            .wait(HANG * 2)
             .await
             .expect("granted once guarded");
         held.release().await.expect("released");

@@ -205,13 +205,9 @@ impl LaterChecks {
             .await
     }
 
-    /// The server's `run_id`, if it tells it.
-    pub(super) async fn run_id(&self) -> Option<String> {
-        let info = (self.pool)
-            .query::<String>(redis::cmd("INFO").arg("server"))
-            .await
-            .ok()?;
-        super::quorum::info_field(&info, "run_id").map(str::to_owned)
+    /// The server's pool.
+    pub(super) fn pool(&self) -> &Pool {
+        &self.pool
     }
 }
 

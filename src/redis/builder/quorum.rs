@@ -13,7 +13,7 @@ use crate::core::kit::backoff::Backoff;
 use crate::core::{Core, Parts};
 use crate::error::BuildError;
 use crate::redis::connection::pool::Pool;
-use crate::redis::quorum::QuorumStore;
+use crate::redis::quorum::{QuorumStore, majority};
 use crate::redis::store::RedisStore;
 use crate::redis::{Inner, RedisBackend};
 
@@ -59,7 +59,7 @@ impl RedisBackendBuilder {
             .map(|slot| Arc::new(AtomicBool::new(slot.is_none())))
             .collect();
         let up = checked.iter().filter(|c| c.load(Ordering::Relaxed)).count();
-        if up < urls.len() / 2 + 1 {
+        if up < majority(urls.len()) {
             parts.shutdown.cancel();
             // The first master that could not be reached says why.
             let error = later.slots.into_iter().flatten().next().map(|l| l.error);
@@ -95,16 +95,8 @@ async fn distinct_masters(
     let mut later = Later::default();
     for (url, store) in urls.iter().zip(stores) {
         let (store, checks) = store?;
-        if checks.is_none() {
-            let info = store
-                .pool
-                .query::<String>(redis::cmd("INFO").arg("server"))
-                .await
-                .unwrap_or_default();
-            let run_id = info_field(&info, "run_id").unwrap_or_default().to_owned();
-            if !later.distinct(run_id) {
-                return Err(same_server(addr_of(url)));
-            }
+        if checks.is_none() && !later.run_ids.distinct(run_id(&store.pool).await) {
+            return Err(same_server(addr_of(url)));
         }
         later.slots.push(checks);
         masters.push(Arc::new(store));
@@ -120,25 +112,40 @@ fn same_server(addr: String) -> BuildError {
     }
 }
 
-/// The checks of the masters that were down at build (by index), and the `run_id`s of the
-/// masters checked.
-#[derive(Default)]
-struct Later {
-    slots: Vec<Option<LaterChecks>>,
-    run_ids: Arc<std::sync::Mutex<Vec<String>>>,
+/// The server's `run_id` (empty if it does not tell it).
+pub(super) async fn run_id(pool: &Pool) -> String {
+    let info = pool
+        .query::<String>(redis::cmd("INFO").arg("server"))
+        .await
+        .unwrap_or_default();
+    info_field(&info, "run_id").unwrap_or_default().to_owned()
 }
 
-impl Later {
+/// The `run_id`s of the masters checked so far, at build and since.
+#[derive(Clone, Default)]
+struct RunIds(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl RunIds {
     /// Records a checked master's `run_id`: `false` if another master has it.
     fn distinct(&self, run_id: String) -> bool {
-        let mut run_ids = self.run_ids.lock().unwrap_or_else(|e| e.into_inner());
+        let mut run_ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if run_ids.contains(&run_id) {
             return false;
         }
         run_ids.push(run_id);
         true
     }
+}
 
+/// The checks of the masters that were down at build (by index), and the `run_id`s of the
+/// masters checked.
+#[derive(Default)]
+struct Later {
+    slots: Vec<Option<LaterChecks>>,
+    run_ids: RunIds,
+}
+
+impl Later {
     /// Checks each master that was down at build once it answers (with capped backoff,
     /// until the backend is dropped), and lets it take part in acquisitions once it passed
     /// the build's checks and is not another master's server. Logged once each way: WARN
@@ -180,7 +187,7 @@ impl Later {
 async fn check_until_passed(
     checks: &LaterChecks,
     addr: &str,
-    run_ids: Arc<std::sync::Mutex<Vec<String>>>,
+    run_ids: RunIds,
     max_backoff: Duration,
 ) {
     let mut backoff = Backoff::up_to(max_backoff);
@@ -188,15 +195,10 @@ async fn check_until_passed(
     loop {
         match checks.run().await {
             Ok(()) => {
-                let run_id = checks.run_id().await.unwrap_or_default();
-                let mut ids = run_ids.lock().unwrap_or_else(|e| e.into_inner());
-                if !ids.contains(&run_id) {
-                    ids.push(run_id);
-                    drop(ids);
+                if run_ids.distinct(run_id(checks.pool()).await) {
                     tracing::info!(master = %addr, "quorum master checked; it takes part in acquisitions");
                     return;
                 }
-                drop(ids);
                 if !std::mem::replace(&mut refused, true) {
                     tracing::error!(master = %addr, error = %same_server(addr.to_owned()), "quorum master refused");
                 }
@@ -251,7 +253,7 @@ fn addr_of(url: &str) -> String {
 }
 
 /// The value of `name` in an `INFO` reply.
-pub(super) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
         .map(str::trim)

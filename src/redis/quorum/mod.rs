@@ -54,7 +54,7 @@ pub(crate) struct QuorumStore {
 impl QuorumStore {
     /// How many masters make a majority.
     pub(crate) fn majority(&self) -> usize {
-        self.masters.len() / 2 + 1
+        majority(self.masters.len())
     }
 
     /// How many of the `N` masters must grant (and keep) a hold of `kind`. A majority for
@@ -262,6 +262,11 @@ impl Store for QuorumStore {
     }
 }
 
+/// How many of `masters` make a majority.
+pub(crate) fn majority(masters: usize) -> usize {
+    masters / 2 + 1
+}
+
 /// See [`QuorumStore::needed`].
 fn needed(masters: usize, kind: Kind) -> usize {
     match kind {
@@ -269,7 +274,7 @@ fn needed(masters: usize, kind: Kind) -> usize {
             let n = usize::try_from(n.max(1)).unwrap_or(usize::MAX);
             (masters.saturating_mul(n) / n.saturating_add(1) + 1).min(masters)
         }
-        Kind::Exclusive | Kind::Shared => masters / 2 + 1,
+        Kind::Exclusive | Kind::Shared => majority(masters),
     }
 }
 
