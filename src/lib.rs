@@ -59,7 +59,9 @@
 //! The plumbing is in a module per middleware or API, as in tower-http:
 //!
 //! - [`layer`]: the layer's service, response future and body, and its default wait;
-//!   [`layer::response`]: the status codes and problem+json bodies of rejections.
+//!   [`layer::response`]: the status codes and problem+json bodies of rejections;
+//!   `layer::grpc` (feature `grpc`): rejections as gRPC statuses for tonic services
+//!   ([`LockLayer::grpc`], `From<LockError> for tonic::Status`).
 //! - [`lock`]: the defaults and bounds of acquisitions and of every backend's builder
 //!   (lease, local waiters, keys, handoffs), the `HeldLock` extractor's rejection, and the
 //!   layer's hold [`policy`](lock::policy).

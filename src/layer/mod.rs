@@ -9,6 +9,9 @@
 
 pub(crate) mod body;
 pub(crate) mod future;
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 pub mod response;
 pub(crate) mod service;
 
@@ -365,6 +368,38 @@ impl<K, P> LockLayer<K, P> {
         Arc::make_mut(&mut self.config).rejection =
             Some(Arc::new(move |error| boxed_rejection(rejection(error))));
         self
+    }
+}
+
+#[cfg(feature = "grpc")]
+impl<K, P> LockLayer<K, P> {
+    /// Answers rejections as gRPC statuses, for a tonic server (feature `grpc`): `ABORTED`
+    /// when the lock is held on a fail-fast route, `RESOURCE_EXHAUSTED` when every permit
+    /// is taken, `UNAVAILABLE` when the wait ran out or the store is down,
+    /// `INVALID_ARGUMENT` for a bad key, each with its retry delay in the status details
+    /// and the `grpc-retry-pushback-ms` trailer (see [`crate::layer::grpc`]).
+    ///
+    /// A tonic server is a tower service of `http` requests, so the layer goes on it as on
+    /// an axum router; the key closure reads the request's path (`/package.Service/Method`)
+    /// and metadata (its headers), and the handler finds the [`HeldLock`](crate::HeldLock)
+    /// in `request.extensions()`.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tower_lock::{LockLayer, MemoryBackend};
+    ///
+    /// // One lock per order, named by the caller's `x-order-id` metadata.
+    /// let layer = LockLayer::new(MemoryBackend::new(), |req: &Request<tonic::body::Body>| {
+    ///     let order = req.headers().get("x-order-id")?.to_str().ok()?;
+    ///     Some(format!("order:{order}"))
+    /// })
+    /// .fail_fast()
+    /// .grpc();
+    /// // tonic::transport::Server::builder().layer(layer).add_service(..)
+    /// # drop(layer);
+    /// ```
+    pub fn grpc(self) -> Self {
+        self.on_rejection(crate::layer::grpc::grpc_rejection)
     }
 }
 

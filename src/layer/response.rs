@@ -104,7 +104,21 @@ impl LockError {
 /// }
 /// ```
 pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
-    let (variant, title, detail) = match error {
+    let (variant, title, detail) = explain(error);
+    problem(
+        error.status(),
+        &format!("{TYPE_BASE}{variant}"),
+        title,
+        &detail,
+        error.retry_after(),
+    )
+}
+
+/// What a rejection for `error` tells the client: the error's variant name (the problem
+/// type), a title and a sentence of detail. The problem+json body and the gRPC status
+/// message say the same.
+pub(crate) fn explain(error: &LockError) -> (&'static str, &'static str, String) {
+    match error {
         LockError::Contended { .. } => (
             "Contended",
             "Resource is locked",
@@ -163,14 +177,7 @@ pub fn default_rejection(error: &LockError) -> Response<Full<Bytes>> {
             "Lock service unavailable",
             "The lock service could not be reached. Retry later.".to_owned(),
         ),
-    };
-    problem(
-        error.status(),
-        &format!("{TYPE_BASE}{variant}"),
-        title,
-        &detail,
-        error.retry_after(),
-    )
+    }
 }
 
 /// A problem+json response (RFC 9457) of `status`, with a `Retry-After` header when

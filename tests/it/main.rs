@@ -33,6 +33,8 @@ mod fencing_postgres;
 mod flash_sale_cli;
 mod flash_sale_svg;
 mod grant;
+#[cfg(feature = "grpc")]
+mod grpc;
 mod handoff;
 mod hold_body;
 #[cfg(feature = "axum")]
