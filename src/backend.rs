@@ -59,6 +59,42 @@ pub trait LockBackend: Sealed + Clone + Send + Sync + 'static {
         self.store().inspect(key.into(), Primitive::Semaphore)
     }
 
+    /// Every lock and semaphore held now whose key starts with `prefix`, as
+    /// [`inspect`](Self::inspect) and [`inspect_permits`](Self::inspect_permits) see each
+    /// (a key whose lock and semaphore are both held comes twice, its lock first), sorted
+    /// by key. For operators and admin pages: it takes nothing and changes nothing.
+    ///
+    /// - **Exact.** The prefix is matched as the key's first bytes, whatever characters
+    ///   either holds (a `*`, `%`, `_` or `{` is itself, not a pattern); the empty prefix
+    ///   lists every held key of the backend's namespace.
+    /// - **In pages.** The store is read page by page (Redis `SCAN`, never `KEYS`; a range
+    ///   of rows, keys or children elsewhere), each page a call bounded by the command
+    ///   timeout, so a large keyspace never holds the store up; the keys a page names
+    ///   are then inspected, a few at a time.
+    /// - **Now, not at one instant.** Each key is read when its page comes: a key held for
+    ///   the whole listing is in it, one taken or freed meanwhile may or may not be.
+    ///
+    /// ```
+    /// use tower_lock::{LockBackend, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_lock::LockError> {
+    /// let backend = MemoryBackend::new();
+    /// let _a = backend.lock("order:1").try_once().await?;
+    /// let _b = backend.lock("order:2").try_once().await?;
+    /// let _c = backend.lock("stock:7").try_once().await?;
+    /// let held = backend.list_held("order:").await?;
+    /// let keys: Vec<&str> = held.iter().map(|info| info.key.as_str()).collect();
+    /// assert_eq!(keys, ["order:1", "order:2"]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn list_held(
+        &self,
+        prefix: impl Into<String>,
+    ) -> impl Future<Output = Result<Vec<LockInfo>, LockError>> + Send + 'static {
+        self.store().list_held(prefix.into())
+    }
+
     /// Frees `key`'s lock whatever holds it, an exclusive holder with its re-entries or
     /// every shared holder: an operator's way out when a holder hangs with its lock kept
     /// alive by its watchdog. Returns what it freed (free when nothing was held).

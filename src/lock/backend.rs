@@ -68,6 +68,12 @@ pub trait Backend: Send + Sync + 'static {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
 
+    /// Every lock and semaphore held now under `prefix` (see `LockBackend::list_held`).
+    fn list_held(
+        self: Arc<Self>,
+        prefix: String,
+    ) -> BoxFuture<'static, Result<Vec<LockInfo>, LockError>>;
+
     /// Frees `key`'s lock or semaphore, fenced, and reports what it freed (see
     /// `LockBackend::force_release`).
     fn force_release(

@@ -6,7 +6,7 @@ use std::time::Duration;
 /// Which of a key's two primitives an operator call is about: its lock (exclusive and
 /// shared holds of one hash) or its semaphore, which lives apart with its own holders and
 /// fencing tokens. (`pub` because the sealed `Store` trait names it; never exported.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Primitive {
     /// The key's lock: exclusive and shared holds.
     Lock,

@@ -540,6 +540,21 @@ impl Map {
         let now = Instant::now();
         self.rows.values().filter(|row| row.is_held(now)).count()
     }
+
+    /// The names of the held rows whose names start with one of `prefixes`.
+    pub(super) fn held_under(&self, prefixes: &[String]) -> Vec<Arc<str>> {
+        let now = Instant::now();
+        let under = |name: &str| {
+            prefixes
+                .iter()
+                .any(|prefix| name.starts_with(prefix.as_str()))
+        };
+        self.rows
+            .iter()
+            .filter(|(name, row)| under(name) && row.is_held(now))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
 }
 
 impl Holder {

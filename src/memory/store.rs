@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::map::Map;
 use crate::core::kit::keys::{KeyName, Naming};
 use crate::core::store::{
-    Answers, Attempt, Capabilities, Failure, Release, Released, Sent, Store, StoreKey,
+    Answers, Attempt, Capabilities, Failure, HeldPage, Release, Released, Sent, Store, StoreKey,
 };
 use crate::core::wakeups::{Waiter, Wakeups};
 use crate::core::watchdog::recheck::Recheck;
@@ -51,9 +51,22 @@ impl MemoryKey {
     }
 }
 
-/// The map's naming: `lock:<key>` and `permits:<key>`, one-to-one with no escaping (the
-/// map is looked up by whole names, never by prefix).
+/// The map's naming: `lock:<key>` and `permits:<key>`, one-to-one with no escaping (a
+/// listing matches a name's beginning, which holds the key's beginning as it is).
 struct InMap;
+
+impl InMap {
+    /// The key and primitive a name of the map is of.
+    fn user(name: &str) -> Option<(String, Primitive)> {
+        let (of, user) = name.split_once(':')?;
+        let of = match of {
+            "lock" => Primitive::Lock,
+            "permits" => Primitive::Semaphore,
+            _ => return None,
+        };
+        Some((user.to_owned(), of))
+    }
+}
 
 impl Naming for InMap {
     fn lock(&self, user: &str) -> String {
@@ -224,6 +237,22 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'static, Result<LockInfo, LockError>> {
         self.operator(user, of, |store, key, semaphore| {
             store.map().snapshot(key.user, &key.name, semaphore)
+        })
+    }
+
+    fn held_page(
+        self: &Arc<Self>,
+        prefix: Arc<str>,
+        _from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        // One page: the map is in this process, and a look at it is one step under its
+        // mutex.
+        let store = self.clone();
+        Box::pin(async move {
+            let (lock, semaphore) = (InMap.lock(&prefix), InMap.semaphore(&prefix));
+            let names = store.map().held_under(&[lock, semaphore]);
+            let keys = names.iter().filter_map(|name| InMap::user(name)).collect();
+            Ok(HeldPage { keys, next: None })
         })
     }
 

@@ -213,6 +213,18 @@ where
         Box::pin(async move { store.operator(&store.sql.inspect, user, of, false).await })
     }
 
+    fn held_page(
+        self: &Arc<Self>,
+        prefix: Arc<str>,
+        _from: Option<String>,
+    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
+        // STUB: listing not written yet for this store.
+        Box::pin(std::future::ready(Err(LockError::Unsupported {
+            key: prefix.to_string(),
+            what: "listing held keys",
+        })))
+    }
+
     fn force_release(
         self: &Arc<Self>,
         user: String,

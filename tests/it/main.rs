@@ -43,6 +43,7 @@ mod inspect;
 mod inspect_redis;
 #[cfg(feature = "axum")]
 mod layer;
+mod list_held;
 mod lock;
 #[cfg(feature = "axum")]
 mod many;

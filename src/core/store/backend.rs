@@ -1,8 +1,10 @@
 //! The core as a [`Backend`]: acquisitions (see `acquire/`), owners, and the operator
 //! calls, each bounded by the command timeout.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use futures_util::{StreamExt, TryFutureExt, stream};
 use tokio::time::timeout;
 
 use crate::core::store::Records;
@@ -64,6 +66,13 @@ impl<S: Store> Backend for Core<S> {
         })
     }
 
+    fn list_held(
+        self: Arc<Self>,
+        prefix: String,
+    ) -> BoxFuture<'static, Result<Vec<LockInfo>, LockError>> {
+        Box::pin(self.held_under(prefix.into()))
+    }
+
     fn force_release(
         self: Arc<Self>,
         key: String,
@@ -85,6 +94,42 @@ impl<S: Store> Backend for Core<S> {
             }
             Ok(freed)
         })
+    }
+}
+
+/// How many keys of a listing are inspected at once.
+const INSPECTING: usize = 16;
+
+impl<S: Store> Core<S> {
+    /// Every lock and semaphore held under `prefix`, page by page: each key a page names is
+    /// inspected (at most [`INSPECTING`] at once, each call bounded by the command
+    /// timeout), the free ones left out; sorted by key, a key's lock before its semaphore.
+    async fn held_under(self: Arc<Self>, prefix: Arc<str>) -> Result<Vec<LockInfo>, LockError> {
+        let limit = self.settings.command_timeout;
+        let mut seen = BTreeSet::new();
+        let mut held = Vec::new();
+        let mut from = None;
+        loop {
+            let page = timeout(limit, self.store.held_page(prefix.clone(), from))
+                .await
+                .map_err(|elapsed| LockError::backend("list_held", elapsed))??;
+            let fresh = page.keys.into_iter().filter(|key| seen.insert(key.clone()));
+            let mut inspected = stream::iter(fresh)
+                .map(|(key, of)| self.clone().inspect(key, of).map_ok(move |info| (info, of)))
+                .buffer_unordered(INSPECTING);
+            while let Some(info) = inspected.next().await {
+                let (info, of) = info?;
+                if !info.is_free() {
+                    held.push((info, of));
+                }
+            }
+            match page.next {
+                Some(next) => from = Some(next),
+                None => break,
+            }
+        }
+        held.sort_by(|(a, a_of), (b, b_of)| (&a.key, a_of).cmp(&(&b.key, b_of)));
+        Ok(held.into_iter().map(|(info, _)| info).collect())
     }
 }
 

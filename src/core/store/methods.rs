@@ -3,7 +3,7 @@
 //! trait.
 
 /// Expands, inside a backend's `impl` block, to `lock`, `lock_many`, `inspect`,
-/// `inspect_permits`, `force_release` and `force_release_permits`, in that order, each
+/// `inspect_permits`, `list_held`, `force_release` and `force_release_permits`, in that order, each
 /// calling the trait's method of the same name (which goes to the core through
 /// `Sealed::store`). The docs of `inspect` and `force_release`, which say what the store
 /// does, are the caller's.
@@ -47,6 +47,18 @@ macro_rules! lock_backend_methods {
             key: impl Into<String>,
         ) -> impl Future<Output = Result<crate::LockInfo, crate::LockError>> + Send + 'static {
             crate::LockBackend::inspect_permits(self, key)
+        }
+
+        /// Every lock and semaphore held now under `prefix`, sorted by key (see
+        /// [`LockBackend::list_held`]).
+        ///
+        /// [`LockBackend::list_held`]: crate::LockBackend::list_held
+        pub fn list_held(
+            &self,
+            prefix: impl Into<String>,
+        ) -> impl Future<Output = Result<Vec<crate::LockInfo>, crate::LockError>> + Send + 'static
+        {
+            crate::LockBackend::list_held(self, prefix)
         }
 
         $(#[$force_release])*

@@ -27,9 +27,9 @@
 //! - [`subscribe`](Store::subscribe): a [`Waiter`] woken by every release of the key
 //!   (a hint: the core tries again), by a confirmed subscription, and by every reconnect
 //!   of the store's listening connection (messages may have been missed meanwhile).
-//! - [`key`](Store::key), [`inspect`](Store::inspect) and
-//!   [`force_release`](Store::force_release): the store's names of a key, and the
-//!   operator's calls.
+//! - [`key`](Store::key), [`inspect`](Store::inspect),
+//!   [`force_release`](Store::force_release) and [`held_page`](Store::held_page): the
+//!   store's names of a key, and the operator's calls.
 //! - What its errors mean ([`Failure`]): a call that may have run without a reply, a
 //!   transient failure worth a retry, a key that is not a lock.
 //!
@@ -188,6 +188,19 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         of: Primitive,
     ) -> BoxFuture<'static, Result<LockInfo, LockError>>;
 
+    /// One page of the keys under `prefix` (the beginning of a user key, any characters)
+    /// whose lock or semaphore may be held now, for `LockBackend::list_held`: read from
+    /// `from` (the cursor of the page before; `None`: the first page) in one bounded call
+    /// that holds the store up no longer than any other (a page, never the whole keyspace
+    /// at once). A key may come on two pages, and may be free by the time the core
+    /// inspects it; a key held for the whole listing comes on some page. `next` is `None`
+    /// on the last page.
+    fn held_page(
+        self: &Arc<Self>,
+        prefix: Arc<str>,
+        from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>>;
+
     /// Frees `user`'s lock or semaphore whatever holds it (see
     /// `LockBackend::force_release`): fenced above every token issued or reserved, the
     /// waiters woken, and every backend on the store told, so that the holder's re-checks
@@ -210,6 +223,15 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         _generation: u64,
     ) {
     }
+}
+
+/// A page of [`Store::held_page`]: user keys whose lock (or semaphore) may be held, and
+/// where the next page starts.
+#[derive(Debug, Default)]
+pub(crate) struct HeldPage {
+    pub(crate) keys: Vec<(String, Primitive)>,
+    /// The store's cursor for the next page; `None`: this page was the last.
+    pub(crate) next: Option<String>,
 }
 
 /// A store's names of one user key.
