@@ -35,6 +35,13 @@ pub trait LockBackend: Sealed + Clone + Send + Sync + 'static {
         ManyLockRequest::new(self.store(), keys.into_iter().map(Into::into).collect())
     }
 
+    /// A campaign for the leadership of `name` among every instance on this store (see
+    /// [`LeaderRequest`](crate::LeaderRequest)): `.run(work)` runs `work` while this
+    /// instance leads, `.acquire()` waits to lead.
+    fn leader(&self, name: impl Into<String>) -> crate::LeaderRequest {
+        crate::LeaderRequest::new(self.store(), name.into())
+    }
+
     /// A snapshot of `key`'s lock: free, held exclusively (with its re-entries) or shared
     /// (by how many), the longest remaining lease and the fencing token reached; never
     /// owner ids (see [`LockInfo`]). For operators and admin pages: it takes nothing and

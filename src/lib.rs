@@ -51,6 +51,8 @@
 //!   told.
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
+//! - [`LockBackend::leader`] ([`LeaderRequest`], [`Leadership`]): one leader per name among
+//!   the instances, its work dropped as soon as the leadership is lost.
 //! - [`IdempotencyLayer`]: `Idempotency-Key` on top of the lock: the first request runs,
 //!   retries get its stored response, 409 while it runs, 422 for a different request.
 //! - The errors: [`LockError`] (with [`KeyError`] and [`BackendError`]), [`BuildError`]
@@ -165,6 +167,7 @@ mod extract;
 pub mod idempotency;
 pub mod key;
 pub mod layer;
+pub mod leader;
 pub mod lock;
 mod memory;
 #[cfg(feature = "mysql")]
@@ -189,6 +192,7 @@ pub use crate::extract::{PathParam, PathParams};
 pub use crate::idempotency::{IdempotencyError, IdempotencyLayer};
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{LockLayer, OnLockLost};
+pub use crate::leader::{LeaderRequest, Leadership};
 pub use crate::lock::{
     HeldLock, HeldLocks, LockGuard, LockInfo, LockMode, LockOwner, LockRequest, ManyLockRequest,
 };
@@ -229,6 +233,7 @@ pub mod guide {
                  [deployments]: crate::guide::deployments\n\
                  [fencing]: crate::guide::fencing\n\
                  [idempotency]: crate::guide::idempotency\n\
+                 [leaders]: crate::guide::leaders\n\
                  [metrics]: crate::guide::metrics\n\
                  [reliability]: crate::guide::reliability\n\
                  [performance]: crate::guide::performance\n\
@@ -332,6 +337,10 @@ pub mod guide {
     #[doc = links!()]
     #[doc = include_str!("../docs/idempotency.md")]
     pub mod idempotency {}
+
+    #[doc = links!()]
+    #[doc = include_str!("../docs/leaders.md")]
+    pub mod leaders {}
 
     #[doc = links!()]
     #[doc = include_str!("../docs/metrics.md")]

@@ -9,6 +9,7 @@ mod builder;
 mod calls;
 mod connection;
 mod fence;
+mod held;
 mod inspect;
 mod keys;
 mod pubsub;

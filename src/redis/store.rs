@@ -17,8 +17,8 @@ use super::replicas::{SyncReplicas, Write};
 use super::replies::{GuardSaid, parse_attempt, parse_release};
 use super::scripts::{Scripts, millis};
 use crate::core::store::{
-    Attempt, Attempted, Calls, Capabilities, Failure, Grants, Records, Release, Released, Sent,
-    Store, StoreKey, Takeovers,
+    Attempt, Attempted, Calls, Capabilities, Failure, Grants, HeldPage, Records, Release, Released,
+    Sent, Store, StoreKey, Takeovers,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -299,13 +299,13 @@ impl Store for RedisStore {
     fn held_page(
         self: &Arc<Self>,
         prefix: Arc<str>,
-        _from: Option<String>,
-    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
-        // STUB: listing not written yet for this store.
-        Box::pin(std::future::ready(Err(LockError::Unsupported {
-            key: prefix.to_string(),
-            what: "listing held keys",
-        })))
+        from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            let page = store.list_page(&prefix, from).await;
+            page.map_err(|e| LockError::backend("list_held", e))
+        })
     }
 
     fn force_release(

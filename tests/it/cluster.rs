@@ -50,6 +50,7 @@ async fn cluster_scenarios() {
     grant::a_release_grants_the_key_to_the_waiting_instance(&cluster).await;
     three_instances_sell_exactly_the_stock_of_every_shard(&cluster).await;
     acquire_release_latency_next_to_a_single_server(&cluster).await;
+    held_keys_of_every_shard_are_listed(&cluster).await;
     a_waiter_follows_its_channel_to_the_new_shard_after_a_reshard(&cluster).await;
     reshard::a_lock_follows_its_slot_through_a_step_by_step_reshard(&cluster).await;
     checks::build_checks_hold_on_every_primary(&cluster).await;
@@ -139,6 +140,57 @@ async fn locks_of_every_shard_are_taken_renewed_and_released_on_their_shard(clus
     for (key, port) in &keys {
         assert!(!cluster.exists_on(*port, &format!("tower-lock:{{{key}}}")));
     }
+}
+
+/// `list_held` reads every primary: 1,500 keys held over the three shards are listed once
+/// each, the free ones and another namespace's not at all.
+async fn held_keys_of_every_shard_are_listed(cluster: &Cluster) {
+    let backend = cluster
+        .builder()
+        .namespace("listing")
+        .build()
+        .await
+        .expect("backend");
+    let other = cluster.backend().await;
+    let _elsewhere = other
+        .lock("held:0")
+        .try_once()
+        .await
+        .expect("other namespace");
+    let mut held = Vec::new();
+    for n in 0..1_600 {
+        let guard = backend.lock(format!("held:{n:04}")).try_once().await;
+        held.push(guard.expect("uncontended"));
+    }
+    for guard in held.split_off(1_500) {
+        guard.release().await.expect("release");
+    }
+    let mut shards: Vec<u16> = held
+        .iter()
+        .map(|guard| cluster.primary_of(&format!("listing:{{{}}}", guard.key())))
+        .collect();
+    shards.sort_unstable();
+    shards.dedup();
+    assert_eq!(shards.len(), 3, "keys on every shard");
+
+    let listed = backend.list_held("held:").await.expect("list");
+    let keys: Vec<&str> = listed.iter().map(|info| info.key.as_str()).collect();
+    let expected: Vec<String> = (0..1_500).map(|n| format!("held:{n:04}")).collect();
+    let missing: Vec<&String> = expected
+        .iter()
+        .filter(|k| !keys.contains(&k.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} missing, from {:?}",
+        missing.len(),
+        missing.first()
+    );
+    assert_eq!(keys.len(), expected.len(), "listed once each, no others");
+    for guard in held {
+        guard.release().await.expect("release");
+    }
+    assert_eq!(backend.list_held("").await.expect("list").len(), 0);
 }
 
 /// `lock_many` over keys of three shards: each key's lock hash is on its own shard, a

@@ -43,6 +43,7 @@ mod inspect;
 mod inspect_redis;
 #[cfg(feature = "axum")]
 mod layer;
+mod leader;
 mod list_held;
 mod lock;
 #[cfg(feature = "axum")]

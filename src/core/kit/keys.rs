@@ -6,6 +6,7 @@
 
 use crate::error::KeyError;
 use crate::key::{namespaced, validate};
+use crate::lock::inspect::Primitive;
 
 /// What ends the name of a key's semaphore, after its lock's name: a primitive of its own,
 /// apart from the key's lock.
@@ -39,6 +40,40 @@ impl Naming for Namespaced<'_> {
     fn lock(&self, user: &str) -> String {
         namespaced(self.0, user)
     }
+}
+
+/// The user key and primitive of `name`, a store name of [`Namespaced`] naming in
+/// `namespace` (`namespace:{key}` for a lock, then [`SEMAPHORE`] for a semaphore); `None`
+/// for any other name of the namespace (a lock's counters, line or records, a channel
+/// that no key can name) or outside it.
+pub(crate) fn parse_namespaced(namespace: &str, name: &str) -> Option<(String, Primitive)> {
+    let tagged = name.strip_prefix(namespace)?.strip_prefix(":{")?;
+    let (escaped, rest) = tagged.split_once('}')?;
+    let of = match rest {
+        "" => Primitive::Lock,
+        SEMAPHORE => Primitive::Semaphore,
+        _ => return None,
+    };
+    Some((unescape(escaped)?, of))
+}
+
+/// The key [`namespaced`] escaped as `escaped`; `None` if no key escapes to it.
+fn unescape(escaped: &str) -> Option<String> {
+    let mut key = String::with_capacity(escaped.len());
+    let mut rest = escaped;
+    while let Some(at) = rest.find('%') {
+        key.push_str(&rest[..at]);
+        let c = match rest.get(at + 1..at + 3)? {
+            "25" => '%',
+            "7B" => '{',
+            "7D" => '}',
+            _ => return None,
+        };
+        key.push(c);
+        rest = &rest[at + 3..];
+    }
+    key.push_str(rest);
+    Some(key)
 }
 
 /// A user key, validated, and the store's name of its lock (or its semaphore).
@@ -123,6 +158,38 @@ mod tests {
             named("abcdefgh", 8).map(|k| k.name),
             Ok("abcdefgh!".to_owned())
         );
+    }
+
+    #[test]
+    fn a_namespaced_name_parses_back_to_its_key_and_primitive() {
+        for user in ["a", "a{b}%", "%25", "}{", "é空:permits", "x%7B", "k:fence"] {
+            for semaphore in [false, true] {
+                let key = KeyName::new(&Namespaced("n:s"), user.into(), 64, semaphore).unwrap();
+                let of = if semaphore {
+                    Primitive::Semaphore
+                } else {
+                    Primitive::Lock
+                };
+                assert_eq!(
+                    parse_namespaced("n:s", &key.name),
+                    Some((user.to_owned(), of)),
+                    "{key:?}"
+                );
+                assert_eq!(parse_namespaced("n", &key.name), None, "{key:?}");
+            }
+        }
+        for other in [
+            "ns:{a}:fence",
+            "ns:{a}:permits:fence",
+            "ns:{a}:line",
+            "ns:{%admin}:released",
+            "ns:{a%2}",
+            "ns:{a",
+            "ns:a",
+            "other:{a}",
+        ] {
+            assert_eq!(parse_namespaced("ns", other), None, "{other}");
+        }
     }
 
     #[test]

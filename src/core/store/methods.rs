@@ -2,7 +2,7 @@
 //! backend has, so that an application calls `backend.lock(..)` without importing the
 //! trait.
 
-/// Expands, inside a backend's `impl` block, to `lock`, `lock_many`, `inspect`,
+/// Expands, inside a backend's `impl` block, to `lock`, `lock_many`, `leader`, `inspect`,
 /// `inspect_permits`, `list_held`, `force_release` and `force_release_permits`, in that order, each
 /// calling the trait's method of the same name (which goes to the core through
 /// `Sealed::store`). The docs of `inspect` and `force_release`, which say what the store
@@ -29,6 +29,14 @@ macro_rules! lock_backend_methods {
             I::Item: Into<String>,
         {
             crate::LockBackend::lock_many(self, keys)
+        }
+
+        /// A campaign for the leadership of `name` among every instance on this store (see
+        /// [`LockBackend::leader`]).
+        ///
+        /// [`LockBackend::leader`]: crate::LockBackend::leader
+        pub fn leader(&self, name: impl Into<String>) -> crate::LeaderRequest {
+            crate::LockBackend::leader(self, name)
         }
 
         $(#[$inspect])*

@@ -225,6 +225,27 @@ pub(crate) async fn query_at(
     conn.route_command(cmd.clone(), routing).await
 }
 
+/// Sends `cmd` to the node at `node` (`host:port`, as [`query_each_primary`] names it).
+pub(crate) async fn query_node(
+    conn: &mut ClusterConnection,
+    node: &str,
+    cmd: &Cmd,
+) -> RedisResult<Value> {
+    let Some((host, port)) = node.rsplit_once(':').and_then(|(host, port)| {
+        let port = port.parse().ok()?;
+        Some((host.trim_start_matches('[').trim_end_matches(']'), port))
+    }) else {
+        return Err(RedisError::from((
+            ErrorKind::InvalidClientConfig,
+            "not a cluster node's address",
+            node.to_owned(),
+        )));
+    };
+    let host = host.to_owned();
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+    conn.route_command(cmd.clone(), routing).await
+}
+
 /// Sends `cmd` to every primary and returns each one's address (`host:port`) and reply,
 /// in no particular order: a setting that must hold on every shard (an eviction policy) is
 /// read from each.

@@ -295,6 +295,41 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// The addresses of a cluster's primaries (`host:port`, sorted); `None` for the one
+    /// server of the other topologies.
+    pub(crate) async fn primaries(&self) -> Result<Option<Vec<String>>, CommandError> {
+        if !self.topology.is_cluster() {
+            return Ok(None);
+        }
+        let pings = self
+            .query_each_primary::<Value>(&redis::cmd("PING"))
+            .await?;
+        let mut nodes: Vec<String> = pings.into_iter().filter_map(|(node, _)| node).collect();
+        nodes.sort_unstable();
+        Ok(Some(nodes))
+    }
+
+    /// Runs one command on the primary at `node` (one of [`primaries`](Self::primaries)),
+    /// or on the one server when `node` is `None`.
+    pub(crate) async fn query_on<T: FromRedisValue>(
+        &self,
+        node: Option<&str>,
+        cmd: &redis::Cmd,
+    ) -> Result<T, CommandError> {
+        let mut conn = self.connection().await?;
+        let result = match (&mut conn.conn, node) {
+            (AnyConn::Cluster(cluster), Some(node)) => {
+                super::cluster::query_node(&mut cluster.conn, node, cmd)
+                    .await
+                    .and_then(|v| T::from_redis_value(v).map_err(RedisError::from))
+            }
+            (server, _) => cmd.query_async(server).await,
+        };
+        conn.observe(result)
+    }
+}
+
 impl Conn {
     /// False when the connection failed before, was opened before another server took
     /// over, or cannot answer a PING after another connection was found dead.

@@ -26,7 +26,9 @@ use self::error::{MasterFailure, QuorumError};
 use super::connection::pool::{CommandError, Conn};
 use super::keys::LockKey;
 use super::store::RedisStore;
-use crate::core::store::{Attempt, Capabilities, Records, Release, Released, Sent, Store};
+use crate::core::store::{
+    Attempt, Capabilities, HeldPage, Records, Release, Released, Sent, Store,
+};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -256,13 +258,10 @@ impl Store for QuorumStore {
     fn held_page(
         self: &Arc<Self>,
         prefix: Arc<str>,
-        _from: Option<String>,
-    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
-        // STUB: listing not written yet for this store.
-        Box::pin(std::future::ready(Err(LockError::Unsupported {
-            key: prefix.to_string(),
-            what: "listing held keys",
-        })))
+        from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        let store = self.clone();
+        Box::pin(async move { store.list_page(&prefix, from).await })
     }
 
     fn force_release(
