@@ -200,7 +200,10 @@ async fn acquire_waits_to_lead_and_dropping_the_leadership_resigns<B: LockBacken
     let info = b[2].inspect("leader:cleanup").await.expect("inspect");
     // Operators see the leadership as its key's lock (its token, or one set aside above it).
     assert_eq!(info.holders, 1, "{info:?}");
-    assert!(info.fencing_token >= Some(second.fencing_token()), "{info:?}");
+    assert!(
+        info.fencing_token >= Some(second.fencing_token()),
+        "{info:?}"
+    );
     second.resign().await.expect("resign");
     assert!(
         b[2].inspect("leader:cleanup")

@@ -44,6 +44,7 @@ mod inspect_redis;
 #[cfg(feature = "axum")]
 mod layer;
 mod leader;
+mod leader_faults;
 mod list_held;
 mod lock;
 #[cfg(feature = "axum")]

@@ -87,11 +87,7 @@ impl Quorum {
 
     /// A builder on the quorum in a namespace of the test's own, with short timeouts.
     pub fn builder(&self) -> tower_lock::RedisBackendBuilder {
-        RedisBackend::quorum(&self.urls)
-            .namespace(super::postgres::fresh_namespace())
-            .max_lease(MAX_LEASE)
-            .command_timeout(Duration::from_secs(2))
-            .connect_timeout(Duration::from_millis(500))
+        builder_on(&self.urls).namespace(super::postgres::fresh_namespace())
     }
 
     /// `n` backends of one namespace: instances of one service.
@@ -168,4 +164,13 @@ impl Quorum {
             guard.release().await.expect("probe released");
         }
     }
+}
+
+/// A builder on the masters at `urls` with the shared quorum's settings (short timeouts,
+/// its `max_lease`), for a process of the test's own that has only the URLs.
+pub fn builder_on(urls: &[String]) -> tower_lock::RedisBackendBuilder {
+    RedisBackend::quorum(urls)
+        .max_lease(MAX_LEASE)
+        .command_timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_millis(500))
 }

@@ -1,0 +1,302 @@
+//! Leaders in processes of their own, on every store: the leader's process killed
+//! (SIGKILL), paused past its lease (SIGSTOP) or cut off from its store (a proxy that goes
+//! silent) is replaced by the waiting candidate under a higher epoch, and the old leader's
+//! work is dropped once it can learn it lost. The times are printed, never asserted.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use support::child::{self, ChildProcess};
+use support::proxy::FaultProxy;
+use tower_lock::{Leadership, LockBackend};
+
+/// Settings passed to a candidate process.
+const STORE: &str = "TOWER_LOCK_TEST_LEADER_STORE";
+const ADDR: &str = "TOWER_LOCK_TEST_LEADER_ADDR";
+const NAMESPACE: &str = "TOWER_LOCK_TEST_LEADER_NAMESPACE";
+/// The candidates' lease (on etcd the backend's lease, on ZooKeeper its session): short,
+/// so that a stopped leader is replaced within seconds.
+const LEASE: Duration = Duration::from_secs(3);
+/// How often a leader's work reports that it runs.
+const STEP: Duration = Duration::from_millis(100);
+
+#[tokio::test]
+#[ignore = "entry point of the candidate processes that the leader fault tests spawn"]
+async fn candidate_process() {
+    if child::role().as_deref() != Some("candidate") {
+        return;
+    }
+    let (store, addr, namespace) = (
+        child::setting(STORE),
+        child::setting(ADDR),
+        child::setting(NAMESPACE),
+    );
+    match store.as_str() {
+        "redis" => {
+            let builder = support::builder(&addr).namespace(namespace);
+            campaign(builder.build().await.expect("redis backend")).await
+        }
+        "quorum" => {
+            let urls: Vec<String> = addr.split(',').map(str::to_owned).collect();
+            let builder = support::quorum::builder_on(&urls).namespace(namespace);
+            campaign(builder.build().await.expect("quorum backend")).await
+        }
+        "postgres" => {
+            let builder = tower_lock::PostgresBackend::builder(addr)
+                .namespace(namespace)
+                .migrate()
+                .connect_timeout(Duration::from_secs(10))
+                .command_timeout(Duration::from_secs(1));
+            campaign(builder.build().await.expect("postgres backend")).await
+        }
+        "mariadb" => {
+            let builder = support::mariadb::builder_on(&addr)
+                .namespace(namespace)
+                .command_timeout(Duration::from_secs(1));
+            campaign(builder.build().await.expect("mariadb backend")).await
+        }
+        #[cfg(feature = "etcd")]
+        "etcd" => {
+            let builder = support::etcd::builder_on(&[addr])
+                .namespace(namespace)
+                .lease_ttl(LEASE)
+                .command_timeout(Duration::from_secs(1));
+            campaign(builder.build().await.expect("etcd backend")).await
+        }
+        "zookeeper" => {
+            let builder = support::zookeeper::builder_on(&addr)
+                .namespace(namespace)
+                .session_timeout(LEASE)
+                .command_timeout(Duration::from_secs(1));
+            campaign(builder.build().await.expect("zookeeper backend")).await
+        }
+        other => panic!("unknown store {other}"),
+    }
+}
+
+/// Campaigns for `proc` and reports: `campaigning`, `leads EPOCH`, `working EPOCH` every
+/// [`STEP`] while leading, `stopped EPOCH` when the work is dropped.
+async fn campaign<B: LockBackend>(backend: B) {
+    struct Stopped(u64);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            child::report(&format!(
+                "stopped {} {}",
+                self.0,
+                support::netns::now_micros()
+            ));
+        }
+    }
+    child::report("campaigning");
+    let run = backend
+        .leader("proc")
+        .lease(LEASE)
+        .run(|leadership: Leadership| async move {
+            let epoch = leadership.fencing_token();
+            let _stopped = Stopped(epoch);
+            child::report(&format!("leads {epoch} {}", support::netns::now_micros()));
+            loop {
+                tokio::time::sleep(STEP).await;
+                child::report(&format!("working {epoch}"));
+            }
+        });
+    run.await.expect("the campaign ends only with an error");
+}
+
+/// One report of a candidate: what, the epoch, and when (µs since the epoch), if said.
+struct Report {
+    what: String,
+    epoch: u64,
+    at: Option<u64>,
+}
+
+async fn next_event(candidate: &mut ChildProcess, skip_working: bool) -> Report {
+    loop {
+        let line = candidate.next_report().await.expect("the candidate runs");
+        let mut parts = line.split(' ');
+        let what = parts.next().unwrap_or_default().to_owned();
+        if what == "campaigning" || (skip_working && what == "working") {
+            continue;
+        }
+        let epoch = parts.next().and_then(|e| e.parse().ok());
+        let epoch = epoch.unwrap_or_else(|| panic!("unexpected report {line:?}"));
+        let at = parts.next().and_then(|t| t.parse().ok());
+        return Report { what, epoch, at };
+    }
+}
+
+async fn expect(candidate: &mut ChildProcess, what: &str) -> Report {
+    let report = next_event(candidate, true).await;
+    assert_eq!(report.what, what, "epoch {}", report.epoch);
+    report
+}
+
+/// A candidate of `store` at `addr`, in `namespace`, once it says it campaigns.
+async fn spawn(store: &str, addr: &str, namespace: &str) -> ChildProcess {
+    let settings = [
+        (STORE, store.to_owned()),
+        (ADDR, addr.to_owned()),
+        (NAMESPACE, namespace.to_owned()),
+    ];
+    let mut candidate =
+        ChildProcess::spawn("leader_faults::candidate_process", "candidate", &settings);
+    assert_eq!(
+        candidate.next_report().await.as_deref(),
+        Some("campaigning")
+    );
+    candidate
+}
+
+/// `addr` with each `127.0.0.1:PORT` in it behind a proxy of its own.
+async fn proxied(addr: &str) -> (String, Vec<FaultProxy>) {
+    let mut out = String::new();
+    let mut proxies = Vec::new();
+    let mut rest = addr;
+    while let Some(at) = rest.find("127.0.0.1:") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + "127.0.0.1:".len()..];
+        let digits = after
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(after.len());
+        let upstream = format!("127.0.0.1:{}", &after[..digits]);
+        let proxy = FaultProxy::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            upstream.parse().expect("upstream"),
+        )
+        .await;
+        out.push_str(&proxy.addr().to_string());
+        proxies.push(proxy);
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    (out, proxies)
+}
+
+/// The three faults, each in a namespace of its own: the leader killed, paused past its
+/// lease, cut off from the store.
+async fn the_leader_killed_paused_or_cut_off_is_replaced(store: &str, addr: &str) {
+    let namespace = || format!("leader-{}", uuid::Uuid::new_v4().simple());
+
+    // Killed: the candidate leads once the dead leader's lease runs out.
+    let ns = namespace();
+    let mut leader = spawn(store, addr, &ns).await;
+    let first = expect(&mut leader, "leads").await;
+    let mut candidate = spawn(store, addr, &ns).await;
+    let killed = Instant::now();
+    leader.kill().await;
+    let next = expect(&mut candidate, "leads").await;
+    assert!(
+        next.epoch > first.epoch,
+        "{} after {}",
+        next.epoch,
+        first.epoch
+    );
+    eprintln!(
+        "{store}: leader killed, replaced after {:?}",
+        killed.elapsed()
+    );
+    drop(candidate);
+
+    // Paused past its lease: replaced; once resumed, its work is dropped.
+    let ns = namespace();
+    let mut leader = spawn(store, addr, &ns).await;
+    let first = expect(&mut leader, "leads").await;
+    let mut candidate = spawn(store, addr, &ns).await;
+    leader.pause();
+    let paused = Instant::now();
+    let next = expect(&mut candidate, "leads").await;
+    assert!(
+        next.epoch > first.epoch,
+        "{} after {}",
+        next.epoch,
+        first.epoch
+    );
+    let replaced = paused.elapsed();
+    leader.resume();
+    let mut late_steps = 0;
+    let stopped = loop {
+        let report = next_event(&mut leader, false).await;
+        match report.what.as_str() {
+            "working" => late_steps += 1,
+            "stopped" => break report,
+            other => panic!("the paused leader said {other} before it stopped"),
+        }
+    };
+    assert_eq!(stopped.epoch, first.epoch);
+    eprintln!(
+        "{store}: leader paused, replaced after {replaced:?}; resumed, it stopped after {late_steps} more steps"
+    );
+    drop((leader, candidate));
+
+    // Cut off from the store: it stops its work, and the candidate leads.
+    let ns = namespace();
+    let (cut_addr, proxies) = proxied(addr).await;
+    let mut leader = spawn(store, &cut_addr, &ns).await;
+    let first = expect(&mut leader, "leads").await;
+    let mut candidate = spawn(store, addr, &ns).await;
+    for proxy in &proxies {
+        proxy.stall();
+    }
+    let stopped = expect(&mut leader, "stopped").await;
+    assert_eq!(stopped.epoch, first.epoch);
+    let next = expect(&mut candidate, "leads").await;
+    assert!(
+        next.epoch > first.epoch,
+        "{} after {}",
+        next.epoch,
+        first.epoch
+    );
+    let margin = |stopped: u64, leads: u64| leads as i64 - stopped as i64;
+    if let (Some(stopped), Some(leads)) = (stopped.at, next.at) {
+        eprintln!(
+            "{store}: leader cut off stopped its work {} ms before the next leader began",
+            margin(stopped, leads) / 1000
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis() {
+    crate::needs!(Redis);
+    let server = support::RedisServer::start();
+    the_leader_killed_paused_or_cut_off_is_replaced("redis", &server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_quorum() {
+    crate::needs!(Redis);
+    let quorum = support::quorum::shared();
+    let _turn = quorum.shared_turn().await;
+    let urls = quorum.urls().join(",");
+    the_leader_killed_paused_or_cut_off_is_replaced("quorum", &urls).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres() {
+    crate::needs!(Postgres);
+    let url = support::postgres::shared().url();
+    the_leader_killed_paused_or_cut_off_is_replaced("postgres", &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mariadb() {
+    crate::needs!(MariaDb);
+    let url = support::mariadb::shared().url();
+    the_leader_killed_paused_or_cut_off_is_replaced("mariadb", &url).await;
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_etcd() {
+    crate::needs!(Etcd);
+    let endpoint = support::etcd::shared().endpoint();
+    the_leader_killed_paused_or_cut_off_is_replaced("etcd", &endpoint).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_zookeeper() {
+    crate::needs!(ZooKeeper);
+    let hosts = support::zookeeper::shared().hosts();
+    the_leader_killed_paused_or_cut_off_is_replaced("zookeeper", &hosts).await;
+}
