@@ -292,6 +292,31 @@ pub(crate) fn namespaced(namespace: &str, key: &str) -> String {
     out
 }
 
+/// The inverse of [`namespaced`]: the key whose store name in `namespace` `name` begins
+/// with, and what follows that name's closing brace. `None` when `name` begins with no
+/// name [`namespaced`] gives in `namespace`: another namespace's, a brace left unescaped, a
+/// `%` that begins none of its escapes.
+#[cfg(feature = "etcd")]
+pub(crate) fn split_namespaced<'a>(namespace: &str, name: &'a str) -> Option<(String, &'a str)> {
+    let escaped = name.strip_prefix(namespace)?.strip_prefix(":{")?;
+    let (escaped, rest) = escaped.split_once('}')?;
+    let mut key = String::with_capacity(escaped.len());
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        key.push(match c {
+            '%' => match (chars.next()?, chars.next()?) {
+                ('2', '5') => '%',
+                ('7', 'B') => '{',
+                ('7', 'D') => '}',
+                _ => return None,
+            },
+            '{' => return None,
+            c => c,
+        });
+    }
+    Some((key, rest))
+}
+
 /// A stable 64-bit FNV-1a hash of `name`, the same in every process and build (instances
 /// of several versions share a store): the SQL stores' short channel names.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -311,6 +336,34 @@ mod tests {
     fn braces_cannot_move_the_hash_tag_and_escaping_is_one_to_one() {
         assert_eq!(namespaced("ns", "a}b{c"), "ns:{a%7Db%7Bc}");
         assert_ne!(namespaced("ns", "%7B"), namespaced("ns", "{"));
+    }
+
+    #[cfg(feature = "etcd")]
+    #[test]
+    fn a_namespaced_name_gives_back_its_key_and_what_follows() {
+        for key in [
+            "a}b{c",
+            "%7B",
+            "{",
+            "%",
+            "ordér:空",
+            "a*b?_[1]\\",
+            "}:permits",
+        ] {
+            let name = format!("{}/h1", namespaced("ns", key));
+            assert_eq!(split_namespaced("ns", &name), Some((key.to_owned(), "/h1")));
+        }
+        let semaphore = format!("{}:permits/p1", namespaced("ns", "k"));
+        assert_eq!(
+            split_namespaced("ns", &semaphore),
+            Some(("k".to_owned(), ":permits/p1"))
+        );
+        // Another namespace's, or a name escaped otherwise than `namespaced` escapes.
+        for name in [
+            "ns2:{a}", "n:{a}", "ns{a}", "ns:{a", "ns:{a{b}", "ns:{%7b}", "ns:{%2}", "ns:{%41}",
+        ] {
+            assert_eq!(split_namespaced("ns", name), None, "{name}");
+        }
     }
 
     #[test]

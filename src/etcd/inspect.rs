@@ -1,15 +1,20 @@
-//! Operators' calls on the etcd store: a snapshot of a lock or a semaphore, and freeing it
-//! whatever holds it.
+//! Operators' calls on the etcd store: a snapshot of a lock or a semaphore, freeing it
+//! whatever holds it, and a page of the keys held under a prefix.
 
-use etcd_client::{KeyValue, Txn, TxnOp};
+use etcd_client::{GetOptions, KeyValue, Txn, TxnOp};
 
 use super::error::EtcdError;
-use super::keys::{Entry, EtcdKey, fence_key, holders, permits};
+use super::keys::{Entry, EtcdKey, fence_key, hold_of, holders, permits, under};
 use super::store::{EtcdStore, found, in_order, token};
 use crate::core::hold::value::HoldValue;
-use crate::core::store::StoreKey;
+use crate::core::store::{HeldPage, StoreKey};
 use crate::error::LockError;
+use crate::key::validate;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
+
+/// The keys one page of a listing reads: a range read of this many keys, without their
+/// values, is a reply of some tens of KiB with keys of the default length.
+const HELD_PAGE: i64 = 500;
 
 impl EtcdStore {
     /// A snapshot of `user`'s lock (or semaphore); with `free`, its holds deleted (waiting
@@ -91,5 +96,52 @@ impl EtcdStore {
             lease_remaining: Some(self.lease.ttl()),
             fencing_token: token(fencing_token).ok().filter(|&t| t > 0),
         })
+    }
+
+    /// One page of the locks and semaphores held under `prefix` (see `Store::held_page`):
+    /// one range read, on the member in use (the next one if it cannot answer), of at
+    /// most [`HELD_PAGE`] of the namespace's keys under the prefix, keys only, from `from`
+    /// (just after the last key the page before read) on. Each lock and semaphore a hold
+    /// key of the page names comes once. Fences, idempotency records, writers waiting in
+    /// line, keys this backend could not name (over its `max_key_len`) and keys this crate
+    /// never writes are left out. `next` is just after the page's last key, `None` once
+    /// etcd has no more keys in the range.
+    pub(super) async fn held_keys(
+        &self,
+        prefix: &str,
+        from: Option<String>,
+    ) -> Result<HeldPage, LockError> {
+        let fail = |e: EtcdError| LockError::backend("list_held", e);
+        let (start, end) = under(&self.namespace, prefix);
+        let page = GetOptions::new()
+            .with_range(end)
+            .with_limit(HELD_PAGE)
+            .with_keys_only();
+        let mut reply = self
+            .members
+            .get(from.unwrap_or(start), Some(page))
+            .await
+            .map_err(|e| fail(e.into()))?;
+        let read = reply.take_kvs();
+        let next = match (reply.more(), read.last()) {
+            (false, _) => None,
+            (true, Some(last)) => {
+                // Every name this crate writes is UTF-8; another program's key that is
+                // not cannot be a cursor.
+                let mut after =
+                    String::from_utf8(last.key().to_vec()).map_err(|_| fail(EtcdError::Foreign))?;
+                after.push('\0');
+                Some(after)
+            }
+            (true, None) => return Err(fail(EtcdError::Unexpected("more keys, but none read"))),
+        };
+        let mut keys: Vec<(String, Primitive)> = read
+            .iter()
+            .filter_map(|kv| hold_of(&self.namespace, kv.key()))
+            .filter(|(user, _)| validate(user, self.max_key_len).is_ok())
+            .collect();
+        // A directory's keys are next to each other: its holds come in one run.
+        keys.dedup();
+        Ok(HeldPage { keys, next })
     }
 }

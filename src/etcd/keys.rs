@@ -4,9 +4,11 @@ use std::sync::Arc;
 
 use super::line::Line;
 pub(crate) use crate::core::kit::keys::is_semaphore;
-use crate::core::kit::keys::{KeyName, Namespaced};
+use crate::core::kit::keys::{KeyName, Namespaced, SEMAPHORE};
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
+use crate::key::{namespaced, split_namespaced};
+use crate::lock::inspect::Primitive;
 
 /// The names that belong to one acquisition of a user key: the lock's directory
 /// (`namespace:{key}`, or `namespace:{key}:permits` for its semaphore), and the channel
@@ -205,6 +207,52 @@ pub(crate) fn namespace_prefix(namespace: &str) -> String {
     format!("{namespace}:{{")
 }
 
+/// The range (start, end) of the names of every lock and semaphore of `namespace` whose
+/// key begins with `prefix`, and of every key in their directories. The key is escaped one
+/// character at a time, so the name of a key that begins with `prefix` begins with the
+/// escaped prefix, and only such a key's does.
+pub(crate) fn under(namespace: &str, prefix: &str) -> (String, Vec<u8>) {
+    let mut start = namespaced(namespace, prefix);
+    // The name without the brace that closes the key: the name of every key below it.
+    start.pop();
+    let end = range_end(start.as_bytes());
+    (start, end)
+}
+
+/// The end of the range of every key that begins with `prefix` (etcd's `with_prefix`):
+/// the prefix with its last byte below `0xff` raised by one and what follows it dropped.
+fn range_end(prefix: &[u8]) -> Vec<u8> {
+    match prefix.iter().rposition(|&b| b < 0xff) {
+        Some(at) => {
+            let mut end = prefix[..=at].to_vec();
+            end[at] += 1;
+            end
+        }
+        // Every key from the prefix on (etcd's "\0" range end).
+        None => vec![0],
+    }
+}
+
+/// The user key and primitive whose hold the etcd key `key` is, if it is one: an exclusive
+/// or shared hold in a lock's directory, or a permit in a semaphore's (a permit waiting in
+/// line too, which only its value tells apart). `None` for a fence or idempotency record,
+/// a writer waiting in line, and any key this crate does not write in `namespace`.
+pub(crate) fn hold_of(namespace: &str, key: &[u8]) -> Option<(String, Primitive)> {
+    let key = std::str::from_utf8(key).ok()?;
+    let (user, rest) = split_namespaced(namespace, key)?;
+    let (directory, entry) = rest.split_once('/')?;
+    // A holder's `/` is escaped: the directory's is the last.
+    if entry.contains('/') {
+        return None;
+    }
+    let of = match (directory, Entry::of(key.as_bytes())?) {
+        ("", Entry::Hold | Entry::Reader) => Primitive::Lock,
+        (SEMAPHORE, Entry::Permit) => Primitive::Semaphore,
+        _ => return None,
+    };
+    Some((user, of))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +282,56 @@ mod tests {
         assert!(is_semaphore(&semaphore.name) && !is_semaphore(&key.name));
         assert!(!semaphore.name.starts_with(&format!("{}/", key.name)));
         assert_ne!(semaphore.channel, key.channel);
+    }
+
+    #[test]
+    fn holds_name_their_key_and_nothing_else_does() {
+        let lock = EtcdKey::new("ns", "a/b{%}".into(), 1024, false, 0).unwrap();
+        let semaphore = EtcdKey::new("ns", "a/b{%}".into(), 1024, true, 0).unwrap();
+        let user = || "a/b{%}".to_owned();
+        let of = |key: &str| hold_of("ns", key.as_bytes());
+        assert_eq!(
+            of(&hold_key(&lock.name, 1)),
+            Some((user(), Primitive::Lock))
+        );
+        let reader = holder_key(&lock.name, Entry::Reader, 1, "r:x/y");
+        assert_eq!(of(&reader), Some((user(), Primitive::Lock)));
+        let permit = holder_key(&semaphore.name, Entry::Permit, 1, "x/y");
+        assert_eq!(of(&permit), Some((user(), Primitive::Semaphore)));
+        // Not holds: records, writers in line, a semaphore's key in a lock's directory,
+        // another namespace's, keys this crate never writes.
+        for key in [
+            fence_key(&lock.name),
+            record_key(&lock.name),
+            holder_key(&lock.name, Entry::Queued, 1, "x"),
+            holder_key(&lock.name, Entry::Permit, 1, "x"),
+            hold_key(&semaphore.name, 1),
+            hold_key(
+                &EtcdKey::new("ns2", user(), 1024, false, 0).unwrap().name,
+                1,
+            ),
+            format!("{}/x/h1", lock.name),
+            format!("{}:other/p1", lock.name),
+            "ns:{a}".to_owned(),
+        ] {
+            assert_eq!(of(&key), None, "{key}");
+        }
+        assert_eq!(hold_of("ns", b"ns:{\xff}/h1"), None);
+    }
+
+    #[test]
+    fn a_prefix_ranges_over_exactly_the_keys_that_begin_with_it() {
+        let (start, end) = under("ns", "a{");
+        assert_eq!((&*start, &*end), ("ns:{a%7B", &b"ns:{a%7C"[..]));
+        let inside = |user: &str| {
+            let key = EtcdKey::new("ns", user.into(), 1024, false, 0).unwrap();
+            let hold = hold_key(&key.name, 1);
+            hold.as_str() >= start.as_str() && hold.as_bytes() < end.as_slice()
+        };
+        assert!(inside("a{") && inside("a{b}") && inside("a{{"));
+        assert!(!inside("a") && !inside("a}") && !inside("a%7B") && !inside("b"));
+        assert_eq!(under("ns", "").0, namespace_prefix("ns"));
+        assert_eq!(range_end(b"a\xff\xff"), b"b");
+        assert_eq!(range_end(b"\xff"), [0]);
     }
 }

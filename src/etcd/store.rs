@@ -21,7 +21,8 @@ use crate::core::hold::value::HoldValue;
 use crate::core::kit::turn::{self, EntryKind};
 use crate::core::runtime::Daemon;
 use crate::core::store::{
-    Attempt, Attempted, Capabilities, LostHolds, PermitWaiters, Release, Released, Sent, Store,
+    Attempt, Attempted, Capabilities, HeldPage, LostHolds, PermitWaiters, Release, Released, Sent,
+    Store,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -445,13 +446,10 @@ impl Store for EtcdStore {
     fn held_page(
         self: &Arc<Self>,
         prefix: Arc<str>,
-        _from: Option<String>,
-    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
-        // STUB: listing not written yet for this store.
-        Box::pin(std::future::ready(Err(LockError::Unsupported {
-            key: prefix.to_string(),
-            what: "listing held keys",
-        })))
+        from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        let store = self.clone();
+        Box::pin(async move { store.held_keys(&prefix, from).await })
     }
 
     fn force_release(
