@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use crate::core::kit::keys::{KeyName, Naming};
+use crate::core::kit::keys::{KeyName, Naming, SEMAPHORE};
 use crate::core::kit::turn::EntryKind;
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
+use crate::lock::inspect::Primitive;
 
 /// The paths that belong to one user key: the lock's node `/<namespace>/{<key>}`, or its
 /// semaphore's `/<namespace>/{<key>}:permits` (container nodes, which ZooKeeper deletes
@@ -94,6 +95,42 @@ fn escape_into(out: &mut String, s: &str) {
     }
 }
 
+/// `segment` with the escapes of [`escape_into`] undone; `None` for a segment it never
+/// gives (a `/`, or a `%` that begins neither escape).
+fn unescape(segment: &str) -> Option<String> {
+    let mut out = String::with_capacity(segment.len());
+    let mut chars = segment.chars();
+    while let Some(c) = chars.next() {
+        out.push(match c {
+            '%' => match (chars.next()?, chars.next()?) {
+                ('2', '5') => '%',
+                ('2', 'F') => '/',
+                _ => return None,
+            },
+            '/' => return None,
+            c => c,
+        });
+    }
+    Some(out)
+}
+
+/// The user key and primitive whose node is `name`, a child of the namespace's node:
+/// `{<key>}` a lock's, `{<key>}:permits` a semaphore's. `None` for the idempotency
+/// records' node and any other name this crate does not give a lock.
+pub(crate) fn lock_of(name: &str) -> Option<(String, Primitive)> {
+    let inner = name.strip_prefix('{')?;
+    // A lock's segment ends with the brace, a semaphore's never does (the key's own
+    // braces are not escaped: the last one closes it).
+    let (escaped, of) = match inner.strip_suffix('}') {
+        Some(escaped) => (escaped, Primitive::Lock),
+        None => (
+            inner.strip_suffix(SEMAPHORE)?.strip_suffix('}')?,
+            Primitive::Semaphore,
+        ),
+    };
+    Some((unescape(escaped)?, of))
+}
+
 /// The namespace's node, under which every lock lives: `/<namespace>`, escaped as a key
 /// is. `None` for a namespace that cannot be a node's name (`.` or `..`).
 pub(crate) fn root(namespace: &str) -> Option<String> {
@@ -150,5 +187,43 @@ mod tests {
         assert_eq!(node(&write), Some((EntryKind::Write, 12)));
         assert_eq!(node(&read), Some((EntryKind::Read, 3)));
         assert_eq!(node("stray"), None);
+    }
+
+    #[test]
+    fn a_lock_node_gives_back_its_key() {
+        for user in [
+            "a/b%",
+            "%2F",
+            "{}",
+            "a}:permits",
+            "a}",
+            "ordér:空",
+            "*_?[1]\\",
+            "%",
+        ] {
+            for semaphore in [false, true] {
+                let key = ZkKey::new("/ns", user.into(), 1024, semaphore).unwrap();
+                let name = key.path.strip_prefix("/ns/").unwrap();
+                let of = if semaphore {
+                    Primitive::Semaphore
+                } else {
+                    Primitive::Lock
+                };
+                assert_eq!(lock_of(name), Some((user.to_owned(), of)), "{name}");
+            }
+        }
+        assert_eq!(unescape("a%25%2Fb"), Some("a%/b".to_owned()));
+        for name in [
+            "records",
+            "{a",
+            "a}",
+            "{a}:other",
+            "{a/b}",
+            "{%2f}",
+            "{%41}",
+            "{%2}",
+        ] {
+            assert_eq!(lock_of(name), None, "{name}");
+        }
     }
 }

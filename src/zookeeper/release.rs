@@ -1,14 +1,14 @@
 //! Giving back: one hold's release, a waiting writer's withdrawal, and the operator's
-//! snapshot and force-release.
+//! snapshot, force-release and listing.
 
 use zookeeper_client::{Client, Error as ClientError};
 
 use super::error::ZkError;
-use super::keys::ZkKey;
+use super::keys::{ZkKey, lock_of};
 use super::line::{line, shared_token};
 use super::store::{ROUNDS, ZkStore, child, token};
 use crate::core::kit::turn::EntryKind;
-use crate::core::store::{Release, Released, StoreKey};
+use crate::core::store::{HeldPage, Release, Released, StoreKey};
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
 
@@ -148,5 +148,31 @@ impl ZkStore {
             lease_remaining: Some(self.session.hold_lease() * 2),
             fencing_token,
         })
+    }
+
+    /// The locks and semaphores under `prefix` that may be held (see `Store::held_page`),
+    /// in one page: one read of the namespace's node's children (ZooKeeper has no paged
+    /// listing; they come in one reply). Every lock and semaphore under the prefix that
+    /// has a node comes, held or not (an empty container ZooKeeper has not deleted yet):
+    /// the core inspects each. The idempotency records' node, keys this backend could not
+    /// name (over its `max_key_len`, or refused) and names this crate never gives are left
+    /// out; nothing comes when the namespace's node is gone.
+    pub(super) async fn held_keys(&self, prefix: &str) -> Result<HeldPage, LockError> {
+        let client = self.session.client();
+        let children = match client.get_children(&self.root).await {
+            Ok((children, _)) => children,
+            Err(ClientError::NoNode) => Vec::new(),
+            Err(e) => return Err(LockError::backend("list_held", ZkError::from(e))),
+        };
+        let named = |user: &str, of: Primitive| {
+            let semaphore = of == Primitive::Semaphore;
+            ZkKey::new(&self.root, user.to_owned(), self.max_key_len, semaphore).is_ok()
+        };
+        let keys = children
+            .iter()
+            .filter_map(|name| lock_of(name))
+            .filter(|(user, of)| user.starts_with(prefix) && named(user, *of))
+            .collect();
+        Ok(HeldPage { keys, next: None })
     }
 }

@@ -14,7 +14,9 @@ use super::records::Shelf;
 use super::session::Session;
 use crate::core::kit::listener::Listener;
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Capabilities, LostHolds, Release, Released, Sent, Store};
+use crate::core::store::{
+    Attempt, Capabilities, HeldPage, LostHolds, Release, Released, Sent, Store,
+};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
@@ -203,12 +205,11 @@ impl Store for ZkStore {
         self: &Arc<Self>,
         prefix: Arc<str>,
         _from: Option<String>,
-    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
-        // STUB: listing not written yet for this store.
-        Box::pin(std::future::ready(Err(LockError::Unsupported {
-            key: prefix.to_string(),
-            what: "listing held keys",
-        })))
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        // One page: ZooKeeper has no paged listing, the namespace node's children come
+        // in one reply.
+        let store = self.clone();
+        Box::pin(async move { store.held_keys(&prefix).await })
     }
 
     fn force_release(
