@@ -292,29 +292,35 @@ pub(crate) fn namespaced(namespace: &str, key: &str) -> String {
     out
 }
 
+/// The key whose escaped form, the text between the braces of [`namespaced`], is
+/// `escaped`: `%25`, `%7B` and `%7D` back to `%`, `{` and `}`. `None` for a text
+/// `namespaced` never writes (a brace, a `%` that starts none of those three escapes).
+pub(crate) fn unescape(escaped: &str) -> Option<String> {
+    let mut key = String::with_capacity(escaped.len());
+    let mut rest = escaped;
+    while let Some(at) = rest.find(['%', '{', '}']) {
+        key.push_str(&rest[..at]);
+        key.push(match rest.get(at..at + 3)? {
+            "%25" => '%',
+            "%7B" => '{',
+            "%7D" => '}',
+            _ => return None,
+        });
+        rest = &rest[at + 3..];
+    }
+    key.push_str(rest);
+    Some(key)
+}
+
 /// The inverse of [`namespaced`]: the key whose store name in `namespace` `name` begins
 /// with, and what follows that name's closing brace. `None` when `name` begins with no
 /// name [`namespaced`] gives in `namespace`: another namespace's, a brace left unescaped, a
 /// `%` that begins none of its escapes.
-#[cfg(feature = "etcd")]
 pub(crate) fn split_namespaced<'a>(namespace: &str, name: &'a str) -> Option<(String, &'a str)> {
     let escaped = name.strip_prefix(namespace)?.strip_prefix(":{")?;
+    // An escaped key has no brace: the first one closes it.
     let (escaped, rest) = escaped.split_once('}')?;
-    let mut key = String::with_capacity(escaped.len());
-    let mut chars = escaped.chars();
-    while let Some(c) = chars.next() {
-        key.push(match c {
-            '%' => match (chars.next()?, chars.next()?) {
-                ('2', '5') => '%',
-                ('7', 'B') => '{',
-                ('7', 'D') => '}',
-                _ => return None,
-            },
-            '{' => return None,
-            c => c,
-        });
-    }
-    Some((key, rest))
+    Some((unescape(escaped)?, rest))
 }
 
 /// A stable 64-bit FNV-1a hash of `name`, the same in every process and build (instances
@@ -338,7 +344,6 @@ mod tests {
         assert_ne!(namespaced("ns", "%7B"), namespaced("ns", "{"));
     }
 
-    #[cfg(feature = "etcd")]
     #[test]
     fn a_namespaced_name_gives_back_its_key_and_what_follows() {
         for key in [
@@ -363,6 +368,18 @@ mod tests {
             "ns2:{a}", "n:{a}", "ns{a}", "ns:{a", "ns:{a{b}", "ns:{%7b}", "ns:{%2}", "ns:{%41}",
         ] {
             assert_eq!(split_namespaced("ns", name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn unescaping_inverts_the_escapes_and_refuses_what_they_never_write() {
+        for key in ["order:1", "a}b{c", "%7B", "%%", "é空%{}", ""] {
+            let name = namespaced("ns", key);
+            let escaped = &name["ns:{".len()..name.len() - 1];
+            assert_eq!(unescape(escaped).as_deref(), Some(key), "{name}");
+        }
+        for never in ["a{b", "a}b", "%", "%2", "%7b", "%41", "a%é1"] {
+            assert_eq!(unescape(never), None, "{never:?}");
         }
     }
 

@@ -10,9 +10,8 @@
 
 use super::connection::pool::CommandError;
 use super::store::RedisStore;
-use crate::core::kit::keys::parse_namespaced;
+use crate::core::kit::keys::{namespaced_prefix, parse_namespaced};
 use crate::core::store::HeldPage;
-use crate::key::namespaced;
 
 /// How many keys one `SCAN` call looks at (its `COUNT`): a page's share of the keyspace.
 const PAGE: usize = 500;
@@ -73,9 +72,7 @@ impl RedisStore {
 /// The `SCAN` pattern of every name of the namespace whose key starts with `prefix`: the
 /// beginning of a lock's name, every glob character in it escaped, then `*`.
 fn pattern(namespace: &str, prefix: &str) -> String {
-    let mut name = namespaced(namespace, prefix);
-    // The name without the tag's end: a key that starts with `prefix`.
-    name.pop();
+    let name = namespaced_prefix(namespace, prefix);
     let mut pattern = String::with_capacity(name.len() + 8);
     for c in name.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^' | '-') {

@@ -5,7 +5,7 @@
 //! starts from a [`KeyName`] and adds what only it names (counters, channels, a line).
 
 use crate::error::KeyError;
-use crate::key::{namespaced, validate};
+use crate::key::{namespaced, split_namespaced, validate};
 use crate::lock::inspect::Primitive;
 
 /// What ends the name of a key's semaphore, after its lock's name: a primitive of its own,
@@ -42,38 +42,31 @@ impl Naming for Namespaced<'_> {
     }
 }
 
-/// The user key and primitive of `name`, a store name of [`Namespaced`] naming in
-/// `namespace` (`namespace:{key}` for a lock, then [`SEMAPHORE`] for a semaphore); `None`
-/// for any other name of the namespace (a lock's counters, line or records, a channel
-/// that no key can name) or outside it.
+/// How the name in `namespace` (as [`Namespaced`] spells it) of every key that starts with
+/// `prefix` starts, and no other key's name: `namespace:{` and the escaped prefix. The
+/// escaping is character by character and reads back one way only, so a name starts with
+/// it exactly when its key starts with `prefix`, byte for byte; with the empty prefix,
+/// every name of the namespace does.
+pub(crate) fn namespaced_prefix(namespace: &str, prefix: &str) -> String {
+    let mut name = namespaced(namespace, prefix);
+    // The closing brace.
+    name.pop();
+    name
+}
+
+/// The key and primitive that the name `name` is of in `namespace`, as [`Namespaced`]
+/// spells it: `namespace:{key}` is the key's lock, `namespace:{key}:permits` its semaphore.
+/// `None` for any other name: another namespace's, one with another suffix (a key's
+/// counters and channels), or one that no key has (an escape the escaping never writes, an
+/// empty key).
 pub(crate) fn parse_namespaced(namespace: &str, name: &str) -> Option<(String, Primitive)> {
-    let tagged = name.strip_prefix(namespace)?.strip_prefix(":{")?;
-    let (escaped, rest) = tagged.split_once('}')?;
-    let of = match rest {
+    let (user, suffix) = split_namespaced(namespace, name)?;
+    let of = match suffix {
         "" => Primitive::Lock,
         SEMAPHORE => Primitive::Semaphore,
         _ => return None,
     };
-    Some((unescape(escaped)?, of))
-}
-
-/// The key [`namespaced`] escaped as `escaped`; `None` if no key escapes to it.
-fn unescape(escaped: &str) -> Option<String> {
-    let mut key = String::with_capacity(escaped.len());
-    let mut rest = escaped;
-    while let Some(at) = rest.find('%') {
-        key.push_str(&rest[..at]);
-        let c = match rest.get(at + 1..at + 3)? {
-            "25" => '%',
-            "7B" => '{',
-            "7D" => '}',
-            _ => return None,
-        };
-        key.push(c);
-        rest = &rest[at + 3..];
-    }
-    key.push_str(rest);
-    Some(key)
+    Some((user, of)).filter(|(user, _)| !user.is_empty())
 }
 
 /// A user key, validated, and the store's name of its lock (or its semaphore).
@@ -161,38 +154,6 @@ mod tests {
     }
 
     #[test]
-    fn a_namespaced_name_parses_back_to_its_key_and_primitive() {
-        for user in ["a", "a{b}%", "%25", "}{", "é空:permits", "x%7B", "k:fence"] {
-            for semaphore in [false, true] {
-                let key = KeyName::new(&Namespaced("n:s"), user.into(), 64, semaphore).unwrap();
-                let of = if semaphore {
-                    Primitive::Semaphore
-                } else {
-                    Primitive::Lock
-                };
-                assert_eq!(
-                    parse_namespaced("n:s", &key.name),
-                    Some((user.to_owned(), of)),
-                    "{key:?}"
-                );
-                assert_eq!(parse_namespaced("n", &key.name), None, "{key:?}");
-            }
-        }
-        for other in [
-            "ns:{a}:fence",
-            "ns:{a}:permits:fence",
-            "ns:{a}:line",
-            "ns:{%admin}:released",
-            "ns:{a%2}",
-            "ns:{a",
-            "ns:a",
-            "other:{a}",
-        ] {
-            assert_eq!(parse_namespaced("ns", other), None, "{other}");
-        }
-    }
-
-    #[test]
     fn a_semaphore_is_named_after_its_lock_and_a_store_may_spell_the_lock() {
         let key = KeyName::new(&Bang, "k".into(), 8, true).unwrap();
         assert_eq!((&*key.user, &*key.name), ("k", "k!:permits"));
@@ -203,5 +164,53 @@ mod tests {
         let semaphore = KeyName::new(&Namespaced("ns"), "a{b}".into(), 64, true).unwrap();
         assert_eq!(semaphore.name, "ns:{a%7Bb%7D}:permits");
         assert_eq!(semaphore.user, "a{b}");
+    }
+
+    #[test]
+    fn a_name_reads_back_as_its_key_and_primitive_and_no_other_name_does() {
+        for user in ["k", "a{b}%:permits", "order:é空", "%7B", "}:permits"] {
+            for (semaphore, of) in [(false, Primitive::Lock), (true, Primitive::Semaphore)] {
+                let key = KeyName::new(&Namespaced("ns"), user.into(), 64, semaphore).unwrap();
+                let parsed = parse_namespaced("ns", &key.name);
+                assert_eq!(parsed, Some((user.to_owned(), of)), "{}", key.name);
+                assert_eq!(parse_namespaced("n", &key.name), None);
+                assert_eq!(parse_namespaced("ns:{k", &key.name), None);
+            }
+        }
+        for other in [
+            "ns:{k}:releases",
+            "ns:{k}:permits:x",
+            "ns:{k}}",
+            "ns:{k",
+            "ns:k}",
+            "ns:{}",
+            "ns:{%admin}",
+            "ns:{a%7bb}",
+            "nsx:{k}",
+            "other:{k}",
+        ] {
+            assert_eq!(parse_namespaced("ns", other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn the_names_under_a_prefix_are_the_names_of_the_keys_under_it() {
+        let name = |user: &str| namespaced("ns", user);
+        let prefix = namespaced_prefix("ns", "order:{");
+        assert_eq!(prefix, "ns:{order:%7B");
+        assert!(name("order:{x}").starts_with(&prefix));
+        assert!(!name("order:%7B").starts_with(&prefix));
+        assert!(!name("order:").starts_with(&prefix));
+        // A prefix that ends with `%` ends with a whole escape.
+        let percent = namespaced_prefix("ns", "a%");
+        assert!(name("a%7B").starts_with(&percent));
+        assert!(!name("a{").starts_with(&percent));
+        // The empty prefix: every name of the namespace, locks and semaphores, and only
+        // those.
+        let all = namespaced_prefix("ns", "");
+        assert_eq!(all, "ns:{");
+        let semaphore = KeyName::new(&Namespaced("ns"), "k".into(), 8, true).unwrap();
+        assert!(semaphore.name.starts_with(&all));
+        assert!(!namespaced("nsx", "k").starts_with(&all));
     }
 }
