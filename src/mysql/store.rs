@@ -12,7 +12,7 @@ use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::lock::{BoxFuture, Kind};
-use crate::sql::{Calls, SqlKey, SqlSent, SqlStore, Statements, millis, token};
+use crate::sql::{Calls, HELD_PAGE, HeldRow, SqlKey, SqlSent, SqlStore, Statements, millis, token};
 
 /// How many times a call that InnoDB rolled back (a deadlock's victim, a lock wait that
 /// timed out) is sent again before its error is returned: it changed nothing.
@@ -57,6 +57,17 @@ fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
     reply
         .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
         .ok_or(MySqlError::unexpected("lock"))
+}
+
+/// The first byte string past every one that starts with `prefix` (a store's name prefix,
+/// never empty), as `VARBINARY`s compare: `prefix` with its last byte raised by one, which
+/// UTF-8 leaves room for (it has no `0xFF` byte).
+fn past(prefix: &str) -> Vec<u8> {
+    let mut past = prefix.as_bytes().to_vec();
+    if let Some(last) = past.last_mut() {
+        *last = last.saturating_add(1);
+    }
+    past
 }
 
 impl Calls for MySql {
@@ -122,6 +133,15 @@ impl Calls for MySql {
             ),
             withdraw: format!("CALL {table}_withdraw(?, ?, ?, ?)"),
             inspect: format!("CALL {table}_inspect(?, ?)"),
+            // Names are VARBINARY, in byte order: the names under a prefix are a range of
+            // the primary key, from the prefix to the first name past it.
+            held_page: format!(
+                "SELECT l.name, (l.owner IS NOT NULL AND l.expires > UTC_TIMESTAMP(6)) IS TRUE \
+                     OR EXISTS (SELECT 1 FROM {table}_holders h WHERE h.name = l.name \
+                         AND h.kind IN ('s', 'p') AND h.expires > UTC_TIMESTAMP(6)) \
+                 FROM {table} l WHERE l.name >= ? AND l.name < ? AND l.name > ? \
+                 ORDER BY l.name LIMIT {HELD_PAGE}"
+            ),
             force_release: format!("CALL {table}_force_release(?, ?, ?, ?)"),
             sweep: format!("CALL {table}_sweep(?, ?)"),
             record_fetch: format!(
@@ -321,6 +341,29 @@ impl Calls for MySql {
         })
     }
 
+    fn held_page<'a>(
+        store: &'a MySqlStore,
+        prefix: &'a str,
+        after: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<HeldRow>, MySqlError>> {
+        Box::pin(async move {
+            let rows = sqlx::query_as::<_, (Vec<u8>, bool)>(&store.sql.held_page)
+                .bind(prefix.as_bytes())
+                .bind(past(prefix))
+                .bind(after.as_bytes())
+                .fetch_all(&store.pool)
+                .await?;
+            // The crate writes names from `str`s only: one that is not UTF-8 fails to
+            // decode, as sqlx's own decoding of a text column would.
+            rows.into_iter()
+                .map(|(name, held)| match String::from_utf8(name) {
+                    Ok(name) => Ok(HeldRow { name, held }),
+                    Err(e) => Err(MySqlError::from(sqlx::Error::Decode(e.into()))),
+                })
+                .collect()
+        })
+    }
+
     fn operator<'a>(
         store: &'a MySqlStore,
         statement: &'a str,
@@ -341,5 +384,24 @@ impl Calls for MySql {
             };
             reply(&store.pool, make).await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn past_a_prefix_is_above_every_name_under_it_and_below_the_names_after() {
+        assert_eq!(past("ns:{"), b"ns:|");
+        assert_eq!(past("ns:{é"), b"ns:{\xC3\xAA");
+        for prefix in ["ns:{", "ns:{order:", "ns:{é", "ns:{\u{10FFFF}"] {
+            let bound = past(prefix);
+            for under in ["", "}", "\u{10FFFF}\u{10FFFF}}:permits", "a"] {
+                let name = format!("{prefix}{under}");
+                assert!(name.as_bytes() < bound.as_slice(), "{name:?}");
+            }
+            assert!(!bound.starts_with(prefix.as_bytes()));
+        }
     }
 }

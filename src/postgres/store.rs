@@ -12,7 +12,7 @@ use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::lock::{BoxFuture, Kind};
-use crate::sql::{Calls, SqlKey, SqlSent, SqlStore, Statements, millis, token};
+use crate::sql::{Calls, HELD_PAGE, HeldRow, SqlKey, SqlSent, SqlStore, Statements, millis, token};
 
 /// Locks in one PostgreSQL database.
 pub(crate) type PgStore = SqlStore<Postgres>;
@@ -68,6 +68,17 @@ impl Calls for Postgres {
             ),
             withdraw: format!("SELECT {table}_withdraw($1, $2, $3, $4)"),
             inspect: format!("SELECT {table}_inspect($1, $2)"),
+            // The primary key orders the names by the database's collation, which keeps the
+            // names under a prefix together only if it is "C": each page is the next rows in
+            // the key's order, whatever their names, and starts_with (bytes) picks the ones
+            // under the prefix.
+            held_page: format!(
+                "SELECT l.name, starts_with(l.name, $2) AND (\
+                     (l.owner IS NOT NULL AND l.expires > clock_timestamp()) IS TRUE \
+                     OR EXISTS (SELECT 1 FROM {table}_holders h WHERE h.name = l.name \
+                         AND h.kind IN ('s', 'p') AND h.expires > clock_timestamp())) \
+                 FROM {table} l WHERE l.name > $1 ORDER BY l.name LIMIT {HELD_PAGE}"
+            ),
             force_release: format!("SELECT {table}_force_release($1, $2, $3, $4)"),
             sweep: format!("SELECT {table}_sweep($1, $2)"),
             record_fetch: format!(
@@ -252,6 +263,22 @@ impl Calls for Postgres {
                 .fetch_one(&store.pool)
                 .await?;
             Ok(stored)
+        })
+    }
+
+    fn held_page<'a>(
+        store: &'a PgStore,
+        prefix: &'a str,
+        after: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<HeldRow>, PgError>> {
+        Box::pin(async move {
+            let rows = sqlx::query_as::<_, (String, bool)>(&store.sql.held_page)
+                .bind(after)
+                .bind(prefix)
+                .fetch_all(&store.pool)
+                .await?;
+            let rows = rows.into_iter().map(|(name, held)| HeldRow { name, held });
+            Ok(rows.collect())
         })
     }
 

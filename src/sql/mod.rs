@@ -24,7 +24,7 @@ pub(crate) use self::build::{
 pub(crate) use self::error::SqlError;
 pub(crate) use self::keys::{SqlKey, admin_channel};
 pub(crate) use self::records::SqlRecords;
-pub(crate) use self::store::{Calls, SqlSent, SqlStore, Statements};
+pub(crate) use self::store::{Calls, HELD_PAGE, HeldRow, SqlSent, SqlStore, Statements};
 use crate::lock::MAX_DURATION;
 
 /// What the shared SQL code needs to know of one server.

@@ -1,7 +1,8 @@
 //! The SQL stores as the core's [`Store`]: what both do alike (the key names, the remaining
 //! lease, withdrawing a waiting writer, the operator calls and their log) is written here
 //! once; the calls whose SQL and replies differ (an attempt, a release, a renewal batch, an
-//! operator's call, storing an idempotency record) are each server's [`Calls`].
+//! operator's call, a page of held names, storing an idempotency record) are each server's
+//! [`Calls`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,13 +10,27 @@ use std::time::Duration;
 use sqlx::{Decode, Encode, Executor, IntoArguments, Type};
 
 use super::{Dialect, SqlError, SqlKey};
+use crate::core::kit::keys::{namespaced_prefix, parse_namespaced};
 use crate::core::runtime::Daemon;
-use crate::core::store::{Attempt, Attempted, Release, Released, Sent, Store, StoreKey, replies};
+use crate::core::store::{
+    Attempt, Attempted, HeldPage, Release, Released, Sent, Store, StoreKey, replies,
+};
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind, LockOwner};
+
+/// How many rows of the lock table one page of a listing reads (see [`Calls::held_page`]).
+pub(crate) const HELD_PAGE: usize = 500;
+
+/// A row of a listing's page (see [`Calls::held_page`]).
+pub(crate) struct HeldRow {
+    /// The row's name in the lock table.
+    pub(crate) name: String,
+    /// Whether the name is under the listing's prefix and held now.
+    pub(crate) held: bool,
+}
 
 /// Locks in one SQL database, in the table (and its routines) named `table`.
 pub(crate) struct SqlStore<D: Calls> {
@@ -56,6 +71,8 @@ pub(crate) struct Statements {
     /// Takes the name, the holder, the channel and whether to wake the waiters.
     pub(crate) withdraw: String,
     pub(crate) inspect: String,
+    /// Reads one page of names for a listing (see [`Calls::held_page`]).
+    pub(crate) held_page: String,
     pub(crate) force_release: String,
     pub(crate) sweep: String,
     /// Takes the name; answers the name's unexpired idempotency record, no row when none.
@@ -119,6 +136,19 @@ pub(crate) trait Calls: Dialect {
         retention_ms: i64,
         record: &'a [u8],
     ) -> BoxFuture<'a, Result<bool, SqlError<Self>>>;
+
+    /// One page of the lock table for `LockBackend::list_held`, the `held_page` statement:
+    /// up to [`HELD_PAGE`] rows after the name `after` (`""`: from the first) in the order
+    /// of the table's primary key, each row's name and whether the name starts with the
+    /// bytes of `prefix` and is held now (an exclusive lease, or a shared or permit
+    /// holder's, still runs). A server whose order keeps the names under `prefix` together
+    /// reads only those. Plain reads: nothing is locked, and no acquisition waits for them.
+    /// Fewer than [`HELD_PAGE`] rows: the last page.
+    fn held_page<'a>(
+        store: &'a SqlStore<Self>,
+        prefix: &'a str,
+        after: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<HeldRow>, SqlError<Self>>>;
 
     /// An operator's `statement` (`inspect`, or `force_release` when `announced`, which
     /// also takes the key's channel and the admin channel) on `key`: its reply's integers.
@@ -216,13 +246,31 @@ where
     fn held_page(
         self: &Arc<Self>,
         prefix: Arc<str>,
-        _from: Option<String>,
-    ) -> BoxFuture<'static, Result<crate::core::store::HeldPage, LockError>> {
-        // STUB: listing not written yet for this store.
-        Box::pin(std::future::ready(Err(LockError::Unsupported {
-            key: prefix.to_string(),
-            what: "listing held keys",
-        })))
+        from: Option<String>,
+    ) -> BoxFuture<'static, Result<HeldPage, LockError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            // No key holds a control character, and PostgreSQL's text holds no NUL.
+            if prefix.contains(char::is_control) {
+                return Ok(HeldPage::default());
+            }
+            let under = namespaced_prefix(&store.namespace, &prefix);
+            // The cursor is the last name of the page before.
+            let after = from.unwrap_or_default();
+            let rows = D::held_page(&store, &under, &after)
+                .await
+                .map_err(|e| LockError::backend("list_held", e))?;
+            let next = match rows.last() {
+                Some(last) if rows.len() >= HELD_PAGE => Some(last.name.clone()),
+                _ => None,
+            };
+            let keys = rows
+                .into_iter()
+                .filter(|row| row.held)
+                .filter_map(|row| parse_namespaced(&store.namespace, &row.name))
+                .collect();
+            Ok(HeldPage { keys, next })
+        })
     }
 
     fn force_release(
