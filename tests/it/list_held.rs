@@ -2,10 +2,10 @@
 //! whatever characters the keys and the prefix hold (no pattern, no collation), with how
 //! each is held; and 10,000 held keys read in pages, none missing, none free.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use futures_util::{StreamExt, TryFutureExt, TryStreamExt, stream};
-use tower_lock::{LockBackend, LockGuard, LockInfo, LockMode};
+use futures_util::{StreamExt, TryStreamExt, stream};
+use tower_lock::{LockBackend, LockError, LockGuard, LockInfo, LockMode};
 
 /// What a listing says of each key: how it is held and by how many.
 fn summary(listed: &[LockInfo]) -> Vec<(String, LockMode, usize)> {
@@ -132,21 +132,30 @@ const MANY: usize = 10_000;
 /// missing, none free, each once.
 async fn ten_thousand_held_keys_are_listed_in_pages<B: LockBackend>(b: [B; 3]) {
     let name = |n: usize| format!("bulk:{n:05}");
+    // Taken 16 at a time, each tried again if the store fails to answer (a busy machine):
+    // no key is contended.
+    let take = |n: usize| {
+        let backend = b[n % 3].clone();
+        async move {
+            let mut tries = 0;
+            loop {
+                match backend.lock(name(n)).try_once().await {
+                    Err(LockError::Backend(_)) if tries < 3 => tries += 1,
+                    taken => return taken.map(|guard| (n, guard)),
+                }
+            }
+        }
+    };
     let taken: Vec<(usize, LockGuard)> = stream::iter(0..MANY + MANY / 10)
-        .map(|n| {
-            b[n % 3]
-                .lock(name(n))
-                .try_once()
-                .map_ok(move |guard| (n, guard))
-        })
-        .buffer_unordered(64)
+        .map(take)
+        .buffer_unordered(16)
         .try_collect()
         .await
         .expect("take every key");
     let (free, held): (Vec<_>, Vec<_>) = taken.into_iter().partition(|(n, _)| *n >= MANY);
     stream::iter(free)
         .map(|(_, guard)| guard.release())
-        .buffer_unordered(64)
+        .buffer_unordered(16)
         .try_collect::<Vec<_>>()
         .await
         .expect("release the free ones");
@@ -157,23 +166,43 @@ async fn ten_thousand_held_keys_are_listed_in_pages<B: LockBackend>(b: [B; 3]) {
         assert_eq!(info.mode, LockMode::Exclusive, "{info:?}");
         *counted.entry(info.key.as_str()).or_default() += 1;
     }
-    let expected: Vec<String> = (0..MANY).map(name).collect();
-    assert_eq!(counted.len(), MANY, "keys listed");
     assert!(counted.values().all(|&n| n == 1), "a key listed twice");
+    // None free: every key listed is one still taken.
+    let taken: BTreeSet<&str> = held.iter().map(|(_, guard)| guard.key()).collect();
+    let free: Vec<&&str> = counted.keys().filter(|key| !taken.contains(*key)).collect();
     assert!(
-        counted
-            .keys()
-            .copied()
-            .eq(expected.iter().map(String::as_str)),
-        "wrong keys"
+        free.is_empty(),
+        "{} free keys listed, from {:?}",
+        free.len(),
+        free.first()
+    );
+    // None missing: every key held for the whole listing is in it (a hold its store lost
+    // meanwhile, a session expired on a starved machine, may or may not be).
+    let missing: Vec<&str> = held
+        .iter()
+        .filter(|(_, guard)| !guard.is_lost() && !counted.contains_key(guard.key()))
+        .map(|(_, guard)| guard.key())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} keys missing, from {:?}",
+        missing.len(),
+        missing.first()
+    );
+    let lost = held.iter().filter(|(_, guard)| guard.is_lost()).count();
+    assert!(
+        lost < MANY / 100,
+        "{lost} holds lost: the listing tested little"
     );
 
-    stream::iter(held)
+    // A hold lost meanwhile releases as `Lost`; the others are given back.
+    let released: Vec<_> = stream::iter(held)
         .map(|(_, guard)| guard.release())
-        .buffer_unordered(64)
-        .try_collect::<Vec<_>>()
-        .await
-        .expect("release");
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let given_back = |r: &Result<(), LockError>| matches!(r, Ok(()) | Err(LockError::Lost { .. }));
+    assert!(released.iter().all(given_back), "a release failed");
 }
 
 crate::for_each_store_and_consensus!(

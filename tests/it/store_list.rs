@@ -46,7 +46,7 @@ const STORES: &[Store] = &[
 ];
 
 /// The cargo features that add no store.
-const OTHER_FEATURES: &[&str] = &["default", "axum", "tls", "metrics"];
+const OTHER_FEATURES: &[&str] = &["default", "axum", "tls", "metrics", "grpc"];
 
 fn read(file: &str) -> String {
     let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));

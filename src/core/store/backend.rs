@@ -99,6 +99,8 @@ impl<S: Store> Backend for Core<S> {
 
 /// How many keys of a listing are inspected at once.
 const INSPECTING: usize = 16;
+/// How many times a listing inspects a key before its store's failure fails the listing.
+const INSPECT_TRIES: usize = 3;
 
 impl<S: Store> Core<S> {
     /// Every lock and semaphore held under `prefix`, page by page: each key a page names is
@@ -115,7 +117,11 @@ impl<S: Store> Core<S> {
                 .map_err(|elapsed| LockError::backend("list_held", elapsed))??;
             let fresh = page.keys.into_iter().filter(|key| seen.insert(key.clone()));
             let mut inspected = stream::iter(fresh)
-                .map(|(key, of)| self.clone().inspect(key, of).map_ok(move |info| (info, of)))
+                .map(|(key, of)| {
+                    self.clone()
+                        .inspect_listed(key, of)
+                        .map_ok(move |info| (info, of))
+                })
                 .buffer_unordered(INSPECTING);
             while let Some(info) = inspected.next().await {
                 let (info, of) = info?;
@@ -130,6 +136,22 @@ impl<S: Store> Core<S> {
         }
         held.sort_by(|(a, a_of), (b, b_of)| (&a.key, a_of).cmp(&(&b.key, b_of)));
         Ok(held.into_iter().map(|(info, _)| info).collect())
+    }
+
+    /// A listed key's snapshot, inspected again (up to [`INSPECT_TRIES`] in all) when the
+    /// store failed to answer: one slow call of thousands fails no listing.
+    async fn inspect_listed(
+        self: Arc<Self>,
+        key: String,
+        of: Primitive,
+    ) -> Result<LockInfo, LockError> {
+        let mut tries = 1;
+        loop {
+            match self.clone().inspect(key.clone(), of).await {
+                Err(LockError::Backend(_)) if tries < INSPECT_TRIES => tries += 1,
+                answer => return answer,
+            }
+        }
     }
 }
 
