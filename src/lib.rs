@@ -52,7 +52,9 @@
 //! - [`HeldLock`] (an axum extractor): the handler's view of its lock: key, fencing
 //!   token, `lost()`; [`HeldLocks`] lists every lock of nested layers.
 //! - [`LockBackend::leader`] ([`LeaderRequest`], [`Leadership`]): one leader per name among
-//!   the instances, its work dropped as soon as the leadership is lost.
+//!   the instances, its work dropped as soon as the leadership is lost; `backend.job(name)`
+//!   ([`JobRequest`], [`JobRun`]): work that runs at most once per period across them, on
+//!   the store's clock.
 //! - [`IdempotencyLayer`]: `Idempotency-Key` on top of the lock: the first request runs,
 //!   retries get its stored response, 409 while it runs, 422 for a different request.
 //! - The errors: [`LockError`] (with [`KeyError`] and [`BackendError`]), [`BuildError`]
@@ -165,6 +167,7 @@ mod error;
 mod etcd;
 mod extract;
 pub mod idempotency;
+pub mod job;
 pub mod key;
 pub mod layer;
 pub mod leader;
@@ -190,6 +193,7 @@ pub use crate::extract::{Header, QueryParam};
 #[cfg(feature = "axum")]
 pub use crate::extract::{PathParam, PathParams};
 pub use crate::idempotency::{IdempotencyError, IdempotencyLayer};
+pub use crate::job::{JobRequest, JobRun};
 pub use crate::key::KeyExtractor;
 pub use crate::layer::{LockLayer, OnLockLost};
 pub use crate::leader::{LeaderRequest, Leadership};

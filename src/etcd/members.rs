@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 
 use etcd_client::{
     Client, ConnectOptions, Error as ClientError, GetOptions, GetResponse, LeaseGrantResponse,
-    LeaseKeepAliveStream, LeaseKeeper, LeaseRevokeResponse, Txn, TxnResponse, WatchOptions,
-    WatchStream,
+    LeaseKeepAliveStream, LeaseKeeper, LeaseRevokeResponse, LeaseTimeToLiveResponse, Txn,
+    TxnResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::OnceCell;
 
@@ -236,6 +236,18 @@ impl Members {
         self.call(Moves::IfUnanswered, |client| {
             let mut leases = client.lease_client();
             async move { leases.grant(ttl_secs, None).await }
+        })
+        .await
+    }
+
+    /// How long a lease still lives, in whole seconds (`-1` once it expired).
+    pub(crate) async fn time_to_live(
+        &self,
+        lease: i64,
+    ) -> Result<LeaseTimeToLiveResponse, ClientError> {
+        self.call(Moves::IfUnanswered, |client| {
+            let mut leases = client.lease_client();
+            async move { leases.time_to_live(lease, None).await }
         })
         .await
     }

@@ -49,6 +49,27 @@ impl Records for EtcdBackend {
         })
     }
 
+    fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
+        let (store, bound) = (
+            self.inner.store.clone(),
+            self.inner.settings.command_timeout,
+        );
+        Box::pin(async move {
+            let name = store.lock_name(key)?;
+            // The record's lease says how long it lives, in whole seconds (etcd rounds a
+            // lease's TTL up): its key, then that lease.
+            let ttl = async {
+                let mut reply = store.members.get(record_key(&name), None).await?;
+                let Some(record) = reply.take_kvs().into_iter().next() else {
+                    return Ok::<_, etcd_client::Error>(None);
+                };
+                let lease = store.members.time_to_live(record.lease()).await?;
+                Ok(u64::try_from(lease.ttl()).ok().map(Duration::from_secs))
+            };
+            bounded(bound, async { ttl.await.map_err(EtcdError::from) }).await
+        })
+    }
+
     fn store(
         &self,
         key: String,

@@ -36,7 +36,14 @@ use crate::error::LockError;
 /// `jute.maxbuffer`, 1 MiB by default, is not stored).
 ///
 /// Sealed, as [`LockBackend`] is.
-pub trait IdempotencyBackend: LockBackend + sealed::Sealed {}
+pub trait IdempotencyBackend: LockBackend + sealed::Sealed {
+    /// A job that runs at most once per period across every instance on this store (see
+    /// [`JobRequest`](crate::JobRequest)): `.at_most_once_per(period).run(work)`. Its
+    /// completions are kept as records are, on the store's clock.
+    fn job(&self, name: impl Into<String>) -> crate::JobRequest {
+        crate::JobRequest::new(self.store(), self.records(), name.into())
+    }
+}
 
 pub(crate) use self::sealed::{Records, Sealed as RecordsOf};
 
@@ -78,6 +85,11 @@ mod sealed {
     pub trait Records: Send + Sync + 'static {
         /// The record stored for `key`'s lock, if any (an expired one is none).
         fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>>;
+
+        /// How long `key`'s record still lives, on the store's clock (its retention left),
+        /// or `None` without one: when a job run at most once per period may run again.
+        fn remaining(&self, key: String)
+        -> BoxFuture<'static, Result<Option<Duration>, LockError>>;
 
         /// Stores `record` for `key` for `retention` if `held`, the hold on `key`'s lock
         /// that ran the handler, still holds it; returns whether it stored it.

@@ -68,6 +68,15 @@ impl Records for MemoryStore {
         Box::pin(std::future::ready(Ok(found)))
     }
 
+    fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
+        let now = Instant::now();
+        let mut map = self.map();
+        let records = &mut map.records;
+        records.prune(now);
+        let left = records.records.get(&key).map(|(until, _)| *until - now);
+        Box::pin(std::future::ready(Ok(left)))
+    }
+
     fn store(
         &self,
         key: String,

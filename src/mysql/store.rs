@@ -148,6 +148,10 @@ impl Calls for MySql {
                 "SELECT record FROM {table}_records WHERE name = ? \
                  AND expires > UTC_TIMESTAMP(6)"
             ),
+            record_remaining: format!(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires) AS SIGNED) \
+                 FROM {table}_records WHERE name = ? AND expires > UTC_TIMESTAMP(6)"
+            ),
             record_store: format!("CALL {table}_record_store(?, ?, ?, ?)"),
         }
     }

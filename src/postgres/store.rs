@@ -85,6 +85,10 @@ impl Calls for Postgres {
                 "SELECT record FROM {table}_records WHERE name = $1 \
                  AND expires > clock_timestamp()"
             ),
+            record_remaining: format!(
+                "SELECT (EXTRACT(EPOCH FROM expires - clock_timestamp()) * 1000000)::bigint \
+                 FROM {table}_records WHERE name = $1 AND expires > clock_timestamp()"
+            ),
             record_store: format!("SELECT {table}_record_store($1, $2, $3, $4)"),
         }
     }

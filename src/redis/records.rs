@@ -50,6 +50,20 @@ impl Records for RedisBackend {
         })
     }
 
+    fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
+        let backend = self.clone();
+        Box::pin(async move {
+            let key = backend.lock_key(key)?;
+            match &backend.inner {
+                Inner::Single(core) => {
+                    let store = &core.store;
+                    bounded(store.command_timeout, store.record_ttl(&key)).await
+                }
+                Inner::Quorum(core) => core.store.record_ttl(&key).await,
+            }
+        })
+    }
+
     fn store(
         &self,
         key: String,
@@ -90,6 +104,15 @@ impl RedisStore {
         get.arg(key.record());
         let reply = self.pool.query::<Option<Vec<u8>>>(&get).await?;
         Ok(reply.map(Bytes::from))
+    }
+
+    /// How long the record of `key` still lives on this server (`PTTL`), if it has one.
+    pub(crate) async fn record_ttl(&self, key: &LockKey) -> Result<Option<Duration>, CommandError> {
+        let mut pttl = redis::cmd("PTTL");
+        pttl.arg(key.record());
+        let millis = self.pool.query::<i64>(&pttl).await?;
+        // -2: no record; -1 (no expiry) is never written.
+        Ok(u64::try_from(millis).ok().map(Duration::from_millis))
     }
 
     /// Stores `written` on this server if the hold of its token still holds `key` here

@@ -37,6 +37,7 @@ where
     for<'q> D::Arguments<'q>: IntoArguments<'q, D>,
     for<'q> &'q str: Encode<'q, D> + Type<D>,
     for<'r> Vec<u8>: Decode<'r, D> + Type<D>,
+    for<'r> i64: Decode<'r, D> + Type<D>,
     usize: sqlx::ColumnIndex<D::Row>,
 {
     fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
@@ -48,6 +49,18 @@ where
                 .fetch_optional(&store.pool);
             let record = bounded(bound, async { fetch.await.map_err(SqlError::<D>::from) }).await?;
             Ok(record.map(Bytes::from))
+        })
+    }
+
+    fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
+        let (store, bound) = (self.store.clone(), self.command_timeout);
+        Box::pin(async move {
+            let key = SqlKey::new::<D>(&store.namespace, key, store.max_key_len, false)?;
+            let fetch = sqlx::query_scalar::<_, i64>(&store.sql.record_remaining)
+                .bind(&*key.name)
+                .fetch_optional(&store.pool);
+            let micros = bounded(bound, async { fetch.await.map_err(SqlError::<D>::from) }).await?;
+            Ok(micros.map(|micros| Duration::from_micros(u64::try_from(micros).unwrap_or(0))))
         })
     }
 

@@ -77,6 +77,9 @@ pub(crate) struct Statements {
     pub(crate) sweep: String,
     /// Takes the name; answers the name's unexpired idempotency record, no row when none.
     pub(crate) record_fetch: String,
+    /// Takes the name; selects how long its record still lives, in microseconds on the
+    /// server's clock, if it has one.
+    pub(crate) record_remaining: String,
     /// Takes the name, the hold's token, the retention in milliseconds and the record
     /// (see [`Calls::record_store`]).
     pub(crate) record_store: String,

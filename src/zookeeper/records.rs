@@ -256,6 +256,20 @@ impl Records for ZooKeeperBackend {
         })
     }
 
+    fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
+        let (store, bound) = (
+            self.inner.store.clone(),
+            self.inner.settings.command_timeout,
+        );
+        Box::pin(async move {
+            store.janitor.ensure_running();
+            let key = ZkKey::new(&store.root, key, store.max_key_len, false)?;
+            let found = bounded(bound, store.live_record(&key)).await?;
+            let left = found.map(|(expires, _)| expires.saturating_sub(store.shelf.now_ms()));
+            Ok(left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
+        })
+    }
+
     fn store(
         &self,
         key: String,
@@ -281,6 +295,13 @@ impl ZkStore {
     /// The record of `key`'s lock, if any and not expired (an expired one is deleted on
     /// the way, unless it was stored again meanwhile).
     async fn fetch_record(&self, key: &ZkKey) -> Result<Option<Bytes>, ZkError> {
+        let found = self.live_record(key).await?;
+        Ok(found.map(|(_, data)| Bytes::from(data).slice(HEADER..)))
+    }
+
+    /// The node of `key`'s record, if it has one that has not expired: when it expires (on
+    /// the ensemble's clock) and its data; an expired one is deleted.
+    async fn live_record(&self, key: &ZkKey) -> Result<Option<(i64, Vec<u8>)>, ZkError> {
         let client = self.session.client();
         let (path, _) = self.shelf.path(&key.path);
         let (data, stat) = match client.get_data(&path).await {
@@ -290,7 +311,7 @@ impl ZkStore {
         };
         let (expires, _) = split(&data, stat.mtime).ok_or(ZkError::Foreign)?;
         if expires > self.shelf.now_ms() {
-            return Ok(Some(Bytes::from(data).slice(HEADER..)));
+            return Ok(Some((expires, data)));
         }
         match client.delete(&path, Some(stat.version)).await {
             Ok(()) | Err(ClientError::NoNode | ClientError::BadVersion) => {}

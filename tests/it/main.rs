@@ -41,6 +41,7 @@ mod hold_body;
 mod idempotency;
 mod inspect;
 mod inspect_redis;
+mod job;
 #[cfg(feature = "axum")]
 mod layer;
 mod leader;

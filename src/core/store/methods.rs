@@ -2,7 +2,7 @@
 //! backend has, so that an application calls `backend.lock(..)` without importing the
 //! trait.
 
-/// Expands, inside a backend's `impl` block, to `lock`, `lock_many`, `leader`, `inspect`,
+/// Expands, inside a backend's `impl` block, to `lock`, `lock_many`, `leader`, `job`, `inspect`,
 /// `inspect_permits`, `list_held`, `force_release` and `force_release_permits`, in that order, each
 /// calling the trait's method of the same name (which goes to the core through
 /// `Sealed::store`). The docs of `inspect` and `force_release`, which say what the store
@@ -37,6 +37,14 @@ macro_rules! lock_backend_methods {
         /// [`LockBackend::leader`]: crate::LockBackend::leader
         pub fn leader(&self, name: impl Into<String>) -> crate::LeaderRequest {
             crate::LockBackend::leader(self, name)
+        }
+
+        /// A job that runs at most once per period across every instance on this store (see
+        /// [`IdempotencyBackend::job`]).
+        ///
+        /// [`IdempotencyBackend::job`]: crate::idempotency::IdempotencyBackend::job
+        pub fn job(&self, name: impl Into<String>) -> crate::JobRequest {
+            crate::idempotency::IdempotencyBackend::job(self, name)
         }
 
         $(#[$inspect])*

@@ -9,6 +9,8 @@
 //! restarted empty breaks the second (the restart guard keeps it out for one lease; a
 //! record lost with it is lost on that master only).
 
+use std::time::Duration;
+
 use bytes::Bytes;
 
 use super::QuorumStore;
@@ -35,6 +37,30 @@ impl QuorumStore {
         }
         if answered >= self.majority() {
             return Ok(None);
+        }
+        let error = QuorumError::no_majority(answered, self.masters.len(), failures);
+        Err(LockError::backend(RECORD_CONTEXT, error))
+    }
+
+    /// How long the record of `key` still lives: the longest any master that has it says
+    /// (as [`record`](Self::record), any master's copy is the record); none when a majority
+    /// answered without it, an error when fewer answered and none has it.
+    pub(crate) async fn record_ttl(&self, key: &LockKey) -> Result<Option<Duration>, LockError> {
+        let replies = self.each(|master| master.record_ttl(key)).await;
+        let mut answered = 0;
+        let mut longest = None;
+        let mut failures = Vec::new();
+        for reply in replies {
+            match reply {
+                Ok(left) => {
+                    answered += 1;
+                    longest = longest.max(left);
+                }
+                Err(failure) => failures.push(failure),
+            }
+        }
+        if longest.is_some() || answered >= self.majority() {
+            return Ok(longest);
         }
         let error = QuorumError::no_majority(answered, self.masters.len(), failures);
         Err(LockError::backend(RECORD_CONTEXT, error))
