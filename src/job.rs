@@ -169,7 +169,11 @@ impl JobRequest {
         if self.period.is_zero() {
             return Ok(None);
         }
-        self.records.remaining(key.to_owned()).await
+        // A completion is recorded for one period: what a store reads as more (etcd's
+        // TTL in whole seconds, rounded up; ZooKeeper's clock read across a round trip)
+        // is that period.
+        let left = self.records.remaining(key.to_owned()).await?;
+        Ok(left.map(|left| left.min(self.period)))
     }
 }
 
