@@ -285,7 +285,19 @@ impl Records for ZooKeeperBackend {
             store.janitor.ensure_running();
             let key = ZkKey::new(&store.root, key, store.max_key_len, false)?;
             let holder = held.owner().as_str();
-            let call = store.store_record(&key, holder, held.fencing_token(), &record, retention);
+            let call = async {
+                match store
+                    .store_record(&key, holder, held.fencing_token(), &record, retention)
+                    .await
+                {
+                    // The session that held the hold expired (its holds went with it), or
+                    // its client was closed after it: nothing is held to store under.
+                    Err(ZkError::Client(
+                        ClientError::SessionExpired | ClientError::ClientClosed,
+                    )) => Ok(false),
+                    stored => stored,
+                }
+            };
             bounded(bound, call).await
         })
     }

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use support::child::{self, ChildProcess};
 use support::proxy::FaultProxy;
-use tower_lock::{Leadership, LockBackend};
+use tower_lock::idempotency::IdempotencyBackend;
+use tower_lock::{JobRun, Leadership, LockError};
 
 /// Settings passed to a candidate process.
 const STORE: &str = "TOWER_LOCK_TEST_LEADER_STORE";
@@ -24,7 +25,7 @@ const STEP: Duration = Duration::from_millis(100);
 #[tokio::test]
 #[ignore = "entry point of the candidate processes that the leader fault tests spawn"]
 async fn candidate_process() {
-    if child::role().as_deref() != Some("candidate") {
+    if child::role().is_none() {
         return;
     }
     let (store, addr, namespace) = (
@@ -35,12 +36,12 @@ async fn candidate_process() {
     match store.as_str() {
         "redis" => {
             let builder = support::builder(&addr).namespace(namespace);
-            campaign(builder.build().await.expect("redis backend")).await
+            play(builder.build().await.expect("redis backend")).await
         }
         "quorum" => {
             let urls: Vec<String> = addr.split(',').map(str::to_owned).collect();
             let builder = support::quorum::builder_on(&urls).namespace(namespace);
-            campaign(builder.build().await.expect("quorum backend")).await
+            play(builder.build().await.expect("quorum backend")).await
         }
         "postgres" => {
             let builder = tower_lock::PostgresBackend::builder(addr)
@@ -48,13 +49,13 @@ async fn candidate_process() {
                 .migrate()
                 .connect_timeout(Duration::from_secs(10))
                 .command_timeout(Duration::from_secs(1));
-            campaign(builder.build().await.expect("postgres backend")).await
+            play(builder.build().await.expect("postgres backend")).await
         }
         "mariadb" => {
             let builder = support::mariadb::builder_on(&addr)
                 .namespace(namespace)
                 .command_timeout(Duration::from_secs(1));
-            campaign(builder.build().await.expect("mariadb backend")).await
+            play(builder.build().await.expect("mariadb backend")).await
         }
         #[cfg(feature = "etcd")]
         "etcd" => {
@@ -62,22 +63,121 @@ async fn candidate_process() {
                 .namespace(namespace)
                 .lease_ttl(LEASE)
                 .command_timeout(Duration::from_secs(1));
-            campaign(builder.build().await.expect("etcd backend")).await
+            play(builder.build().await.expect("etcd backend")).await
         }
         "zookeeper" => {
             let builder = support::zookeeper::builder_on(&addr)
                 .namespace(namespace)
                 .session_timeout(LEASE)
                 .command_timeout(Duration::from_secs(1));
-            campaign(builder.build().await.expect("zookeeper backend")).await
+            play(builder.build().await.expect("zookeeper backend")).await
         }
         other => panic!("unknown store {other}"),
     }
 }
 
+/// Plays the child's role on `backend`: a candidate, or a job's runner.
+async fn play<B: IdempotencyBackend>(backend: B) {
+    match child::role().as_deref() {
+        Some("candidate") => campaign(backend).await,
+        Some("job") => run_job(backend).await,
+        other => panic!("unknown role {other:?}"),
+    }
+}
+
+/// The job the job runners run, with a period far longer than the test.
+const JOB: &str = "nightly";
+const JOB_PERIOD: Duration = Duration::from_secs(600);
+/// Set for a runner that waits for the job's lock to be free before it runs the job.
+const WAIT_FIRST: &str = "TOWER_LOCK_TEST_JOB_WAIT_FIRST";
+
+/// Runs the job once and reports `working 0` when its work starts, then its outcome:
+/// `outcome 1` ran, `2` skipped, `3` lost, `4` the completion not recorded (the store did
+/// not answer). The work returns 1 s after it started (on this
+/// host's clock): right away after a pause longer than that.
+async fn run_job<B: IdempotencyBackend>(backend: B) {
+    if std::env::var_os(WAIT_FIRST).is_some() {
+        let free = backend
+            .lock(format!("job:{JOB}"))
+            .wait(Duration::from_secs(60))
+            .await;
+        free.expect("the job's lock frees")
+            .release()
+            .await
+            .expect("release");
+    }
+    let job = backend.job(JOB).at_most_once_per(JOB_PERIOD).lease(LEASE);
+    let outcome = job
+        .run(|| async {
+            child::report("working 0");
+            let done = std::time::Instant::now() + Duration::from_secs(1);
+            while std::time::Instant::now() < done {
+                tokio::time::sleep(STEP).await;
+            }
+        })
+        .await;
+    child::report(match outcome {
+        Ok(JobRun::Ran(())) => "outcome 1",
+        Ok(JobRun::Skipped { .. }) => "outcome 2",
+        Err(LockError::Lost { .. }) => "outcome 3",
+        // The store did not answer the completion's write (a ZooKeeper session that
+        // expired while this process was paused, not yet known as such): not recorded.
+        Err(e @ LockError::Backend(_)) => {
+            eprintln!(
+                "the job's completion was not recorded: {}",
+                support::chain(&e)
+            );
+            "outcome 4"
+        }
+        Err(e) => panic!("the job failed: {}", support::chain(&e)),
+    });
+    std::future::pending::<()>().await;
+}
+
+/// A job runner paused past its lease mid-work records nothing when it resumes (its work
+/// is dropped, or its completion refused), and the run that took over meanwhile stands.
+async fn a_job_runner_paused_past_its_lease_records_nothing(store: &str, addr: &str) {
+    const RAN: u64 = 1;
+    const SKIPPED: u64 = 2;
+    const LOST: u64 = 3;
+    const NOT_RECORDED: u64 = 4;
+    let ns = format!("job-{}", uuid::Uuid::new_v4().simple());
+    let settings = |wait: bool| {
+        let mut settings = vec![
+            (STORE, store.to_owned()),
+            (ADDR, addr.to_owned()),
+            (NAMESPACE, ns.clone()),
+        ];
+        if wait {
+            settings.push((WAIT_FIRST, "1".to_owned()));
+        }
+        settings
+    };
+    let entry = "leader_faults::candidate_process";
+    let mut paused = ChildProcess::spawn(entry, "job", &settings(false));
+    assert_eq!(next_event(&mut paused, false).await.what, "working");
+    paused.pause();
+    let mut next = ChildProcess::spawn(entry, "job", &settings(true));
+    assert_eq!(next_event(&mut next, false).await.what, "working");
+    assert_eq!(expect(&mut next, "outcome").await.epoch, RAN);
+    paused.resume();
+    let outcome = expect(&mut paused, "outcome").await.epoch;
+    assert!(
+        matches!(outcome, LOST | NOT_RECORDED),
+        "the paused run recorded: {outcome}"
+    );
+    let mut later = ChildProcess::spawn(entry, "job", &settings(false));
+    assert_eq!(
+        expect(&mut later, "outcome").await.epoch,
+        SKIPPED,
+        "the completion stands"
+    );
+    eprintln!("{store}: a job runner paused past its lease recorded nothing");
+}
+
 /// Campaigns for `proc` and reports: `campaigning`, `leads EPOCH`, `working EPOCH` every
 /// [`STEP`] while leading, `stopped EPOCH` when the work is dropped.
-async fn campaign<B: LockBackend>(backend: B) {
+async fn campaign<B: IdempotencyBackend>(backend: B) {
     struct Stopped(u64);
     impl Drop for Stopped {
         fn drop(&mut self) {
@@ -261,6 +361,7 @@ async fn on_redis() {
     crate::needs!(Redis);
     let server = support::RedisServer::start();
     the_leader_killed_paused_or_cut_off_is_replaced("redis", &server.url()).await;
+    a_job_runner_paused_past_its_lease_records_nothing("redis", &server.url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,6 +371,7 @@ async fn on_quorum() {
     let _turn = quorum.shared_turn().await;
     let urls = quorum.urls().join(",");
     the_leader_killed_paused_or_cut_off_is_replaced("quorum", &urls).await;
+    a_job_runner_paused_past_its_lease_records_nothing("quorum", &urls).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -277,6 +379,7 @@ async fn on_postgres() {
     crate::needs!(Postgres);
     let url = support::postgres::shared().url();
     the_leader_killed_paused_or_cut_off_is_replaced("postgres", &url).await;
+    a_job_runner_paused_past_its_lease_records_nothing("postgres", &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,6 +387,7 @@ async fn on_mariadb() {
     crate::needs!(MariaDb);
     let url = support::mariadb::shared().url();
     the_leader_killed_paused_or_cut_off_is_replaced("mariadb", &url).await;
+    a_job_runner_paused_past_its_lease_records_nothing("mariadb", &url).await;
 }
 
 #[cfg(feature = "etcd")]
@@ -292,6 +396,7 @@ async fn on_etcd() {
     crate::needs!(Etcd);
     let endpoint = support::etcd::shared().endpoint();
     the_leader_killed_paused_or_cut_off_is_replaced("etcd", &endpoint).await;
+    a_job_runner_paused_past_its_lease_records_nothing("etcd", &endpoint).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,4 +404,5 @@ async fn on_zookeeper() {
     crate::needs!(ZooKeeper);
     let hosts = support::zookeeper::shared().hosts();
     the_leader_killed_paused_or_cut_off_is_replaced("zookeeper", &hosts).await;
+    a_job_runner_paused_past_its_lease_records_nothing("zookeeper", &hosts).await;
 }
