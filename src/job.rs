@@ -36,7 +36,7 @@ use bytes::Bytes;
 use crate::error::LockError;
 use crate::idempotency::Records;
 use crate::lock::backend::Backend;
-use crate::lock::{DEFAULT_LEASE, LockRequest};
+use crate::lock::{Acquired, DEFAULT_LEASE, LockRequest, Mode};
 
 /// What the key of a job's lock starts with: `job:<name>`.
 pub const JOB_PREFIX: &str = "job:";
@@ -120,13 +120,29 @@ impl JobRequest {
         if let Some(next_in) = self.completed_within(&key).await? {
             return Ok(JobRun::Skipped { next_in });
         }
+        // A store that checks the completion as it takes the hold (Redis) takes none
+        // while it exists; on the others it is read again once the lock is held.
         let taken = LockRequest::new(self.store.clone(), key.clone())
             .lease(self.lease)
             .metrics_label("job")
-            .try_once()
+            .unless_recorded(Mode::TryOnce)
             .await;
         let guard = match taken {
-            Ok(guard) => guard,
+            Ok(Acquired::Checked(guard)) => guard,
+            Ok(Acquired::Unchecked(guard)) => match self.completed_within(&key).await? {
+                None => guard,
+                // Completed between the first read and the lock.
+                Some(next_in) => {
+                    guard.release().await?;
+                    return Ok(JobRun::Skipped { next_in });
+                }
+            },
+            // Completed between the first read and the lock; expired since, if no time is
+            // left.
+            Ok(Acquired::Recorded) => {
+                let next_in = self.completed_within(&key).await?.unwrap_or_default();
+                return Ok(JobRun::Skipped { next_in });
+            }
             Err(LockError::Contended { .. }) => {
                 return Ok(JobRun::Skipped {
                     next_in: self.period,
@@ -134,11 +150,6 @@ impl JobRequest {
             }
             Err(error) => return Err(error),
         };
-        // Completed between the first read and the lock.
-        if let Some(next_in) = self.completed_within(&key).await? {
-            guard.release().await?;
-            return Ok(JobRun::Skipped { next_in });
-        }
         let output = tokio::select! {
             output = work() => output,
             () = guard.lost() => return Err(LockError::Lost { key }),
