@@ -142,13 +142,13 @@ impl LeaderRequest {
             let lost = leadership.guard.held().clone();
             let resigned = CancellationToken::new();
             leadership.resigned = Some(resigned.clone().drop_guard());
-            let led = tokio::select! {
-                () = work(leadership) => true,
-                () = lost.lost() => false,
+            tokio::select! {
+                () = work(leadership) => {}
+                () = lost.lost() => {}
                 // `work` dropped its leadership before returning: it no longer leads.
-                () = resigned.cancelled() => true,
-            };
-            if led && !lost.is_lost() {
+                () = resigned.cancelled() => {}
+            }
+            if !lost.is_lost() {
                 // Resigned: campaign again after a pause that lets the other candidates
                 // in, so that work that returns at once does not spin on the store.
                 backoff.reset();
