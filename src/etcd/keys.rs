@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use super::line::Line;
 pub(crate) use crate::core::kit::keys::is_semaphore;
-use crate::core::kit::keys::{KeyName, Namespaced, SEMAPHORE};
+use crate::core::kit::keys::{KeyName, Namespaced, SEMAPHORE, namespaced_prefix, past_prefix};
 use crate::core::store::StoreKey;
 use crate::error::KeyError;
-use crate::key::{namespaced, split_namespaced};
+use crate::key::split_namespaced;
 use crate::lock::inspect::Primitive;
 
 /// The names that belong to one acquisition of a user key: the lock's directory
@@ -212,25 +212,9 @@ pub(crate) fn namespace_prefix(namespace: &str) -> String {
 /// character at a time, so the name of a key that begins with `prefix` begins with the
 /// escaped prefix, and only such a key's does.
 pub(crate) fn under(namespace: &str, prefix: &str) -> (String, Vec<u8>) {
-    let mut start = namespaced(namespace, prefix);
-    // The name without the brace that closes the key: the name of every key below it.
-    start.pop();
-    let end = range_end(start.as_bytes());
+    let start = namespaced_prefix(namespace, prefix);
+    let end = past_prefix(&start);
     (start, end)
-}
-
-/// The end of the range of every key that begins with `prefix` (etcd's `with_prefix`):
-/// the prefix with its last byte below `0xff` raised by one and what follows it dropped.
-fn range_end(prefix: &[u8]) -> Vec<u8> {
-    match prefix.iter().rposition(|&b| b < 0xff) {
-        Some(at) => {
-            let mut end = prefix[..=at].to_vec();
-            end[at] += 1;
-            end
-        }
-        // Every key from the prefix on (etcd's "\0" range end).
-        None => vec![0],
-    }
 }
 
 /// The user key and primitive whose hold the etcd key `key` is, if it is one: an exclusive
@@ -331,7 +315,5 @@ mod tests {
         assert!(inside("a{") && inside("a{b}") && inside("a{{"));
         assert!(!inside("a") && !inside("a}") && !inside("a%7B") && !inside("b"));
         assert_eq!(under("ns", "").0, namespace_prefix("ns"));
-        assert_eq!(range_end(b"a\xff\xff"), b"b");
-        assert_eq!(range_end(b"\xff"), [0]);
     }
 }

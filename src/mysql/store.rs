@@ -7,6 +7,7 @@ use sqlx::mysql::{MySql, MySqlArguments, MySqlPool};
 use sqlx::query::QueryScalar;
 
 use super::error::MySqlError;
+use crate::core::kit::keys::past_prefix;
 use crate::core::kit::listener::Listener;
 use crate::core::store::{Attempt, Attempted, Release, Released, replies};
 use crate::core::wakeups::Waiter;
@@ -57,17 +58,6 @@ fn parse(reply: Option<&str>) -> Result<Vec<i64>, MySqlError> {
     reply
         .and_then(|r| r.split(',').map(|n| n.parse().ok()).collect())
         .ok_or(MySqlError::unexpected("lock"))
-}
-
-/// The first byte string past every one that starts with `prefix` (a store's name prefix,
-/// never empty), as `VARBINARY`s compare: `prefix` with its last byte raised by one, which
-/// UTF-8 leaves room for (it has no `0xFF` byte).
-fn past(prefix: &str) -> Vec<u8> {
-    let mut past = prefix.as_bytes().to_vec();
-    if let Some(last) = past.last_mut() {
-        *last = last.saturating_add(1);
-    }
-    past
 }
 
 impl Calls for MySql {
@@ -353,7 +343,7 @@ impl Calls for MySql {
         Box::pin(async move {
             let rows = sqlx::query_as::<_, (Vec<u8>, bool)>(&store.sql.held_page)
                 .bind(prefix.as_bytes())
-                .bind(past(prefix))
+                .bind(past_prefix(prefix))
                 .bind(after.as_bytes())
                 .fetch_all(&store.pool)
                 .await?;
@@ -388,24 +378,5 @@ impl Calls for MySql {
             };
             reply(&store.pool, make).await
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn past_a_prefix_is_above_every_name_under_it_and_below_the_names_after() {
-        assert_eq!(past("ns:{"), b"ns:|");
-        assert_eq!(past("ns:{é"), b"ns:{\xC3\xAA");
-        for prefix in ["ns:{", "ns:{order:", "ns:{é", "ns:{\u{10FFFF}"] {
-            let bound = past(prefix);
-            for under in ["", "}", "\u{10FFFF}\u{10FFFF}}:permits", "a"] {
-                let name = format!("{prefix}{under}");
-                assert!(name.as_bytes() < bound.as_slice(), "{name:?}");
-            }
-            assert!(!bound.starts_with(prefix.as_bytes()));
-        }
     }
 }

@@ -54,6 +54,22 @@ pub(crate) fn namespaced_prefix(namespace: &str, prefix: &str) -> String {
     name
 }
 
+/// The first byte string above every one that starts with `prefix`: `prefix` with its last
+/// byte raised by one, which a `str` leaves room for (UTF-8 has no `0xFF` byte). With
+/// [`namespaced_prefix`], the end of the range of the names under a prefix, for the stores
+/// that read names in byte order (etcd's range reads, MySQL's `VARBINARY` key).
+#[cfg_attr(
+    not(any(test, feature = "etcd", feature = "mysql")),
+    expect(dead_code, reason = "only etcd and MySQL read names by byte range")
+)]
+pub(crate) fn past_prefix(prefix: &str) -> Vec<u8> {
+    let mut past = prefix.as_bytes().to_vec();
+    if let Some(last) = past.last_mut() {
+        *last = last.saturating_add(1);
+    }
+    past
+}
+
 /// The key and primitive that the name `name` is of in `namespace`, as [`Namespaced`]
 /// spells it: `namespace:{key}` is the key's lock, `namespace:{key}:permits` its semaphore.
 /// `None` for any other name: another namespace's, one with another suffix (a key's
@@ -190,6 +206,20 @@ mod tests {
             "other:{k}",
         ] {
             assert_eq!(parse_namespaced("ns", other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn past_a_prefix_is_above_every_name_under_it_and_below_the_names_after() {
+        assert_eq!(past_prefix("ns:{"), b"ns:|");
+        assert_eq!(past_prefix("ns:{é"), b"ns:{\xC3\xAA");
+        for prefix in ["ns:{", "ns:{order:", "ns:{é", "ns:{\u{10FFFF}"] {
+            let bound = past_prefix(prefix);
+            for under in ["", "}", "\u{10FFFF}\u{10FFFF}}:permits", "a"] {
+                let name = format!("{prefix}{under}");
+                assert!(name.as_bytes() < bound.as_slice(), "{name:?}");
+            }
+            assert!(!bound.starts_with(prefix.as_bytes()));
         }
     }
 
