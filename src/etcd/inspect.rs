@@ -9,7 +9,6 @@ use super::store::{EtcdStore, found, in_order, token};
 use crate::core::hold::value::HoldValue;
 use crate::core::store::{HeldPage, StoreKey};
 use crate::error::LockError;
-use crate::key::validate;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
 
 /// The keys one page of a listing reads: a range read of this many keys, without their
@@ -103,8 +102,7 @@ impl EtcdStore {
     /// most [`HELD_PAGE`] of the namespace's keys under the prefix, keys only, from `from`
     /// (just after the last key the page before read) on. Each lock and semaphore a hold
     /// key of the page names comes once. Fences, idempotency records, writers waiting in
-    /// line, keys this backend could not name (over its `max_key_len`) and keys this crate
-    /// never writes are left out. `next` is just after the page's last key, `None` once
+    /// line and keys this crate never writes are left out. `next` is just after the page's last key, `None` once
     /// etcd has no more keys in the range.
     pub(super) async fn held_keys(
         &self,
@@ -138,7 +136,6 @@ impl EtcdStore {
         let mut keys: Vec<(String, Primitive)> = read
             .iter()
             .filter_map(|kv| hold_of(&self.namespace, kv.key()))
-            .filter(|(user, _)| validate(user, self.max_key_len).is_ok())
             .collect();
         // A directory's keys are next to each other: its holds come in one run.
         keys.dedup();

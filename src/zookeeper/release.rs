@@ -154,9 +154,8 @@ impl ZkStore {
     /// in one page: one read of the namespace's node's children (ZooKeeper has no paged
     /// listing; they come in one reply). Every lock and semaphore under the prefix that
     /// has a node comes, held or not (an empty container ZooKeeper has not deleted yet):
-    /// the core inspects each. The idempotency records' node, keys this backend could not
-    /// name (over its `max_key_len`, or refused) and names this crate never gives are left
-    /// out; nothing comes when the namespace's node is gone.
+    /// the core inspects each. The idempotency records' node and names this crate never
+    /// gives are left out; nothing comes when the namespace's node is gone.
     pub(super) async fn held_keys(&self, prefix: &str) -> Result<HeldPage, LockError> {
         let client = self.session.client();
         let children = match client.get_children(&self.root).await {
@@ -164,14 +163,10 @@ impl ZkStore {
             Err(ClientError::NoNode) => Vec::new(),
             Err(e) => return Err(LockError::backend("list_held", ZkError::from(e))),
         };
-        let named = |user: &str, of: Primitive| {
-            let semaphore = of == Primitive::Semaphore;
-            ZkKey::new(&self.root, user.to_owned(), self.max_key_len, semaphore).is_ok()
-        };
         let keys = children
             .iter()
             .filter_map(|name| lock_of(name))
-            .filter(|(user, of)| user.starts_with(prefix) && named(user, *of))
+            .filter(|(user, _)| user.starts_with(prefix))
             .collect();
         Ok(HeldPage { keys, next: None })
     }

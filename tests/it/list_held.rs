@@ -210,3 +210,29 @@ crate::for_each_store_and_consensus!(
     ten_thousand_held_keys_are_listed_in_pages;
     not on etcd or zookeeper:
 );
+
+/// A held key longer than the listing backend's `max_key_len` (taken by an instance that
+/// allows longer keys) is left out of its listing, which still lists the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_listing_backend_cannot_name_is_left_out() {
+    crate::needs!(Redis);
+    let server = crate::support::RedisServer::start();
+    let long = crate::support::builder(&server.url())
+        .max_key_len(64)
+        .build()
+        .await;
+    let short = crate::support::builder(&server.url())
+        .max_key_len(16)
+        .build()
+        .await;
+    let (long, short) = (long.expect("backend"), short.expect("backend"));
+    let _long = long
+        .lock("k:".repeat(20))
+        .try_once()
+        .await
+        .expect("a long key");
+    let _short = long.lock("k:1").try_once().await.expect("a short key");
+    let listed = short.list_held("k:").await.expect("list");
+    assert_eq!(keys(&listed), ["k:1"]);
+    assert_eq!(long.list_held("k:").await.expect("list").len(), 2);
+}

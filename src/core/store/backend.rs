@@ -105,7 +105,8 @@ const INSPECT_TRIES: usize = 3;
 impl<S: Store> Core<S> {
     /// Every lock and semaphore held under `prefix`, page by page: each key a page names is
     /// inspected (at most [`INSPECTING`] at once, each call bounded by the command
-    /// timeout), the free ones left out; sorted by key, a key's lock before its semaphore.
+    /// timeout), the free ones and those this backend cannot name left out; sorted by key,
+    /// a key's lock before its semaphore.
     async fn held_under(self: Arc<Self>, prefix: Arc<str>) -> Result<Vec<LockInfo>, LockError> {
         let limit = self.settings.command_timeout;
         let mut seen = BTreeSet::new();
@@ -124,9 +125,13 @@ impl<S: Store> Core<S> {
                 })
                 .buffer_unordered(INSPECTING);
             while let Some(info) = inspected.next().await {
-                let (info, of) = info?;
-                if !info.is_free() {
-                    held.push((info, of));
+                match info {
+                    Ok((info, of)) if !info.is_free() => held.push((info, of)),
+                    Ok(_) => {}
+                    // A key this backend cannot name (longer than its `max_key_len`, taken
+                    // by an instance with a larger one) is not one it can report on.
+                    Err(LockError::InvalidKey(_)) => {}
+                    Err(error) => return Err(error),
                 }
             }
             match page.next {
