@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::QuorumStore;
-use super::error::QuorumError;
+use super::error::{MasterFailure, QuorumError};
 use crate::error::LockError;
 use crate::idempotency::RECORD_CONTEXT;
 use crate::redis::keys::LockKey;
@@ -26,41 +26,37 @@ impl QuorumStore {
     /// down (fail closed: the request might be a retry of a completed one).
     pub(crate) async fn record(&self, key: &LockKey) -> Result<Option<Bytes>, LockError> {
         let replies = self.each(|master| master.record(key)).await;
-        let mut answered = 0;
-        let mut failures = Vec::new();
-        for reply in replies {
-            match reply {
-                Ok(Some(record)) => return Ok(Some(record)),
-                Ok(None) => answered += 1,
-                Err(failure) => failures.push(failure),
-            }
-        }
-        if answered >= self.majority() {
-            return Ok(None);
-        }
-        let error = QuorumError::no_majority(answered, self.masters.len(), failures);
-        Err(LockError::backend(RECORD_CONTEXT, error))
+        Ok(self.copies(replies)?.into_iter().next())
     }
 
-    /// How long the record of `key` still lives: the longest any master that has it says
-    /// (as [`record`](Self::record), any master's copy is the record); none when a majority
-    /// answered without it, an error when fewer answered and none has it.
+    /// How long the record of `key` still lives: the longest any master that has it says,
+    /// read as [`record`](Self::record) reads the record.
     pub(crate) async fn record_ttl(&self, key: &LockKey) -> Result<Option<Duration>, LockError> {
         let replies = self.each(|master| master.record_ttl(key)).await;
+        Ok(self.copies(replies)?.into_iter().max())
+    }
+
+    /// The masters' copies of a record (any one is the record: it is written once, by its
+    /// single holder) from their replies: none when a majority answered without one, an
+    /// error when fewer answered and none has one.
+    fn copies<T>(
+        &self,
+        replies: Vec<Result<Option<T>, MasterFailure>>,
+    ) -> Result<Vec<T>, LockError> {
         let mut answered = 0;
-        let mut longest = None;
+        let mut copies = Vec::new();
         let mut failures = Vec::new();
         for reply in replies {
             match reply {
-                Ok(left) => {
+                Ok(copy) => {
                     answered += 1;
-                    longest = longest.max(left);
+                    copies.extend(copy);
                 }
                 Err(failure) => failures.push(failure),
             }
         }
-        if longest.is_some() || answered >= self.majority() {
-            return Ok(longest);
+        if !copies.is_empty() || answered >= self.majority() {
+            return Ok(copies);
         }
         let error = QuorumError::no_majority(answered, self.masters.len(), failures);
         Err(LockError::backend(RECORD_CONTEXT, error))
