@@ -243,8 +243,15 @@ impl RecordsOf for ZooKeeperBackend {
 
 impl IdempotencyBackend for ZooKeeperBackend {}
 
-impl Records for ZooKeeperBackend {
-    fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
+impl ZooKeeperBackend {
+    /// Runs `call` on the store for `key`'s record (the key checked as a lock's, the
+    /// janitor running), bounded by the command timeout.
+    fn on_record<T, F, Fut>(&self, key: String, call: F) -> BoxFuture<'static, Result<T, LockError>>
+    where
+        F: FnOnce(Arc<ZkStore>, ZkKey) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, ZkError>> + Send,
+        T: Send + 'static,
+    {
         let (store, bound) = (
             self.inner.store.clone(),
             self.inner.settings.command_timeout,
@@ -252,19 +259,22 @@ impl Records for ZooKeeperBackend {
         Box::pin(async move {
             store.janitor.ensure_running();
             let key = ZkKey::new(&store.root, key, store.max_key_len, false)?;
-            bounded(bound, store.fetch_record(&key)).await
+            bounded(bound, call(store, key)).await
         })
+    }
+}
+
+impl Records for ZooKeeperBackend {
+    fn fetch(&self, key: String) -> BoxFuture<'static, Result<Option<Bytes>, LockError>> {
+        self.on_record(
+            key,
+            |store, key| async move { store.fetch_record(&key).await },
+        )
     }
 
     fn remaining(&self, key: String) -> BoxFuture<'static, Result<Option<Duration>, LockError>> {
-        let (store, bound) = (
-            self.inner.store.clone(),
-            self.inner.settings.command_timeout,
-        );
-        Box::pin(async move {
-            store.janitor.ensure_running();
-            let key = ZkKey::new(&store.root, key, store.max_key_len, false)?;
-            let found = bounded(bound, store.live_record(&key)).await?;
+        self.on_record(key, |store, key| async move {
+            let found = store.live_record(&key).await?;
             let left = found.map(|(expires, _)| expires.saturating_sub(store.shelf.now_ms()));
             Ok(left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
         })
@@ -277,28 +287,17 @@ impl Records for ZooKeeperBackend {
         record: Bytes,
         retention: Duration,
     ) -> BoxFuture<'static, Result<bool, LockError>> {
-        let (store, bound) = (
-            self.inner.store.clone(),
-            self.inner.settings.command_timeout,
-        );
-        Box::pin(async move {
-            store.janitor.ensure_running();
-            let key = ZkKey::new(&store.root, key, store.max_key_len, false)?;
-            let holder = held.owner().as_str();
-            let call = async {
-                match store
-                    .store_record(&key, holder, held.fencing_token(), &record, retention)
-                    .await
-                {
-                    // The session that held the hold expired (its holds went with it), or
-                    // its client was closed after it: nothing is held to store under.
-                    Err(ZkError::Client(
-                        ClientError::SessionExpired | ClientError::ClientClosed,
-                    )) => Ok(false),
-                    stored => stored,
-                }
-            };
-            bounded(bound, call).await
+        self.on_record(key, move |store, key| async move {
+            let (holder, token) = (held.owner().as_str(), held.fencing_token());
+            let stored = store
+                .store_record(&key, holder, token, &record, retention)
+                .await;
+            match stored {
+                // The session that held the hold ended (its holds went with it): nothing
+                // is held to store under.
+                Err(e) if e.session_ended() => Ok(false),
+                stored => stored,
+            }
         })
     }
 }
