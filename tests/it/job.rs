@@ -76,22 +76,29 @@ async fn four_callers_run_a_job_at_most_once_per_period<B: IdempotencyBackend>(b
     }
 }
 
-/// A run whose lock an operator frees mid-work (as its lease would run out under a
-/// paused holder) has its work dropped and records nothing, and the run that took over
-/// records its completion, which stands.
-async fn a_run_cut_off_mid_work_records_nothing_over_the_next<B: IdempotencyBackend>(b: [B; 3]) {
+/// A run of `name` on `backend` whose work never ends, spawned, once its work started.
+async fn started_run<B: IdempotencyBackend>(
+    backend: &B,
+    name: &str,
+) -> tokio::task::JoinHandle<Result<JobRun<()>, LockError>> {
     let (started, mut starts) = mpsc::unbounded_channel();
-    let first = b[0]
-        .job("cleanup")
+    let run = backend
+        .job(name)
         .at_most_once_per(PERIOD * 60)
         .run(|| async move {
             let _ = started.send(());
             std::future::pending::<()>().await;
         });
-    let first = tokio::spawn(first);
-    timeout(HANG, starts.recv())
-        .await
-        .expect("the first run starts");
+    let run = tokio::spawn(run);
+    timeout(HANG, starts.recv()).await.expect("the run starts");
+    run
+}
+
+/// A run whose lock an operator frees mid-work (as its lease would run out under a
+/// paused holder) has its work dropped and records nothing, and the run that took over
+/// records its completion, which stands.
+async fn a_run_cut_off_mid_work_records_nothing_over_the_next<B: IdempotencyBackend>(b: [B; 3]) {
+    let first = started_run(&b[0], "cleanup").await;
     let freed = b[2]
         .force_release("job:cleanup")
         .await
@@ -129,18 +136,7 @@ async fn a_run_cut_off_mid_work_records_nothing_over_the_next<B: IdempotencyBack
 /// A run that never completed (its caller went away mid-work: a crash) records nothing:
 /// the next caller runs the job.
 async fn a_run_that_never_completed_leaves_the_job_to_the_next<B: IdempotencyBackend>(b: [B; 3]) {
-    let (started, mut starts) = mpsc::unbounded_channel();
-    let first = b[0]
-        .job("warm")
-        .at_most_once_per(PERIOD * 60)
-        .run(|| async move {
-            let _ = started.send(());
-            std::future::pending::<()>().await;
-        });
-    let first = tokio::spawn(first);
-    timeout(HANG, starts.recv())
-        .await
-        .expect("the first run starts");
+    let first = started_run(&b[0], "warm").await;
     first.abort();
     // The aborted run's lock is released in the background: wait for it (woken by the
     // release), then run.

@@ -93,10 +93,11 @@ const WAIT_FIRST: &str = "TOWER_LOCK_TEST_JOB_WAIT_FIRST";
 
 /// Runs the job once and reports `working 0` when its work starts, then its outcome:
 /// `outcome 1` ran, `2` skipped, `3` lost, `4` the completion not recorded (the store did
-/// not answer). The work returns 1 s after it started (on this
-/// host's clock): right away after a pause longer than that.
+/// not answer). The first runner's work returns once it sees it was paused, the one that
+/// waited for the lock returns at once.
 async fn run_job<B: IdempotencyBackend>(backend: B) {
-    if std::env::var_os(WAIT_FIRST).is_some() {
+    let waited = std::env::var_os(WAIT_FIRST).is_some();
+    if waited {
         let free = backend
             .lock(format!("job:{JOB}"))
             .wait(Duration::from_secs(60))
@@ -110,9 +111,18 @@ async fn run_job<B: IdempotencyBackend>(backend: B) {
     let outcome = job
         .run(|| async {
             child::report("working 0");
-            let done = std::time::Instant::now() + Duration::from_secs(1);
-            while std::time::Instant::now() < done {
+            // The first runner's work returns once this process has been paused (a step
+            // that took longer than the lease), so that it completes only after its lease
+            // ran out; the runner that waited for the lock returns at once.
+            if waited {
+                return;
+            }
+            loop {
+                let step = std::time::Instant::now();
                 tokio::time::sleep(STEP).await;
+                if step.elapsed() > LEASE {
+                    break;
+                }
             }
         })
         .await;
@@ -356,12 +366,17 @@ async fn the_leader_killed_paused_or_cut_off_is_replaced(store: &str, addr: &str
     }
 }
 
+/// Every fault of this file on `store` at `addr`: the leader's, then the job runner's.
+async fn faults(store: &str, addr: &str) {
+    the_leader_killed_paused_or_cut_off_is_replaced(store, addr).await;
+    a_job_runner_paused_past_its_lease_records_nothing(store, addr).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_redis() {
     crate::needs!(Redis);
     let server = support::RedisServer::start();
-    the_leader_killed_paused_or_cut_off_is_replaced("redis", &server.url()).await;
-    a_job_runner_paused_past_its_lease_records_nothing("redis", &server.url()).await;
+    faults("redis", &server.url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,24 +385,21 @@ async fn on_quorum() {
     let quorum = support::quorum::shared();
     let _turn = quorum.shared_turn().await;
     let urls = quorum.urls().join(",");
-    the_leader_killed_paused_or_cut_off_is_replaced("quorum", &urls).await;
-    a_job_runner_paused_past_its_lease_records_nothing("quorum", &urls).await;
+    faults("quorum", &urls).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
     crate::needs!(Postgres);
     let url = support::postgres::shared().url();
-    the_leader_killed_paused_or_cut_off_is_replaced("postgres", &url).await;
-    a_job_runner_paused_past_its_lease_records_nothing("postgres", &url).await;
+    faults("postgres", &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mariadb() {
     crate::needs!(MariaDb);
     let url = support::mariadb::shared().url();
-    the_leader_killed_paused_or_cut_off_is_replaced("mariadb", &url).await;
-    a_job_runner_paused_past_its_lease_records_nothing("mariadb", &url).await;
+    faults("mariadb", &url).await;
 }
 
 #[cfg(feature = "etcd")]
@@ -395,14 +407,12 @@ async fn on_mariadb() {
 async fn on_etcd() {
     crate::needs!(Etcd);
     let endpoint = support::etcd::shared().endpoint();
-    the_leader_killed_paused_or_cut_off_is_replaced("etcd", &endpoint).await;
-    a_job_runner_paused_past_its_lease_records_nothing("etcd", &endpoint).await;
+    faults("etcd", &endpoint).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_zookeeper() {
     crate::needs!(ZooKeeper);
     let hosts = support::zookeeper::shared().hosts();
-    the_leader_killed_paused_or_cut_off_is_replaced("zookeeper", &hosts).await;
-    a_job_runner_paused_past_its_lease_records_nothing("zookeeper", &hosts).await;
+    faults("zookeeper", &hosts).await;
 }
