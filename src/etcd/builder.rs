@@ -152,7 +152,11 @@ impl EtcdBackendBuilder {
         if endpoints.iter().any(|e| e.starts_with("https://")) {
             options = self.tls(options)?;
         }
-        let members = Arc::new(Members::new(endpoints, options));
+        let members = Arc::new(Members::new(
+            endpoints,
+            options,
+            self.settings.command_timeout,
+        ));
         let parts = self.settings.parts();
         let ttl =
             i64::try_from(self.lease_ttl.as_secs() + u64::from(self.lease_ttl.subsec_nanos() > 0))

@@ -43,6 +43,8 @@ struct State {
 /// An open keep-alive stream of the lease `id`.
 struct Stream {
     id: i64,
+    /// The member it is open on.
+    member: usize,
     keeper: LeaseKeeper,
     answers: LeaseKeepAliveStream,
 }
@@ -125,15 +127,27 @@ impl Lease {
         let mut slot = self.stream.lock().await;
         let id = self.id();
         let sent = Instant::now();
-        let ttl = match slot.take().filter(|s| s.id == id) {
-            Some(mut stream) => {
-                stream.keeper.keep_alive().await?;
-                let answer = stream.answers.message().await?.ok_or_else(|| {
-                    EtcdError::Client(etcd_client::Error::LeaseKeepAliveError(
-                        "keep-alive stream closed".into(),
-                    ))
-                })?;
-                let ttl = answer.ttl();
+        // On the open stream, within its member's share of the command timeout: a stream
+        // that fails or does not answer by then is dropped (its member passed over) and a
+        // new one opened on the next member, so that a member paused or cut off does not
+        // keep the lease unconfirmed past its lapse.
+        let renewed = match slot.take().filter(|s| s.id == id) {
+            Some(mut stream) => match timeout(self.members.share(), renew(&mut stream)).await {
+                Ok(Ok(ttl)) => Some((stream, ttl)),
+                Ok(Err(e)) => {
+                    self.members.pass_over(stream.member, &e);
+                    None
+                }
+                Err(_) => {
+                    let e = super::members::no_answer(self.members.share());
+                    self.members.pass_over(stream.member, &e);
+                    None
+                }
+            },
+            None => None,
+        };
+        let ttl = match renewed {
+            Some((stream, ttl)) => {
                 if ttl > 0 {
                     *slot = Some(stream);
                 }
@@ -141,9 +155,10 @@ impl Lease {
             }
             // The first keep-alive of a new stream is sent and answered when it opens.
             None => match self.members.keep_alive(id).await {
-                Ok((keeper, answers)) => {
+                Ok((member, keeper, answers)) => {
                     *slot = Some(Stream {
                         id,
+                        member,
                         keeper,
                         answers,
                     });
@@ -237,6 +252,15 @@ pub(crate) async fn keep_alive_until_shutdown(
 }
 
 /// etcd's seconds as a duration (a lease's TTL is never negative when granted).
+/// One keep-alive on an open stream: the TTL its answer gives.
+async fn renew(stream: &mut Stream) -> Result<i64, etcd_client::Error> {
+    stream.keeper.keep_alive().await?;
+    let answer = stream.answers.message().await?.ok_or_else(|| {
+        etcd_client::Error::LeaseKeepAliveError("keep-alive stream closed".into())
+    })?;
+    Ok(answer.ttl())
+}
+
 fn secs(ttl: i64) -> Duration {
     Duration::from_secs(u64::try_from(ttl).unwrap_or(0))
 }

@@ -14,11 +14,20 @@
 //! exclusive acquisition's next round reads whether its hold was put or re-entered, see
 //! `Settle` in `rw.rs`), as etcd is linearizable.
 //!
+//! A member that does not answer within its share of the command timeout (a quarter of
+//! it, with more than one member) is passed over as down too: a paused member, one cut off
+//! from the network, or a follower holding a call it forwarded to a leader that died; a
+//! write it did not answer fails as above, and later calls start on the next member. And
+//! while they elect a leader (a member says it has none, no other takes the call), the
+//! call goes round the members again, after a pause of 25 ms doubling up to 250 ms, until
+//! the command timeout: an election takes about a second with etcd's defaults.
+//!
 //! An operator reads one WARN line when a member is found down, naming it and the cause,
 //! and one INFO line when it answers again; calls meanwhile go to the others, silently.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use etcd_client::{
     Client, ConnectOptions, Error as ClientError, GetOptions, GetResponse, LeaseGrantResponse,
@@ -26,6 +35,7 @@ use etcd_client::{
     TxnResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 use super::error::{code, status_code, unanswered};
 
@@ -53,11 +63,19 @@ pub(crate) struct Members {
     members: Vec<Member>,
     /// The member calls go to first: the last one that took a call.
     current: AtomicUsize,
+    /// Told each time calls move to another member (see [`moves`](Members::moves)).
+    moved: tokio::sync::watch::Sender<usize>,
     /// The highest revision a transaction's answer carried: whatever a later write puts
     /// gets a higher one.
     seen: AtomicI64,
     options: ConnectOptions,
+    /// How long a call may go round the members.
+    command_timeout: Duration,
 }
+
+/// The first pause before a call goes round the members again, and the longest.
+const FIRST_PAUSE: Duration = Duration::from_millis(25);
+const LONGEST_PAUSE: Duration = Duration::from_millis(250);
 
 impl std::fmt::Debug for Members {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -71,8 +89,12 @@ impl std::fmt::Debug for Members {
 
 impl Members {
     /// The members at `endpoints` (at least one), connected to with `options` when first
-    /// called.
-    pub(crate) fn new(endpoints: Vec<String>, options: ConnectOptions) -> Self {
+    /// called; a call goes round them for up to `command_timeout`.
+    pub(crate) fn new(
+        endpoints: Vec<String>,
+        options: ConnectOptions,
+        command_timeout: Duration,
+    ) -> Self {
         let members = endpoints
             .into_iter()
             .map(|endpoint| Member {
@@ -84,8 +106,10 @@ impl Members {
         Members {
             members,
             current: AtomicUsize::new(0),
+            moved: tokio::sync::watch::Sender::new(0),
             seen: AtomicI64::new(0),
             options,
+            command_timeout,
         }
     }
 
@@ -96,47 +120,126 @@ impl Members {
     }
 
     /// Runs `call` on the member in use; one that member could not take runs on the next
-    /// (see [`Moves`]), and so on, each member once. The error is the last member's.
-    async fn call<T, F, R>(&self, moves: Moves, mut call: F) -> Result<T, ClientError>
+    /// (see [`Moves`]), and so on, each member once, and round again while none could take
+    /// it and the command timeout lasts (see the module docs). The error is the last
+    /// member's.
+    async fn call<T, F, R>(&self, moves: Moves, call: F) -> Result<T, ClientError>
     where
         F: FnMut(&Client) -> R,
         R: Future<Output = Result<T, ClientError>>,
     {
-        let first = self.current.load(Ordering::Relaxed);
-        let mut last = None;
-        for step in 0..self.members.len() {
-            let at = (first + step) % self.members.len();
-            let member = &self.members[at];
-            let answer = match self.client(member).await {
-                Ok(client) => call(client).await,
-                Err(e) => Err(e),
-            };
-            match answer {
-                Err(e) if not_taken(&e) || (moves == Moves::IfUnanswered && unanswered(&e)) => {
-                    if !member.down.swap(true, Ordering::Relaxed) {
-                        let (member, error) = (&member.endpoint, reason(&e));
-                        if self.members.len() > 1 {
-                            tracing::warn!(%member, %error, "etcd member down; calls go to the other members");
-                        } else {
-                            tracing::warn!(%member, %error, "etcd member down");
+        Ok(self.call_at(moves, call).await?.0)
+    }
+
+    /// [`call`](Self::call), with the index of the member that answered.
+    async fn call_at<T, F, R>(&self, moves: Moves, mut call: F) -> Result<(T, usize), ClientError>
+    where
+        F: FnMut(&Client) -> R,
+        R: Future<Output = Result<T, ClientError>>,
+    {
+        let deadline = Instant::now() + self.command_timeout;
+        let share = self.share();
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let first = self.current.load(Ordering::Relaxed);
+            let (mut last, mut electing) = (None, false);
+            for step in 0..self.members.len() {
+                let at = (first + step) % self.members.len();
+                let member = &self.members[at];
+                let bound = share.min(deadline.saturating_duration_since(Instant::now()));
+                let answer = tokio::time::timeout(bound, async {
+                    match self.client(member).await {
+                        Ok(client) => call(client).await,
+                        Err(e) => Err(e),
+                    }
+                })
+                .await
+                .unwrap_or_else(|_| Err(no_answer(bound)));
+                match answer {
+                    Err(e) if not_taken(&e) || (moves == Moves::IfUnanswered && unanswered(&e)) => {
+                        self.down(member, &e);
+                        electing |= no_leader(&e);
+                        last = Some(e);
+                    }
+                    Err(e) if unanswered(&e) => {
+                        // A write that may have run: the caller settles it, and later
+                        // calls start on the next member.
+                        self.down(member, &e);
+                        self.move_to((at + 1) % self.members.len());
+                        return Err(e);
+                    }
+                    answer => {
+                        if member.down.swap(false, Ordering::Relaxed) {
+                            tracing::info!(member = %member.endpoint, "etcd member answers again");
                         }
+                        if step > 0 {
+                            // Moved on: later calls start here. A call that moved on at the
+                            // same time may have stored its own; either member answers.
+                            self.move_to(at);
+                        }
+                        return answer.map(|answer| (answer, at));
                     }
-                    last = Some(e);
-                }
-                answer => {
-                    if member.down.swap(false, Ordering::Relaxed) {
-                        tracing::info!(member = %member.endpoint, "etcd member answers again");
-                    }
-                    if step > 0 {
-                        // Moved on: later calls start here. A call that moved on at the
-                        // same time may have stored its own; either member answers.
-                        self.current.store(at, Ordering::Relaxed);
-                    }
-                    return answer;
                 }
             }
+            let last =
+                last.unwrap_or_else(|| ClientError::InvalidArgs("no etcd endpoint".to_owned()));
+            // None could take the call: while they elect a leader, round again after a
+            // pause, as long as time is left.
+            if !electing || Instant::now() + pause >= deadline {
+                return Err(last);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(LONGEST_PAUSE);
         }
-        Err(last.unwrap_or_else(|| ClientError::InvalidArgs("no etcd endpoint".to_owned())))
+    }
+
+    /// How long one member has to answer a call before it is passed over: the command
+    /// timeout with one member, a quarter of it with more (so that a call can go round
+    /// while an election makes every member hold what it is sent).
+    pub(crate) fn share(&self) -> Duration {
+        match self.members.len() {
+            1 => self.command_timeout,
+            _ => self.command_timeout / 4,
+        }
+    }
+
+    /// Passes over member `at`, which failed `e` on a stream of its own (a lease's
+    /// keep-alive): it is down, and later calls start on the next member.
+    pub(crate) fn pass_over(&self, at: usize, e: &ClientError) {
+        self.down(&self.members[at], e);
+        let next = (at + 1) % self.members.len();
+        if self.current.load(Ordering::Relaxed) == at {
+            self.move_to(next);
+        }
+    }
+
+    /// Later calls start on member `at`.
+    fn move_to(&self, at: usize) {
+        self.current.store(at, Ordering::Relaxed);
+        self.moved.send_if_modified(|current| {
+            let moved = *current != at;
+            *current = at;
+            moved
+        });
+    }
+
+    /// The member calls start on, told each time they move to another one: a stream open
+    /// on a member that calls have left (the watch) moves with them, as that member failed
+    /// a call or went unanswered.
+    pub(crate) fn moves(&self) -> tokio::sync::watch::Receiver<usize> {
+        self.moved.subscribe()
+    }
+
+    /// Says once that `member` is down, with why.
+    fn down(&self, member: &Member, e: &ClientError) {
+        if !member.down.swap(true, Ordering::Relaxed) {
+            let (member, error) = (&member.endpoint, reason(e));
+            if self.members.len() > 1 {
+                tracing::warn!(%member, %error, "etcd member down; calls go to the other members");
+            } else {
+                tracing::warn!(%member, %error, "etcd member down");
+            }
+        }
     }
 
     /// `member`'s connection, connected now if it is not yet.
@@ -171,6 +274,19 @@ fn reason(e: &ClientError) -> String {
     }
 }
 
+/// The error of a call a member did not answer within `bound`.
+pub(crate) fn no_answer(bound: Duration) -> ClientError {
+    ClientError::GRpcStatus(tonic::Status::deadline_exceeded(format!(
+        "no answer within {bound:?}"
+    )))
+}
+
+/// The member refused the call for want of a leader (asked to, see the builder).
+fn no_leader(e: &ClientError) -> bool {
+    matches!(e, ClientError::GRpcStatus(status)
+        if status_code(e) == Some(code::UNAVAILABLE) && status.message().contains("no leader"))
+}
+
 /// The member did not take the call, so that another one may, and the call surely did
 /// not run: no connection could be made to it, or it has no leader (asked to refuse
 /// then, it does so before looking at the call).
@@ -179,7 +295,7 @@ pub(crate) fn not_taken(e: &ClientError) -> bool {
         // etcd-client's own errors come before any call is sent.
         return matches!(e, ClientError::TransportError(_));
     };
-    if status_code(e) == Some(code::UNAVAILABLE) && status.message().contains("no leader") {
+    if no_leader(e) {
         return true;
     }
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(status);
@@ -261,28 +377,35 @@ impl Members {
         .await
     }
 
+    /// Opens a keep-alive stream of `lease` (which keeps it alive): on the member it names.
     pub(crate) async fn keep_alive(
         &self,
         lease: i64,
-    ) -> Result<(LeaseKeeper, LeaseKeepAliveStream), ClientError> {
+    ) -> Result<(usize, LeaseKeeper, LeaseKeepAliveStream), ClientError> {
         // Opens a stream, and keeps the lease alive: either may run twice.
-        self.call(Moves::IfUnanswered, |client| {
-            let mut leases = client.lease_client();
-            async move { leases.keep_alive(lease).await }
-        })
-        .await
+        let ((keeper, answers), at) = self
+            .call_at(Moves::IfUnanswered, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.keep_alive(lease).await }
+            })
+            .await?;
+        Ok((at, keeper, answers))
     }
 
+    /// Opens a watch: on the member it names.
     pub(crate) async fn watch(
         &self,
         key: impl Into<Vec<u8>>,
         options: WatchOptions,
-    ) -> Result<WatchStream, ClientError> {
+    ) -> Result<(usize, WatchStream), ClientError> {
         let key = key.into();
-        self.call(Moves::IfUnanswered, |client| {
-            let (mut watches, key, options) = (client.watch_client(), key.clone(), options.clone());
-            async move { watches.watch(key, Some(options)).await }
-        })
-        .await
+        let (stream, at) = self
+            .call_at(Moves::IfUnanswered, |client| {
+                let (mut watches, key, options) =
+                    (client.watch_client(), key.clone(), options.clone());
+                async move { watches.watch(key, Some(options)).await }
+            })
+            .await?;
+        Ok((at, stream))
     }
 }

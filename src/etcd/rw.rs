@@ -54,7 +54,8 @@ fn put_hold(key: &str, holder: &str, lease: i64) -> TxnOp {
 /// key): it is the attempt's hold, not one to re-enter again.
 struct Settle {
     seen: i64,
-    /// A write of the attempt was lost (once: a second loss fails the attempt).
+    /// A write of the attempt was lost (the attempt goes on for its rounds, within the
+    /// command timeout: a leader's election loses every write for a second or so).
     lost: AtomicBool,
 }
 
@@ -100,7 +101,8 @@ impl EtcdStore {
             match round.await {
                 // A write whose answer never came (its member went away): the next round,
                 // on the next member, finds what it did.
-                Err(e) if e.may_have_run() && !settle.lost.swap(true, Ordering::Relaxed) => {
+                Err(e) if e.may_have_run() => {
+                    settle.lost.store(true, Ordering::Relaxed);
                     Ok(None)
                 }
                 round => round,

@@ -7,7 +7,10 @@
 //! breaks (etcd unreachable, a member that lost its leader, a compaction) wakes every
 //! waiter, and is opened again with capped exponential backoff; its confirmation wakes
 //! them once more. The gRPC connection is pinged by HTTP/2 keep-alives (see the
-//! builder), so a half-open connection fails the stream too.
+//! builder), so a half-open connection fails the stream too. And the watch keeps to the
+//! member the backend's calls go to: once calls move on from its member (it failed one,
+//! or did not answer in time: it may be paused, or cut off from its cluster, whose watch
+//! would then stay silent), the watch is opened again on theirs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,19 +92,21 @@ struct Watching {
 
 impl Listen for Watching {
     const NAME: &'static str = "etcd watch";
-    type Connection = WatchStream;
+    /// The stream, the member it is open on, and where calls go.
+    type Connection = (WatchStream, usize, tokio::sync::watch::Receiver<usize>);
 
     /// Opens the watch, and waits for etcd to confirm it (before any event).
-    async fn connect(&mut self) -> Result<WatchStream, String> {
+    async fn connect(&mut self) -> Result<Self::Connection, String> {
         let options = WatchOptions::new()
             .with_prefix()
             .with_filters([WatchFilterType::NoPut]);
+        let mut moves = self.config.members.moves();
         let opened = self
             .config
             .members
             .watch(self.config.prefix.clone(), options);
-        let mut stream = match timeout(self.config.connect_timeout, opened).await {
-            Ok(Ok(stream)) => stream,
+        let (on, mut stream) = match timeout(self.config.connect_timeout, opened).await {
+            Ok(Ok(opened)) => opened,
             Ok(Err(e)) => return Err(format!("watch failed: {e}")),
             Err(_) => return Err("watch timed out".to_owned()),
         };
@@ -117,10 +122,11 @@ impl Listen for Watching {
         }
         self.wakeups.connected();
         self.recheck.raise("the etcd watch was (re)opened");
-        Ok(stream)
+        moves.mark_unchanged();
+        Ok((stream, on, moves))
     }
 
-    async fn serve(&mut self, mut stream: WatchStream, proven: &mut bool) -> Lost {
+    async fn serve(&mut self, (mut stream, on, mut moves): Self::Connection, proven: &mut bool) -> Lost {
         // Confirmed by etcd as it opened.
         *proven = true;
         let (wakeups, behind) = (&self.wakeups, &self.behind);
@@ -134,6 +140,11 @@ impl Listen for Watching {
             wakeups.report_subscriptions();
             tokio::select! {
                 () = wakeups.changed() => {}
+                Ok(()) = moves.changed() => {
+                    if *moves.borrow_and_update() != on {
+                        return "calls moved on from the watch's member".into();
+                    }
+                }
                 message = stream.message() => match message {
                     Ok(Some(reply)) if reply.canceled() => {
                         return format!("watch cancelled: {}", reply.cancel_reason()).into();

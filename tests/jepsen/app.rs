@@ -9,7 +9,8 @@ use axum::extract::{Path, Request};
 use axum::routing::post;
 use axum::{Extension, Router};
 use tower_lock::redis::{FencedStore, FencedWrite};
-use tower_lock::{HeldLock, LockLayer, RedisBackend, RedisBackendBuilder};
+use tokio_util::sync::CancellationToken;
+use tower_lock::{HeldLock, LockBackend, LockLayer, RedisBackend, RedisBackendBuilder};
 
 use super::*;
 
@@ -26,44 +27,45 @@ struct Ctx {
     instance: usize,
     ns: &'static str,
     store: FencedStore,
+    /// Cancelled by `POST /stop-leading`: the campaigns end (their terms reported) before
+    /// the test drains the instances.
+    leading: CancellationToken,
 }
 
 async fn app() {
-    let redis = child::setting(REDIS_URL);
+    // The instance's WARN lines (a store server down, a lock lost) on stderr, which the
+    // test shows; `JEPSEN_LOG` sets another filter.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("JEPSEN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let url = child::setting(STORE_URL);
     let instance: usize = child::setting(INSTANCE).parse().expect("instance");
     let store = FencedStore::new(support::backend(&child::setting(DB_URL)).await);
-    let mut router = Router::new();
-    // "single" when absent; `JEPSEN_REDIS_URL` is the topology's URL (or URLs, comma-separated).
-    let topology = std::env::var("JEPSEN_TOPOLOGY").unwrap_or_default();
+    // The store: Redis ("single" when absent, "sentinel", "cluster") or another one;
+    // `JEPSEN_STORE_URL` is its URL (or URLs, comma-separated).
+    let topology = std::env::var(TOPOLOGY).unwrap_or_default();
+    let leading = CancellationToken::new();
+    let stop_leading = leading.clone();
+    let mut router = Router::new().route(
+        "/stop-leading",
+        post(move || async move { stop_leading.cancel() }),
+    );
     for ns in NAMESPACES {
-        let mut builder = match topology.as_str() {
-            "cluster" => cluster_backend(&redis, ns),
-            "sentinel" => sentinel_backend(ns),
-            _ => RedisBackend::builder(redis.as_str()),
-        };
-        builder = builder
-            .namespace(namespace(ns))
-            .command_timeout(Duration::from_millis(500))
-            .connect_timeout(Duration::from_millis(500));
-        if ns == "g" {
-            builder = builder.restart_guard().max_lease(LEASE);
-        }
-        let backend = builder.build().await.expect("backend");
         let ctx = Ctx {
             instance,
             ns,
             store: store.clone(),
+            leading: leading.clone(),
         };
-        let layer = LockLayer::new(backend, last_segment as fn(&Request) -> Option<String>)
-            .wait(WAIT)
-            .lease(LEASE);
-        router = router.merge(
-            Router::new()
-                .route(&format!("/{ns}/rmw/{{key}}"), post(rmw))
-                .route(&format!("/{ns}/hold/{{key}}"), post(probe))
-                .route_layer(layer)
-                .layer(Extension(ctx)),
-        );
+        router = router.merge(match topology.as_str() {
+            #[cfg(feature = "etcd")]
+            "etcd" => routes(etcd_backend(&url, ns).await, ctx),
+            "postgres" => routes(postgres_backend(&url, ns).await, ctx),
+            _ => routes(redis_backend(&topology, &url, ns).await, ctx),
+        });
     }
     let listener = tokio::net::TcpListener::bind(child::setting(LISTEN))
         .await
@@ -72,17 +74,116 @@ async fn app() {
     axum::serve(listener, router).await.expect("serve");
 }
 
+/// The routes of lock namespace `ctx.ns` on `backend`: the increment, the probe and the
+/// successor's increment (which waits for up to three leases: a lock its cut-off or frozen
+/// holder cannot give back). With `JEPSEN_LEADERS` set, the instance also campaigns.
+fn routes<B: LockBackend>(backend: B, ctx: Ctx) -> Router {
+    if std::env::var_os(LEADERS).is_some() {
+        tokio::spawn(lead(backend.clone(), ctx.clone()));
+    }
+    let layer = |wait| {
+        LockLayer::new(
+            backend.clone(),
+            last_segment as fn(&Request) -> Option<String>,
+        )
+        .wait(wait)
+        .lease(lease())
+    };
+    let ns = ctx.ns;
+    Router::new()
+        .route(&format!("/{ns}/rmw/{{key}}"), post(rmw))
+        .route(&format!("/{ns}/hold/{{key}}"), post(probe))
+        .route_layer(layer(wait()))
+        .merge(
+            Router::new()
+                .route(&format!("/{ns}/next/{{key}}"), post(rmw))
+                .route_layer(layer(3 * lease())),
+        )
+        .layer(Extension(ctx))
+}
+
+/// A Redis backend of `topology` at `url` in lock namespace `ns`: with the delayed-restart
+/// guard in "g", and on Sentinel or a cluster safe in "s" (see [`safe_in_s`]).
+async fn redis_backend(topology: &str, url: &str, ns: &str) -> RedisBackend {
+    let mut builder = match topology {
+        "cluster" => cluster_backend(url, ns),
+        "sentinel" => sentinel_backend(ns),
+        _ => RedisBackend::builder(url),
+    };
+    builder = builder
+        .namespace(namespace(ns))
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500));
+    if ns == "g" {
+        builder = builder.restart_guard().max_lease(LEASE);
+    }
+    builder.build().await.expect("backend")
+}
+
+/// An etcd backend on the members at `endpoints` (comma-separated), in `ns`, with the
+/// default timeouts.
+#[cfg(feature = "etcd")]
+async fn etcd_backend(endpoints: &str, ns: &str) -> tower_lock::EtcdBackend {
+    tower_lock::EtcdBackend::builder(endpoints.split(','))
+        .namespace(namespace(ns))
+        .lease_ttl(lease())
+        .build()
+        .await
+        .expect("etcd backend")
+}
+
+/// A PostgreSQL backend on the server at `url`, in `ns`.
+async fn postgres_backend(url: &str, ns: &str) -> tower_lock::PostgresBackend {
+    tower_lock::PostgresBackend::builder(url)
+        .namespace(namespace(ns))
+        .migrate()
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("postgres backend")
+}
+
+/// Campaigns for the leadership of the namespace until the instance ends: each term makes
+/// one fenced increment of the register `NS-leader` with its epoch, and resigns after a
+/// while, so that the terms go round the instances. Each term is reported as a hold.
+async fn lead<B: LockBackend>(backend: B, ctx: Ctx) {
+    let leading = ctx.leading.clone();
+    let campaign = backend
+        .leader("jepsen")
+        .lease(lease())
+        .run(|leadership| {
+            let ctx = ctx.clone();
+            async move {
+                // Dropped (reporting the term's end) before the leadership it holds.
+                let mut recorder = Recorder::new(&ctx, "leader", leadership.fencing_token(), false);
+                increment(&ctx, &mut recorder).await;
+                let term = Duration::from_millis(fastrand::u64(200..1500));
+                tokio::time::sleep(term).await;
+                recorder.completed = true;
+            }
+        });
+    tokio::select! {
+        result = campaign => {
+            if let Err(e) = result {
+                eprintln!("instance {}: the campaign ended: {e}", ctx.instance);
+            }
+        }
+        () = leading.cancelled() => {}
+    }
+}
+
 /// On the cluster whose seed URLs `seeds` lists, comma-separated: namespace "s" safe
 /// (every grant and renewal on a replica, the restart guard), "a" asynchronous.
 fn cluster_backend(seeds: &str, ns: &str) -> RedisBackendBuilder {
     safe_in_s(RedisBackend::cluster(seeds.split(',')), ns)
 }
 
-/// Through the sentinels of `JEPSEN_REDIS_URL` to the master, logged in with
+/// Through the sentinels of `JEPSEN_STORE_URL` to the master, logged in with
 /// `JEPSEN_MASTER_PASSWORD`; namespace "s" (safe) waits for a replica's acknowledgement and
 /// has the restart guard, "a" (asynchronous replication) has neither.
 fn sentinel_backend(ns: &str) -> RedisBackendBuilder {
-    let sentinels = child::setting(REDIS_URL);
+    let sentinels = child::setting(STORE_URL);
     let builder = RedisBackend::sentinel(sentinels.split(','), support::sentinel::MASTER_NAME)
         .master_password(child::setting("JEPSEN_MASTER_PASSWORD"));
     safe_in_s(builder, ns)
@@ -112,12 +213,12 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new(ctx: &Ctx, key: &str, lock: &HeldLock, probe: bool) -> Self {
+    fn new(ctx: &Ctx, key: &str, token: u64, probe: bool) -> Self {
         Recorder {
             hold: Hold {
                 instance: ctx.instance,
                 key: format!("{}-{key}", ctx.ns),
-                token: lock.fencing_token(),
+                token,
                 start: now_micros(),
                 end: 0,
                 write: Write::Skipped,
@@ -148,26 +249,26 @@ async fn rmw(
     Extension(lock): Extension<HeldLock>,
     Path(key): Path<String>,
 ) -> &'static str {
-    let mut recorder = Recorder::new(&ctx, &key, &lock, false);
+    let mut recorder = Recorder::new(&ctx, &key, lock.fencing_token(), false);
     increment(&ctx, &mut recorder).await;
     recorder.completed = true;
     "ok"
 }
 
-/// Holds for [`PROBE_HOLD`] (the nemesis cuts this instance off meanwhile), then
+/// Holds for [`PROBE_HOLD`] (scaled to the lease; the nemesis cuts this instance off meanwhile), then
 /// increments like [`rmw`].
 async fn probe(
     Extension(ctx): Extension<Ctx>,
     Extension(lock): Extension<HeldLock>,
     Path(key): Path<String>,
 ) -> &'static str {
-    let mut recorder = Recorder::new(&ctx, &key, &lock, true);
+    let mut recorder = Recorder::new(&ctx, &key, lock.fencing_token(), true);
     let hold = &recorder.hold;
     child::report(&format!(
         "probe-held {} {} {}",
         hold.instance, hold.key, hold.token
     ));
-    tokio::time::sleep(PROBE_HOLD).await;
+    tokio::time::sleep(scaled(PROBE_HOLD, lease())).await;
     increment(&ctx, &mut recorder).await;
     recorder.completed = true;
     "ok"

@@ -71,8 +71,8 @@ async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replic
     let seeds = deployment.seeds();
     let store = |_| {
         vec![
-            ("JEPSEN_TOPOLOGY", "cluster".to_owned()),
-            (REDIS_URL, seeds.clone()),
+            (TOPOLOGY, "cluster".to_owned()),
+            (STORE_URL, seeds.clone()),
         ]
     };
     let (pids, readers) = spawn_apps(net, db_port, store, &log, &stop_readers).await;

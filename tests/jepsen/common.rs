@@ -22,10 +22,44 @@ pub(crate) const KEYS: [&str; 2] = ["k0", "k1"];
 pub(crate) const HTTP_PORT: u16 = 8080;
 
 /// The settings of an app instance (see `app.rs`).
-pub(crate) const REDIS_URL: &str = "JEPSEN_REDIS_URL";
+pub(crate) const STORE_URL: &str = "JEPSEN_STORE_URL";
 pub(crate) const DB_URL: &str = "JEPSEN_DB_URL";
 pub(crate) const LISTEN: &str = "JEPSEN_LISTEN";
 pub(crate) const INSTANCE: &str = "JEPSEN_INSTANCE";
+/// Which store the instances lock on (see `app.rs`).
+pub(crate) const TOPOLOGY: &str = "JEPSEN_TOPOLOGY";
+/// Set: every instance also campaigns for the leadership of each lock namespace.
+pub(crate) const LEADERS: &str = "JEPSEN_LEADERS";
+/// The instances' lease in milliseconds, where a store's is not [`LEASE`].
+pub(crate) const LEASE_MS: &str = "JEPSEN_LEASE_MS";
+
+/// How long the instances' requests wait for their lock, where a store's is not [`WAIT`].
+pub(crate) const WAIT_MS: &str = "JEPSEN_WAIT_MS";
+
+/// The lease of this instance's holds: [`LEASE_MS`] if the test set it, else [`LEASE`].
+pub(crate) fn lease() -> Duration {
+    static SET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| millis_or(LEASE_MS, LEASE))
+}
+
+/// How long this instance's requests wait: [`WAIT_MS`] if the test set it, else [`WAIT`].
+pub(crate) fn wait() -> Duration {
+    static SET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| millis_or(WAIT_MS, WAIT))
+}
+
+/// The milliseconds of the setting `name`, or `default`.
+fn millis_or(name: &str, default: Duration) -> Duration {
+    std::env::var(name)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map_or(default, Duration::from_millis)
+}
+
+/// `hold` (a time of the workload at [`LEASE`]) at the lease `lease`.
+pub(crate) fn scaled(hold: Duration, lease: Duration) -> Duration {
+    hold.mul_f64(lease.as_secs_f64() / LEASE.as_secs_f64())
+}
 
 pub(crate) use super::support::netns::now_micros;
 

@@ -172,22 +172,43 @@ pub(super) async fn load_until(
     done: impl Fn() -> bool,
     statuses: Arc<Mutex<HashMap<String, usize>>>,
 ) {
+    load_recorded(addrs, done, |_, _, outcome| {
+        let mut statuses = statuses.lock().unwrap_or_else(|e| e.into_inner());
+        *statuses.entry(outcome).or_default() += 1;
+    })
+    .await;
+}
+
+/// Random guarded increments on random instances until `done` says so, each one's send
+/// time (µs), instance and outcome (the status and the problem's title, `error` or
+/// `timeout`) given to `record`.
+pub(super) async fn load_recorded(
+    addrs: Vec<SocketAddr>,
+    done: impl Fn() -> bool,
+    record: impl Fn(u64, usize, String),
+) {
     let client = support::http_client();
     while !done() {
-        let addr = addrs[fastrand::usize(..addrs.len())];
+        let instance = fastrand::usize(..addrs.len());
+        let addr = addrs[instance];
         let ns = NAMESPACES[fastrand::usize(..NAMESPACES.len())];
         let key = KEYS[fastrand::usize(..KEYS.len())];
         let request = support::post_request(addr, &format!("/{ns}/rmw/{key}"));
+        let sent = now_micros();
         let outcome =
-            match tokio::time::timeout(Duration::from_secs(5), support::try_send(&client, request))
+            match tokio::time::timeout(Duration::from_secs(12), support::try_send(&client, request))
                 .await
             {
-                Ok(Ok(reply)) => reply.status.to_string(),
+                Ok(Ok(reply)) if reply.status == 200 => reply.status.to_string(),
+                // A rejection, with the problem's title.
+                Ok(Ok(reply)) => match serde_json::from_str::<serde_json::Value>(&reply.body) {
+                    Ok(problem) => format!("{} {}", reply.status, problem["title"]),
+                    Err(_) => reply.status.to_string(),
+                },
                 Ok(Err(_)) => "error".to_owned(),
                 Err(_) => "timeout".to_owned(),
             };
-        let mut statuses = statuses.lock().unwrap_or_else(|e| e.into_inner());
-        *statuses.entry(outcome).or_default() += 1;
+        record(sent, instance, outcome);
     }
 }
 
@@ -358,7 +379,8 @@ pub(super) async fn read_registers_at(db: SocketAddr) -> Registers {
     let store = FencedStore::new(backend);
     let mut registers = Registers::new();
     for ns in NAMESPACES {
-        for key in KEYS {
+        // The leaders' register too (none where the instances do not campaign).
+        for key in KEYS.into_iter().chain(["leader"]) {
             let register = format!("{ns}-{key}");
             let value = store.read(&register).await.expect("read register");
             let value = value.map(|v| (v.token, v.value.parse().expect("a number")));

@@ -88,7 +88,7 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
                 net.link_ip(INSTANCES[i], "redis")
             )
         };
-        vec![(REDIS_URL, redis_url)]
+        vec![(STORE_URL, redis_url)]
     };
     let (pids, readers) = spawn_apps(&net, db_port, store, &log, &stop_readers).await;
     let addrs = app_addrs(&net);

@@ -83,8 +83,8 @@ async fn sentinel_failovers_keep_safe_holds_exclusive_and_stop_cut_off_holders_b
     }
     let store = |_| {
         vec![
-            (REDIS_URL, sentinels.clone()),
-            ("JEPSEN_TOPOLOGY", "sentinel".to_owned()),
+            (STORE_URL, sentinels.clone()),
+            (TOPOLOGY, "sentinel".to_owned()),
             ("JEPSEN_MASTER_PASSWORD", MASTER_PASSWORD.to_owned()),
         ]
     };

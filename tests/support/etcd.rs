@@ -1,6 +1,7 @@
 //! A throwaway etcd: one member (or a cluster of three) on free loopback ports with its
 //! data in a temp dir, killed when dropped. Nothing here touches an etcd it did not start.
 
+use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -23,10 +24,21 @@ pub struct EtcdMember {
     /// `/health` and `/metrics` served in plain HTTP on a port of their own.
     tls: Option<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)>,
     metrics_port: Option<u16>,
+    /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
+    host: Option<Host>,
     // Removed after the member is killed (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
+}
+
+/// Where a member on a host of its own (`netns.rs`) runs and is reached.
+struct Host {
+    netns: String,
+    /// Its address on the hosts' switch: peers and clients on other hosts dial it.
+    lan: Ipv4Addr,
+    /// Its address on its uplink: where the test reaches it.
+    uplink: Ipv4Addr,
 }
 
 /// A single-member etcd.
@@ -103,6 +115,7 @@ impl EtcdMember {
             cluster,
             tls: None,
             metrics_port: None,
+            host: None,
             dir: tempfile::tempdir().expect("temp dir"),
             reaper: None,
         }
@@ -114,11 +127,23 @@ impl EtcdMember {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let client = self.endpoint();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let (mut command, listen, client, peer) = match &self.host {
+            Some(host) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", &host.netns, "etcd"]);
+                let listen = format!("http://0.0.0.0:{}", self.client_port);
+                let client = format!("http://{}:{}", host.lan, self.client_port);
+                let peer = format!("http://{}:{}", host.lan, self.peer_port);
+                (command, listen, client, peer)
+            }
+            None => {
+                let client = self.endpoint();
+                let peer = format!("http://127.0.0.1:{}", self.peer_port);
+                (Command::new("etcd"), client.clone(), client, peer)
+            }
+        };
         let log = std::fs::File::create(self.dir.path().join("etcd.log"))
             .map_err(|e| format!("etcd log: {e}"))?;
-        let mut command = Command::new("etcd");
         if let (Some((cert, key, ca)), Some(metrics)) = (&self.tls, self.metrics_port) {
             command
                 .arg("--cert-file")
@@ -137,7 +162,7 @@ impl EtcdMember {
             .args(["--name", &self.name])
             .arg("--data-dir")
             .arg(self.dir.path().join("data"))
-            .args(["--listen-client-urls", &client])
+            .args(["--listen-client-urls", &listen])
             .args(["--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
@@ -172,7 +197,9 @@ impl EtcdMember {
                 self.child = None;
                 return false;
             }
-            if http_get(self.health_port(), "/health").is_some_and(|b| b.contains("\"true\"")) {
+            if http_get(self.reach(), self.health_port(), "/health")
+                .is_some_and(|b| b.contains("\"true\""))
+            {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -185,13 +212,32 @@ impl EtcdMember {
         std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
     }
 
+    /// Where the test reaches the member.
     pub fn endpoint(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://127.0.0.1:{}", self.client_port)
+        format!("{scheme}://{}:{}", self.reach(), self.client_port)
+    }
+
+    /// Where a client on another host reaches a member on a host of its own (see
+    /// [`EtcdCluster::start_in`]).
+    pub fn lan_endpoint(&self) -> String {
+        let lan = self.host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
+        format!("http://{lan}:{}", self.client_port)
+    }
+
+    /// The address the test reaches the member at.
+    fn reach(&self) -> Ipv4Addr {
+        self.host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.uplink)
+    }
+
+    /// The member's pid while it runs (`ip netns exec` execs etcd).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn metric(&self, name: &str, labels: &[&str]) -> f64 {
-        let body = http_get(self.health_port(), "/metrics").expect("etcd serves /metrics");
+        let body = http_get(self.reach(), self.health_port(), "/metrics")
+            .expect("etcd serves /metrics");
         body.lines()
             .filter(|l| !l.starts_with('#'))
             .filter(|l| {
@@ -251,19 +297,44 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
+    /// Three members on loopback.
     pub fn start() -> Self {
-        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        Self::start_on(vec![None, None, None])
+    }
+
+    /// One member on each of `hosts` (on `net`'s switch, see `netns.rs`), listening on
+    /// every address of its host: peers and other hosts dial it on the switch, the test on
+    /// its uplink.
+    pub fn start_in(net: &super::netns::Net, hosts: &[&str]) -> Self {
+        let hosts = hosts.iter().map(|host| {
+            Some(Host {
+                netns: net.ns(host),
+                lan: net.lan_ip(host),
+                uplink: net.host_ip(host),
+            })
+        });
+        Self::start_on(hosts.collect())
+    }
+
+    fn start_on(hosts: Vec<Option<Host>>) -> Self {
+        let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
+        let peer_ip = |host: &Option<Host>| host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
         let cluster = ports
             .iter()
+            .zip(&hosts)
             .enumerate()
-            .map(|(i, (_, peer))| format!("n{}=http://127.0.0.1:{peer}", i + 1))
+            .map(|(i, ((_, peer), host))| format!("n{}=http://{}:{peer}", i + 1, peer_ip(host)))
             .collect::<Vec<_>>()
             .join(",");
         let mut members: Vec<EtcdMember> = ports
             .iter()
+            .zip(hosts)
             .enumerate()
-            .map(|(i, &(client, peer))| {
-                EtcdMember::new(&format!("n{}", i + 1), client, peer, cluster.clone())
+            .map(|(i, (&(client, peer), host))| {
+                let mut member =
+                    EtcdMember::new(&format!("n{}", i + 1), client, peer, cluster.clone());
+                member.host = host;
+                member
             })
             .collect();
         for member in &mut members {
@@ -288,18 +359,19 @@ impl EtcdCluster {
     pub fn leader(&self) -> Option<usize> {
         self.members.iter().position(|m| {
             m.child.is_some()
-                && http_get(m.client_port, "/metrics")
+                && http_get(m.reach(), m.client_port, "/metrics")
                     .is_some_and(|body| body.lines().any(|l| l == "etcd_server_is_leader 1"))
         })
     }
 }
 
-/// One plain HTTP/1.0 GET on loopback; the body, or `None` when nothing answers.
-fn http_get(port: u16, path: &str) -> Option<String> {
+/// One plain HTTP/1.0 GET; the body, or `None` when nothing answers.
+fn http_get(ip: Ipv4Addr, port: u16, path: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let addr = std::net::SocketAddr::from((ip, port));
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;

@@ -25,6 +25,8 @@ pub struct Net {
     octet: u8,
     hosts: Vec<String>,
     links: Vec<Link>,
+    /// The hosts on the switch ([`lan`](Self::lan)), in the order of their addresses.
+    lan: Vec<String>,
     // Released after `Drop::drop` has deleted the hosts (fields drop after it).
     _turn: Turn,
 }
@@ -88,6 +90,7 @@ impl Net {
             octet: free_octet(pid),
             hosts: Vec::new(),
             links: Vec::new(),
+            lan: Vec::new(),
             _turn: turn,
         };
         for host in hosts {
@@ -135,6 +138,56 @@ impl Net {
             ip_a,
             ip_b,
         });
+    }
+
+    /// A switch (a bridge in a namespace of its own) that each of `hosts` plugs into: each
+    /// reaches every other at its [`lan_ip`](Self::lan_ip), as the members of a cluster and
+    /// their clients reach each other on one network. [`blackhole`](Self::blackhole) drops
+    /// what two of them send each other.
+    pub fn lan(&mut self, hosts: &[&str]) {
+        const SWITCH: &str = "lan";
+        let switch = self.ns(SWITCH);
+        ip(&["netns", "add", &switch]);
+        self.hosts.push(SWITCH.to_owned());
+        ip(&["-n", &switch, "link", "set", "lo", "up"]);
+        ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]);
+        ip(&["-n", &switch, "link", "set", "br0", "up"]);
+        for host in hosts {
+            let port = format!("p{}", self.lan.len());
+            self.lan.push((*host).to_owned());
+            let ns = self.ns(host);
+            let add = ["link", "add", &port, "type", "veth", "peer", "name", "lan"];
+            ip(&in_ns(Some(&switch), &[&add[..], &["netns", ns.as_str()]].concat()));
+            ip(&["-n", &switch, "link", "set", &port, "master", "br0", "up"]);
+            let addr = format!("{}/24", self.lan_ip(host));
+            ip(&["-n", &ns, "addr", "add", &addr, "dev", "lan"]);
+            ip(&["-n", &ns, "link", "set", "lan", "up"]);
+        }
+    }
+
+    /// The address of `host` on the switch ([`lan`](Self::lan)).
+    pub fn lan_ip(&self, host: &str) -> Ipv4Addr {
+        let at = self.lan.iter().position(|h| h == host);
+        let at = at.unwrap_or_else(|| panic!("{host} is not on the switch"));
+        Ipv4Addr::new(10, self.octet, 255, u8::try_from(at + 1).expect("254 hosts"))
+    }
+
+    /// Drops every packet that `a` and `b` send each other on the switch (a route to a
+    /// blackhole on each side): connections stay open and their packets go nowhere, as
+    /// across a partition, until [`unblackhole`](Self::unblackhole).
+    pub fn blackhole(&self, a: &str, b: &str) {
+        for (from, to) in [(a, b), (b, a)] {
+            let to = format!("{}/32", self.lan_ip(to));
+            ip(&["-n", &self.ns(from), "route", "add", "blackhole", &to]);
+        }
+    }
+
+    /// Ends a [`blackhole`](Self::blackhole).
+    pub fn unblackhole(&self, a: &str, b: &str) {
+        for (from, to) in [(a, b), (b, a)] {
+            let to = format!("{}/32", self.lan_ip(to));
+            ip(&["-n", &self.ns(from), "route", "del", "blackhole", &to]);
+        }
     }
 
     /// The namespace name of `host`.

@@ -1,0 +1,367 @@
+//! The faults of the stores workload (`stores.rs`) and the servers they hit: each store's
+//! deployment says how its servers are reached, killed, restarted and paused, which of
+//! them leads, and which faults it is put through.
+
+use std::time::Duration;
+
+use support::netns::Net;
+
+use super::*;
+
+/// One fault, healed before the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Fault {
+    /// The leader (the server, of a store of one) killed with `kill -9`, started again
+    /// on its data after 0.5-2 s.
+    KillLeader,
+    /// A follower killed and started again the same way.
+    KillFollower,
+    /// The leader (the server) paused with `SIGSTOP` for 1.5-3 s: past etcd's election
+    /// timeout (1 s) and ZooKeeper's tick-based one.
+    PauseLeader,
+    /// The leader cut off from the other servers (blackhole routes both ways) for 2-4 s,
+    /// while the instances still reach it.
+    IsolateLeader,
+    /// An instance cut off from every server for 0.5-2 leases (the first fault: 2) while
+    /// it holds a probe, and another instance asking for the probe's lock meanwhile.
+    CutInstance,
+    /// An instance frozen (`SIGSTOP`) for 0.1-0.5 leases: its renewals recover.
+    Freeze,
+    /// An instance frozen while it holds a probe, until another instance holds the probe's
+    /// lock (the store freed it): fencing's case, its write must be refused.
+    FreezePastLease,
+}
+
+impl Fault {
+    /// Whether a store of `servers` servers survives the fault: then it must cost no
+    /// request.
+    pub(super) fn survived(self, servers: usize) -> bool {
+        servers >= 3
+            && matches!(
+                self,
+                Fault::KillLeader | Fault::KillFollower | Fault::PauseLeader | Fault::IsolateLeader
+            )
+    }
+}
+
+/// The faults of a store of three (or five) servers.
+pub(super) const CLUSTER_FAULTS: [Fault; 7] = [
+    Fault::KillLeader,
+    Fault::KillFollower,
+    Fault::PauseLeader,
+    Fault::IsolateLeader,
+    Fault::CutInstance,
+    Fault::Freeze,
+    Fault::FreezePastLease,
+];
+
+/// The servers of one store, each on a host of its own.
+pub(super) trait Servers {
+    /// The app's store setting (`JEPSEN_TOPOLOGY`), and the store's name in the summary.
+    fn store(&self) -> &'static str;
+    /// The hosts of the servers.
+    fn hosts(&self) -> &[&'static str];
+    /// The URL the instances are given: the servers on the switch.
+    fn url(&self) -> String;
+    /// The server that leads now, if one does (the only server of a store of one).
+    fn leader(&self) -> Option<usize>;
+    /// `kill -9`; returns once it is gone.
+    fn kill(&mut self, server: usize);
+    /// Starts a killed server again on its data; returns once it serves.
+    fn start_again(&mut self, server: usize);
+    /// The processes that pausing `server` stops.
+    fn pids(&self, server: usize) -> Vec<u32>;
+    /// The faults drawn from.
+    fn faults(&self) -> &'static [Fault];
+    /// The instances' lease on this store: [`LEASE`] unless the store needs a longer one
+    /// to outlive the faults it survives.
+    fn lease(&self) -> Duration {
+        LEASE
+    }
+    /// How long the instances' requests wait: [`WAIT`] unless the faults the store
+    /// survives take longer.
+    fn wait(&self) -> Duration {
+        WAIT
+    }
+    /// What the servers logged (printed when `JEPSEN_SERVER_LOGS` is set).
+    fn logs(&self) -> String;
+}
+
+/// An etcd cluster of three members.
+#[cfg(feature = "etcd")]
+pub(super) struct Etcd {
+    cluster: support::etcd::EtcdCluster,
+}
+
+#[cfg(feature = "etcd")]
+impl Etcd {
+    pub(super) const HOSTS: [&'static str; 3] = ["etcd0", "etcd1", "etcd2"];
+
+    pub(super) fn start(net: &Net) -> Self {
+        Etcd {
+            cluster: support::etcd::EtcdCluster::start_in(net, &Self::HOSTS),
+        }
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl Servers for Etcd {
+    fn store(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn hosts(&self) -> &[&'static str] {
+        &Self::HOSTS
+    }
+
+    fn url(&self) -> String {
+        let endpoints: Vec<String> = self
+            .cluster
+            .members
+            .iter()
+            .map(support::etcd::EtcdMember::lan_endpoint)
+            .collect();
+        endpoints.join(",")
+    }
+
+    fn leader(&self) -> Option<usize> {
+        self.cluster.leader()
+    }
+
+    fn kill(&mut self, server: usize) {
+        self.cluster.members[server].kill();
+    }
+
+    fn start_again(&mut self, server: usize) {
+        self.cluster.members[server].start_again();
+    }
+
+    fn pids(&self, server: usize) -> Vec<u32> {
+        self.cluster.members[server].pid().into_iter().collect()
+    }
+
+    fn faults(&self) -> &'static [Fault] {
+        &CLUSTER_FAULTS
+    }
+
+    /// A hold lives half the etcd lease past its last confirmation, and an election
+    /// confirms nothing for up to about 1.5 s (etcd's 1 s election timeout, then the
+    /// vote): 6 s leaves 3 s.
+    fn lease(&self) -> Duration {
+        Duration::from_secs(6)
+    }
+
+    /// The layer's default: an election (about 1.5 s) and the releases and wake-ups it
+    /// held up fit in it.
+    fn wait(&self) -> Duration {
+        tower_lock::layer::DEFAULT_WAIT
+    }
+
+    fn logs(&self) -> String {
+        let logs = self.cluster.members.iter().enumerate();
+        logs.map(|(i, m)| format!("--- etcd{i}:\n{}", m.log())).collect()
+    }
+}
+
+/// When a fault began and ended (µs), to count the requests sent meanwhile.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Window {
+    pub(super) fault: Fault,
+    pub(super) began: u64,
+    pub(super) ended: u64,
+}
+
+/// A probe held while its instance was cut off (or frozen).
+#[derive(Debug, Clone)]
+pub(super) struct CutOff {
+    pub(super) fault: Fault,
+    pub(super) probe: (usize, String, u64),
+}
+
+/// An instance frozen past its lease, from when to when (µs).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Frozen {
+    pub(super) instance: usize,
+    pub(super) began: u64,
+    pub(super) ended: u64,
+}
+
+/// What the nemesis did.
+#[derive(Default)]
+pub(super) struct Faults {
+    pub(super) windows: Vec<Window>,
+    pub(super) cut_offs: Vec<CutOff>,
+    pub(super) frozen: Vec<Frozen>,
+}
+
+/// Injects faults one at a time, in random order from the store's list (each kind once
+/// before any twice), until `deadline`; the first cuts an instance off for two leases, so
+/// that every run sees a holder stopped.
+pub(super) async fn run_nemesis(
+    servers: &mut dyn Servers,
+    net: &Net,
+    addrs: &[SocketAddr],
+    pids: &[u32],
+    log: &SharedLog,
+    deadline: tokio::time::Instant,
+) -> Faults {
+    let mut done = Faults::default();
+    let between = |range: std::ops::Range<u64>| Duration::from_millis(fastrand::u64(range));
+    let the_lease = servers.lease();
+    let lease = |factor: f64| the_lease.mul_f64(factor);
+    let probe_hold = scaled(PROBE_HOLD, the_lease);
+    // Dealt from a shuffled deck of the store's faults, every kind once per deck.
+    let mut deck = Vec::new();
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(between(200..800)).await;
+        let first = done.cut_offs.is_empty();
+        if deck.is_empty() {
+            deck = chosen(servers.faults());
+            fastrand::shuffle(&mut deck);
+        }
+        let fault = if first {
+            Fault::CutInstance
+        } else {
+            deck.pop().expect("a full deck")
+        };
+        let began = now_micros();
+        match fault {
+            Fault::KillLeader | Fault::KillFollower => {
+                let Some(server) = pick(servers, fault == Fault::KillLeader) else {
+                    continue;
+                };
+                servers.kill(server);
+                tokio::time::sleep(between(500..2000)).await;
+                tokio::task::block_in_place(|| servers.start_again(server));
+            }
+            Fault::PauseLeader => {
+                let Some(server) = servers.leader() else {
+                    continue;
+                };
+                let pids = servers.pids(server);
+                pids.iter().for_each(|&pid| support::send_signal(pid, "-STOP"));
+                tokio::time::sleep(between(1500..3000)).await;
+                pids.iter().for_each(|&pid| support::send_signal(pid, "-CONT"));
+            }
+            Fault::IsolateLeader => {
+                let Some(server) = servers.leader() else {
+                    continue;
+                };
+                let hosts = servers.hosts().to_vec();
+                let (leader, others) = (hosts[server], hosts.iter().filter(|h| **h != hosts[server]));
+                let others: Vec<&str> = others.copied().collect();
+                others.iter().for_each(|other| net.blackhole(leader, other));
+                tokio::time::sleep(between(2000..4000)).await;
+                others.iter().for_each(|other| net.unblackhole(leader, other));
+            }
+            Fault::CutInstance => {
+                let instance = fastrand::usize(..INSTANCES.len());
+                let Some(probe) = start_probe(addrs, instance, log).await else {
+                    continue;
+                };
+                let host = INSTANCES[instance];
+                let hosts = servers.hosts().to_vec();
+                hosts.iter().for_each(|server| net.blackhole(host, server));
+                ask_for(addrs, instance, &probe, the_lease);
+                let cut_for = lease(if first { 2.0 } else { 0.5 + 1.5 * fastrand::f64() });
+                tokio::time::sleep(cut_for).await;
+                hosts.iter().for_each(|server| net.unblackhole(host, server));
+                done.cut_offs.push(CutOff { fault, probe });
+                // The probe's end, before the next fault.
+                tokio::time::sleep(probe_hold.saturating_sub(cut_for)).await;
+            }
+            Fault::Freeze => {
+                let pid = pids[fastrand::usize(..pids.len())];
+                support::send_signal(pid, "-STOP");
+                tokio::time::sleep(lease(0.1 + 0.4 * fastrand::f64())).await;
+                support::send_signal(pid, "-CONT");
+            }
+            Fault::FreezePastLease => {
+                let instance = fastrand::usize(..INSTANCES.len());
+                let Some(probe) = start_probe(addrs, instance, log).await else {
+                    continue;
+                };
+                support::send_signal(pids[instance], "-STOP");
+                let frozen = now_micros();
+                ask_for(addrs, instance, &probe, the_lease);
+                // Until the store gave the lock to the other instance (bounded, should it
+                // not: the checker then says why).
+                let until = tokio::time::Instant::now() + lease(4.0);
+                while tokio::time::Instant::now() < until && !taken_over(log, &probe) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                support::send_signal(pids[instance], "-CONT");
+                done.frozen.push(Frozen {
+                    instance,
+                    began: frozen,
+                    ended: now_micros(),
+                });
+                done.cut_offs.push(CutOff { fault, probe });
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        done.windows.push(Window {
+            fault,
+            began,
+            ended: now_micros(),
+        });
+    }
+    done
+}
+
+/// The faults of `all` that `JEPSEN_FAULTS` names (comma-separated, as in the summary),
+/// or all of them.
+fn chosen(all: &[Fault]) -> Vec<Fault> {
+    let Ok(names) = std::env::var("JEPSEN_FAULTS") else {
+        return all.to_vec();
+    };
+    let names: Vec<&str> = names.split(',').map(str::trim).collect();
+    let chosen: Vec<Fault> = all
+        .iter()
+        .copied()
+        .filter(|f| names.contains(&format!("{f:?}").as_str()))
+        .collect();
+    assert!(!chosen.is_empty(), "JEPSEN_FAULTS names none of {all:?}");
+    chosen
+}
+
+/// The leader, or a follower (`leader` false), if one leads now.
+fn pick(servers: &dyn Servers, leader: bool) -> Option<usize> {
+    let at = servers.leader()?;
+    if leader {
+        return Some(at);
+    }
+    let followers: Vec<usize> = (0..servers.hosts().len()).filter(|&s| s != at).collect();
+    Some(followers[fastrand::usize(..followers.len())])
+}
+
+/// A probe on a random key of the namespace at `instance`, once it holds its lock.
+async fn start_probe(
+    addrs: &[SocketAddr],
+    instance: usize,
+    log: &SharedLog,
+) -> Option<(usize, String, u64)> {
+    let key = KEYS[fastrand::usize(..KEYS.len())];
+    start_probe_on(addrs, instance, NAMESPACES[0], key, log).await
+}
+
+/// Sends the next instance after `instance` an increment of the probe's key that waits
+/// for up to three leases (the successor), in the background.
+fn ask_for(addrs: &[SocketAddr], instance: usize, probe: &(usize, String, u64), lease: Duration) {
+    let (ns, key) = probe.1.split_once('-').expect("ns-key");
+    let next = addrs[(instance + 1) % addrs.len()];
+    let request = support::post_request(next, &format!("/{ns}/next/{key}"));
+    tokio::spawn(async move {
+        let client = support::http_client();
+        let _ = tokio::time::timeout(4 * lease, support::try_send(&client, request)).await;
+    });
+}
+
+/// Whether another instance has held the probe's key after the probe (with a higher
+/// token).
+fn taken_over(log: &SharedLog, probe: &(usize, String, u64)) -> bool {
+    lock(log)
+        .holds
+        .iter()
+        .any(|h| h.key == probe.1 && h.instance != probe.0 && h.token > probe.2)
+}
