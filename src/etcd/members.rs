@@ -14,8 +14,8 @@
 //! exclusive acquisition's next round reads whether its hold was put or re-entered, see
 //! `Settle` in `rw.rs`), as etcd is linearizable.
 //!
-//! A member that does not answer within its share of the command timeout (a quarter of
-//! it, with more than one member) is passed over as down too: a paused member, one cut off
+//! A member that does not answer within its share of the command timeout (with more than
+//! one member, a quarter of it and at most 500 ms) is passed over as down too: a paused member, one cut off
 //! from the network, or a follower holding a call it forwarded to a leader that died; a
 //! write it did not answer fails as above, and later calls start on the next member. And
 //! while they elect a leader (a member says it has none, no other takes the call), the
@@ -72,6 +72,10 @@ pub(crate) struct Members {
     /// How long a call may go round the members.
     command_timeout: Duration,
 }
+
+/// The longest a member of several has to answer a call (see [`Members::share`]): a call
+/// etcd takes answers in milliseconds.
+const MAX_SHARE: Duration = Duration::from_millis(500);
 
 /// The first pause before a call goes round the members again, and the longest.
 const FIRST_PAUSE: Duration = Duration::from_millis(25);
@@ -194,12 +198,12 @@ impl Members {
     }
 
     /// How long one member has to answer a call before it is passed over: the command
-    /// timeout with one member, a quarter of it with more (so that a call can go round
-    /// while an election makes every member hold what it is sent).
+    /// timeout with one member; with more, a quarter of it and at most [`MAX_SHARE`], so
+    /// that a call can go round while an election makes every member hold what it is sent.
     pub(crate) fn share(&self) -> Duration {
         match self.members.len() {
             1 => self.command_timeout,
-            _ => self.command_timeout / 4,
+            _ => (self.command_timeout / 4).min(MAX_SHARE),
         }
     }
 

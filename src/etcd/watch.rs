@@ -126,7 +126,11 @@ impl Listen for Watching {
         Ok((stream, on, moves))
     }
 
-    async fn serve(&mut self, (mut stream, on, mut moves): Self::Connection, proven: &mut bool) -> Lost {
+    async fn serve(
+        &mut self,
+        (mut stream, on, mut moves): Self::Connection,
+        proven: &mut bool,
+    ) -> Lost {
         // Confirmed by etcd as it opened.
         *proven = true;
         let (wakeups, behind) = (&self.wakeups, &self.behind);

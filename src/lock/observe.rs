@@ -97,7 +97,13 @@ impl Observe {
             // A refused key waited for nothing.
             let waited = (outcome != Outcome::InvalidKey).then_some(waited);
             labels.acquisition(outcome, waited);
-            tracing::debug!("lock acquisition finished");
+            match &result {
+                Err(e) => tracing::debug!(
+                    error = e as &(dyn std::error::Error + 'static),
+                    "lock acquisition failed"
+                ),
+                Ok(_) => tracing::debug!("lock acquisition finished"),
+            }
             result
         }
         .instrument(span)

@@ -8,8 +8,8 @@
 use axum::extract::{Path, Request};
 use axum::routing::post;
 use axum::{Extension, Router};
-use tower_lock::redis::{FencedStore, FencedWrite};
 use tokio_util::sync::CancellationToken;
+use tower_lock::redis::{FencedStore, FencedWrite};
 use tower_lock::{HeldLock, LockBackend, LockLayer, RedisBackend, RedisBackendBuilder};
 
 use super::*;
@@ -149,20 +149,17 @@ async fn postgres_backend(url: &str, ns: &str) -> tower_lock::PostgresBackend {
 /// while, so that the terms go round the instances. Each term is reported as a hold.
 async fn lead<B: LockBackend>(backend: B, ctx: Ctx) {
     let leading = ctx.leading.clone();
-    let campaign = backend
-        .leader("jepsen")
-        .lease(lease())
-        .run(|leadership| {
-            let ctx = ctx.clone();
-            async move {
-                // Dropped (reporting the term's end) before the leadership it holds.
-                let mut recorder = Recorder::new(&ctx, "leader", leadership.fencing_token(), false);
-                increment(&ctx, &mut recorder).await;
-                let term = Duration::from_millis(fastrand::u64(200..1500));
-                tokio::time::sleep(term).await;
-                recorder.completed = true;
-            }
-        });
+    let campaign = backend.leader("jepsen").lease(lease()).run(|leadership| {
+        let ctx = ctx.clone();
+        async move {
+            // Dropped (reporting the term's end) before the leadership it holds.
+            let mut recorder = Recorder::new(&ctx, "leader", leadership.fencing_token(), false);
+            increment(&ctx, &mut recorder).await;
+            let term = Duration::from_millis(fastrand::u64(200..1500));
+            tokio::time::sleep(term).await;
+            recorder.completed = true;
+        }
+    });
     tokio::select! {
         result = campaign => {
             if let Err(e) = result {

@@ -69,12 +69,7 @@ async fn cluster_failovers_keep_safe_holds_exclusive_and_count_what_async_replic
     let log: SharedLog = Arc::default();
     let stop_readers = CancellationToken::new();
     let seeds = deployment.seeds();
-    let store = |_| {
-        vec![
-            (TOPOLOGY, "cluster".to_owned()),
-            (STORE_URL, seeds.clone()),
-        ]
-    };
+    let store = |_| vec![(TOPOLOGY, "cluster".to_owned()), (STORE_URL, seeds.clone())];
     let (pids, readers) = spawn_apps(net, db_port, store, &log, &stop_readers).await;
     let addrs = app_addrs(net);
 

@@ -195,19 +195,21 @@ pub(super) async fn load_recorded(
         let key = KEYS[fastrand::usize(..KEYS.len())];
         let request = support::post_request(addr, &format!("/{ns}/rmw/{key}"));
         let sent = now_micros();
-        let outcome =
-            match tokio::time::timeout(Duration::from_secs(12), support::try_send(&client, request))
-                .await
-            {
-                Ok(Ok(reply)) if reply.status == 200 => reply.status.to_string(),
-                // A rejection, with the problem's title.
-                Ok(Ok(reply)) => match serde_json::from_str::<serde_json::Value>(&reply.body) {
-                    Ok(problem) => format!("{} {}", reply.status, problem["title"]),
-                    Err(_) => reply.status.to_string(),
-                },
-                Ok(Err(_)) => "error".to_owned(),
-                Err(_) => "timeout".to_owned(),
-            };
+        let outcome = match tokio::time::timeout(
+            Duration::from_secs(12),
+            support::try_send(&client, request),
+        )
+        .await
+        {
+            Ok(Ok(reply)) if reply.status == 200 => reply.status.to_string(),
+            // A rejection, with the problem's title.
+            Ok(Ok(reply)) => match serde_json::from_str::<serde_json::Value>(&reply.body) {
+                Ok(problem) => format!("{} {}", reply.status, problem["title"]),
+                Err(_) => reply.status.to_string(),
+            },
+            Ok(Err(_)) => "error".to_owned(),
+            Err(_) => "timeout".to_owned(),
+        };
         record(sent, instance, outcome);
     }
 }

@@ -159,7 +159,8 @@ impl Servers for Etcd {
 
     fn logs(&self) -> String {
         let logs = self.cluster.members.iter().enumerate();
-        logs.map(|(i, m)| format!("--- etcd{i}:\n{}", m.log())).collect()
+        logs.map(|(i, m)| format!("--- etcd{i}:\n{}", m.log()))
+            .collect()
     }
 }
 
@@ -213,7 +214,8 @@ pub(super) async fn run_nemesis(
     // Dealt from a shuffled deck of the store's faults, every kind once per deck.
     let mut deck = Vec::new();
     while tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(between(200..800)).await;
+        // Time for the store to settle after the last fault (a new leader's first round).
+        tokio::time::sleep(between(1000..2000)).await;
         let first = done.cut_offs.is_empty();
         if deck.is_empty() {
             deck = chosen(servers.faults());
@@ -239,20 +241,25 @@ pub(super) async fn run_nemesis(
                     continue;
                 };
                 let pids = servers.pids(server);
-                pids.iter().for_each(|&pid| support::send_signal(pid, "-STOP"));
+                pids.iter()
+                    .for_each(|&pid| support::send_signal(pid, "-STOP"));
                 tokio::time::sleep(between(1500..3000)).await;
-                pids.iter().for_each(|&pid| support::send_signal(pid, "-CONT"));
+                pids.iter()
+                    .for_each(|&pid| support::send_signal(pid, "-CONT"));
             }
             Fault::IsolateLeader => {
                 let Some(server) = servers.leader() else {
                     continue;
                 };
                 let hosts = servers.hosts().to_vec();
-                let (leader, others) = (hosts[server], hosts.iter().filter(|h| **h != hosts[server]));
+                let (leader, others) =
+                    (hosts[server], hosts.iter().filter(|h| **h != hosts[server]));
                 let others: Vec<&str> = others.copied().collect();
                 others.iter().for_each(|other| net.blackhole(leader, other));
                 tokio::time::sleep(between(2000..4000)).await;
-                others.iter().for_each(|other| net.unblackhole(leader, other));
+                others
+                    .iter()
+                    .for_each(|other| net.unblackhole(leader, other));
             }
             Fault::CutInstance => {
                 let instance = fastrand::usize(..INSTANCES.len());
@@ -263,9 +270,15 @@ pub(super) async fn run_nemesis(
                 let hosts = servers.hosts().to_vec();
                 hosts.iter().for_each(|server| net.blackhole(host, server));
                 ask_for(addrs, instance, &probe, the_lease);
-                let cut_for = lease(if first { 2.0 } else { 0.5 + 1.5 * fastrand::f64() });
+                let cut_for = lease(if first {
+                    2.0
+                } else {
+                    0.5 + 1.5 * fastrand::f64()
+                });
                 tokio::time::sleep(cut_for).await;
-                hosts.iter().for_each(|server| net.unblackhole(host, server));
+                hosts
+                    .iter()
+                    .for_each(|server| net.unblackhole(host, server));
                 done.cut_offs.push(CutOff { fault, probe });
                 // The probe's end, before the next fault.
                 tokio::time::sleep(probe_hold.saturating_sub(cut_for)).await;

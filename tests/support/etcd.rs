@@ -236,8 +236,8 @@ impl EtcdMember {
     }
 
     pub fn metric(&self, name: &str, labels: &[&str]) -> f64 {
-        let body = http_get(self.reach(), self.health_port(), "/metrics")
-            .expect("etcd serves /metrics");
+        let body =
+            http_get(self.reach(), self.health_port(), "/metrics").expect("etcd serves /metrics");
         body.lines()
             .filter(|l| !l.starts_with('#'))
             .filter(|l| {

@@ -157,7 +157,10 @@ impl Net {
             self.lan.push((*host).to_owned());
             let ns = self.ns(host);
             let add = ["link", "add", &port, "type", "veth", "peer", "name", "lan"];
-            ip(&in_ns(Some(&switch), &[&add[..], &["netns", ns.as_str()]].concat()));
+            ip(&in_ns(
+                Some(&switch),
+                &[&add[..], &["netns", ns.as_str()]].concat(),
+            ));
             ip(&["-n", &switch, "link", "set", &port, "master", "br0", "up"]);
             let addr = format!("{}/24", self.lan_ip(host));
             ip(&["-n", &ns, "addr", "add", &addr, "dev", "lan"]);
@@ -169,7 +172,12 @@ impl Net {
     pub fn lan_ip(&self, host: &str) -> Ipv4Addr {
         let at = self.lan.iter().position(|h| h == host);
         let at = at.unwrap_or_else(|| panic!("{host} is not on the switch"));
-        Ipv4Addr::new(10, self.octet, 255, u8::try_from(at + 1).expect("254 hosts"))
+        Ipv4Addr::new(
+            10,
+            self.octet,
+            255,
+            u8::try_from(at + 1).expect("254 hosts"),
+        )
     }
 
     /// Drops every packet that `a` and `b` send each other on the switch (a route to a
