@@ -92,7 +92,7 @@ pub(crate) struct Core<S: Store> {
     /// The `namespace` label of the backend's metrics.
     pub(crate) metrics: Namespace,
     pub(crate) runtime: Spawner,
-    shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
 }
 
 /// What a store's builder made before the core: parts the store's own tasks share.

@@ -1,9 +1,11 @@
 //! An app instance of the nemesis test, run as a child process in its own network
-//! namespace: an axum app with the lock layer on two backends (with and without the
-//! delayed-restart guard; on Sentinel, with and without `sync_replicas` too, see
-//! `sentinel_backend`), a read-modify-write handler with fenced writes, and a probe
-//! that holds its lock long enough to be cut off. Every hold is reported when its handler
-//! stops, whether it returned or was dropped because the lock was lost.
+//! namespace: an axum app with the lock layer on a backend per lock namespace (on Redis,
+//! with and without the delayed-restart guard; on Sentinel, with and without
+//! `sync_replicas` too, see `sentinel_backend`; on another store, one), a
+//! read-modify-write handler with fenced writes, a probe that holds its lock long enough
+//! to be cut off, and the successor's increment that waits for the probe's lock. Every
+//! hold is reported when its handler stops, whether it returned or was dropped because the
+//! lock was lost; with `JEPSEN_LEADERS`, so is every term of the instance's leadership.
 
 use axum::extract::{Path, Request};
 use axum::routing::post;
@@ -33,10 +35,10 @@ struct Ctx {
 }
 
 async fn app() {
-    // The instance's WARN lines (a store server down, a lock lost) on stderr, which the
-    // test shows; `JEPSEN_LOG` sets another filter.
+    // The instance's log on stderr, which the test shows, with the filter `JEPSEN_LOG`
+    // sets (`warn`: a store server down, a lock lost); none without it.
     let filter = tracing_subscriber::EnvFilter::try_from_env("JEPSEN_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

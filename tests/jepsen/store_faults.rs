@@ -30,6 +30,9 @@ pub(super) enum Fault {
     /// An instance frozen while it holds a probe, until another instance holds the probe's
     /// lock (the store freed it): fencing's case, its write must be refused.
     FreezePastLease,
+    /// The instances' wake connections (PostgreSQL's `LISTEN`) ended by the server while
+    /// their pools stay.
+    CutWake,
 }
 
 impl Fault {
@@ -53,6 +56,16 @@ pub(super) const CLUSTER_FAULTS: [Fault; 7] = [
     Fault::CutInstance,
     Fault::Freeze,
     Fault::FreezePastLease,
+];
+
+/// The faults of a store of one server.
+pub(super) const SERVER_FAULTS: [Fault; 6] = [
+    Fault::KillLeader,
+    Fault::PauseLeader,
+    Fault::CutInstance,
+    Fault::Freeze,
+    Fault::FreezePastLease,
+    Fault::CutWake,
 ];
 
 /// The servers of one store, each on a host of its own.
@@ -85,6 +98,73 @@ pub(super) trait Servers {
     }
     /// What the servers logged (printed when `JEPSEN_SERVER_LOGS` is set).
     fn logs(&self) -> String;
+    /// Ends the instances' wake connections (for [`Fault::CutWake`]); how many.
+    fn cut_wake(&self) -> usize {
+        0
+    }
+}
+
+/// A PostgreSQL server.
+pub(super) struct Postgres {
+    server: support::postgres::PostgresServer,
+}
+
+impl Postgres {
+    pub(super) const HOSTS: [&'static str; 1] = ["pg"];
+
+    pub(super) fn start(net: &Net) -> Self {
+        let host = Self::HOSTS[0];
+        let (netns, lan, uplink) = (net.ns(host), net.lan_ip(host), net.host_ip(host));
+        Postgres {
+            server: support::postgres::PostgresServer::start_in(netns, lan, uplink),
+        }
+    }
+}
+
+impl Servers for Postgres {
+    fn store(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn hosts(&self) -> &[&'static str] {
+        &Self::HOSTS
+    }
+
+    fn url(&self) -> String {
+        self.server.lan_url()
+    }
+
+    fn leader(&self) -> Option<usize> {
+        Some(0)
+    }
+
+    fn kill(&mut self, _: usize) {
+        self.server.kill();
+    }
+
+    fn start_again(&mut self, _: usize) {
+        self.server.start_again();
+    }
+
+    fn pids(&self, _: usize) -> Vec<u32> {
+        self.server.pids()
+    }
+
+    fn faults(&self) -> &'static [Fault] {
+        &SERVER_FAULTS
+    }
+
+    fn logs(&self) -> String {
+        format!("--- postgres:\n{}", self.server.log())
+    }
+
+    fn cut_wake(&self) -> usize {
+        let ended = tokio::task::block_in_place(|| {
+            let terminate = self.server.terminate("tower-lock listener");
+            tokio::runtime::Handle::current().block_on(terminate)
+        });
+        usize::try_from(ended).unwrap_or(0)
+    }
 }
 
 /// An etcd cluster of three members.
@@ -282,6 +362,10 @@ pub(super) async fn run_nemesis(
                 done.cut_offs.push(CutOff { fault, probe });
                 // The probe's end, before the next fault.
                 tokio::time::sleep(probe_hold.saturating_sub(cut_for)).await;
+            }
+            Fault::CutWake => {
+                servers.cut_wake();
+                tokio::time::sleep(between(500..1500)).await;
             }
             Fault::Freeze => {
                 let pid = pids[fastrand::usize(..pids.len())];

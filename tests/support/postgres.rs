@@ -34,8 +34,19 @@ pub struct PostgresServer {
     settings: Vec<String>,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
+    /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
+    host: Option<Host>,
     // Removed after the server is stopped (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
+}
+
+/// Where a server on a host of its own (`netns.rs`) runs and is reached.
+struct Host {
+    netns: String,
+    /// Its address on the hosts' switch, where clients on other hosts dial it.
+    lan: std::net::Ipv4Addr,
+    /// Its address on its uplink: where the test reaches it.
+    uplink: std::net::Ipv4Addr,
 }
 
 impl PostgresServer {
@@ -77,6 +88,7 @@ impl PostgresServer {
             user,
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             reaper: None,
+            host: None,
             dir,
         };
         server.start_on_a_free_port()
@@ -110,6 +122,7 @@ impl PostgresServer {
             user: self.user,
             settings: Vec::new(),
             reaper: None,
+            host: None,
             dir,
         };
         replica
@@ -145,24 +158,40 @@ impl PostgresServer {
             .open(self.dir.path().join("postgres.log"))
             .map_err(|e| format!("postgres log: {e}"))?;
         let stderr = log.try_clone().map_err(|e| format!("postgres log: {e}"))?;
-        let child = run_as(
-            Command::new(bin.join("postgres"))
-                .arg("-D")
-                .arg(self.dir.path().join("data"))
-                .args(["-p", &port.to_string()])
-                .arg("-k")
-                .arg(self.dir.path())
-                .args(["-c", "listen_addresses=127.0.0.1"])
-                // Throwaway data: nothing needs to survive a crash.
-                .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
-                .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()])),
-            user,
-        )
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("could not run {}: {e}", bin.join("postgres").display()))?;
+        let mut command = match &self.host {
+            // `ip netns exec` and `setpriv` exec what follows: the pid is the postmaster's.
+            Some(host) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", &host.netns]);
+                if let Some((uid, gid)) = user {
+                    command.args(["setpriv", "--reuid", &uid.to_string()]);
+                    command.args(["--regid", &gid.to_string(), "--clear-groups"]);
+                }
+                command.arg(bin.join("postgres"));
+                command.args(["-c", "listen_addresses=*"]);
+                command
+            }
+            None => {
+                let mut command = Command::new(bin.join("postgres"));
+                command.args(["-c", "listen_addresses=127.0.0.1"]);
+                run_as(&mut command, user);
+                command
+            }
+        };
+        let child = command
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-p", &port.to_string()])
+            .arg("-k")
+            .arg(self.dir.path())
+            // Throwaway data: nothing needs to survive a crash.
+            .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("could not run {}: {e}", bin.join("postgres").display()))?;
         self.port = port;
         self.child = Some(child);
         self.wait_until_ready()
@@ -242,9 +271,68 @@ impl PostgresServer {
         self.port
     }
 
-    /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication).
+    /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication), at the
+    /// server's uplink address for one on a host of its own.
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        let ip = self
+            .host
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.uplink);
+        format!("postgres://postgres@{ip}:{}/postgres", self.port)
+    }
+
+    /// Where clients on other hosts reach a server on a host of its own
+    /// ([`start_in`](Self::start_in)).
+    pub fn lan_url(&self) -> String {
+        let ip = self
+            .host
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
+        format!("postgres://postgres@{ip}:{}/postgres", self.port)
+    }
+
+    /// A server in the network namespace `netns` (a host of `netns.rs`), listening on
+    /// every address of its host and taking every client without a password: clients on
+    /// other hosts dial it at `lan`, the test at `uplink`.
+    pub fn start_in(netns: String, lan: std::net::Ipv4Addr, uplink: std::net::Ipv4Addr) -> Self {
+        let mut server = Self::try_start().unwrap_or_else(|e| panic!("{e}"));
+        server.stop();
+        let hba = server.dir.path().join("data").join("pg_hba.conf");
+        let mut rules = std::fs::read_to_string(&hba).expect("pg_hba.conf");
+        rules.push_str("host all all 0.0.0.0/0 trust\n");
+        std::fs::write(&hba, rules).expect("pg_hba.conf");
+        server.host = Some(Host { netns, lan, uplink });
+        server.start_again();
+        server
+    }
+
+    /// `kill -9` of the postmaster and of every backend it started (as a crash of the
+    /// machine would end them); returns once they are gone.
+    pub fn kill(&mut self) {
+        let pids = self.pids();
+        for pid in pids.iter().skip(1) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The postmaster's pid and its backends', while it runs (to pause them all).
+    pub fn pids(&self) -> Vec<u32> {
+        let Some(postmaster) = self.child.as_ref().map(Child::id) else {
+            return Vec::new();
+        };
+        let children = Command::new("pgrep")
+            .args(["-P", &postmaster.to_string()])
+            .output()
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+            .unwrap_or_default();
+        let children = children.lines().filter_map(|l| l.trim().parse().ok());
+        std::iter::once(postmaster).chain(children).collect()
     }
 }
 

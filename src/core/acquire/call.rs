@@ -123,7 +123,9 @@ impl<S: Store> Unclaimed<S> {
         match (reply, sent) {
             // Acquired (or re-entered) for an attempt that is gone: release that one hold.
             (Ok(Attempted::Acquired { token, .. }), _) => {
-                let _ = self.hold(Some(token)).release_retrying(self.lease).await;
+                let mut hold = self.hold(Some(token));
+                let retry_for = hold.retry_for();
+                let _ = hold.release_retrying(retry_for).await;
             }
             (Err(e), Some(sent)) if e.may_have_run() => self.undo(sent).await,
             _ => {}

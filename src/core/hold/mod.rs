@@ -16,10 +16,14 @@ use tokio::time::{Instant, sleep, timeout};
 use super::hold::handoff::{Granted, Run};
 use super::kit::backoff::Backoff;
 use super::queue::{Claim, Reentry, Slot};
-use super::store::{Answers, Calls, Failure, Release, Released, StoreKey};
+use super::store::{Answers, Calls, Failure, LostHolds, Release, Released, StoreKey};
 use super::{Core, Store};
 use crate::error::LockError;
 use crate::lock::{Kind, LockOwner};
+
+/// How long a release is retried "until the backend shuts down" (see
+/// [`Hold::retry_for`]): the shutdown ends it first.
+const UNTIL_SHUTDOWN: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// One hold of one lock, and everything needed to give it back.
 pub(super) struct Hold<S: Store> {
@@ -132,18 +136,31 @@ impl<S: Store> Hold<S> {
         ) {
             return;
         }
-        let retry_for = self.lease;
+        let retry_for = self.retry_for();
         let _ = self.release_retrying(retry_for).await;
     }
 
+    /// How long a release given up by its caller is retried: a lease, after which the
+    /// store frees the lock by itself, or, for a hold that outlives its lease there
+    /// ([`LostHolds::MayRemain`]), until the backend shuts down.
+    pub(in crate::core) fn retry_for(&self) -> Duration {
+        match self.core.capabilities.lost_holds {
+            LostHolds::Gone => self.lease,
+            LostHolds::MayRemain => UNTIL_SHUTDOWN,
+        }
+    }
+
     /// Releases in a spawned task, retrying for up to a lease: after that the store has
-    /// freed the lock by itself.
+    /// freed the lock by itself. A hold that outlives its lease in the store (one of the
+    /// keys of an etcd lease or ZooKeeper session that lives on for the backend's other
+    /// holds) is tried until it is released or the backend shuts down: given up, it would
+    /// keep its lock as long as the backend.
     pub(super) fn finish_in_background(mut self) {
         let runtime = self.core.runtime.clone();
         let at_once = self.core.capabilities.answers == Answers::AtOnce;
         let mut finishing = Box::pin(async move {
-            let lease = self.lease;
-            match self.release_retrying(lease).await {
+            let retry_for = self.retry_for();
+            match self.release_retrying(retry_for).await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => {
                     let key = self.key.user();
@@ -215,6 +232,7 @@ impl<S: Store> Hold<S> {
             tokio::select! {
                 _ = sleep(backoff.next()) => {}
                 _ = takeovers.next() => {}
+                () = core.shutdown.cancelled() => return Err(error),
             }
         }
     }
