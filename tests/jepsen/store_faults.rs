@@ -15,12 +15,14 @@ pub(super) enum Fault {
     /// on its data after 0.5-2 s.
     KillLeader,
     /// A follower killed and started again the same way.
+    #[cfg_attr(not(feature = "etcd"), expect(dead_code, reason = "etcd's faults"))]
     KillFollower,
     /// The leader (the server) paused with `SIGSTOP` for 1.5-3 s: past etcd's election
     /// timeout (1 s) and ZooKeeper's tick-based one.
     PauseLeader,
     /// The leader cut off from the other servers (blackhole routes both ways) for 2-4 s,
     /// while the instances still reach it.
+    #[cfg_attr(not(feature = "etcd"), expect(dead_code, reason = "etcd's faults"))]
     IsolateLeader,
     /// An instance cut off from every server for 0.5-2 leases (the first fault: 2) while
     /// it holds a probe, and another instance asking for the probe's lock meanwhile.
@@ -48,6 +50,7 @@ impl Fault {
 }
 
 /// The faults of a store of three (or five) servers.
+#[cfg(feature = "etcd")]
 pub(super) const CLUSTER_FAULTS: [Fault; 7] = [
     Fault::KillLeader,
     Fault::KillFollower,
