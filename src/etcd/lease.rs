@@ -27,7 +27,7 @@ use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
 use super::error::EtcdError;
-use super::members::Members;
+use super::members::{Members, no_answer};
 use crate::core::watchdog::recheck::Recheck;
 
 /// The current lease and what etcd last confirmed of it.
@@ -131,19 +131,18 @@ impl Lease {
         // that fails or does not answer by then is dropped (its member passed over) and a
         // new one opened on the next member, so that a member paused or cut off does not
         // keep the lease unconfirmed past its lapse.
+        let share = self.members.share();
         let renewed = match slot.take().filter(|s| s.id == id) {
-            Some(mut stream) => match timeout(self.members.share(), renew(&mut stream)).await {
-                Ok(Ok(ttl)) => Some((stream, ttl)),
-                Ok(Err(e)) => {
-                    self.members.pass_over(stream.member, &e);
-                    None
+            Some(mut stream) => {
+                let renewal = timeout(share, renew(&mut stream)).await;
+                match renewal.unwrap_or_else(|_| Err(no_answer(share))) {
+                    Ok(ttl) => Some((stream, ttl)),
+                    Err(e) => {
+                        self.members.pass_over(stream.member, &e);
+                        None
+                    }
                 }
-                Err(_) => {
-                    let e = super::members::no_answer(self.members.share());
-                    self.members.pass_over(stream.member, &e);
-                    None
-                }
-            },
+            }
             None => None,
         };
         let ttl = match renewed {
@@ -251,7 +250,6 @@ pub(crate) async fn keep_alive_until_shutdown(
     }
 }
 
-/// etcd's seconds as a duration (a lease's TTL is never negative when granted).
 /// One keep-alive on an open stream: the TTL its answer gives.
 async fn renew(stream: &mut Stream) -> Result<i64, etcd_client::Error> {
     stream.keeper.keep_alive().await?;
@@ -261,6 +259,7 @@ async fn renew(stream: &mut Stream) -> Result<i64, etcd_client::Error> {
     Ok(answer.ttl())
 }
 
+/// etcd's seconds as a duration (a lease's TTL is never negative when granted).
 fn secs(ttl: i64) -> Duration {
     Duration::from_secs(u64::try_from(ttl).unwrap_or(0))
 }

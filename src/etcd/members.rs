@@ -26,7 +26,7 @@
 //! and one INFO line when it answers again; calls meanwhile go to the others, silently.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -61,10 +61,9 @@ struct Member {
 /// The cluster's members (see the module docs).
 pub(crate) struct Members {
     members: Vec<Member>,
-    /// The member calls go to first: the last one that took a call.
-    current: AtomicUsize,
-    /// Told each time calls move to another member (see [`moves`](Members::moves)).
-    moved: tokio::sync::watch::Sender<usize>,
+    /// The member calls go to first: the last one that took a call. Its watchers are told
+    /// each time calls move to another member (see [`moves`](Members::moves)).
+    current: tokio::sync::watch::Sender<usize>,
     /// The highest revision a transaction's answer carried: whatever a later write puts
     /// gets a higher one.
     seen: AtomicI64,
@@ -86,7 +85,7 @@ impl std::fmt::Debug for Members {
         let endpoints: Vec<&str> = self.members.iter().map(|m| &*m.endpoint).collect();
         f.debug_struct("Members")
             .field("endpoints", &endpoints)
-            .field("current", &self.current.load(Ordering::Relaxed))
+            .field("current", &*self.current.borrow())
             .finish_non_exhaustive()
     }
 }
@@ -109,8 +108,7 @@ impl Members {
             .collect();
         Members {
             members,
-            current: AtomicUsize::new(0),
-            moved: tokio::sync::watch::Sender::new(0),
+            current: tokio::sync::watch::Sender::new(0),
             seen: AtomicI64::new(0),
             options,
             command_timeout,
@@ -145,7 +143,7 @@ impl Members {
         let share = self.share();
         let mut pause = FIRST_PAUSE;
         loop {
-            let first = self.current.load(Ordering::Relaxed);
+            let first = *self.current.borrow();
             let (mut last, mut electing) = (None, false);
             for step in 0..self.members.len() {
                 let at = (first + step) % self.members.len();
@@ -168,8 +166,7 @@ impl Members {
                     Err(e) if unanswered(&e) => {
                         // A write that may have run: the caller settles it, and later
                         // calls start on the next member.
-                        self.down(member, &e);
-                        self.move_to((at + 1) % self.members.len());
+                        self.pass_over(at, &e);
                         return Err(e);
                     }
                     answer => {
@@ -207,20 +204,24 @@ impl Members {
         }
     }
 
-    /// Passes over member `at`, which failed `e` on a stream of its own (a lease's
-    /// keep-alive): it is down, and later calls start on the next member.
+    /// Passes over member `at`, which left a write unanswered or failed a stream of its
+    /// own (a lease's keep-alive): it is down, and later calls start on the next member
+    /// (unless another call moved them meanwhile).
     pub(crate) fn pass_over(&self, at: usize, e: &ClientError) {
         self.down(&self.members[at], e);
         let next = (at + 1) % self.members.len();
-        if self.current.load(Ordering::Relaxed) == at {
-            self.move_to(next);
-        }
+        self.current.send_if_modified(|current| {
+            let moved = *current == at && next != at;
+            if moved {
+                *current = next;
+            }
+            moved
+        });
     }
 
     /// Later calls start on member `at`.
     fn move_to(&self, at: usize) {
-        self.current.store(at, Ordering::Relaxed);
-        self.moved.send_if_modified(|current| {
+        self.current.send_if_modified(|current| {
             let moved = *current != at;
             *current = at;
             moved
@@ -231,7 +232,7 @@ impl Members {
     /// on a member that calls have left (the watch) moves with them, as that member failed
     /// a call or went unanswered.
     pub(crate) fn moves(&self) -> tokio::sync::watch::Receiver<usize> {
-        self.moved.subscribe()
+        self.current.subscribe()
     }
 
     /// Says once that `member` is down, with why.

@@ -149,15 +149,7 @@ async fn nemesis_workload_keeps_holds_exclusive_and_stops_cut_off_holders_before
             ms(min_event),
         );
     }
-    for v in &violations {
-        println!("  VIOLATION: {v}");
-    }
-
-    assert!(
-        violations.is_empty(),
-        "{} checker violations",
-        violations.len()
-    );
+    history::assert_none(&violations);
     for m in &margins {
         assert!(
             m.margin >= 0,

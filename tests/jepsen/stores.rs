@@ -220,15 +220,7 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
     for v in &allowed {
         println!("  allowed by fencing (a frozen holder's): {}", v.rule);
     }
-    for v in &violations {
-        println!("  VIOLATION: {v}");
-    }
-
-    assert!(
-        violations.is_empty(),
-        "{} checker violations",
-        violations.len()
-    );
+    history::assert_none(&violations);
     for margin in &margins {
         assert!(
             *margin >= 0,

@@ -104,6 +104,18 @@ impl fmt::Display for Violation {
     }
 }
 
+/// Prints every violation found, then fails the test if there was one.
+pub fn assert_none(violations: &[Violation]) {
+    for v in violations {
+        println!("  VIOLATION: {v}");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} checker violations",
+        violations.len()
+    );
+}
+
 /// Checks every key's holds and register; returns every violation found.
 pub fn check(holds: &[Hold], registers: &Registers) -> Vec<Violation> {
     let mut by_key: BTreeMap<&str, Vec<&Hold>> = BTreeMap::new();

@@ -274,20 +274,21 @@ impl PostgresServer {
     /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication), at the
     /// server's uplink address for one on a host of its own.
     pub fn url(&self) -> String {
-        let ip = self
-            .host
-            .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.uplink);
-        format!("postgres://postgres@{ip}:{}/postgres", self.port)
+        self.url_at(|h| h.uplink)
     }
 
     /// Where clients on other hosts reach a server on a host of its own
     /// ([`start_in`](Self::start_in)).
     pub fn lan_url(&self) -> String {
+        self.url_at(|h| h.lan)
+    }
+
+    /// The URL at `address` of the server's host (loopback for one on the test's own).
+    fn url_at(&self, address: impl Fn(&Host) -> std::net::Ipv4Addr) -> String {
         let ip = self
             .host
             .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
+            .map_or(std::net::Ipv4Addr::LOCALHOST, address);
         format!("postgres://postgres@{ip}:{}/postgres", self.port)
     }
 

@@ -123,9 +123,7 @@ impl<S: Store> Unclaimed<S> {
         match (reply, sent) {
             // Acquired (or re-entered) for an attempt that is gone: release that one hold.
             (Ok(Attempted::Acquired { token, .. }), _) => {
-                let mut hold = self.hold(Some(token));
-                let retry_for = hold.retry_for();
-                let _ = hold.release_retrying(retry_for).await;
+                let _ = self.hold(Some(token)).release_left_over().await;
             }
             (Err(e), Some(sent)) if e.may_have_run() => self.undo(sent).await,
             _ => {}

@@ -22,7 +22,7 @@ use crate::error::LockError;
 use crate::lock::{Kind, LockOwner};
 
 /// How long a release is retried "until the backend shuts down" (see
-/// [`Hold::retry_for`]): the shutdown ends it first.
+/// [`Hold::release_left_over`]): the shutdown ends it first.
 const UNTIL_SHUTDOWN: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// One hold of one lock, and everything needed to give it back.
@@ -136,18 +136,19 @@ impl<S: Store> Hold<S> {
         ) {
             return;
         }
-        let retry_for = self.retry_for();
-        let _ = self.release_retrying(retry_for).await;
+        let _ = self.release_left_over().await;
     }
 
-    /// How long a release given up by its caller is retried: a lease, after which the
-    /// store frees the lock by itself, or, for a hold that outlives its lease there
-    /// ([`LostHolds::MayRemain`]), until the backend shuts down.
-    pub(in crate::core) fn retry_for(&self) -> Duration {
-        match self.core.capabilities.lost_holds {
+    /// Releases a hold that its caller left (a guard dropped, an acquisition nobody
+    /// claimed), retrying for a lease, after which the store frees the lock by itself,
+    /// or, for a hold that outlives its lease there ([`LostHolds::MayRemain`]), until the
+    /// backend shuts down.
+    pub(in crate::core) async fn release_left_over(&mut self) -> Result<(), LockError> {
+        let retry_for = match self.core.capabilities.lost_holds {
             LostHolds::Gone => self.lease,
             LostHolds::MayRemain => UNTIL_SHUTDOWN,
-        }
+        };
+        self.release_retrying(retry_for).await
     }
 
     /// Releases in a spawned task, retrying for up to a lease: after that the store has
@@ -159,8 +160,7 @@ impl<S: Store> Hold<S> {
         let runtime = self.core.runtime.clone();
         let at_once = self.core.capabilities.answers == Answers::AtOnce;
         let mut finishing = Box::pin(async move {
-            let retry_for = self.retry_for();
-            match self.release_retrying(retry_for).await {
+            match self.release_left_over().await {
                 Ok(()) | Err(LockError::Lost { .. }) => {}
                 Err(error) => {
                     let key = self.key.user();
