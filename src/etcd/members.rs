@@ -18,9 +18,10 @@
 //! one member, a quarter of it and at most 500 ms) is passed over as down too: a paused member, one cut off
 //! from the network, or a follower holding a call it forwarded to a leader that died; a
 //! write it did not answer fails as above, and later calls start on the next member. And
-//! while they elect a leader (a member says it has none, no other takes the call), the
-//! call goes round the members again, after a pause of 25 ms doubling up to 250 ms, until
-//! the command timeout: an election takes about a second with etcd's defaults.
+//! while they elect a leader (a member says it has none or holds the call past its share,
+//! and no other takes it), the call goes round the members again, after a pause of 25 ms
+//! doubling up to 250 ms, until the command timeout: an election takes about a second
+//! with etcd's defaults. A call that every member refused to connect fails at once.
 //!
 //! An operator reads one WARN line when a member is found down, naming it and the cause,
 //! and one INFO line when it answers again; calls meanwhile go to the others, silently.
@@ -160,7 +161,9 @@ impl Members {
                 match answer {
                     Err(e) if not_taken(&e) || (moves == Moves::IfUnanswered && unanswered(&e)) => {
                         self.down(member, &e);
-                        electing |= no_leader(&e);
+                        // A member with no leader says so, or holds the call until one is
+                        // elected (past its share).
+                        electing |= no_leader(&e) || unanswered(&e);
                         last = Some(e);
                     }
                     Err(e) if unanswered(&e) => {
@@ -184,8 +187,9 @@ impl Members {
             }
             let last =
                 last.unwrap_or_else(|| ClientError::InvalidArgs("no etcd endpoint".to_owned()));
-            // None could take the call: while they elect a leader, round again after a
-            // pause, as long as time is left.
+            // None could take the call: while they elect a leader (one said so, or held
+            // it), round again after a pause, as long as time is left. Members that all
+            // refused to connect are down: the call fails at once.
             if !electing || Instant::now() + pause >= deadline {
                 return Err(last);
             }

@@ -153,12 +153,19 @@ async fn ten_thousand_held_keys_are_listed_in_pages<B: LockBackend>(b: [B; 3]) {
         .await
         .expect("take every key");
     let (free, held): (Vec<_>, Vec<_>) = taken.into_iter().partition(|(n, _)| *n >= MANY);
-    stream::iter(free)
+    // Given back; a hold lost meanwhile (its renewal late on a busy machine) is free too.
+    let released: Vec<Result<(), LockError>> = stream::iter(free)
         .map(|(_, guard)| guard.release())
         .buffer_unordered(16)
-        .try_collect::<Vec<_>>()
-        .await
-        .expect("release the free ones");
+        .collect()
+        .await;
+    for r in released {
+        if let Err(e) = r
+            && !matches!(e, LockError::Lost { .. })
+        {
+            panic!("release the free ones: {e}");
+        }
+    }
 
     let listed = b[1].list_held("bulk:").await.expect("list");
     let mut counted: BTreeMap<&str, usize> = BTreeMap::new();

@@ -66,6 +66,8 @@ async fn app() {
             #[cfg(feature = "etcd")]
             "etcd" => routes(etcd_backend(&url, ns).await, ctx),
             "postgres" => routes(postgres_backend(&url, ns).await, ctx),
+            "mysql" => routes(mysql_backend(&url, ns).await, ctx),
+            "zookeeper" => routes(zookeeper_backend(&url, ns).await, ctx),
             _ => routes(redis_backend(&topology, &url, ns).await, ctx),
         });
     }
@@ -144,6 +146,29 @@ async fn postgres_backend(url: &str, ns: &str) -> tower_lock::PostgresBackend {
         .build()
         .await
         .expect("postgres backend")
+}
+
+/// A MySQL/MariaDB backend on the server at `url`, in `ns`.
+async fn mysql_backend(url: &str, ns: &str) -> tower_lock::MySqlBackend {
+    tower_lock::MySqlBackend::builder(url)
+        .namespace(namespace(ns))
+        .migrate()
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("mysql backend")
+}
+
+/// A ZooKeeper backend on the servers at `hosts` (a connection string), in `ns`, with
+/// sessions of the lease.
+async fn zookeeper_backend(hosts: &str, ns: &str) -> tower_lock::ZooKeeperBackend {
+    tower_lock::ZooKeeperBackend::builder(hosts)
+        .namespace(namespace(ns))
+        .session_timeout(lease())
+        .build()
+        .await
+        .expect("zookeeper backend")
 }
 
 /// Campaigns for the leadership of the namespace until the instance ends: each term makes

@@ -15,14 +15,12 @@ pub(super) enum Fault {
     /// on its data after 0.5-2 s.
     KillLeader,
     /// A follower killed and started again the same way.
-    #[cfg_attr(not(feature = "etcd"), expect(dead_code, reason = "etcd's faults"))]
     KillFollower,
     /// The leader (the server) paused with `SIGSTOP` for 1.5-3 s: past etcd's election
     /// timeout (1 s) and ZooKeeper's tick-based one.
     PauseLeader,
     /// The leader cut off from the other servers (blackhole routes both ways) for 2-4 s,
     /// while the instances still reach it.
-    #[cfg_attr(not(feature = "etcd"), expect(dead_code, reason = "etcd's faults"))]
     IsolateLeader,
     /// An instance cut off from every server for 0.5-2 leases (the first fault: 2) while
     /// it holds a probe, and another instance asking for the probe's lock meanwhile.
@@ -32,8 +30,8 @@ pub(super) enum Fault {
     /// An instance frozen while it holds a probe, until another instance holds the probe's
     /// lock (the store freed it): fencing's case, its write must be refused.
     FreezePastLease,
-    /// The instances' wake connections (PostgreSQL's `LISTEN`) ended by the server while
-    /// their pools stay.
+    /// The instances' wake connections (PostgreSQL's `LISTEN`, MySQL's parked connection)
+    /// ended by the server while their pools stay.
     CutWake,
 }
 
@@ -50,7 +48,6 @@ impl Fault {
 }
 
 /// The faults of a store of three (or five) servers.
-#[cfg(feature = "etcd")]
 pub(super) const CLUSTER_FAULTS: [Fault; 7] = [
     Fault::KillLeader,
     Fault::KillFollower,
@@ -80,15 +77,23 @@ pub(super) trait Servers {
     /// The URL the instances are given: the servers on the switch.
     fn url(&self) -> String;
     /// The server that leads now, if one does (the only server of a store of one).
-    fn leader(&self) -> Option<usize>;
+    fn leader(&self) -> Option<usize> {
+        (self.hosts().len() == 1).then_some(0)
+    }
     /// `kill -9`; returns once it is gone.
     fn kill(&mut self, server: usize);
     /// Starts a killed server again on its data; returns once it serves.
     fn start_again(&mut self, server: usize);
     /// The processes that pausing `server` stops.
     fn pids(&self, server: usize) -> Vec<u32>;
-    /// The faults drawn from.
-    fn faults(&self) -> &'static [Fault];
+    /// The faults drawn from: a store of one server's, or of several.
+    fn faults(&self) -> &'static [Fault] {
+        if self.hosts().len() == 1 {
+            &SERVER_FAULTS
+        } else {
+            &CLUSTER_FAULTS
+        }
+    }
     /// The instances' lease on this store: [`LEASE`] unless the store needs a longer one
     /// to outlive the faults it survives.
     fn lease(&self) -> Duration {
@@ -116,10 +121,8 @@ impl Postgres {
     pub(super) const HOSTS: [&'static str; 1] = ["pg"];
 
     pub(super) fn start(net: &Net) -> Self {
-        let host = Self::HOSTS[0];
-        let (netns, lan, uplink) = (net.ns(host), net.lan_ip(host), net.host_ip(host));
         Postgres {
-            server: support::postgres::PostgresServer::start_in(netns, lan, uplink),
+            server: support::postgres::PostgresServer::start_in(net.server_host(Self::HOSTS[0])),
         }
     }
 }
@@ -137,10 +140,6 @@ impl Servers for Postgres {
         self.server.lan_url()
     }
 
-    fn leader(&self) -> Option<usize> {
-        Some(0)
-    }
-
     fn kill(&mut self, _: usize) {
         self.server.kill();
     }
@@ -153,10 +152,6 @@ impl Servers for Postgres {
         self.server.pids()
     }
 
-    fn faults(&self) -> &'static [Fault] {
-        &SERVER_FAULTS
-    }
-
     fn logs(&self) -> String {
         format!("--- postgres:\n{}", self.server.log())
     }
@@ -167,6 +162,58 @@ impl Servers for Postgres {
             tokio::runtime::Handle::current().block_on(terminate)
         });
         usize::try_from(ended).unwrap_or(0)
+    }
+}
+
+/// A MariaDB server.
+pub(super) struct MariaDb {
+    server: support::mariadb::MariaDbServer,
+}
+
+impl MariaDb {
+    pub(super) const HOSTS: [&'static str; 1] = ["mariadb"];
+
+    pub(super) fn start(net: &Net) -> Self {
+        MariaDb {
+            server: support::mariadb::MariaDbServer::start_in(net.server_host(Self::HOSTS[0])),
+        }
+    }
+}
+
+impl Servers for MariaDb {
+    fn store(&self) -> &'static str {
+        "mysql"
+    }
+
+    fn hosts(&self) -> &[&'static str] {
+        &Self::HOSTS
+    }
+
+    fn url(&self) -> String {
+        self.server.lan_url()
+    }
+
+    fn kill(&mut self, _: usize) {
+        self.server.kill();
+    }
+
+    fn start_again(&mut self, _: usize) {
+        self.server.start_again();
+    }
+
+    fn pids(&self, _: usize) -> Vec<u32> {
+        self.server.pid().into_iter().collect()
+    }
+
+    fn logs(&self) -> String {
+        format!("--- mariadb:\n{}", self.server.log())
+    }
+
+    fn cut_wake(&self) -> usize {
+        tokio::task::block_in_place(|| {
+            let kill = self.server.kill_wake_connections();
+            tokio::runtime::Handle::current().block_on(kill)
+        })
     }
 }
 
@@ -223,10 +270,6 @@ impl Servers for Etcd {
         self.cluster.members[server].pid().into_iter().collect()
     }
 
-    fn faults(&self) -> &'static [Fault] {
-        &CLUSTER_FAULTS
-    }
-
     /// A hold lives half the etcd lease past its last confirmation, and an election
     /// confirms nothing for up to about 1.5 s (etcd's 1 s election timeout, then the
     /// vote): 6 s leaves 3 s.
@@ -244,6 +287,74 @@ impl Servers for Etcd {
         let logs = self.cluster.members.iter().enumerate();
         logs.map(|(i, m)| format!("--- etcd{i}:\n{}", m.log()))
             .collect()
+    }
+}
+
+/// A ZooKeeper ensemble of three servers.
+pub(super) struct ZooKeeper {
+    ensemble: support::zookeeper::ZkEnsemble,
+}
+
+impl ZooKeeper {
+    pub(super) const HOSTS: [&'static str; 3] = ["zk0", "zk1", "zk2"];
+
+    pub(super) fn start(net: &Net) -> Self {
+        ZooKeeper {
+            ensemble: support::zookeeper::ZkEnsemble::start_in(net, &Self::HOSTS),
+        }
+    }
+}
+
+impl Servers for ZooKeeper {
+    fn store(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    fn hosts(&self) -> &[&'static str] {
+        &Self::HOSTS
+    }
+
+    fn url(&self) -> String {
+        self.ensemble.hosts()
+    }
+
+    fn leader(&self) -> Option<usize> {
+        self.ensemble.leader()
+    }
+
+    fn kill(&mut self, server: usize) {
+        self.ensemble.members[server].kill();
+    }
+
+    fn start_again(&mut self, server: usize) {
+        self.ensemble.members[server].start_again();
+    }
+
+    fn pids(&self, server: usize) -> Vec<u32> {
+        self.ensemble.members[server].pid().into_iter().collect()
+    }
+
+    /// The session timeout: a hold lives half of it past its last renewal, and the
+    /// client's move to another server after a leader's failure (an election of about
+    /// 0.5-2 s at 250 ms ticks, then a reconnect) renews nothing meanwhile: 6 s leaves 3 s.
+    fn lease(&self) -> Duration {
+        Duration::from_secs(6)
+    }
+
+    /// The layer's default, as on etcd.
+    fn wait(&self) -> Duration {
+        tower_lock::layer::DEFAULT_WAIT
+    }
+
+    /// The servers log nothing (Debian's package has no SLF4J binding): their counters
+    /// (`mntr`: latencies, packets, sessions) instead.
+    fn logs(&self) -> String {
+        let logs = self.ensemble.members.iter().enumerate();
+        logs.map(|(i, m)| {
+            let mntr = m.four("mntr").unwrap_or_else(|| "(no answer)".to_owned());
+            format!("--- zk{i}:\n{mntr}")
+        })
+        .collect()
     }
 }
 
@@ -310,6 +421,13 @@ pub(super) async fn run_nemesis(
             deck.pop().expect("a full deck")
         };
         let began = now_micros();
+        if std::env::var_os("JEPSEN_LOG").is_some() {
+            let leader = tokio::task::block_in_place(|| servers.leader());
+            eprintln!(
+                "nemesis: {fault:?} at {} (UTC), leader {leader:?}",
+                clock(began)
+            );
+        }
         match fault {
             Fault::KillLeader | Fault::KillFollower => {
                 let Some(server) = pick(servers, fault == Fault::KillLeader) else {

@@ -1,9 +1,11 @@
 //! Jepsen on the stores beside Redis: the nemesis workload of `tests/jepsen/redis.rs`
 //! (three app instances as child processes, each on a host of its own, guarded
 //! read-modify-write increments of fenced registers, every instance campaigning for a
-//! leadership whose terms make fenced increments too) against each store's servers, each
-//! on a host of its own on one switch, while a nemesis kills, pauses and isolates servers,
-//! cuts instances off from every server and freezes them (`store_faults.rs`).
+//! leadership whose terms make fenced increments too) against each store's servers (an
+//! etcd cluster and a ZooKeeper ensemble of three, one PostgreSQL server, one MariaDB),
+//! each on a host of its own on one switch, while a nemesis kills, pauses and isolates
+//! servers, ends wake connections, cuts instances off from every server and freezes them
+//! (`store_faults.rs`).
 //!
 //! Every hold and every leader's term is checked (`support::history`): none overlaps
 //! another, tokens increase, no fenced write is lost or refused as stale, but for the holds
@@ -69,6 +71,26 @@ async fn postgres_keeps_holds_exclusive_through_restarts_pauses_and_partitions()
         "postgres nemesis_workload",
         &store_faults::Postgres::HOSTS,
         |net| Box::new(store_faults::Postgres::start(net)),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_keeps_holds_exclusive_through_restarts_pauses_and_partitions() {
+    run(
+        "mariadb nemesis_workload",
+        &store_faults::MariaDb::HOSTS,
+        |net| Box::new(store_faults::MariaDb::start(net)),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_keeps_holds_exclusive_through_kills_pauses_and_partitions() {
+    run(
+        "zookeeper nemesis_workload",
+        &store_faults::ZooKeeper::HOSTS,
+        |net| Box::new(store_faults::ZooKeeper::start(net)),
     )
     .await;
 }
@@ -364,7 +386,7 @@ fn frozen_writes(faults: &Faults, holds: &[Hold]) -> BTreeMap<&'static str, usiz
 
 /// A wall-clock time (µs since the epoch) as `hh:mm:ss.mmm`, as the instances' log lines
 /// show it.
-fn clock(us: u64) -> String {
+pub(super) fn clock(us: u64) -> String {
     let ms = us / 1000;
     let (h, m, s) = (ms / 3_600_000 % 24, ms / 60_000 % 60, ms / 1000 % 60);
     format!("{h:02}:{m:02}:{s:02}.{:03}", ms % 1000)

@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::free_port;
+use super::process::NetHost;
 
 /// Ports tried: between picking a free port and etcd binding it, another process may take
 /// it.
@@ -25,20 +26,11 @@ pub struct EtcdMember {
     tls: Option<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)>,
     metrics_port: Option<u16>,
     /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
-    host: Option<Host>,
+    host: Option<NetHost>,
     // Removed after the member is killed (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
-}
-
-/// Where a member on a host of its own (`netns.rs`) runs and is reached.
-struct Host {
-    netns: String,
-    /// Its address on the hosts' switch: peers and clients on other hosts dial it.
-    lan: Ipv4Addr,
-    /// Its address on its uplink: where the test reaches it.
-    uplink: Ipv4Addr,
 }
 
 /// A single-member etcd.
@@ -129,8 +121,8 @@ impl EtcdMember {
     fn spawn(&mut self) -> Result<(), String> {
         let (mut command, listen, client, peer) = match &self.host {
             Some(host) => {
-                let mut command = Command::new("ip");
-                command.args(["netns", "exec", &host.netns, "etcd"]);
+                let mut command = host.exec();
+                command.arg("etcd");
                 let listen = format!("http://0.0.0.0:{}", self.client_port);
                 let client = format!("http://{}:{}", host.lan, self.client_port);
                 let peer = format!("http://{}:{}", host.lan, self.peer_port);
@@ -306,19 +298,12 @@ impl EtcdCluster {
     /// every address of its host: peers and other hosts dial it on the switch, the test on
     /// its uplink.
     pub fn start_in(net: &super::netns::Net, hosts: &[&str]) -> Self {
-        let hosts = hosts.iter().map(|host| {
-            Some(Host {
-                netns: net.ns(host),
-                lan: net.lan_ip(host),
-                uplink: net.host_ip(host),
-            })
-        });
-        Self::start_on(hosts.collect())
+        Self::start_on(hosts.iter().map(|h| Some(net.server_host(h))).collect())
     }
 
-    fn start_on(hosts: Vec<Option<Host>>) -> Self {
+    fn start_on(hosts: Vec<Option<NetHost>>) -> Self {
         let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
-        let peer_ip = |host: &Option<Host>| host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
+        let peer_ip = |host: &Option<NetHost>| host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
         let cluster = ports
             .iter()
             .zip(&hosts)

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::process::{self, free_port};
+use super::process::{self, NetHost, free_port};
 
 /// Ports tried: between picking a free port and `mariadbd` binding it, another process
 /// may take it.
@@ -23,6 +23,8 @@ pub struct MariaDbServer {
     port: u16,
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
+    /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
+    host: Option<NetHost>,
     // Removed after the server is stopped (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
 }
@@ -62,6 +64,7 @@ impl MariaDbServer {
             child: None,
             port: 0,
             reaper: None,
+            host: None,
             dir,
         };
         for _ in 0..ATTEMPTS {
@@ -80,8 +83,18 @@ impl MariaDbServer {
     /// taken).
     fn spawn(&mut self, port: u16) -> Result<bool, String> {
         let dir = self.dir.path();
-        let child = Command::new(program("mariadbd"))
-            .args(["--no-defaults", "--bind-address=127.0.0.1"])
+        let (mut command, bind) = match &self.host {
+            // `ip netns exec` execs mariadbd: the pid is the server's.
+            Some(host) => {
+                let mut command = host.exec();
+                command.arg(program("mariadbd"));
+                (command, "0.0.0.0")
+            }
+            None => (Command::new(program("mariadbd")), "127.0.0.1"),
+        };
+        let child = command
+            .arg("--no-defaults")
+            .arg(format!("--bind-address={bind}"))
             .args(as_root())
             .arg(format!("--port={port}"))
             .arg(format!("--datadir={}", dir.join("data").display()))
@@ -208,7 +221,74 @@ impl MariaDbServer {
 
     /// The URL of `user` with `password`, on the `test` database.
     pub fn url_as(&self, user: &str, password: &str) -> String {
-        format!("mysql://{user}:{password}@127.0.0.1:{}/test", self.port)
+        self.url_at(user, password, |h| h.uplink)
+    }
+
+    /// Where clients on other hosts reach a server on a host of its own
+    /// ([`start_in`](Self::start_in)), as root.
+    pub fn lan_url(&self) -> String {
+        self.url_at("root", "", |h| h.lan)
+    }
+
+    /// The URL of `user` at `address` of the server's host (loopback for one on the test's
+    /// own).
+    fn url_at(
+        &self,
+        user: &str,
+        password: &str,
+        address: impl Fn(&NetHost) -> std::net::Ipv4Addr,
+    ) -> String {
+        let ip = self
+            .host
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, address);
+        format!("mysql://{user}:{password}@{ip}:{}/test", self.port)
+    }
+
+    /// A server on `host`, listening on every address of it, with root allowed from every
+    /// address without a password: clients on other hosts dial it at its `lan` address,
+    /// the test at its `uplink`.
+    pub fn start_in(host: NetHost) -> Self {
+        let mut server = Self::start();
+        server
+            .client(
+                "CREATE USER 'root'@'%'; \
+                 GRANT ALL PRIVILEGES ON *.* TO 'root'@'%' WITH GRANT OPTION",
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        server.stop();
+        server.host = Some(host);
+        server.start_again();
+        server
+    }
+
+    /// `kill -9` of the server; returns once it is gone.
+    pub fn kill(&mut self) {
+        process::kill(&mut self.child, &[]);
+    }
+
+    /// The server's pid while it runs (one process: pausing it pauses every connection).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// `KILL CONNECTION` of every backend's wake connection (each is registered in the
+    /// waiters table of the `test` database); returns how many.
+    pub async fn kill_wake_connections(&self) -> usize {
+        let mut conn = self.conn().await;
+        let wake: Vec<i64> =
+            sqlx::query_scalar("SELECT DISTINCT CAST(conn AS SIGNED) FROM tower_lock_waiters")
+                .fetch_all(&mut conn)
+                .await
+                .unwrap_or_default();
+        let mut killed = 0;
+        for id in wake {
+            let kill = format!("KILL CONNECTION {id}");
+            if sqlx::query(&kill).execute(&mut conn).await.is_ok() {
+                killed += 1;
+            }
+        }
+        killed
     }
 
     /// A fast shutdown (SIGTERM: clients are cut off), then SIGKILL if it is not gone

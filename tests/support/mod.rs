@@ -147,11 +147,7 @@ impl RedisServer {
 
     /// A plain connection for inspecting and tampering with the server's state.
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .expect("valid url")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect to test redis")
+        test_conn(&self.url()).await.expect("connect to test redis")
     }
 
     /// Sum of `calls=` over the given commands in `INFO commandstats`.
@@ -952,4 +948,17 @@ pub async fn oneshot(app: &Router, request: http::Request<axum::body::Body>) -> 
         headers: parts.headers,
         body: String::from_utf8_lossy(&body).into_owned(),
     }
+}
+
+/// A connection of the test's own to the Redis server (or sentinel) at `url`, for
+/// inspecting and tampering with it. Its bounds only catch hangs: redis-rs' defaults (a
+/// second to connect, 500 ms per response) fail queries that a machine loaded by the
+/// other tests answers late.
+pub async fn test_conn(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let bounds = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(10)));
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection_with_config(&bounds)
+        .await
 }

@@ -180,6 +180,16 @@ impl Net {
         )
     }
 
+    /// Where a server on `host` runs (its namespace) and is reached (on the switch, and by
+    /// the test on the uplink), for the throwaway servers' `start_in`.
+    pub fn server_host(&self, host: &str) -> super::process::NetHost {
+        super::process::NetHost {
+            netns: self.ns(host),
+            lan: self.lan_ip(host),
+            uplink: self.host_ip(host),
+        }
+    }
+
     /// Drops every packet that `a` and `b` send each other on the switch (a route to a
     /// blackhole on each side): connections stay open and their packets go nowhere, as
     /// across a partition, until [`unblackhole`](Self::unblackhole).

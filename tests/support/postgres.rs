@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::process::{self, free_port};
+use super::process::{self, NetHost, free_port};
 
 /// Ports tried: between picking a free port and `postgres` binding it, another process may
 /// take it.
@@ -35,18 +35,9 @@ pub struct PostgresServer {
     /// A reaper, and with it the write end of its stdin (see [`shared`]).
     reaper: Option<Child>,
     /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
-    host: Option<Host>,
+    host: Option<NetHost>,
     // Removed after the server is stopped (fields drop after `Drop::drop`).
     dir: tempfile::TempDir,
-}
-
-/// Where a server on a host of its own (`netns.rs`) runs and is reached.
-struct Host {
-    netns: String,
-    /// Its address on the hosts' switch, where clients on other hosts dial it.
-    lan: std::net::Ipv4Addr,
-    /// Its address on its uplink: where the test reaches it.
-    uplink: std::net::Ipv4Addr,
 }
 
 impl PostgresServer {
@@ -161,8 +152,7 @@ impl PostgresServer {
         let mut command = match &self.host {
             // `ip netns exec` and `setpriv` exec what follows: the pid is the postmaster's.
             Some(host) => {
-                let mut command = Command::new("ip");
-                command.args(["netns", "exec", &host.netns]);
+                let mut command = host.exec();
                 if let Some((uid, gid)) = user {
                     command.args(["setpriv", "--reuid", &uid.to_string()]);
                     command.args(["--regid", &gid.to_string(), "--clear-groups"]);
@@ -284,7 +274,7 @@ impl PostgresServer {
     }
 
     /// The URL at `address` of the server's host (loopback for one on the test's own).
-    fn url_at(&self, address: impl Fn(&Host) -> std::net::Ipv4Addr) -> String {
+    fn url_at(&self, address: impl Fn(&NetHost) -> std::net::Ipv4Addr) -> String {
         let ip = self
             .host
             .as_ref()
@@ -292,17 +282,17 @@ impl PostgresServer {
         format!("postgres://postgres@{ip}:{}/postgres", self.port)
     }
 
-    /// A server in the network namespace `netns` (a host of `netns.rs`), listening on
-    /// every address of its host and taking every client without a password: clients on
-    /// other hosts dial it at `lan`, the test at `uplink`.
-    pub fn start_in(netns: String, lan: std::net::Ipv4Addr, uplink: std::net::Ipv4Addr) -> Self {
+    /// A server on `host`, listening on every address of it and taking every client
+    /// without a password: clients on other hosts dial it at its `lan` address, the test
+    /// at its `uplink`.
+    pub fn start_in(host: NetHost) -> Self {
         let mut server = Self::try_start().unwrap_or_else(|e| panic!("{e}"));
         server.stop();
         let hba = server.dir.path().join("data").join("pg_hba.conf");
         let mut rules = std::fs::read_to_string(&hba).expect("pg_hba.conf");
         rules.push_str("host all all 0.0.0.0/0 trust\n");
         std::fs::write(&hba, rules).expect("pg_hba.conf");
-        server.host = Some(Host { netns, lan, uplink });
+        server.host = Some(host);
         server.start_again();
         server
     }
@@ -311,15 +301,7 @@ impl PostgresServer {
     /// machine would end them); returns once they are gone.
     pub fn kill(&mut self) {
         let pids = self.pids();
-        for pid in pids.iter().skip(1) {
-            let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-        }
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        process::kill(&mut self.child, pids.get(1..).unwrap_or_default());
     }
 
     /// The postmaster's pid and its backends', while it runs (to pause them all).

@@ -1,6 +1,7 @@
 //! What the throwaway database servers (mariadb.rs, postgres.rs) do alike with their
 //! process: stop it with a signal, then SIGKILL if it is not gone within [`STOP_BOUND`];
-//! hand a server kept in a `static` to a reaper; pick a free port.
+//! hand a server kept in a `static` to a reaper; pick a free port; run it on a host of its
+//! own ([`NetHost`]).
 //!
 //! Standalone, as postgres.rs is: `examples/fencing_postgres` includes both with `#[path]`.
 
@@ -76,4 +77,38 @@ pub fn free_port() -> Result<u16, String> {
         }
     }
     Err(format!("no free port in {PORTS:?}"))
+}
+
+/// Where a server on a host of its own (a network namespace of `netns.rs`) runs and is
+/// reached.
+pub struct NetHost {
+    pub netns: String,
+    /// Its address on the hosts' switch, where clients on other hosts dial it.
+    pub lan: std::net::Ipv4Addr,
+    /// Its address on its uplink: where the test reaches it.
+    pub uplink: std::net::Ipv4Addr,
+}
+
+impl NetHost {
+    /// `ip netns exec NETNS`, to which the program and its arguments are added: it execs
+    /// them, so the child's pid is the program's.
+    pub fn exec(&self) -> Command {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", &self.netns]);
+        command
+    }
+}
+
+/// `kill -9` of `child` and of `others` (processes it started, which a crash of the machine
+/// would end with it); returns once `child` is gone.
+pub fn kill(child: &mut Option<Child>, others: &[u32]) {
+    for pid in others {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }

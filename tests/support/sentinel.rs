@@ -7,6 +7,7 @@ use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::test_conn as connect;
 use super::{RedisServer, eventually, redis_tool};
 
 // The partitions between sentinels and data nodes: another `impl SentinelSet`.
@@ -351,12 +352,6 @@ impl Drop for SentinelProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-async fn connect(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
-    redis::Client::open(url)?
-        .get_multiplexed_async_connection()
-        .await
 }
 
 async fn knows_everyone(sentinel: &str) -> bool {

@@ -1,11 +1,14 @@
 //! A throwaway ZooKeeper: one standalone server on a free loopback port with its data in a
-//! temp dir, killed when dropped. Nothing here touches a ZooKeeper it did not start.
+//! temp dir, killed when dropped; or an ensemble of three, on loopback or each on a host of
+//! its own (`netns.rs`). Nothing here touches a ZooKeeper it did not start.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+use super::process::NetHost;
 
 /// Ports tried: between picking a free port and the server binding it, another process
 /// may take it.
@@ -24,6 +27,8 @@ pub struct ZkServer {
     reaper: Option<Child>,
     /// In an ensemble: its id and the ensemble's `server.N=` lines.
     ensemble: Option<(usize, String)>,
+    /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
+    host: Option<NetHost>,
 }
 
 impl ZkServer {
@@ -38,6 +43,7 @@ impl ZkServer {
                 dir: tempfile::tempdir().expect("temp dir"),
                 reaper: None,
                 ensemble: None,
+                host: None,
             };
             server.spawn().unwrap_or_else(|e| panic!("{e}"));
             if server.wait_until_serving(Duration::from_secs(60)) {
@@ -50,8 +56,15 @@ impl ZkServer {
 
     fn spawn(&mut self) -> Result<(), String> {
         let dir = self.dir.path();
+        // On a host of its own, on every address: the instances dial it on the switch, the
+        // test on the uplink.
+        let address = if self.host.is_some() {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
+        };
         let mut config = format!(
-            "tickTime=250\ndataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
+            "tickTime=250\ndataDir={}\nclientPort={}\nclientPortAddress={address}\n\
              admin.enableServer=false\n4lw.commands.whitelist=*\nforceSync=no\n",
             dir.join("data").display(),
             self.port
@@ -60,13 +73,24 @@ impl ZkServer {
             std::fs::create_dir_all(dir.join("data")).map_err(|e| format!("data dir: {e}"))?;
             std::fs::write(dir.join("data").join("myid"), id.to_string())
                 .map_err(|e| format!("myid: {e}"))?;
-            config.push_str("initLimit=20\nsyncLimit=10\n");
+            // Sessions of up to 20 s: the default bound (20 ticks, 5 s) is shorter than
+            // an election under faults takes.
+            config.push_str("initLimit=20\nsyncLimit=10\nmaxSessionTimeout=20000\n");
             config.push_str(servers);
         }
         std::fs::write(dir.join("zoo.cfg"), config).map_err(|e| format!("zoo.cfg: {e}"))?;
         let log = std::fs::File::create(dir.join("zookeeper.log"))
             .map_err(|e| format!("ZooKeeper log: {e}"))?;
-        let child = Command::new("java")
+        // `ip netns exec` execs java: the child's pid is the server's.
+        let mut command = match &self.host {
+            Some(host) => {
+                let mut command = host.exec();
+                command.arg("java");
+                command
+            }
+            None => Command::new("java"),
+        };
+        let child = command
             .args(["-cp", CLASSPATH, "-Xmx256m"])
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(dir.join("zoo.cfg"))
@@ -108,7 +132,11 @@ impl ZkServer {
 
     /// The answer to the four-letter word `word` (`ruok`, `mntr`, `cons`).
     pub fn four(&self, word: &str) -> Option<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        let ip = self
+            .host
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.uplink);
+        let mut stream = TcpStream::connect((ip, self.port)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         stream.write_all(word.as_bytes()).ok()?;
         let mut answer = String::new();
@@ -129,16 +157,24 @@ impl ZkServer {
         std::fs::read_to_string(self.dir.path().join("zookeeper.log")).unwrap_or_default()
     }
 
-    /// The connection string of this server.
+    /// The connection string of this server (where clients on other hosts dial one on a
+    /// host of its own).
     pub fn hosts(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        let ip = self
+            .host
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
+        format!("{ip}:{}", self.port)
     }
 
+    /// `kill -9`; returns once it is gone.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        super::process::kill(&mut self.child, &[]);
+    }
+
+    /// The server's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// Starts the server again on its port and data (its sessions survive, as they do a
@@ -173,26 +209,42 @@ pub struct ZkEnsemble {
 }
 
 impl ZkEnsemble {
-    /// Starts the three and waits until each serves (a quorum has formed).
+    /// Starts the three on loopback and waits until each serves (a quorum has formed).
     pub fn start() -> Self {
+        Self::start_on(vec![None, None, None])
+    }
+
+    /// One member on each of `hosts` (on `net`'s switch, see `netns.rs`): members and
+    /// clients on other hosts dial it on the switch, the test on its uplink.
+    pub fn start_in(net: &super::netns::Net, hosts: &[&str]) -> Self {
+        Self::start_on(hosts.iter().map(|h| Some(net.server_host(h))).collect())
+    }
+
+    fn start_on(hosts: Vec<Option<NetHost>>) -> Self {
         let port = super::free_port;
-        let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (port(), port(), port())).collect();
+        let ports: Vec<(u16, u16, u16)> = hosts.iter().map(|_| (port(), port(), port())).collect();
         let servers: String = ports
             .iter()
+            .zip(&hosts)
             .enumerate()
-            .map(|(i, (_, peer, election))| {
-                format!("server.{}=127.0.0.1:{peer}:{election}\n", i + 1)
+            .map(|(i, ((_, peer, election), host))| {
+                let ip = host
+                    .as_ref()
+                    .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
+                format!("server.{}={ip}:{peer}:{election}\n", i + 1)
             })
             .collect();
         let mut members: Vec<ZkServer> = ports
             .iter()
+            .zip(hosts)
             .enumerate()
-            .map(|(i, &(client, _, _))| ZkServer {
+            .map(|(i, (&(client, _, _), host))| ZkServer {
                 child: None,
                 port: client,
                 dir: tempfile::tempdir().expect("temp dir"),
                 reaper: None,
                 ensemble: Some((i + 1, servers.clone())),
+                host,
             })
             .collect();
         for member in &mut members {
