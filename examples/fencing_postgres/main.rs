@@ -28,6 +28,8 @@ mod throwaway;
 #[allow(dead_code)]
 #[path = "../../tests/support/postgres.rs"]
 mod postgres;
+// Nor all of what the throwaway servers share.
+#[allow(dead_code)]
 #[path = "../../tests/support/process.rs"]
 mod process;
 

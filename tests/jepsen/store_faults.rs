@@ -94,15 +94,26 @@ pub(super) trait Servers {
             &CLUSTER_FAULTS
         }
     }
-    /// The instances' lease on this store: [`LEASE`] unless the store needs a longer one
-    /// to outlive the faults it survives.
+    /// The instances' lease on this store: [`LEASE`] on one server. On several, 6 s: a
+    /// hold lives half its etcd lease or ZooKeeper session past its last confirmation,
+    /// and a leader's failure confirms nothing for up to about 2 s (an election, etcd's 1 s
+    /// timeout or ZooKeeper's at 250 ms ticks, then the vote and the client's move to
+    /// another server), which leaves 3 s.
     fn lease(&self) -> Duration {
-        LEASE
+        if self.hosts().len() == 1 {
+            LEASE
+        } else {
+            Duration::from_secs(6)
+        }
     }
-    /// How long the instances' requests wait: [`WAIT`] unless the faults the store
-    /// survives take longer.
+    /// How long the instances' requests wait: [`WAIT`] on one server; on several, the
+    /// layer's default, which an election and the releases and wake-ups it held up fit in.
     fn wait(&self) -> Duration {
-        WAIT
+        if self.hosts().len() == 1 {
+            WAIT
+        } else {
+            tower_lock::layer::DEFAULT_WAIT
+        }
     }
     /// What the servers logged (printed when `JEPSEN_SERVER_LOGS` is set).
     fn logs(&self) -> String;
@@ -110,6 +121,11 @@ pub(super) trait Servers {
     fn cut_wake(&self) -> usize {
         0
     }
+}
+
+/// Runs `f` to its end from the nemesis's (synchronous) fault calls.
+fn blocking<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
 
 /// A PostgreSQL server.
@@ -157,10 +173,7 @@ impl Servers for Postgres {
     }
 
     fn cut_wake(&self) -> usize {
-        let ended = tokio::task::block_in_place(|| {
-            let terminate = self.server.terminate("tower-lock listener");
-            tokio::runtime::Handle::current().block_on(terminate)
-        });
+        let ended = blocking(self.server.terminate("tower-lock listener"));
         usize::try_from(ended).unwrap_or(0)
     }
 }
@@ -210,10 +223,7 @@ impl Servers for MariaDb {
     }
 
     fn cut_wake(&self) -> usize {
-        tokio::task::block_in_place(|| {
-            let kill = self.server.kill_wake_connections();
-            tokio::runtime::Handle::current().block_on(kill)
-        })
+        blocking(self.server.kill_wake_connections())
     }
 }
 
@@ -270,19 +280,6 @@ impl Servers for Etcd {
         self.cluster.members[server].pid().into_iter().collect()
     }
 
-    /// A hold lives half the etcd lease past its last confirmation, and an election
-    /// confirms nothing for up to about 1.5 s (etcd's 1 s election timeout, then the
-    /// vote): 6 s leaves 3 s.
-    fn lease(&self) -> Duration {
-        Duration::from_secs(6)
-    }
-
-    /// The layer's default: an election (about 1.5 s) and the releases and wake-ups it
-    /// held up fit in it.
-    fn wait(&self) -> Duration {
-        tower_lock::layer::DEFAULT_WAIT
-    }
-
     fn logs(&self) -> String {
         let logs = self.cluster.members.iter().enumerate();
         logs.map(|(i, m)| format!("--- etcd{i}:\n{}", m.log()))
@@ -332,18 +329,6 @@ impl Servers for ZooKeeper {
 
     fn pids(&self, server: usize) -> Vec<u32> {
         self.ensemble.members[server].pid().into_iter().collect()
-    }
-
-    /// The session timeout: a hold lives half of it past its last renewal, and the
-    /// client's move to another server after a leader's failure (an election of about
-    /// 0.5-2 s at 250 ms ticks, then a reconnect) renews nothing meanwhile: 6 s leaves 3 s.
-    fn lease(&self) -> Duration {
-        Duration::from_secs(6)
-    }
-
-    /// The layer's default, as on etcd.
-    fn wait(&self) -> Duration {
-        tower_lock::layer::DEFAULT_WAIT
     }
 
     /// The servers log nothing (Debian's package has no SLF4J binding): their counters

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::free_port;
-use super::process::NetHost;
+use super::process::{NetHost, lan_ip, uplink_ip};
 
 /// Ports tried: between picking a free port and etcd binding it, another process may take
 /// it.
@@ -213,13 +213,12 @@ impl EtcdMember {
     /// Where a client on another host reaches a member on a host of its own (see
     /// [`EtcdCluster::start_in`]).
     pub fn lan_endpoint(&self) -> String {
-        let lan = self.host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
-        format!("http://{lan}:{}", self.client_port)
+        format!("http://{}:{}", lan_ip(self.host.as_ref()), self.client_port)
     }
 
     /// The address the test reaches the member at.
     fn reach(&self) -> Ipv4Addr {
-        self.host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.uplink)
+        uplink_ip(self.host.as_ref())
     }
 
     /// The member's pid while it runs (`ip netns exec` execs etcd).
@@ -303,7 +302,7 @@ impl EtcdCluster {
 
     fn start_on(hosts: Vec<Option<NetHost>>) -> Self {
         let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
-        let peer_ip = |host: &Option<NetHost>| host.as_ref().map_or(Ipv4Addr::LOCALHOST, |h| h.lan);
+        let peer_ip = |host: &Option<NetHost>| lan_ip(host.as_ref());
         let cluster = ports
             .iter()
             .zip(&hosts)

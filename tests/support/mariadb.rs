@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::process::{self, NetHost, free_port};
+use super::process::{self, NetHost, command_on, free_port, lan_ip, uplink_ip};
 
 /// Ports tried: between picking a free port and `mariadbd` binding it, another process
 /// may take it.
@@ -83,16 +83,14 @@ impl MariaDbServer {
     /// taken).
     fn spawn(&mut self, port: u16) -> Result<bool, String> {
         let dir = self.dir.path();
-        let (mut command, bind) = match &self.host {
-            // `ip netns exec` execs mariadbd: the pid is the server's.
-            Some(host) => {
-                let mut command = host.exec();
-                command.arg(program("mariadbd"));
-                (command, "0.0.0.0")
-            }
-            None => (Command::new(program("mariadbd")), "127.0.0.1"),
+        // On a host of its own, on every address (`ip netns exec` execs mariadbd: the pid
+        // is the server's).
+        let bind = if self.host.is_some() {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
         };
-        let child = command
+        let child = command_on(self.host.as_ref(), program("mariadbd"))
             .arg("--no-defaults")
             .arg(format!("--bind-address={bind}"))
             .args(as_root())
@@ -221,27 +219,17 @@ impl MariaDbServer {
 
     /// The URL of `user` with `password`, on the `test` database.
     pub fn url_as(&self, user: &str, password: &str) -> String {
-        self.url_at(user, password, |h| h.uplink)
+        self.url_at(user, password, uplink_ip(self.host.as_ref()))
     }
 
     /// Where clients on other hosts reach a server on a host of its own
     /// ([`start_in`](Self::start_in)), as root.
     pub fn lan_url(&self) -> String {
-        self.url_at("root", "", |h| h.lan)
+        self.url_at("root", "", lan_ip(self.host.as_ref()))
     }
 
-    /// The URL of `user` at `address` of the server's host (loopback for one on the test's
-    /// own).
-    fn url_at(
-        &self,
-        user: &str,
-        password: &str,
-        address: impl Fn(&NetHost) -> std::net::Ipv4Addr,
-    ) -> String {
-        let ip = self
-            .host
-            .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, address);
+    /// The URL of `user` at `ip`, an address of the server's host.
+    fn url_at(&self, user: &str, password: &str, ip: std::net::Ipv4Addr) -> String {
         format!("mysql://{user}:{password}@{ip}:{}/test", self.port)
     }
 
@@ -280,9 +268,10 @@ impl MariaDbServer {
             sqlx::query_scalar("SELECT DISTINCT CAST(conn AS SIGNED) FROM tower_lock_waiters")
                 .fetch_all(&mut conn)
                 .await
-                .unwrap_or_default();
+                .expect("the wake connections in the waiters table");
         let mut killed = 0;
         for id in wake {
+            // One that ended since the read is no longer there to kill.
             let kill = format!("KILL CONNECTION {id}");
             if sqlx::query(&kill).execute(&mut conn).await.is_ok() {
                 killed += 1;

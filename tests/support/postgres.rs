@@ -264,21 +264,17 @@ impl PostgresServer {
     /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication), at the
     /// server's uplink address for one on a host of its own.
     pub fn url(&self) -> String {
-        self.url_at(|h| h.uplink)
+        self.url_at(process::uplink_ip(self.host.as_ref()))
     }
 
     /// Where clients on other hosts reach a server on a host of its own
     /// ([`start_in`](Self::start_in)).
     pub fn lan_url(&self) -> String {
-        self.url_at(|h| h.lan)
+        self.url_at(process::lan_ip(self.host.as_ref()))
     }
 
-    /// The URL at `address` of the server's host (loopback for one on the test's own).
-    fn url_at(&self, address: impl Fn(&NetHost) -> std::net::Ipv4Addr) -> String {
-        let ip = self
-            .host
-            .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, address);
+    /// The URL at `ip`, an address of the server's host.
+    fn url_at(&self, ip: std::net::Ipv4Addr) -> String {
         format!("postgres://postgres@{ip}:{}/postgres", self.port)
     }
 

@@ -99,6 +99,29 @@ impl NetHost {
     }
 }
 
+/// `program` run on `host` (see [`NetHost::exec`]), or on the test's own for `None`.
+pub fn command_on(host: Option<&NetHost>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match host {
+        Some(host) => {
+            let mut command = host.exec();
+            command.arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
+/// Where clients on other hosts dial a server on `host` (loopback for one on the test's
+/// own).
+pub fn lan_ip(host: Option<&NetHost>) -> std::net::Ipv4Addr {
+    host.map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan)
+}
+
+/// Where the test reaches a server on `host` (loopback for one on the test's own).
+pub fn uplink_ip(host: Option<&NetHost>) -> std::net::Ipv4Addr {
+    host.map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.uplink)
+}
+
 /// `kill -9` of `child` and of `others` (processes it started, which a crash of the machine
 /// would end with it); returns once `child` is gone.
 pub fn kill(child: &mut Option<Child>, others: &[u32]) {

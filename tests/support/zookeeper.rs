@@ -4,11 +4,11 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::process::NetHost;
+use super::process::{NetHost, command_on, lan_ip, uplink_ip};
 
 /// Ports tried: between picking a free port and the server binding it, another process
 /// may take it.
@@ -82,15 +82,7 @@ impl ZkServer {
         let log = std::fs::File::create(dir.join("zookeeper.log"))
             .map_err(|e| format!("ZooKeeper log: {e}"))?;
         // `ip netns exec` execs java: the child's pid is the server's.
-        let mut command = match &self.host {
-            Some(host) => {
-                let mut command = host.exec();
-                command.arg("java");
-                command
-            }
-            None => Command::new("java"),
-        };
-        let child = command
+        let child = command_on(self.host.as_ref(), "java")
             .args(["-cp", CLASSPATH, "-Xmx256m"])
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(dir.join("zoo.cfg"))
@@ -132,10 +124,7 @@ impl ZkServer {
 
     /// The answer to the four-letter word `word` (`ruok`, `mntr`, `cons`).
     pub fn four(&self, word: &str) -> Option<String> {
-        let ip = self
-            .host
-            .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.uplink);
+        let ip = uplink_ip(self.host.as_ref());
         let mut stream = TcpStream::connect((ip, self.port)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         stream.write_all(word.as_bytes()).ok()?;
@@ -160,11 +149,7 @@ impl ZkServer {
     /// The connection string of this server (where clients on other hosts dial one on a
     /// host of its own).
     pub fn hosts(&self) -> String {
-        let ip = self
-            .host
-            .as_ref()
-            .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
-        format!("{ip}:{}", self.port)
+        format!("{}:{}", lan_ip(self.host.as_ref()), self.port)
     }
 
     /// `kill -9`; returns once it is gone.
@@ -228,9 +213,7 @@ impl ZkEnsemble {
             .zip(&hosts)
             .enumerate()
             .map(|(i, ((_, peer, election), host))| {
-                let ip = host
-                    .as_ref()
-                    .map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.lan);
+                let ip = lan_ip(host.as_ref());
                 format!("server.{}={ip}:{peer}:{election}\n", i + 1)
             })
             .collect();
