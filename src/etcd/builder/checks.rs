@@ -108,8 +108,9 @@ impl EtcdBackendBuilder {
         }
         let tls = addr.contains("https://");
         // rustls reading a plaintext server's answer, or the server closing on a
-        // ClientHello.
-        if tls && (message.contains("tls handshake eof") || message.contains("corrupt message")) {
+        // ClientHello (a reset when it closes with the hello unread).
+        let closed = message.contains("tls handshake eof") || message.contains("onnection reset");
+        if tls && (closed || message.contains("corrupt message")) {
             return BuildError::Tls {
                 reason: "does not speak TLS (is it a plaintext port? use `http://`)",
                 addr: Some(addr.to_owned()),
