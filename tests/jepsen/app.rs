@@ -106,12 +106,15 @@ fn routes<B: LockBackend>(backend: B, ctx: Ctx) -> Router {
         .layer(Extension(ctx))
 }
 
-/// A Redis backend of `topology` at `url` in lock namespace `ns`: with the delayed-restart
-/// guard in "g", and on Sentinel or a cluster safe in "s" (see [`safe_in_s`]).
+/// A Redis backend of `topology` at `url` (on a quorum, the masters' URLs, comma-separated)
+/// in lock namespace `ns`: with the delayed-restart guard in "g", and on Sentinel or a
+/// cluster safe in "s" (see [`safe_in_s`]).
 async fn redis_backend(topology: &str, url: &str, ns: &str) -> RedisBackend {
     let mut builder = match topology {
         "cluster" => cluster_backend(url, ns),
         "sentinel" => sentinel_backend(ns),
+        // The restart guard is always on on a quorum: it waits out one lease.
+        "quorum" => RedisBackend::quorum(url.split(',')).max_lease(lease()),
         _ => RedisBackend::builder(url),
     };
     builder = builder

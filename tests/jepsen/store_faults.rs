@@ -33,6 +33,20 @@ pub(super) enum Fault {
     /// The instances' wake connections (PostgreSQL's `LISTEN`, MySQL's parked connection)
     /// ended by the server while their pools stay.
     CutWake,
+    /// A minority of the quorum's masters (two of five) killed with `kill -9`, started
+    /// again after 1-3 s: empty, as the masters keep nothing on disk.
+    KillMinority,
+    /// A minority of the quorum's masters cut off from every instance (blackhole routes)
+    /// for 2-4 s.
+    CutMinority,
+    /// One of the quorum's masters killed and started again at once, empty: the holds it
+    /// kept are forgotten.
+    RestartEmpty,
+    /// A probe's hold that only three of the quorum's five masters have (its instance was
+    /// cut off from the other two as it took it), another instance asking for its lock,
+    /// then one of the three restarted empty: the three free masters make a majority, but
+    /// the restarted one's guard grants nothing until the probe, left on two, has stopped.
+    RestartUnderHold,
 }
 
 impl Fault {
@@ -42,8 +56,22 @@ impl Fault {
         servers >= 3
             && matches!(
                 self,
-                Fault::KillLeader | Fault::KillFollower | Fault::PauseLeader | Fault::IsolateLeader
+                Fault::KillLeader
+                    | Fault::KillFollower
+                    | Fault::PauseLeader
+                    | Fault::IsolateLeader
+                    | Fault::KillMinority
+                    | Fault::CutMinority
+                    | Fault::RestartEmpty
             )
+    }
+
+    /// Whether the fault holds a probe (whose key's other requests queue behind it).
+    pub(super) fn probes(self) -> bool {
+        matches!(
+            self,
+            Fault::CutInstance | Fault::FreezePastLease | Fault::RestartUnderHold
+        )
     }
 }
 
@@ -66,6 +94,17 @@ pub(super) const SERVER_FAULTS: [Fault; 6] = [
     Fault::Freeze,
     Fault::FreezePastLease,
     Fault::CutWake,
+];
+
+/// The faults of the quorum's five masters.
+pub(super) const QUORUM_FAULTS: [Fault; 7] = [
+    Fault::KillMinority,
+    Fault::CutMinority,
+    Fault::RestartEmpty,
+    Fault::RestartUnderHold,
+    Fault::CutInstance,
+    Fault::Freeze,
+    Fault::FreezePastLease,
 ];
 
 /// The servers of one store, each on a host of its own.
@@ -343,6 +382,86 @@ impl Servers for ZooKeeper {
     }
 }
 
+/// A RedLock quorum of five masters (`RedisBackend::quorum`, whose restart guard is always
+/// on), which keep nothing on disk.
+pub(super) struct Quorum {
+    masters: Vec<support::netns::HostRedis>,
+    lan: Vec<std::net::Ipv4Addr>,
+}
+
+impl Quorum {
+    pub(super) const HOSTS: [&'static str; 5] = ["r0", "r1", "r2", "r3", "r4"];
+    const PORT: u16 = 6379;
+
+    pub(super) fn start(net: &Net) -> Self {
+        let (masters, lan) = Self::HOSTS
+            .iter()
+            .map(|&host| {
+                // On the switch for the instances, on the uplink for the test.
+                let (lan, uplink) = (net.lan_ip(host), net.host_ip(host));
+                let master = support::netns::HostRedis::start(
+                    net,
+                    Some(host),
+                    &[lan, uplink],
+                    std::net::SocketAddr::from((uplink, Self::PORT)),
+                    &["--hz", "100"],
+                );
+                (master, lan)
+            })
+            .unzip();
+        Quorum { masters, lan }
+    }
+}
+
+impl Servers for Quorum {
+    fn store(&self) -> &'static str {
+        "quorum"
+    }
+
+    fn hosts(&self) -> &[&'static str] {
+        &Self::HOSTS
+    }
+
+    fn url(&self) -> String {
+        let urls: Vec<String> = (self.lan.iter())
+            .map(|ip| format!("redis://{ip}:{}", Self::PORT))
+            .collect();
+        urls.join(",")
+    }
+
+    fn kill(&mut self, server: usize) {
+        self.masters[server].kill();
+    }
+
+    fn start_again(&mut self, server: usize) {
+        self.masters[server].restart();
+    }
+
+    fn pids(&self, server: usize) -> Vec<u32> {
+        self.masters[server].pid().into_iter().collect()
+    }
+
+    fn faults(&self) -> &'static [Fault] {
+        &QUORUM_FAULTS
+    }
+
+    /// [`LEASE`]: no election holds a confirmation up; a hold lives on while a majority
+    /// renews it.
+    fn lease(&self) -> Duration {
+        LEASE
+    }
+
+    fn wait(&self) -> Duration {
+        WAIT
+    }
+
+    /// The masters log nothing (their log goes nowhere): their `INFO` would say little
+    /// that the summary does not.
+    fn logs(&self) -> String {
+        String::new()
+    }
+}
+
 /// When a fault began and ended (µs), to count the requests sent meanwhile.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Window {
@@ -469,6 +588,53 @@ pub(super) async fn run_nemesis(
                 // The probe's end, before the next fault.
                 tokio::time::sleep(probe_hold.saturating_sub(cut_for)).await;
             }
+            Fault::KillMinority => {
+                let minority = minority(servers);
+                minority.iter().for_each(|&server| servers.kill(server));
+                tokio::time::sleep(between(1000..3000)).await;
+                for &server in &minority {
+                    tokio::task::block_in_place(|| servers.start_again(server));
+                }
+            }
+            Fault::CutMinority => {
+                let hosts = servers.hosts().to_vec();
+                let cut: Vec<&str> = minority(servers).iter().map(|&m| hosts[m]).collect();
+                let links = || {
+                    INSTANCES
+                        .iter()
+                        .flat_map(|i| cut.iter().map(move |m| (*i, *m)))
+                };
+                links().for_each(|(instance, master)| net.blackhole(instance, master));
+                tokio::time::sleep(between(2000..4000)).await;
+                links().for_each(|(instance, master)| net.unblackhole(instance, master));
+            }
+            Fault::RestartEmpty => {
+                let server = fastrand::usize(..servers.hosts().len());
+                servers.kill(server);
+                tokio::task::block_in_place(|| servers.start_again(server));
+            }
+            Fault::RestartUnderHold => {
+                let instance = fastrand::usize(..INSTANCES.len());
+                let (host, hosts) = (INSTANCES[instance], servers.hosts().to_vec());
+                // Every server but a majority (`holding`) cut off from the instance while
+                // it takes the probe.
+                let mut order: Vec<usize> = (0..hosts.len()).collect();
+                fastrand::shuffle(&mut order);
+                let (cut, holding) = order.split_at(hosts.len() / 2);
+                cut.iter().for_each(|&m| net.blackhole(host, hosts[m]));
+                let probe = start_probe(addrs, instance, log).await;
+                cut.iter().for_each(|&m| net.unblackhole(host, hosts[m]));
+                let Some(probe) = probe else {
+                    continue;
+                };
+                ask_for(addrs, instance, &probe, the_lease);
+                // The successor waits on every master by now.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                servers.kill(holding[0]);
+                tokio::task::block_in_place(|| servers.start_again(holding[0]));
+                // The probe's end, before the next fault.
+                tokio::time::sleep(probe_hold).await;
+            }
             Fault::CutWake => {
                 servers.cut_wake();
                 tokio::time::sleep(between(500..1500)).await;
@@ -526,6 +692,15 @@ fn chosen(all: &[Fault]) -> Vec<Fault> {
         .collect();
     assert!(!chosen.is_empty(), "JEPSEN_FAULTS names none of {all:?}");
     chosen
+}
+
+/// A minority of the servers, drawn at random.
+fn minority(servers: &dyn Servers) -> Vec<usize> {
+    let n = servers.hosts().len();
+    let mut all: Vec<usize> = (0..n).collect();
+    fastrand::shuffle(&mut all);
+    all.truncate((n - 1) / 2);
+    all
 }
 
 /// The leader, or a follower (`leader` false), if one leads now.

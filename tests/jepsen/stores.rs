@@ -2,19 +2,20 @@
 //! (three app instances as child processes, each on a host of its own, guarded
 //! read-modify-write increments of fenced registers, every instance campaigning for a
 //! leadership whose terms make fenced increments too) against each store's servers (an
-//! etcd cluster and a ZooKeeper ensemble of three, one PostgreSQL server, one MariaDB),
-//! each on a host of its own on one switch, while a nemesis kills, pauses and isolates
-//! servers, ends wake connections, cuts instances off from every server and freezes them
+//! etcd cluster and a ZooKeeper ensemble of three, one PostgreSQL server, one MariaDB, a
+//! RedLock quorum of five Redis masters), each on a host of its own on one switch, while a
+//! nemesis kills, pauses, isolates and restarts servers empty, ends wake connections, cuts
+//! instances off from every server (or from a minority of them) and freezes them
 //! (`store_faults.rs`).
 //!
 //! Every hold and every leader's term is checked (`support::history`): none overlaps
 //! another, tokens increase, no fenced write is lost or refused as stale, but for the holds
 //! of an instance frozen past its lease, whose writes fencing refuses (that is what they
 //! show). A holder cut off from the servers must stop before the store gives its lock to
-//! another instance (the margins, printed per fault kind). Requests are counted per fault
-//! kind, and apart those of the faults the store survives (a minority of its servers
-//! killed, paused or isolated), whose target is that they cost none: printed, not yet
-//! asserted (see the reliability guide).
+//! another instance (the margins, printed per fault kind). Requests are counted per fault kind, and apart those
+//! of the faults the store survives (a minority of its servers killed, paused, isolated or
+//! restarted empty), whose target is that they cost none: printed, not yet asserted (see
+//! the reliability guide).
 //!
 //! Runs 30 s of load by default; `JEPSEN_SECS=300 cargo test --all-features --test jepsen
 //! stores::etcd -- --nocapture` runs longer. Needs root and iproute2 (it says it skipped
@@ -81,6 +82,16 @@ async fn mariadb_keeps_holds_exclusive_through_restarts_pauses_and_partitions() 
         "mariadb nemesis_workload",
         &store_faults::MariaDb::HOSTS,
         |net| Box::new(store_faults::MariaDb::start(net)),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_keeps_holds_exclusive_through_kills_partitions_and_empty_restarts() {
+    run(
+        "quorum nemesis_workload",
+        &store_faults::Quorum::HOSTS,
+        |net| Box::new(store_faults::Quorum::start(net)),
     )
     .await;
 }
@@ -163,6 +174,9 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
         .into_iter()
         .partition(|v| allowed_by_fencing(v, &faults.frozen));
     let requests = std::mem::take(&mut *lock_vec(&requests));
+    if std::env::var_os("JEPSEN_HISTORY").is_some() {
+        print_history(&requests, &log.holds);
+    }
 
     // The summary.
     println!(
@@ -278,6 +292,28 @@ async fn run(test: &str, hosts: &[&str], start: impl FnOnce(&Net) -> Box<dyn Ser
     }
 }
 
+/// Every request (when sent, to which instance, its outcome) and every hold (its span,
+/// instance, key and token), in the order of their times, on stderr.
+fn print_history(requests: &[Request], holds: &[Hold]) {
+    let requests = (requests.iter()).map(|r| {
+        let line = format!("request {} app{}: {}", clock(r.sent), r.instance, r.outcome);
+        (r.sent, line)
+    });
+    let holds = holds.iter().map(|h| {
+        let (start, end) = (clock(h.start), clock(h.end));
+        let line = format!(
+            "hold {start} to {end} app{} {} token {}",
+            h.instance, h.key, h.token
+        );
+        (h.start, line)
+    });
+    let mut lines: Vec<(u64, String)> = requests.chain(holds).collect();
+    lines.sort();
+    for (_, line) in lines {
+        eprintln!("{line}");
+    }
+}
+
 /// A violation that fencing answers: an overlap with, or a refused write of, a hold of an
 /// instance frozen past its lease, which ran on unaware once resumed.
 fn allowed_by_fencing(v: &Violation, frozen: &[Frozen]) -> bool {
@@ -307,14 +343,13 @@ struct Request {
 fn during(request: &Request, faults: &Faults, wait: Duration) -> Option<Fault> {
     let sent = request.sent;
     let wait = u64::try_from(wait.as_micros()).unwrap_or(u64::MAX);
-    let probes = |f: Fault| matches!(f, Fault::CutInstance | Fault::FreezePastLease);
     // The latest: a fault's aftermath ends where the next fault begins.
     faults
         .windows
         .iter()
         .rev()
         .find(|w| {
-            let began = if probes(w.fault) {
+            let began = if w.fault.probes() {
                 w.began.saturating_sub(wait)
             } else {
                 w.began

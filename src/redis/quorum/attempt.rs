@@ -202,14 +202,7 @@ impl QuorumStore {
         granted: &[(usize, u64, u64)],
         sent_at: Instant,
     ) -> Result<Attempted, QuorumError> {
-        let count = granted.iter().map(|g| g.2).max().unwrap_or(1);
-        let token = if count > 1 {
-            // A re-entry keeps the outer hold's token, which its majority share.
-            granted.iter().filter(|g| g.2 > 1).map(|g| g.1).max()
-        } else {
-            granted.iter().map(|g| g.1).max()
-        }
-        .unwrap_or_default();
+        let (token, count) = token_and_count(granted, self.needed(attempt.kind));
         let mut answered_at = Instant::now();
         if count == 1 && attempt.kind != Kind::Shared {
             let masters: Vec<usize> = granted.iter().map(|g| g.0).collect();
@@ -278,6 +271,26 @@ impl QuorumStore {
     }
 }
 
+/// The token and re-entry count of a grant by `granted` (master, token, count), of which a
+/// hold needs `need`. A re-entry of a hold the quorum granted is counted as one on as many
+/// masters as that grant needed, and keeps the outer hold's token, which they share. A
+/// count above one on fewer masters is not a re-entry: an earlier attempt of this holder
+/// took the key there and was never granted (it reached them late, after the holder had
+/// moved on, and was not given back yet); the grant is a new hold, whose token must be
+/// above every earlier grant's, as only the highest of the whole majority's is. (Taken as
+/// a re-entry, its token, issued by those masters before another holder's grant came and
+/// went, was below that grant's.)
+fn token_and_count(granted: &[(usize, u64, u64)], need: usize) -> (u64, u64) {
+    let reentered = granted.iter().filter(|g| g.2 > 1);
+    if reentered.clone().count() >= need {
+        let token = reentered.clone().map(|g| g.1).max().unwrap_or_default();
+        let count = reentered.map(|g| g.2).max().unwrap_or(2);
+        (token, count)
+    } else {
+        (granted.iter().map(|g| g.1).max().unwrap_or_default(), 1)
+    }
+}
+
 /// When a majority of the masters will be free: when the `more`-th of those holding the
 /// key lets it go (`None`: not known).
 fn free_on_majority(mut held: Vec<Option<Duration>>, more: usize) -> Option<Duration> {
@@ -304,5 +317,32 @@ fn copy(attempt: &Attempt) -> Attempt {
         yielding: attempt.yielding,
         record: attempt.record,
         serial: attempt.serial,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_count_above_one_on_a_minority_is_a_new_hold_with_the_highest_token() {
+        // Two masters kept a copy of an attempt that came late (token 402), another holder
+        // was granted 498 by the other three and released; now all five grant.
+        let granted = [
+            (0, 402, 2),
+            (1, 402, 2),
+            (2, 499, 1),
+            (3, 500, 1),
+            (4, 501, 1),
+        ];
+        assert_eq!(token_and_count(&granted, 3), (501, 1));
+    }
+
+    #[test]
+    fn a_re_entry_on_a_majority_keeps_the_outer_token() {
+        let granted = [(0, 7, 2), (1, 7, 2), (2, 7, 3), (3, 9, 1)];
+        assert_eq!(token_and_count(&granted, 3), (7, 3));
+        let fresh = [(0, 7, 1), (1, 8, 1), (2, 6, 1)];
+        assert_eq!(token_and_count(&fresh, 3), (8, 1));
     }
 }
