@@ -124,7 +124,16 @@ impl Lease {
     /// case a new lease is granted for new holds. Cancel-safe: a stream whose answer was
     /// not read is dropped, so no later call takes that answer for its own.
     pub(crate) async fn keep_alive(&self) -> Result<i64, EtcdError> {
+        let asked = Instant::now();
         let mut slot = self.stream.lock().await;
+        // A keep-alive sent since this call asked, by the call it waited behind, confirms
+        // the lease as well as its own would: one keep-alive for all who asked meanwhile,
+        // not one each in turn (during an election, each takes up to its member's share
+        // of the command timeout, and acquisitions that queued here waited for the sum).
+        let state = *self.state();
+        if state.confirmed >= asked {
+            return Ok(state.id);
+        }
         let id = self.id();
         let sent = Instant::now();
         // On the open stream, within its member's share of the command timeout: a stream

@@ -279,8 +279,16 @@ impl EtcdStore {
         // come.
         let value = HoldValue::new(holder).encode();
         key.left_in_line(waiting.clone(), value);
+        // Only while `last` is there (keys put behind it since do not matter): a write
+        // whose answer never came may still be applied seconds later (held by a member
+        // that was paused, say), when this acquisition may have taken the lock another way
+        // and given it back; its key would then wait in line, under the backend's lease,
+        // with nobody to take its turn, and everyone behind it would wait for good.
         let line_up = Txn::new()
-            .when([Compare::version(waiting.clone(), CompareOp::Equal, 0)])
+            .when([
+                Compare::version(waiting.clone(), CompareOp::Equal, 0),
+                Compare::create_revision(last.key(), CompareOp::Equal, last.create_revision()),
+            ])
             .and_then([put_hold(&waiting, holder, lease)]);
         let Some(reply) = self.txn_on(lease, line_up).await? else {
             return Ok(None);
