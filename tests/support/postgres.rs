@@ -300,6 +300,28 @@ impl PostgresServer {
         process::kill(&mut self.child, pids.get(1..).unwrap_or_default());
     }
 
+    /// SIGSTOP to the postmaster and every backend: the server keeps its sockets but
+    /// answers nothing, as a frozen machine would.
+    pub fn pause(&self) {
+        self.signal_all("-STOP");
+    }
+
+    /// SIGCONT after [`pause`](Self::pause).
+    pub fn resume(&self) {
+        self.signal_all("-CONT");
+    }
+
+    /// `signal` (as `kill(1)` spells it) to every process of [`pids`](Self::pids); a
+    /// backend that exits meanwhile (its client gone) is passed over.
+    fn signal_all(&self, signal: &str) {
+        for pid in self.pids() {
+            let _ = Command::new("kill")
+                .args([signal, &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+
     /// The postmaster's pid and its backends', while it runs (to pause them all).
     pub fn pids(&self) -> Vec<u32> {
         let Some(postmaster) = self.child.as_ref().map(Child::id) else {
@@ -443,7 +465,12 @@ pub async fn backend_in(namespace: &str) -> tower_lock::PostgresBackend {
 /// that only catches hangs (as MariaDB's: the tests of a binary start their backends at
 /// once, on two cores, and a new connection may take over the default second).
 pub fn builder(namespace: &str) -> tower_lock::PostgresBackendBuilder {
-    tower_lock::PostgresBackend::builder(shared().url())
+    builder_at(&shared().url(), namespace)
+}
+
+/// [`builder`] on the server at `url` (one of the test's own).
+pub fn builder_at(url: &str, namespace: &str) -> tower_lock::PostgresBackendBuilder {
+    tower_lock::PostgresBackend::builder(url)
         .namespace(namespace)
         .migrate()
         .connect_timeout(std::time::Duration::from_secs(10))
