@@ -30,9 +30,11 @@ use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, Primitive};
 use crate::lock::{BoxFuture, Kind};
 
-/// How many times a call goes round when its compare-and-swap finds the hold changed
-/// under it (only this backend writes its hold, so once is the rule).
-pub(super) const ROUNDS: usize = 4;
+/// How many times a call goes round when its compare-and-swap finds the lock changed
+/// under it: only this backend writes its hold, but a writer's line-up also fails when
+/// the key it was to wait behind went meanwhile (see `rw.rs`), which a busy lock's
+/// releases make happen again and again.
+pub(super) const ROUNDS: usize = 16;
 
 /// What a round of an attempt came to: an answer, or go round again (the keys changed
 /// under it, or its lease is gone).
