@@ -90,9 +90,12 @@ trait Soaked {
     async fn instance(&self) -> Self::Backend;
     /// The instance's connections and bookkeeping.
     fn stats(backend: &Self::Backend) -> BackendStats;
-    /// Fault `turn` of the store's cycle; returns its name.
-    async fn fault(&self, turn: u32) -> &'static str;
-    /// Resumes a server that a pause cut short left stopped.
+    /// Ends the instances' connections of one kind (`which`: 0 or 1, the store's two);
+    /// returns the fault's name.
+    async fn end_connections(&self, which: u32) -> &'static str;
+    /// Stops the server (`SIGSTOP`): it keeps its sockets and answers nothing.
+    fn pause(&self);
+    /// Resumes it (also one that a pause cut short left stopped).
     fn resume(&self);
     /// The server's memory in bytes, and what else it says of itself.
     async fn memory(&self) -> (u64, String);
@@ -121,28 +124,23 @@ impl Soaked for RedisServer {
         backend.stats()
     }
 
-    async fn fault(&self, turn: u32) -> &'static str {
-        match turn % 3 {
-            0 => {
-                let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
-                    .arg("KILL")
-                    .arg("TYPE")
-                    .arg("normal")
-                    .query_async(&mut self.conn().await)
-                    .await;
-                "fault: command connections killed"
-            }
-            1 => {
-                self.kill_subscribers().await;
-                "fault: subscribers killed"
-            }
-            _ => {
-                self.pause();
-                sleep(PAUSE).await;
-                RedisServer::resume(self);
-                "fault: server paused"
-            }
+    async fn end_connections(&self, which: u32) -> &'static str {
+        if which == 0 {
+            let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("normal")
+                .query_async(&mut self.conn().await)
+                .await;
+            "fault: command connections killed"
+        } else {
+            self.kill_subscribers().await;
+            "fault: subscribers killed"
         }
+    }
+
+    fn pause(&self) {
+        RedisServer::pause(self);
     }
 
     fn resume(&self) {
@@ -237,23 +235,18 @@ impl Soaked for PostgresServer {
         backend.stats()
     }
 
-    async fn fault(&self, turn: u32) -> &'static str {
-        match turn % 3 {
-            0 => {
-                self.terminate(COMMANDS).await;
-                "fault: command connections terminated"
-            }
-            1 => {
-                self.terminate(LISTENER).await;
-                "fault: listeners terminated"
-            }
-            _ => {
-                self.pause();
-                sleep(PAUSE).await;
-                PostgresServer::resume(self);
-                "fault: server paused"
-            }
+    async fn end_connections(&self, which: u32) -> &'static str {
+        if which == 0 {
+            self.terminate(COMMANDS).await;
+            "fault: command connections terminated"
+        } else {
+            self.terminate(LISTENER).await;
+            "fault: listeners terminated"
         }
+    }
+
+    fn pause(&self) {
+        PostgresServer::pause(self);
     }
 
     fn resume(&self) {
@@ -586,12 +579,22 @@ async fn requests(addr: SocketAddr, tally: Arc<Tally>, stop: Arc<AtomicBool>) {
     }
 }
 
-/// A fault every two seconds, in turn, until `stop`.
+/// A fault every two seconds until `stop`, in turn: the store's two kinds of connections
+/// ended, the server paused for [`PAUSE`].
 async fn nemesis<S: Soaked>(server: &S, stop: &AtomicBool, tally: &Tally) {
     let mut turn = 0u32;
     while !stop.load(Ordering::Relaxed) {
         sleep(Duration::from_secs(2)).await;
-        tally.count(server.fault(turn).await);
+        let fault = match turn % 3 {
+            2 => {
+                server.pause();
+                sleep(PAUSE).await;
+                server.resume();
+                "fault: server paused"
+            }
+            which => server.end_connections(which).await,
+        };
+        tally.count(fault);
         turn += 1;
     }
 }

@@ -133,25 +133,30 @@ pub(super) trait Servers {
             &CLUSTER_FAULTS
         }
     }
-    /// The instances' lease on this store: [`LEASE`] on one server. On several, 6 s: a
+    /// Whether the servers elect a leader, whose failure confirms nothing until the next
+    /// one is in (etcd, ZooKeeper; not one server, nor a quorum of independent masters).
+    fn elects(&self) -> bool {
+        self.hosts().len() > 1
+    }
+    /// The instances' lease on this store: [`LEASE`], or 6 s on servers that elect: a
     /// hold lives half its etcd lease or ZooKeeper session past its last confirmation,
     /// and a leader's failure confirms nothing for up to about 2 s (an election, etcd's 1 s
     /// timeout or ZooKeeper's at 250 ms ticks, then the vote and the client's move to
     /// another server), which leaves 3 s.
     fn lease(&self) -> Duration {
-        if self.hosts().len() == 1 {
-            LEASE
-        } else {
+        if self.elects() {
             Duration::from_secs(6)
+        } else {
+            LEASE
         }
     }
-    /// How long the instances' requests wait: [`WAIT`] on one server; on several, the
+    /// How long the instances' requests wait: [`WAIT`], or on servers that elect the
     /// layer's default, which an election and the releases and wake-ups it held up fit in.
     fn wait(&self) -> Duration {
-        if self.hosts().len() == 1 {
-            WAIT
-        } else {
+        if self.elects() {
             tower_lock::layer::DEFAULT_WAIT
+        } else {
+            WAIT
         }
     }
     /// What the servers logged (printed when `JEPSEN_SERVER_LOGS` is set).
@@ -445,14 +450,9 @@ impl Servers for Quorum {
         &QUORUM_FAULTS
     }
 
-    /// [`LEASE`]: no election holds a confirmation up; a hold lives on while a majority
-    /// renews it.
-    fn lease(&self) -> Duration {
-        LEASE
-    }
-
-    fn wait(&self) -> Duration {
-        WAIT
+    /// No election holds a confirmation up: a hold lives on while a majority renews it.
+    fn elects(&self) -> bool {
+        false
     }
 
     /// The masters log nothing (their log goes nowhere): their `INFO` would say little
@@ -545,12 +545,17 @@ pub(super) async fn run_nemesis(
                 let Some(server) = servers.leader() else {
                     continue;
                 };
+                // PostgreSQL's backends come and go (a wake connection ended, a client
+                // gone): one that exited meanwhile is passed over.
                 let pids = servers.pids(server);
-                pids.iter()
-                    .for_each(|&pid| support::send_signal(pid, "-STOP"));
+                let signal_all = |signal| {
+                    for &pid in &pids {
+                        support::process::signal(pid, signal);
+                    }
+                };
+                signal_all("-STOP");
                 tokio::time::sleep(between(1500..3000)).await;
-                pids.iter()
-                    .for_each(|&pid| support::send_signal(pid, "-CONT"));
+                signal_all("-CONT");
             }
             Fault::IsolateLeader => {
                 let Some(server) = servers.leader() else {
@@ -616,11 +621,11 @@ pub(super) async fn run_nemesis(
             Fault::RestartUnderHold => {
                 let instance = fastrand::usize(..INSTANCES.len());
                 let (host, hosts) = (INSTANCES[instance], servers.hosts().to_vec());
-                // Every server but a majority (`holding`) cut off from the instance while
-                // it takes the probe.
-                let mut order: Vec<usize> = (0..hosts.len()).collect();
-                fastrand::shuffle(&mut order);
-                let (cut, holding) = order.split_at(hosts.len() / 2);
+                // A minority cut off from the instance while it takes the probe: only the
+                // others hold it.
+                let cut = minority(servers);
+                let holding: Vec<usize> = (0..hosts.len()).filter(|m| !cut.contains(m)).collect();
+                let restarted = holding[fastrand::usize(..holding.len())];
                 cut.iter().for_each(|&m| net.blackhole(host, hosts[m]));
                 let probe = start_probe(addrs, instance, log).await;
                 cut.iter().for_each(|&m| net.unblackhole(host, hosts[m]));
@@ -628,10 +633,11 @@ pub(super) async fn run_nemesis(
                     continue;
                 };
                 ask_for(addrs, instance, &probe, the_lease);
-                // The successor waits on every master by now.
+                // Most often the successor waits by now; one that asks after the restart
+                // must be refused all the same.
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                servers.kill(holding[0]);
-                tokio::task::block_in_place(|| servers.start_again(holding[0]));
+                servers.kill(restarted);
+                tokio::task::block_in_place(|| servers.start_again(restarted));
                 // The probe's end, before the next fault.
                 tokio::time::sleep(probe_hold).await;
             }

@@ -348,11 +348,7 @@ pub fn redis_tool<T>(
 
 /// Sends `signal` (as `kill(1)` spells it, `-STOP`, `-KILL`, ...) to a process.
 pub fn send_signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .expect("kill(1)");
-    assert!(status.success(), "kill {signal} {pid}");
+    assert!(process::signal(pid, signal), "kill {signal} {pid}");
 }
 
 impl Drop for RedisServer {

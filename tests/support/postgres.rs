@@ -315,10 +315,7 @@ impl PostgresServer {
     /// backend that exits meanwhile (its client gone) is passed over.
     fn signal_all(&self, signal: &str) {
         for pid in self.pids() {
-            let _ = Command::new("kill")
-                .args([signal, &pid.to_string()])
-                .stderr(Stdio::null())
-                .status();
+            process::signal(pid, signal);
         }
     }
 

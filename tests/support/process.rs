@@ -13,6 +13,16 @@ use std::time::{Duration, Instant};
 /// How long a stopped server gets to shut down before it is killed.
 pub const STOP_BOUND: Duration = Duration::from_secs(10);
 
+/// Sends `signal` (as `kill(1)` spells it: `-STOP`, `-TERM`) to process `pid`: whether it
+/// was delivered (not, to a process that has exited).
+pub fn signal(pid: u32, signal: &str) -> bool {
+    Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
 /// Sends `signal` (`TERM`, `INT`: the server's fast shutdown, which cuts clients off) to
 /// the server `child`, if it runs, then SIGKILL if it is not gone within [`STOP_BOUND`];
 /// returns once it is gone.
@@ -20,9 +30,7 @@ pub fn stop(child: &mut Option<Child>, signal: &str) {
     let Some(mut child) = child.take() else {
         return;
     };
-    let _ = Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status();
+    self::signal(child.id(), &format!("-{signal}"));
     let deadline = Instant::now() + STOP_BOUND;
     while Instant::now() < deadline {
         if !matches!(child.try_wait(), Ok(None)) {
@@ -125,10 +133,8 @@ pub fn uplink_ip(host: Option<&NetHost>) -> std::net::Ipv4Addr {
 /// `kill -9` of `child` and of `others` (processes it started, which a crash of the machine
 /// would end with it); returns once `child` is gone.
 pub fn kill(child: &mut Option<Child>, others: &[u32]) {
-    for pid in others {
-        let _ = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
+    for &pid in others {
+        signal(pid, "-KILL");
     }
     if let Some(mut child) = child.take() {
         let _ = child.kill();

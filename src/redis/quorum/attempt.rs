@@ -281,10 +281,10 @@ impl QuorumStore {
 /// a re-entry, its token, issued by those masters before another holder's grant came and
 /// went, was below that grant's.)
 fn token_and_count(granted: &[(usize, u64, u64)], need: usize) -> (u64, u64) {
-    let reentered = granted.iter().filter(|g| g.2 > 1);
-    if reentered.clone().count() >= need {
-        let token = reentered.clone().map(|g| g.1).max().unwrap_or_default();
-        let count = reentered.map(|g| g.2).max().unwrap_or(2);
+    let reentered: Vec<_> = granted.iter().filter(|g| g.2 > 1).collect();
+    if reentered.len() >= need {
+        let token = reentered.iter().map(|g| g.1).max().unwrap_or_default();
+        let count = reentered.iter().map(|g| g.2).max().unwrap_or(1);
         (token, count)
     } else {
         (granted.iter().map(|g| g.1).max().unwrap_or_default(), 1)
