@@ -181,6 +181,24 @@ async fn moves_on(
     held
 }
 
+/// A proxy in front of `server`, for a grantee whose calls a test holds up.
+async fn proxy_to(server: &RedisServer) -> FaultProxy {
+    FaultProxy::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        std::net::SocketAddr::from(([127, 0, 0, 1], server.port())),
+    )
+    .await
+}
+
+/// A backend through `proxy`, whose calls wait for the proxy rather than failing.
+async fn through(proxy: &FaultProxy) -> RedisBackend {
+    support::builder(&format!("redis://{}", proxy.addr()))
+        .command_timeout(HANG)
+        .build()
+        .await
+        .expect("backend through the proxy")
+}
+
 fn assert_no_violation(holds: &[Hold]) {
     let violations = history::check(holds, &Registers::new());
     assert!(violations.is_empty(), "{violations:#?}");
@@ -302,18 +320,9 @@ async fn a_grantee_that_hears_of_its_grant_after_it_ran_out_does_not_use_it() {
 async fn a_grantee_whose_claim_is_held_up_past_its_grant_does_not_hold_meanwhile() {
     crate::needs!(Redis);
     let server = RedisServer::start();
-    let proxy = FaultProxy::start(
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        std::net::SocketAddr::from(([127, 0, 0, 1], server.port())),
-    )
-    .await;
+    let proxy = proxy_to(&server).await;
     let (holder, next) = (server.backend().await, server.backend().await);
-    // Its claim waits for the proxy rather than failing.
-    let grantee = support::builder(&format!("redis://{}", proxy.addr()))
-        .command_timeout(HANG)
-        .build()
-        .await
-        .expect("backend through the proxy");
+    let grantee = through(&proxy).await;
     let held = holder.lock(KEY).try_once().await.expect("uncontended");
     let started = now_micros();
     let before = server.command_calls(&["evalsha"]).await;
@@ -348,6 +357,45 @@ async fn a_grantee_whose_claim_is_held_up_past_its_grant_does_not_hold_meanwhile
     let last = grantee_task.await.expect("no panic");
     assert!(last.token > next.token, "tokens strictly increase");
     assert_no_violation(&[held, next, last]);
+}
+
+/// The grantee's wait is cancelled (an outer timeout, its client gone) while its claim is
+/// on its way: the claim still runs in Redis and makes the grant a hold for the whole lease
+/// (30 s), which nobody holds a guard of. It must be released once the claim's reply comes.
+#[tokio::test]
+async fn a_grantee_cancelled_while_its_claim_is_on_its_way_leaves_the_key_free() {
+    crate::needs!(Redis);
+    let server = RedisServer::start();
+    let proxy = proxy_to(&server).await;
+    // The grant lasts until the claim gets through, however long the test takes to let it.
+    let holder = support::builder(&server.url())
+        .grant_lease(WAIT)
+        .build()
+        .await
+        .expect("backend");
+    let grantee = through(&proxy).await;
+    let held = holder.lock(KEY).try_once().await.expect("uncontended");
+    let before = server.command_calls(&["evalsha"]).await;
+    let (_taken, _go, task) = holder_task(&grantee, CHILD);
+    server.wait_for_subscribers(KEY, 1).await;
+    settled(&server, before + 2).await;
+
+    proxy.stall_requests();
+    let held_back = proxy.held_requests();
+    held.release().await.expect("releases");
+    support::eventually("the grantee's claim waits in the proxy", || async {
+        proxy.held_requests() > held_back
+    })
+    .await;
+    task.abort();
+    assert!(task.await.is_err_and(|e| e.is_cancelled()), "cancelled");
+    proxy.resume();
+    support::eventually("the claimed grant is released", || async {
+        !server.exists(LOCK).await
+    })
+    .await;
+    let next = holder.lock(KEY).try_once().await.expect("the key is free");
+    next.release().await.expect("releases");
 }
 
 /// The grantee's host is cut off from the network (the Jepsen hosts: a network namespace

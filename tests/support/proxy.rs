@@ -36,6 +36,8 @@ struct Control {
     cuts_armed: AtomicUsize,
     cuts_done: AtomicUsize,
     connections: AtomicUsize,
+    /// Chunks of what the application sent that a stall held back.
+    held_requests: AtomicUsize,
 }
 
 impl FaultProxy {
@@ -48,6 +50,7 @@ impl FaultProxy {
             cuts_armed: AtomicUsize::new(0),
             cuts_done: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
+            held_requests: AtomicUsize::new(0),
         });
         let shutdown = CancellationToken::new();
         let (accepting, stop) = (control.clone(), shutdown.clone());
@@ -140,6 +143,12 @@ impl FaultProxy {
         self.control.cuts_done.load(Ordering::SeqCst)
     }
 
+    /// How many chunks of what the application sent a stall held back so far: a call
+    /// that waits in the proxy.
+    pub fn held_requests(&self) -> usize {
+        self.control.held_requests.load(Ordering::SeqCst)
+    }
+
     /// How many connections were forwarded so far.
     pub fn connections(&self) -> usize {
         self.control.connections.load(Ordering::Relaxed)
@@ -173,11 +182,13 @@ async fn pump(
             },
         };
         // A chunk read while stalled is held until the stall ends.
+        let held = |s: &Settings| s.stalled || (s.requests_stalled && !replies);
+        if !replies && held(&settings.borrow()) {
+            control.held_requests.fetch_add(1, Ordering::SeqCst);
+        }
         let latency = tokio::select! {
             _ = conn.cancelled() => break,
-            now = settings.wait_for(|s| {
-                !(s.stalled || (s.requests_stalled && !replies)) || s.rejecting
-            }) => match now {
+            now = settings.wait_for(|s| !held(s) || s.rejecting) => match now {
                 Ok(now) if !now.rejecting => now.latency,
                 _ => break,
             },

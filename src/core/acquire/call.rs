@@ -1,4 +1,5 @@
-//! One attempt's store call, and what happens to its reply when nobody waits for it.
+//! One attempt's store call, and a grant's claim, and what happens to their replies when
+//! nobody waits for them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +11,8 @@ use std::time::Duration;
 use crate::core::acquire::contender::{Contender, MAYBE_QUEUED, NOT_QUEUED};
 use crate::core::hold::Hold;
 use crate::core::store::{Attempt, Attempted, Failure, Sent, StoreKey};
-use crate::core::{Core, Store};
+use crate::core::watchdog::Due;
+use crate::core::{Core, Store, holder};
 use crate::lock::{BoxFuture, Kind, LockOwner};
 
 /// One attempt, awaited inline by the acquisition.
@@ -101,6 +103,72 @@ impl<S: Store> Drop for AcquireCall<S> {
                 .core
                 .runtime
                 .spawn(async move { unclaimed.give_back(call.await).await });
+        }
+    }
+}
+
+/// The claim of a grant (see `grant.rs`), awaited inline by the acquisition.
+///
+/// As an attempt's call, it may find nobody to read its reply: the acquisition cancelled
+/// while the claim was on its way (an outer timeout, the client gone), or its own command
+/// timeout. Dropped unfinished, the claim is detached into a task that reads the reply and,
+/// when the claim made the grant a hold, releases it: a grant claimed for nobody would
+/// otherwise keep the key, with no guard, for a whole lease.
+pub(in crate::core) struct ClaimCall<S: Store> {
+    call: Option<BoxFuture<'static, Result<bool, S::Error>>>,
+    unclaimed: Unclaimed<S>,
+    /// The grant's token.
+    token: u64,
+}
+
+impl<S: Store> ClaimCall<S> {
+    /// Claims the grant of `token` to `c` in the store, for `c`'s lease.
+    pub(in crate::core) fn start(core: &Arc<Core<S>>, c: &Contender<S>, token: u64) -> Self {
+        let holder = holder(c.kind, c.store_owner());
+        let due = Due::claim((c.key.lock().clone(), holder.clone()), c.claim.lease);
+        let store = core.clone();
+        let call = Box::pin(async move {
+            let renewed = store.store.renew(std::slice::from_ref(&due)).await?;
+            Ok(renewed.first().copied().unwrap_or(false))
+        });
+        ClaimCall {
+            call: Some(call),
+            unclaimed: Unclaimed {
+                core: core.clone(),
+                key: c.key.clone(),
+                holder,
+                lease: c.claim.lease,
+                kind: c.kind,
+            },
+            token,
+        }
+    }
+}
+
+impl<S: Store> Future for ClaimCall<S> {
+    type Output = Result<bool, S::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            unreachable!("a claim is polled after it completed");
+        };
+        let claimed = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        Poll::Ready(claimed)
+    }
+}
+
+impl<S: Store> Drop for ClaimCall<S> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let (unclaimed, token) = (self.unclaimed.clone(), self.token);
+            self.unclaimed.core.runtime.spawn(async move {
+                // Not claimed (the grant ran out, or was withdrawn) or no reply: the grant
+                // is gone, or goes with its short lease.
+                if let Ok(true) = call.await {
+                    let _ = unclaimed.hold(Some(token)).release_left_over().await;
+                }
+            });
         }
     }
 }

@@ -18,7 +18,8 @@
 //! ([`InLine::Granted`]), timed from that attempt. A re-entry
 //! of a granted hold before its claim claims it first, then re-enters as usual. An
 //! acquisition that gives up while granted frees the grant in the store as it withdraws
-//! from the line.
+//! from the line; one that stops while its claim is on its way (cancelled, or out of
+//! time) releases the hold the claim made, once its reply comes ([`ClaimCall`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,13 +27,13 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout};
 
+use crate::core::acquire::call::ClaimCall;
 use crate::core::acquire::contender::{Contender, NOT_QUEUED, QUEUED};
 use crate::core::acquire::{Outcome, Taken};
 use crate::core::queue::Reentry;
-use crate::core::store::{InLine, StoreKey};
+use crate::core::store::InLine;
 use crate::core::wakeups::Grant;
-use crate::core::watchdog::Due;
-use crate::core::{Core, Store, holder};
+use crate::core::{Core, Store};
 use crate::error::LockError;
 
 /// What an answer of the store's line to an attempt of `c` sent at `sent_at` means to it.
@@ -139,7 +140,7 @@ impl<S: Store> Core<S> {
         mut taken: Taken,
     ) -> Result<Option<Taken>, LockError> {
         let sent_at = Instant::now();
-        if !self.claim(c).await? {
+        if !self.claim(c, taken.token).await? {
             return Ok(None);
         }
         // A hold as any other now: its lease runs from the claim.
@@ -148,14 +149,12 @@ impl<S: Store> Core<S> {
         Ok(Some(taken))
     }
 
-    /// Claims the grant of `c`'s holder in the store; whether it was still there.
-    async fn claim(self: &Arc<Self>, c: &Contender<S>) -> Result<bool, LockError> {
-        let due = Due::claim(
-            (c.key.lock().clone(), holder(c.kind, c.store_owner())),
-            c.claim.lease,
-        );
-        match timeout(self.settings.command_timeout, self.store.renew(&[due])).await {
-            Ok(Ok(renewed)) => Ok(renewed.first().copied().unwrap_or(false)),
+    /// Claims the grant of `c`'s holder (under `token`) in the store; whether it was still
+    /// there. Cancelled or timed out, the claim gives back what it made (see [`ClaimCall`]).
+    async fn claim(self: &Arc<Self>, c: &Contender<S>, token: u64) -> Result<bool, LockError> {
+        let call = ClaimCall::start(self, c, token);
+        match timeout(self.settings.command_timeout, call).await {
+            Ok(Ok(claimed)) => Ok(claimed),
             Ok(Err(e)) => Err(LockError::backend("acquire", e)),
             Err(elapsed) => Err(LockError::backend("acquire", elapsed)),
         }
@@ -181,7 +180,7 @@ impl<S: Store> Core<S> {
                 None => Outcome::Held(Some(Duration::ZERO)),
             });
         }
-        self.claim(c).await?;
+        self.claim(c, taken.token).await?;
         // Claimed (or run out meanwhile): the attempt now re-enters or finds the key as
         // it is; a grant still unclaimed then is waited out as a holder's lease.
         match self.attempt(c, args).await? {
