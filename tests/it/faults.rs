@@ -1494,3 +1494,47 @@ async fn lost_update_workload_with_handoffs_in_memory_loses_nothing_and_never_ov
         holds.len()
     );
 }
+
+/// An attempt whose reply comes when the hold it took has (nearly) run out its lease (the
+/// process was paused, or the network held the reply) must not start the holder at the
+/// edge of its deadline: the key may have been freed and taken meanwhile (seen on etcd:
+/// a reply read by a process thawed after its lease lapsed, while another instance held
+/// the key). The hold is given back and the attempt reports the key held.
+#[tokio::test]
+async fn a_reply_that_comes_after_the_holds_lease_ran_out_is_not_used() {
+    crate::needs!(Redis);
+    const LEASE: Duration = Duration::from_millis(500);
+    let server = RedisServer::start();
+    let proxy = support::proxy::FaultProxy::start(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        SocketAddr::from(([127, 0, 0, 1], server.port())),
+    )
+    .await;
+    let backend = support::builder(&format!("redis://{}", proxy.addr()))
+        .command_timeout(Duration::from_secs(30))
+        .build()
+        .await
+        .expect("backend through the proxy");
+    proxy.stall();
+    let held_back = proxy.held_requests();
+    let attempt = tokio::spawn({
+        let backend = backend.clone();
+        async move { backend.lock("late").lease(LEASE).try_once().await }
+    });
+    eventually("the attempt waits in the proxy", || async {
+        proxy.held_requests() > held_back
+    })
+    .await;
+    // At least the hold's whole lease passes before its reply can come.
+    tokio::time::sleep(LEASE).await;
+    proxy.resume();
+    let answer = finish(attempt).await;
+    assert!(
+        matches!(answer, Err(LockError::Contended { .. })),
+        "the late reply's hold was used: {answer:?}"
+    );
+    eventually("the late reply's hold was given back", || async {
+        !server.exists(&lock_key("late")).await
+    })
+    .await;
+}

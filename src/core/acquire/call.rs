@@ -8,6 +8,8 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::core::acquire::contender::{Contender, MAYBE_QUEUED, NOT_QUEUED};
 use crate::core::hold::Hold;
 use crate::core::store::{Attempt, Attempted, Failure, Sent, StoreKey};
@@ -22,9 +24,17 @@ use crate::lock::{BoxFuture, Kind, LockOwner};
 /// the reply arrived. Dropped unfinished, the call is detached into a task that reads the
 /// reply and gives back exactly the hold it took, re-entries included, so no lock is left
 /// held without a guard for a whole lease.
+///
+/// A reply that comes when the hold it took has less than a quarter of its lease left
+/// (counted, as every hold's, from when the attempt was sent) is not used either: the
+/// process was paused, or the store held the call, and the key may have been freed and
+/// taken by another holder meanwhile (an etcd lease lapsed while the process was frozen,
+/// say). Its hold is given back and the attempt reports the key held, so that the
+/// acquisition tries again; a holder never starts past, or at the edge of, its deadline.
 pub(in crate::core) struct AcquireCall<S: Store> {
     call: Option<BoxFuture<'static, Sent<S>>>,
     unclaimed: Unclaimed<S>,
+    sent_at: Instant,
 }
 
 /// What is needed to give back an acquisition nobody claimed.
@@ -70,6 +80,7 @@ impl<S: Store> AcquireCall<S> {
         AcquireCall {
             call: Some(core.store.attempt(&c.key, attempt)),
             unclaimed,
+            sent_at: Instant::now(),
         }
     }
 }
@@ -83,6 +94,19 @@ impl<S: Store> Future for AcquireCall<S> {
         };
         let (reply, sent) = ready!(call.as_mut().poll(cx));
         self.call = None;
+        if let Ok(Attempted::Acquired { token, .. }) = &reply {
+            let lease = self.unclaimed.lease;
+            if Instant::now() + lease / 4 >= self.sent_at + lease {
+                let (unclaimed, token) = (self.unclaimed.clone(), *token);
+                self.unclaimed.core.runtime.spawn(async move {
+                    let _ = unclaimed.hold(Some(token)).release_left_over().await;
+                });
+                return Poll::Ready(Ok(Attempted::Held {
+                    left: Some(Duration::ZERO),
+                    queued: false,
+                }));
+            }
+        }
         // No reply (or one that cannot be read): the call may have taken a hold. Its
         // attempt fails, but what it may have taken is given back.
         if let (Err(e), Some(sent)) = (&reply, sent)
