@@ -15,6 +15,7 @@ use super::error::EtcdError;
 use super::keys::namespace_prefix;
 use super::lease::{Lease, keep_alive_until_shutdown};
 use super::members::Members;
+use super::orphans::{Orphans, sweep_until_shutdown};
 use super::store::EtcdStore;
 use super::watch::{Listener, WatchConfig};
 use crate::core::Core;
@@ -56,7 +57,7 @@ impl EtcdBackendBuilder {
         EtcdBackendBuilder {
             endpoints,
             // Tokens are revisions: none can be set aside for a run in memory.
-            settings: StoreSettings::new(Duration::from_secs(2)).without_handoffs(),
+            settings: StoreSettings::new(Duration::from_secs(5)).without_handoffs(),
             lease_ttl: Duration::from_secs(30),
             user: None,
             tls_root_cert: None,
@@ -116,9 +117,12 @@ impl EtcdBackendBuilder {
         settings;
         fn max_key_len;
         fn connect_timeout = "2 s";
-        /// An election in a cluster takes about a second with etcd's defaults, and a call
-        /// waits it out within this bound.
-        fn command_timeout = "2 s";
+        /// A call that no member can take (the leader failed, and the others elect
+        /// another: one to two seconds with etcd's defaults, from the leader's last
+        /// heartbeat to the new leader's first) goes round the members again until this
+        /// bound, so that it waits the election out; etcdctl's own default. Set it above
+        /// the cluster's election timeout plus a second.
+        fn command_timeout = "5 s";
     }
 
     /// How often the gRPC connection is pinged (default 1 s): a half-open connection is
@@ -152,11 +156,13 @@ impl EtcdBackendBuilder {
         if endpoints.iter().any(|e| e.starts_with("https://")) {
             options = self.tls(options)?;
         }
-        let members = Arc::new(Members::new(
-            endpoints,
-            options,
-            self.settings.command_timeout,
-        ));
+        // While it connects, a call goes round the members within the connect timeout, so
+        // that what failed is told before `build()` gives up.
+        let connecting = self
+            .settings
+            .command_timeout
+            .min(self.settings.connect_timeout);
+        let members = Arc::new(Members::new(endpoints, options, connecting));
         let parts = self.settings.parts();
         let ttl =
             i64::try_from(self.lease_ttl.as_secs() + u64::from(self.lease_ttl.subsec_nanos() > 0))
@@ -180,6 +186,7 @@ impl EtcdBackendBuilder {
             Ok(Err(e)) => return Err(self.refused(&addr, e)),
             Err(_) => return Err(timed_out(&addr)),
         }
+        members.set_command_timeout(self.settings.command_timeout);
         let listener = Listener::spawn(
             Wakeups::new(parts.metrics.clone()),
             WatchConfig {
@@ -200,11 +207,22 @@ impl EtcdBackendBuilder {
                 parts.shutdown.clone(),
             )
         };
+        let orphans = Arc::new(Orphans::default());
+        let sweeper = {
+            let (orphans, members) = (orphans.clone(), members.clone());
+            Daemon::spawn(
+                move |shutdown| sweep_until_shutdown(orphans.clone(), members.clone(), shutdown),
+                &parts.runtime,
+                parts.shutdown.clone(),
+            )
+        };
         let store = EtcdStore {
             members,
             lease,
             listener,
             keeper,
+            orphans,
+            sweeper,
             namespace: self.settings.namespace,
             max_key_len: self.settings.max_key_len,
             acquisitions: std::sync::atomic::AtomicU64::new(0),

@@ -67,6 +67,20 @@ impl EtcdKey {
         }
     }
 
+    /// An attempt of this acquisition by `holder` is sent.
+    pub(crate) fn attempts(&self, holder: &str) {
+        if let Some(line) = &self.line {
+            line.attempts(&self.name, holder);
+        }
+    }
+
+    /// A write of this acquisition may run unanswered (see `orphans.rs`).
+    pub(crate) fn lost_write(&self) {
+        if let Some(line) = &self.line {
+            line.lost_write();
+        }
+    }
+
     /// These names for an acquisition, which may wait in `line`.
     pub(crate) fn waiting_in(mut self, line: Line) -> Self {
         self.line = Some(line);
@@ -88,6 +102,7 @@ impl Drop for EtcdKey {
             line.behind.tried(&self.channel);
         }
         line.leave();
+        line.ended(&self.name);
     }
 }
 

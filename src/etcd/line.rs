@@ -1,18 +1,21 @@
 //! The key an acquisition leaves waiting in line (a writer's behind readers, a permit
-//! waiter's), taken out when the acquisition ends without the hold.
+//! waiter's), taken out when the acquisition ends without the hold; and the holder it
+//! goes by, with whether a write of it was lost (see `orphans.rs`).
 //!
 //! It goes when the acquisition's names are dropped (`EtcdKey`), which is after every call
 //! of the acquisition returned: an attempt detached from a caller that went away still
 //! holds them, so a key that attempt puts in line is taken out too, never left to keep
 //! others waiting for as long as the backend's lease lives.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 
 use super::behind::Behind;
 use super::members::Members;
+use super::orphans::Orphans;
 use crate::core::kit::backoff::Backoff;
 use crate::core::wakeups::Wakeups;
 
@@ -27,6 +30,11 @@ pub(crate) struct Line {
     pub(crate) wakeups: Wakeups,
     /// The key left in line, and its value then (it is deleted only if unchanged).
     left: Mutex<Option<(String, String)>>,
+    orphans: Arc<Orphans>,
+    /// The holder the acquisition goes by, from its first attempt.
+    holder: OnceLock<String>,
+    /// A write of it may have run unanswered.
+    lost: AtomicBool,
 }
 
 impl std::fmt::Debug for Line {
@@ -36,12 +44,38 @@ impl std::fmt::Debug for Line {
 }
 
 impl Line {
-    pub(crate) fn new(members: Arc<Members>, behind: Arc<Behind>, wakeups: Wakeups) -> Self {
+    pub(crate) fn new(
+        members: Arc<Members>,
+        (behind, wakeups): (Arc<Behind>, Wakeups),
+        orphans: Arc<Orphans>,
+    ) -> Self {
         Line {
             members,
             behind,
             wakeups,
             left: Mutex::new(None),
+            orphans,
+            holder: OnceLock::new(),
+            lost: AtomicBool::new(false),
+        }
+    }
+
+    /// An attempt of the acquisition of `name` by `holder` is sent.
+    pub(crate) fn attempts(&self, name: &Arc<str>, holder: &str) {
+        if self.holder.get().is_none() && self.holder.set(holder.to_owned()).is_ok() {
+            self.orphans.began(name, holder);
+        }
+    }
+
+    /// A write of the acquisition was sent and its answer never came: it may run later.
+    pub(crate) fn lost_write(&self) {
+        self.lost.store(true, Ordering::Relaxed);
+    }
+
+    /// The acquisition of `name`, and its hold if it took one, are over.
+    pub(crate) fn ended(&mut self, name: &Arc<str>) {
+        if let Some(holder) = self.holder.take() {
+            self.orphans.ended(name, holder, *self.lost.get_mut());
         }
     }
 

@@ -27,7 +27,7 @@
 //! and one INFO line when it answers again; calls meanwhile go to the others, silently.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -69,8 +69,9 @@ pub(crate) struct Members {
     /// gets a higher one.
     seen: AtomicI64,
     options: ConnectOptions,
-    /// How long a call may go round the members.
-    command_timeout: Duration,
+    /// How long a call may go round the members (milliseconds): the connect timeout while
+    /// `build()` connects, the command timeout after.
+    command_timeout: AtomicU64,
 }
 
 /// The longest a member of several has to answer a call (see [`Members::share`]): a call
@@ -112,8 +113,18 @@ impl Members {
             current: tokio::sync::watch::Sender::new(0),
             seen: AtomicI64::new(0),
             options,
-            command_timeout,
+            command_timeout: AtomicU64::new(millis(command_timeout)),
         }
+    }
+
+    /// From now on a call goes round the members for up to `command_timeout`.
+    pub(crate) fn set_command_timeout(&self, command_timeout: Duration) {
+        self.command_timeout
+            .store(millis(command_timeout), Ordering::Relaxed);
+    }
+
+    fn command_timeout(&self) -> Duration {
+        Duration::from_millis(self.command_timeout.load(Ordering::Relaxed))
     }
 
     /// The highest revision an answered transaction carried so far: a key whose create
@@ -140,7 +151,7 @@ impl Members {
         F: FnMut(&Client) -> R,
         R: Future<Output = Result<T, ClientError>>,
     {
-        let deadline = Instant::now() + self.command_timeout;
+        let deadline = Instant::now() + self.command_timeout();
         let share = self.share();
         let mut pause = FIRST_PAUSE;
         loop {
@@ -203,8 +214,8 @@ impl Members {
     /// that a call can go round while an election makes every member hold what it is sent.
     pub(crate) fn share(&self) -> Duration {
         match self.members.len() {
-            1 => self.command_timeout,
-            _ => (self.command_timeout / 4).min(MAX_SHARE),
+            1 => self.command_timeout(),
+            _ => (self.command_timeout() / 4).min(MAX_SHARE),
         }
     }
 
@@ -281,6 +292,11 @@ fn reason(e: &ClientError) -> String {
         }
         _ => status.message().to_owned(),
     }
+}
+
+/// `d` in whole milliseconds (the settings are clamped far below `u64::MAX` of them).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The error of a call a member did not answer within `bound`.

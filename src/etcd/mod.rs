@@ -39,6 +39,7 @@ mod keys;
 mod lease;
 mod line;
 mod members;
+mod orphans;
 mod permits;
 mod records;
 mod rw;

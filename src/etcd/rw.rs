@@ -103,6 +103,7 @@ impl EtcdStore {
                 // on the next member, finds what it did.
                 Err(e) if e.may_have_run() => {
                     settle.lost.store(true, Ordering::Relaxed);
+                    key.lost_write();
                     Ok(None)
                 }
                 round => round,

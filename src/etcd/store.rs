@@ -16,13 +16,14 @@ use super::keys::{Entry, EtcdKey, hold_key, holder_key, is_semaphore};
 use super::lease::Lease;
 use super::line::Line;
 use super::members::Members;
+use super::orphans::Orphans;
 use super::watch::Listener;
 use crate::core::hold::value::HoldValue;
 use crate::core::kit::turn::{self, EntryKind};
 use crate::core::runtime::Daemon;
 use crate::core::store::{
-    Attempt, Attempted, Capabilities, HeldPage, LostHolds, PermitWaiters, Release, Released, Sent,
-    Store,
+    Attempt, Attempted, Capabilities, Failure, HeldPage, LostHolds, PermitWaiters, Release,
+    Released, Sent, Store,
 };
 use crate::core::wakeups::Waiter;
 use crate::core::watchdog::Due;
@@ -50,6 +51,10 @@ pub(crate) struct EtcdStore {
     pub(crate) listener: Listener,
     /// Keeps the lease alive while the backend lives, and revokes it at shutdown.
     pub(crate) keeper: Daemon,
+    /// The acquisitions by holder, and the keys their lost writes may put.
+    pub(crate) orphans: Arc<Orphans>,
+    /// Looks for those keys while there are lost writes (see `orphans.rs`).
+    pub(crate) sweeper: Daemon,
     pub(crate) namespace: String,
     pub(crate) max_key_len: usize,
     /// Numbers the acquisitions (each waits on a channel of its own).
@@ -371,7 +376,11 @@ impl Store for EtcdStore {
         let serial = self.acquisitions.fetch_add(1, Ordering::Relaxed);
         let key = EtcdKey::new(&self.namespace, user, self.max_key_len, semaphore, serial)?;
         let (behind, wakeups) = (self.listener.behind(), self.listener.wakeups());
-        let line = Line::new(self.members.clone(), behind.clone(), wakeups.clone());
+        let line = Line::new(
+            self.members.clone(),
+            (behind.clone(), wakeups.clone()),
+            self.orphans.clone(),
+        );
         Ok(key.waiting_in(line))
     }
 
@@ -382,15 +391,20 @@ impl Store for EtcdStore {
     ) -> BoxFuture<'static, Sent<Self>> {
         // Runs again on this caller's runtime if the one it ran on is gone.
         self.keeper.ensure_running();
+        self.sweeper.ensure_running();
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
             // Whatever it waited behind, it tries now.
             store.listener.behind().tried(&key.channel);
+            key.attempts(attempt.holder.as_str());
             let attempted = match attempt.kind {
                 Kind::Exclusive => store.attempt_exclusive(&key, &attempt).await,
                 Kind::Shared => store.attempt_shared(&key, &attempt).await,
                 Kind::Permit(permits) => store.attempt_permit(&key, &attempt, permits).await,
             };
+            if attempted.as_ref().is_err_and(Failure::may_have_run) {
+                key.lost_write();
+            }
             (attempted, Some(()))
         })
     }

@@ -682,3 +682,66 @@ async fn a_waiter_that_gives_up_during_an_outage_leaves_the_line_when_etcd_is_ba
         .expect("served");
     served.release().await.expect("released");
 }
+
+/// A write whose answer never came may be applied after its acquisition ended (a member
+/// that held it forwards it once it has a leader): a take that lands while the lock is
+/// free puts a hold that nobody holds, under the backend's lease, which lives as long as
+/// the backend. The backend that lost the write deletes such a key, and the lock serves
+/// the next waiter. Here the take's answer is held in a proxy until the acquisition gave
+/// up, and a key of its holder is put as a late write would.
+#[tokio::test]
+async fn a_hold_put_by_a_write_applied_after_its_acquisition_ended_is_deleted() {
+    crate::needs!(Etcd);
+    let namespace = etcd::fresh_namespace();
+    let server = etcd::shared().endpoint();
+    let port = server
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u16>().ok());
+    let proxy = support::proxy::FaultProxy::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        std::net::SocketAddr::from(([127, 0, 0, 1], port.expect("the etcd port"))),
+    )
+    .await;
+    let lost = etcd::builder_on(&[format!("http://{}", proxy.addr())])
+        .namespace(&namespace)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect("backend through the proxy");
+    let anchor = lost.lock("anchor").try_once().await.expect("uncontended");
+    let holds = etcd::keys_under(format!("{namespace}:{{anchor}}/")).await;
+    let lease = holds.first().expect("the anchor's hold").lease();
+
+    // The take is sent and never answered: the acquisition fails, its write may run later.
+    proxy.stall_requests();
+    let refused = lost.lock("k").reentrant(anchor.held()).try_once().await;
+    assert!(
+        matches!(refused, Err(LockError::Backend { .. })),
+        "{refused:?}"
+    );
+    proxy.resume();
+    let late = format!("{namespace}:{{k}}/h{lease:016x}");
+    // A re-entry's count, as a late re-entry leaves it: the undo of the lost call, which
+    // deletes only a first hold of that holder, leaves it (and a count of one may or may
+    // not be put before it, as the real late write may).
+    let value = format!("{}\n2", anchor.held().owner().as_str());
+    let on_lease = tower_lock::etcd_client::PutOptions::new().with_lease(lease);
+    etcd::admin()
+        .await
+        .put(late.clone(), value, Some(on_lease))
+        .await
+        .expect("the late write");
+
+    let next = etcd::backend_in(&namespace).await;
+    let taken = next.lock("k").wait(HANG).await;
+    assert!(
+        taken.is_ok(),
+        "the lock stayed held by the late write's key: {taken:?}"
+    );
+    assert!(
+        etcd::keys_under(late).await.is_empty(),
+        "the late write's key was deleted"
+    );
+    drop(anchor);
+}
