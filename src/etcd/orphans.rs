@@ -71,25 +71,26 @@ impl Orphans {
     /// That acquisition, and its hold if it took one, ended; `lost`: a write of it may
     /// have run unanswered.
     pub(crate) fn ended(&self, name: &Arc<str>, holder: String, lost: bool) {
+        let id = (name.clone(), holder);
         {
             let mut live = locked(&self.live);
-            let id = (name.clone(), holder);
             if let Some(count) = live.get_mut(&id) {
                 *count -= 1;
                 if *count == 0 {
                     live.remove(&id);
                 }
             }
-            if !lost {
-                return;
-            }
-            locked(&self.suspects).push(Suspect {
-                name: name.clone(),
-                holder: id.1,
-                until: Instant::now() + HORIZON,
-            });
         }
-        self.added.notify_one();
+        if lost {
+            let (name, holder) = id;
+            let until = Instant::now() + HORIZON;
+            locked(&self.suspects).push(Suspect {
+                name,
+                holder,
+                until,
+            });
+            self.added.notify_one();
+        }
     }
 
     fn is_live(&self, name: &Arc<str>, holder: &str) -> bool {

@@ -706,6 +706,8 @@ async fn a_hold_put_by_a_write_applied_after_its_acquisition_ended_is_deleted() 
     let lost = etcd::builder_on(&[format!("http://{}", proxy.addr())])
         .namespace(&namespace)
         .command_timeout(Duration::from_millis(300))
+        // No HTTP/2 ping to time out in the stall: the take is what goes unanswered.
+        .keep_alive_interval(Duration::from_secs(3600))
         .build()
         .await
         .expect("backend through the proxy");

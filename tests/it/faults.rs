@@ -1510,8 +1510,10 @@ async fn a_reply_that_comes_after_the_holds_lease_ran_out_is_not_used() {
         SocketAddr::from(([127, 0, 0, 1], server.port())),
     )
     .await;
+    // No ping of its subscriber's: what the proxy holds is the attempt.
     let backend = support::builder(&format!("redis://{}", proxy.addr()))
         .command_timeout(Duration::from_secs(30))
+        .subscriber_ping_interval(Duration::from_secs(3600))
         .build()
         .await
         .expect("backend through the proxy");

@@ -190,10 +190,12 @@ async fn proxy_to(server: &RedisServer) -> FaultProxy {
     .await
 }
 
-/// A backend through `proxy`, whose calls wait for the proxy rather than failing.
+/// A backend through `proxy`, whose calls wait for the proxy rather than failing, and
+/// whose subscriber sends no ping of its own meanwhile (what the proxy holds is its calls).
 async fn through(proxy: &FaultProxy) -> RedisBackend {
     support::builder(&format!("redis://{}", proxy.addr()))
         .command_timeout(HANG)
+        .subscriber_ping_interval(Duration::from_secs(3600))
         .build()
         .await
         .expect("backend through the proxy")
