@@ -57,7 +57,9 @@ impl EtcdBackendBuilder {
         EtcdBackendBuilder {
             endpoints,
             // Tokens are revisions: none can be set aside for a run in memory.
-            settings: StoreSettings::new(Duration::from_secs(5)).without_handoffs(),
+            settings: StoreSettings::new(Duration::from_secs(2))
+                .with_command_timeout(Duration::from_secs(5))
+                .without_handoffs(),
             lease_ttl: Duration::from_secs(30),
             user: None,
             tls_root_cert: None,

@@ -38,7 +38,9 @@ impl ZooKeeperBackendBuilder {
         ZooKeeperBackendBuilder {
             hosts,
             // Tokens are zxids: none can be set aside for a run in memory.
-            settings: StoreSettings::new(Duration::from_secs(2)).without_handoffs(),
+            settings: StoreSettings::new(Duration::from_secs(2))
+                .with_command_timeout(Duration::from_secs(5))
+                .without_handoffs(),
             digest: None,
             session_timeout: Duration::from_secs(10),
         }
@@ -86,8 +88,12 @@ impl ZooKeeperBackendBuilder {
         fn max_key_len;
         /// On ZooKeeper it bounds opening a session.
         fn connect_timeout = "2 s";
-        /// A call that finds the connection lost fails within it.
-        fn command_timeout = "2 s";
+        /// A call whose connection is lost waits within it while the client moves the
+        /// session to another server, and while the ensemble elects a leader (a few
+        /// seconds with ZooKeeper's defaults, from the old leader's last word to the
+        /// new leader serving); an acquisition tries again within its wait. Set it above
+        /// the ensemble's election time plus the client's connection timeout.
+        fn command_timeout = "5 s";
     }
 
     /// Opens the backend's session (which proves the hosts), checks the chroot of the
@@ -113,7 +119,12 @@ impl ZooKeeperBackendBuilder {
             .await
             .map_err(|e| e.unwrap_or_else(|e| refused(&addr, e)))?;
         let parts = self.settings.parts();
-        let session = Arc::new(Session::new(connect, client, parts.recheck.clone()));
+        let session = Arc::new(Session::new(
+            connect,
+            client,
+            parts.recheck.clone(),
+            (parts.shutdown.clone(), parts.runtime.clone()),
+        ));
         let listener = session::follow(
             session.clone(),
             Wakeups::new(parts.metrics.clone()),
@@ -145,6 +156,7 @@ impl ZooKeeperBackendBuilder {
             max_key_len: self.settings.max_key_len,
             shelf,
             janitor,
+            shutdown: parts.shutdown.clone(),
         };
         Ok(ZooKeeperBackend {
             inner: Core::new(store, parts),

@@ -1,16 +1,23 @@
 //! Giving back: one hold's release, a waiting writer's withdrawal, and the operator's
 //! snapshot, force-release and listing.
 
+use std::time::Duration;
+
 use zookeeper_client::{Client, Error as ClientError};
 
 use super::error::ZkError;
 use super::keys::{ZkKey, lock_of};
 use super::line::{line, shared_token};
 use super::store::{ROUNDS, ZkStore, child, token};
+use crate::core::kit::backoff::Backoff;
 use crate::core::kit::turn::EntryKind;
+use crate::core::store::Failure;
 use crate::core::store::{HeldPage, Release, Released, StoreKey};
 use crate::error::LockError;
 use crate::lock::inspect::{LockInfo, LockMode, Primitive};
+
+/// The longest wait between two sends of a withdrawal.
+const MAX_WITHDRAW_BACKOFF: Duration = Duration::from_secs(1);
 
 impl ZkStore {
     /// One release of a hold: the count down, or the node deleted, each a write on the
@@ -67,6 +74,32 @@ impl ZkStore {
             }
         }
         Err(ZkError::Contended)
+    }
+
+    /// Takes `owner`'s writer out of the line (see [`withdraw`](Self::withdraw)), sent again
+    /// with backoff after a failure that may pass until ZooKeeper answers, the session ends
+    /// (its nodes with it) or the backend shuts down. A writer's node left in line keeps
+    /// the lock from every later holder for as long as the session lives: a withdrawal sent
+    /// while the connection was down, or one whose answer was lost, must not be given up.
+    pub(super) async fn withdraw_until_answered(&self, key: &ZkKey, owner: &str) {
+        let mut backoff = Backoff::up_to(MAX_WITHDRAW_BACKOFF);
+        loop {
+            match self.withdraw(key, owner).await {
+                Ok(()) => return,
+                Err(e) if e.session_ended() => return,
+                Err(error) if error.is_transient() => {
+                    tracing::debug!(key = %key.path, %error, "a waiting writer was not withdrawn; again");
+                }
+                Err(error) => {
+                    tracing::warn!(key = %key.path, %error, "a waiting writer could not be withdrawn; it leaves the line when the session ends");
+                    return;
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff.next()) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+        }
     }
 
     /// Takes `owner`'s writer out of the line, if it still waits there (its count 0: a

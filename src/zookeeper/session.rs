@@ -7,7 +7,8 @@
 //! its acquisition or its last renewal, a renewal being a read answered on the session
 //! (which the ensemble counts as hearing from the session), so a holder stops before the
 //! ensemble could expire the session and free its nodes. Once the session has ended, the
-//! backend opens a new one for new holds, and every hold is checked at once.
+//! backend opens a new one for new holds, every hold is checked at once, and the ended
+//! session is closed at the servers, which may still keep it ([`Connect::close`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,9 +16,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
-use zookeeper_client::{Acls, Client, Error as ClientError, SessionState};
+use zookeeper_client::{Acls, Client, Error as ClientError, SessionInfo, SessionState};
 
 use super::error::ZkError;
+use crate::core::kit::backoff::Backoff;
 use crate::core::kit::listener::{Listen, Listener, Lost};
 use crate::core::runtime::Spawner;
 use crate::core::wakeups::Wakeups;
@@ -67,7 +69,56 @@ impl Connect {
             Err(_) => Err(ZkError::Client(ClientError::Timeout)),
         }
     }
+
+    /// Closes the session `abandoned` at the servers, if they still keep it: the client
+    /// gives a session up on its side when it could not reach the ensemble for 7/5 of the
+    /// session timeout, but the servers expire it only once a leader has heard nothing of
+    /// it for the whole timeout, and each new leader starts that count again. While
+    /// leaders change, a session the client gave up on keeps its nodes (a hold whose
+    /// release could not be sent, a waiting node), which keep its locks from everyone.
+    /// So it is taken up again and closed, which deletes them at once; tried again with
+    /// backoff until the servers close it or say it expired, or `shutdown`.
+    async fn close(&self, abandoned: SessionInfo, shutdown: &CancellationToken) {
+        let id = abandoned.id().0;
+        let mut backoff = Backoff::up_to(MAX_CLOSE_BACKOFF);
+        loop {
+            let connecting = Client::connector()
+                .with_session(abandoned.clone())
+                .with_session_timeout(self.session_timeout)
+                .with_connection_timeout(self.connect_timeout)
+                .with_fail_eagerly()
+                .connect(&self.hosts);
+            let retry = match timeout(self.connect_timeout, connecting).await {
+                // Dropped, the client sends `CloseSession`, and its task ends once that is
+                // answered.
+                Ok(Ok(client)) => {
+                    tracing::info!(
+                        session = format_args!("{id:#x}"),
+                        "closed a ZooKeeper session the servers still kept after the client \
+                         gave it up; its nodes are deleted"
+                    );
+                    drop(client);
+                    return;
+                }
+                Ok(Err(ClientError::SessionExpired | ClientError::ClientClosed)) => return,
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "timed out".to_owned(),
+            };
+            tracing::debug!(
+                session = format_args!("{id:#x}"),
+                error = retry,
+                "could not close a session the client gave up; again"
+            );
+            tokio::select! {
+                () = tokio::time::sleep(backoff.next()) => {}
+                () = shutdown.cancelled() => return,
+            }
+        }
+    }
 }
+
+/// The longest pause between two tries to close a session the client gave up.
+const MAX_CLOSE_BACKOFF: Duration = Duration::from_secs(1);
 
 impl Connect {
     /// The ACL of every node the backend creates: only the backend's identity may read,
@@ -90,15 +141,24 @@ pub(crate) struct Session {
     replacing: tokio::sync::Mutex<Option<i64>>,
     /// Raised when a session ended: every hold is checked at once.
     recheck: Recheck,
+    /// Where an ended session is closed at the servers (see [`Connect::close`]), until
+    /// the backend shuts down.
+    closing: (CancellationToken, Spawner),
 }
 
 impl Session {
-    pub(crate) fn new(connect: Connect, client: Client, recheck: Recheck) -> Self {
+    pub(crate) fn new(
+        connect: Connect,
+        client: Client,
+        recheck: Recheck,
+        closing: (CancellationToken, Spawner),
+    ) -> Self {
         Session {
             connect,
             current: watch::Sender::new(client),
             replacing: tokio::sync::Mutex::new(None),
             recheck,
+            closing,
         }
     }
 
@@ -138,7 +198,11 @@ impl Session {
             self.recheck.raise("the ZooKeeper session ended");
         }
         let client = self.connect.open().await?;
-        self.current.send_replace(client.clone());
+        let ended = self.current.send_replace(client.clone());
+        let (connect, (shutdown, spawner)) = (self.connect.clone(), self.closing.clone());
+        let abandoned = ended.session().clone();
+        drop(ended);
+        spawner.spawn(async move { connect.close(abandoned, &shutdown).await });
         Ok(client)
     }
 }

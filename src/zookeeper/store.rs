@@ -5,6 +5,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use zookeeper_client::{Client, Error as ClientError, Stat};
 
 use super::attempt::Run;
@@ -12,6 +14,7 @@ use super::error::ZkError;
 use super::keys::ZkKey;
 use super::records::Shelf;
 use super::session::Session;
+use crate::core::kit::backoff::Backoff;
 use crate::core::kit::listener::Listener;
 use crate::core::runtime::Daemon;
 use crate::core::store::{
@@ -46,7 +49,12 @@ pub(crate) struct ZkStore {
     pub(crate) shelf: Arc<Shelf>,
     /// Deletes expired idempotency records.
     pub(crate) janitor: Daemon,
+    /// Cancelled when the backend shuts down: a withdrawal sent again stops then.
+    pub(crate) shutdown: CancellationToken,
 }
+
+/// The longest pause before an attempt whose connection was lost again is sent again.
+const MAX_AGAIN_BACKOFF: Duration = Duration::from_millis(500);
 
 /// A fencing token from a node's creation zxid (zxids start above zero).
 pub(super) fn token(stat: &Stat) -> u64 {
@@ -95,26 +103,43 @@ impl Store for ZkStore {
         self.listener.ensure_running();
         let (store, key) = (self.clone(), key.clone());
         Box::pin(async move {
+            // Sent again while the wait it was sent for lasts (a try: once more only).
+            let until = attempt.waits.map(|waits| Instant::now() + waits);
             let lost = store.session.id();
             let mut run = Run::default();
-            let attempted = match store.attempt_once(&key, &attempt, &mut run).await {
-                Err(e) if e.session_ended() => match store.session.replace(lost).await {
-                    Ok(_) => {
-                        // The old session's nodes went with it.
-                        store
-                            .attempt_once(&key, &attempt, &mut Run::default())
-                            .await
+            let mut backoff = Backoff::up_to(MAX_AGAIN_BACKOFF);
+            let mut lost_connections = 0u32;
+            let attempted = loop {
+                match store.attempt_once(&key, &attempt, &mut run).await {
+                    Err(e) if e.session_ended() => {
+                        break match store.session.replace(lost).await {
+                            // The old session's nodes went with it.
+                            Ok(_) => {
+                                store
+                                    .attempt_once(&key, &attempt, &mut Run::default())
+                                    .await
+                            }
+                            Err(e) => Err(e),
+                        };
                     }
-                    Err(e) => Err(e),
-                },
-                // The connection was lost, not the session: the client moves it to another
-                // server, and the attempt runs again there, settling what a call whose
-                // answer never came did (see `Run`).
-                Err(e) if e.connection_failed() => {
-                    run.again = true;
-                    store.attempt_once(&key, &attempt, &mut run).await
+                    // The connection was lost, not the session: the client moves it to
+                    // another server, and the attempt runs again there, settling what a
+                    // call whose answer never came did (see `Run`). Once at once; again, as
+                    // the ensemble elects (the server the session moved to may lose it
+                    // too), with backoff while the wait lasts.
+                    Err(e) if e.connection_failed() => {
+                        run.again = true;
+                        lost_connections += 1;
+                        if lost_connections > 1 {
+                            let pause = backoff.next();
+                            if until.is_none_or(|until| Instant::now() + pause >= until) {
+                                break Err(e);
+                            }
+                            tokio::time::sleep(pause).await;
+                        }
+                    }
+                    attempted => break attempted,
                 }
-                attempted => attempted,
             };
             (attempted, Some(()))
         })
@@ -153,11 +178,7 @@ impl Store for ZkStore {
         // Deleting the writer's node fires the watches on it: those it kept out are woken
         // whatever `wake` says.
         let (store, key) = (self.clone(), key.clone());
-        Box::pin(async move {
-            if let Err(error) = store.withdraw(&key, holder.as_str()).await {
-                tracing::debug!(key = %key.path, %error, "could not withdraw a waiting writer");
-            }
-        })
+        Box::pin(async move { store.withdraw_until_answered(&key, holder.as_str()).await })
     }
 
     fn renew<'a>(&'a self, batch: &'a [Due]) -> BoxFuture<'a, Result<Vec<bool>, ZkError>> {

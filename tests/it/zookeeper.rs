@@ -723,3 +723,182 @@ async fn instances_take_the_lock_in_the_order_they_began_waiting() {
     )
     .await;
 }
+
+/// A waiting writer whose attempt was held up until its acquisition gave up puts its node
+/// in line after the acquisition withdrew it. Once the attempt's reply is in, that node is
+/// withdrawn: left there, it would keep the lock from every later holder for as long as
+/// the session lives (a whole Jepsen run's key, behind a command timed out in an election).
+#[tokio::test]
+async fn a_waiting_node_put_after_its_acquisition_gave_up_is_withdrawn() {
+    crate::needs!(ZooKeeper);
+    let namespace = zk::fresh_namespace();
+    let holder = zk::backend_in(&namespace).await;
+    let held = holder.lock("k").try_once().await.expect("uncontended");
+    let proxy = proxy_to(zk::shared()).await;
+    let late = zk::builder_on(&proxy.addr().to_string())
+        .namespace(&namespace)
+        .command_timeout(Duration::from_millis(300))
+        // Pings 10 s apart: what the proxy holds is the attempt.
+        .session_timeout(Duration::from_secs(30))
+        .build()
+        .await
+        .expect("backend through the proxy");
+    let observer = zk::admin().await;
+    let lock = format!("/{namespace}/{{k}}");
+    let (_, before) = observer.get_children(&lock).await.expect("the lock's node");
+
+    // The attempt waits in the proxy until the acquisition gives up.
+    proxy.stall_requests();
+    let gave_up = late.lock("k").wait(HANG).await;
+    assert!(
+        matches!(gave_up, Err(LockError::Backend { .. })),
+        "{gave_up:?}"
+    );
+    assert!(proxy.held_requests() > 0, "the attempt waited in the proxy");
+    proxy.resume();
+
+    // Its node comes into the line (one change of the children), and must go (another),
+    // leaving the holder's alone.
+    loop {
+        let (nodes, stat, changed) = observer
+            .get_and_watch_children(&lock)
+            .await
+            .expect("the lock's node");
+        if nodes.len() == 1 && stat.cversion >= before.cversion + 2 {
+            break;
+        }
+        tokio::time::timeout(HANG, changed.changed())
+            .await
+            .unwrap_or_else(|_| panic!("the late node stays in line: {nodes:?}"));
+    }
+    held.release().await.expect("released");
+    let next = zk::backend_in(&namespace).await;
+    next.lock("k")
+        .wait(HANG)
+        .await
+        .expect("free once its holder released it")
+        .release()
+        .await
+        .expect("released");
+}
+
+/// A waiter that stops waiting withdraws its node from the line. A withdrawal whose
+/// connection is lost on its way is sent again once the session is connected again: a node
+/// left in line keeps the lock from every later holder for as long as the session lives.
+#[tokio::test]
+async fn a_withdrawal_whose_connection_was_lost_is_sent_again() {
+    crate::needs!(ZooKeeper);
+    let namespace = zk::fresh_namespace();
+    let holder = zk::backend_in(&namespace).await;
+    let held = holder.lock("k").try_once().await.expect("uncontended");
+    let proxy = proxy_to(zk::shared()).await;
+    let waiting = zk::builder_on(&proxy.addr().to_string())
+        .namespace(&namespace)
+        // Pings 10 s apart: what the proxy holds is the withdrawal.
+        .session_timeout(Duration::from_secs(30))
+        .build()
+        .await
+        .expect("backend through the proxy");
+    let observer = zk::admin().await;
+    let lock = format!("/{namespace}/{{k}}");
+    let line = || async {
+        let (nodes, _) = observer.get_children(&lock).await.expect("the lock's node");
+        nodes.len()
+    };
+    let waits = waiting.clone();
+    let waiter = tokio::spawn(async move { waits.lock("k").wait(HANG * 6).await.map(drop) });
+    support::eventually("the waiter's node is in line", || async {
+        line().await == 2
+    })
+    .await;
+
+    // The withdrawal waits in the proxy, and its connection is cut under it.
+    proxy.stall_requests();
+    let held_back = proxy.held_requests();
+    waiter.abort();
+    assert!(waiter.await.is_err_and(|e| e.is_cancelled()), "cancelled");
+    support::eventually("the withdrawal waits in the proxy", || async {
+        proxy.held_requests() > held_back
+    })
+    .await;
+    proxy.reject();
+    support::eventually("the connection is cut", || async {
+        proxy.open_connections() == 0
+    })
+    .await;
+    proxy.resume();
+    proxy.accept();
+
+    support::eventually("the waiter's node leaves the line", || async {
+        line().await == 1
+    })
+    .await;
+    held.release().await.expect("released");
+    drop(waiting);
+}
+
+/// A session the client gave up may still be kept by the servers: the client gives its
+/// session up when it heard nothing for 7/5 of the session timeout, while the servers keep
+/// it for as long as they hear from it (here: its pings and reconnections get through, the
+/// answers do not), or a new leader counts its timeout from its own start. Its nodes (a
+/// hold whose release never went out, a waiting node) then keep their locks from everyone.
+/// The backend closes the session it replaces, which deletes them at once.
+#[test]
+fn a_session_the_client_gave_up_is_closed_at_the_servers() {
+    crate::needs!(ZooKeeper);
+    let namespace = zk::fresh_namespace();
+    // A server of its own, whose log tells a closed session from an expired one.
+    let server = ZkServer::start_logged();
+    support::logged_on_this_thread("tower_lock=info", async |log| {
+        let proxy = proxy_to(&server).await;
+        let abandoning = zk::builder_on(&proxy.addr().to_string())
+            .namespace(&namespace)
+            .session_timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend through the proxy");
+        let held = abandoning.lock("k").try_once().await.expect("uncontended");
+        let abandoned = format!("{:#x}", abandoning.session_id());
+        // What the server logs is what this test reads.
+        assert!(
+            server.log().contains("Created server with tickTime"),
+            "the server logs (slf4j-simple on its class path)"
+        );
+
+        proxy.stall_replies();
+        let gave_up = format!("the session {abandoned} ended (Expired)");
+        tokio::time::timeout(3 * HANG, log.until(&gave_up, 1))
+            .await
+            .expect("the client gives its session up");
+        proxy.resume();
+
+        let waiter = zk::builder_on(&server.hosts())
+            .namespace(&namespace)
+            .build()
+            .await
+            .expect("backend");
+        waiter
+            .lock("k")
+            .wait(HANG)
+            .await
+            .expect("the given-up session's hold goes")
+            .release()
+            .await
+            .expect("released");
+        assert!(held.is_lost(), "the hold of the given-up session is lost");
+        assert!(
+            !server
+                .log()
+                .contains(&format!("Expiring session {abandoned}")),
+            "the session was closed, not left to expire"
+        );
+        assert_ne!(format!("{:#x}", abandoning.session_id()), abandoned);
+    });
+}
+
+/// A fault proxy on loopback in front of `server`.
+async fn proxy_to(server: &ZkServer) -> support::proxy::FaultProxy {
+    let upstream: std::net::SocketAddr = server.hosts().parse().expect("host:port");
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    support::proxy::FaultProxy::start(listen, upstream).await
+}

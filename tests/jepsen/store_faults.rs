@@ -358,11 +358,6 @@ impl Servers for ZooKeeper {
         "zookeeper"
     }
 
-    /// Not yet: an ensemble fault costs requests (see the reliability guide).
-    fn serves_through_survived_faults(&self) -> bool {
-        false
-    }
-
     fn hosts(&self) -> &[&'static str] {
         &Self::HOSTS
     }
@@ -393,7 +388,7 @@ impl Servers for ZooKeeper {
         let logs = self.ensemble.members.iter().enumerate();
         logs.map(|(i, m)| {
             let mntr = m.four("mntr").unwrap_or_else(|| "(no answer)".to_owned());
-            format!("--- zk{i}:\n{mntr}")
+            format!("--- zk{i}:\n{mntr}\n{}", m.log())
         })
         .collect()
     }

@@ -14,8 +14,8 @@
 //! show). A holder cut off from the servers must stop before the store gives its lock to
 //! another instance (the margins, printed per fault kind). Requests are counted per fault
 //! kind, and apart those of the faults the store survives (a minority of its servers
-//! killed, paused, isolated or restarted empty), which must cost none on etcd (asserted)
-//! and are printed for the others (see the reliability guide).
+//! killed, paused, isolated or restarted empty), which must cost none on etcd and
+//! ZooKeeper (asserted) and are printed for the others (see the reliability guide).
 //!
 //! Runs 30 s of load by default; `JEPSEN_SECS=300 cargo test --all-features --test jepsen
 //! stores::etcd -- --nocapture` runs longer. Needs root and iproute2 (it says it skipped

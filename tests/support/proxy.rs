@@ -27,6 +27,8 @@ struct Settings {
     stalled: bool,
     /// Only what the application sends is held back; replies and pushed messages flow.
     requests_stalled: bool,
+    /// Only what the server sends is held back; what the application sends gets through.
+    replies_stalled: bool,
     rejecting: bool,
 }
 
@@ -38,6 +40,8 @@ struct Control {
     connections: AtomicUsize,
     /// Chunks of what the application sent that a stall held back.
     held_requests: AtomicUsize,
+    /// Forwarded connections not closed yet.
+    open: AtomicUsize,
 }
 
 impl FaultProxy {
@@ -51,6 +55,7 @@ impl FaultProxy {
             cuts_done: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
             held_requests: AtomicUsize::new(0),
+            open: AtomicUsize::new(0),
         });
         let shutdown = CancellationToken::new();
         let (accepting, stop) = (control.clone(), shutdown.clone());
@@ -73,12 +78,14 @@ impl FaultProxy {
                         return;
                     };
                     control.connections.fetch_add(1, Ordering::Relaxed);
+                    control.open.fetch_add(1, Ordering::SeqCst);
                     let _ = (client.set_nodelay(true), server.set_nodelay(true));
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
                     let requests = pump(client_read, server_write, control.clone(), false, &conn);
-                    let replies = pump(server_read, client_write, control, true, &conn);
+                    let replies = pump(server_read, client_write, control.clone(), true, &conn);
                     tokio::join!(requests, replies);
+                    control.open.fetch_sub(1, Ordering::SeqCst);
                 });
             }
         });
@@ -112,12 +119,23 @@ impl FaultProxy {
             .send_modify(|s| s.requests_stalled = true);
     }
 
-    /// Forwards again what was held back by [`stall`](Self::stall) or
-    /// [`stall_requests`](Self::stall_requests), and what follows.
+    /// Stops forwarding what the server sends (replies wait in the proxy), while what the
+    /// application sends still gets through: the server hears the application, which hears
+    /// nothing back.
+    pub fn stall_replies(&self) {
+        self.control
+            .settings
+            .send_modify(|s| s.replies_stalled = true);
+    }
+
+    /// Forwards again what was held back by [`stall`](Self::stall),
+    /// [`stall_requests`](Self::stall_requests) or [`stall_replies`](Self::stall_replies),
+    /// and what follows.
     pub fn resume(&self) {
         self.control.settings.send_modify(|s| {
             s.stalled = false;
             s.requests_stalled = false;
+            s.replies_stalled = false;
         });
     }
 
@@ -147,6 +165,11 @@ impl FaultProxy {
     /// that waits in the proxy.
     pub fn held_requests(&self) -> usize {
         self.control.held_requests.load(Ordering::SeqCst)
+    }
+
+    /// How many forwarded connections are open now.
+    pub fn open_connections(&self) -> usize {
+        self.control.open.load(Ordering::SeqCst)
     }
 
     /// How many connections were forwarded so far.
@@ -182,7 +205,9 @@ async fn pump(
             },
         };
         // A chunk read while stalled is held until the stall ends.
-        let held = |s: &Settings| s.stalled || (s.requests_stalled && !replies);
+        let held = |s: &Settings| {
+            s.stalled || (s.requests_stalled && !replies) || (s.replies_stalled && replies)
+        };
         if !replies && held(&settings.borrow()) {
             control.held_requests.fetch_add(1, Ordering::SeqCst);
         }

@@ -17,6 +17,12 @@ const ATTEMPTS: usize = 10;
 /// Debian's `zookeeper` package: the server's jar, whose manifest names its dependencies.
 pub const CLASSPATH: &str = "/usr/share/java/zookeeper.jar";
 
+/// Debian's slf4j binding that writes to stderr (the package's `libslf4j-java`): without a
+/// binding on the class path the server logs nothing. A missing jar is skipped by java.
+/// Only on a server asked to log: logging every connection and election message slows an
+/// ensemble's failover (in the Jepsen workload, a leader's failure cost seconds more).
+const LOGGER: &str = "/usr/share/java/slf4j-simple.jar";
+
 /// One standalone ZooKeeper this process started and owns.
 pub struct ZkServer {
     child: Option<Child>,
@@ -29,12 +35,24 @@ pub struct ZkServer {
     ensemble: Option<(usize, String)>,
     /// The host it runs in (see `netns.rs`), or `None` for the test's own loopback.
     host: Option<NetHost>,
+    /// Whether it logs (to `zookeeper.log` in its dir, see [`log`](Self::log)).
+    logged: bool,
 }
 
 impl ZkServer {
     /// Starts a server (ticks of 250 ms: sessions of 0.5 s to 5 s) and waits until it
     /// serves; panics with the cause if it cannot (ZooKeeper not installed, ...).
     pub fn start() -> Self {
+        Self::start_logging(false)
+    }
+
+    /// [`start`](Self::start), with a server that logs what it does (at INFO), for a test
+    /// that reads its log.
+    pub fn start_logged() -> Self {
+        Self::start_logging(true)
+    }
+
+    fn start_logging(logged: bool) -> Self {
         let mut last = String::new();
         for _ in 0..ATTEMPTS {
             let mut server = ZkServer {
@@ -44,6 +62,7 @@ impl ZkServer {
                 reaper: None,
                 ensemble: None,
                 host: None,
+                logged,
             };
             server.spawn().unwrap_or_else(|e| panic!("{e}"));
             if server.wait_until_serving(Duration::from_secs(60)) {
@@ -74,16 +93,28 @@ impl ZkServer {
             std::fs::write(dir.join("data").join("myid"), id.to_string())
                 .map_err(|e| format!("myid: {e}"))?;
             // Sessions of up to 20 s: the default bound (20 ticks, 5 s) is shorter than
-            // an election under faults takes.
-            config.push_str("initLimit=20\nsyncLimit=10\nmaxSessionTimeout=20000\n");
+            // an election under faults takes. A leader cut off or silent is noticed
+            // within syncLimit ticks (1 s), as etcd's members notice their leader's silence
+            // within its election timeout; the ensemble serves again after the election
+            // and the followers' sync, within a layer's wait.
+            config.push_str("initLimit=20\nsyncLimit=4\nmaxSessionTimeout=20000\n");
             config.push_str(servers);
         }
         std::fs::write(dir.join("zoo.cfg"), config).map_err(|e| format!("zoo.cfg: {e}"))?;
         let log = std::fs::File::create(dir.join("zookeeper.log"))
             .map_err(|e| format!("ZooKeeper log: {e}"))?;
+        let classpath = if self.logged {
+            format!("{CLASSPATH}:{LOGGER}")
+        } else {
+            CLASSPATH.to_owned()
+        };
         // `ip netns exec` execs java: the child's pid is the server's.
         let child = command_on(self.host.as_ref(), "java")
-            .args(["-cp", CLASSPATH, "-Xmx256m"])
+            .args(["-cp", &classpath, "-Xmx256m"])
+            .args([
+                "-Dorg.slf4j.simpleLogger.showDateTime=true",
+                "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
+            ])
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(dir.join("zoo.cfg"))
             .stdin(Stdio::null())
@@ -205,7 +236,9 @@ impl ZkEnsemble {
         Self::start_on(hosts.iter().map(|h| Some(net.server_host(h))).collect())
     }
 
+    /// The members log (see [`ZkServer::log`]) when `JEPSEN_SERVER_LOGS` is set.
     fn start_on(hosts: Vec<Option<NetHost>>) -> Self {
+        let logged = std::env::var_os("JEPSEN_SERVER_LOGS").is_some();
         let port = super::free_port;
         let ports: Vec<(u16, u16, u16)> = hosts.iter().map(|_| (port(), port(), port())).collect();
         let servers: String = ports
@@ -228,6 +261,7 @@ impl ZkEnsemble {
                 reaper: None,
                 ensemble: Some((i + 1, servers.clone())),
                 host,
+                logged,
             })
             .collect();
         for member in &mut members {

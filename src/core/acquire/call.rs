@@ -45,6 +45,9 @@ struct Unclaimed<S: Store> {
     holder: LockOwner,
     lease: Duration,
     kind: Kind,
+    /// The owner of the waiting writer the call may register (an exclusive attempt that
+    /// waits), withdrawn once a reply nobody waited for is in.
+    writer: Option<LockOwner>,
 }
 
 impl<S: Store> Clone for Unclaimed<S> {
@@ -55,13 +58,15 @@ impl<S: Store> Clone for Unclaimed<S> {
             holder: self.holder.clone(),
             lease: self.lease,
             kind: self.kind,
+            writer: self.writer.clone(),
         }
     }
 }
 
 impl<S: Store> AcquireCall<S> {
     pub(in crate::core) fn start(core: &Arc<Core<S>>, c: &Contender<S>, attempt: Attempt) -> Self {
-        if c.kind == Kind::Exclusive && attempt.waits.is_some() {
+        let waiting_writer = c.kind == Kind::Exclusive && attempt.waits.is_some();
+        if waiting_writer {
             // Until a reply says otherwise, this attempt may register as a waiting writer.
             let _ = c.queued_writer.compare_exchange(
                 NOT_QUEUED,
@@ -76,6 +81,7 @@ impl<S: Store> AcquireCall<S> {
             holder: attempt.holder.clone(),
             lease: attempt.lease,
             kind: attempt.kind,
+            writer: waiting_writer.then(|| attempt.owner.clone()),
         };
         AcquireCall {
             call: Some(core.store.attempt(&c.key, attempt)),
@@ -163,6 +169,7 @@ impl<S: Store> ClaimCall<S> {
                 holder,
                 lease: c.claim.lease,
                 kind: c.kind,
+                writer: None,
             },
             token,
         }
@@ -210,15 +217,31 @@ impl<S: Store> Unclaimed<S> {
         )
     }
 
-    /// Gives back what a call nobody waited for took.
+    /// Gives back what a call nobody waited for took: its hold, and the waiting writer it
+    /// registered. The acquisition withdrew its writer when it ended, before this reply
+    /// came: a writer the call registered after that would keep its place in line, ahead
+    /// of every later holder, for as long as the store keeps it (a ZooKeeper node of a
+    /// session that lives on).
     async fn give_back(self, (reply, sent): Sent<S>) {
-        match (reply, sent) {
+        let queued = match (reply, sent) {
             // Acquired (or re-entered) for an attempt that is gone: release that one hold.
             (Ok(Attempted::Acquired { token, .. }), _) => {
                 let _ = self.hold(Some(token)).release_left_over().await;
+                return;
             }
-            (Err(e), Some(sent)) if e.may_have_run() => self.undo(sent).await,
-            _ => {}
+            (Ok(Attempted::Held { queued, .. }), _) => queued,
+            (Err(e), Some(sent)) if e.may_have_run() => {
+                self.clone().undo(sent).await;
+                false
+            }
+            _ => false,
+        };
+        if let Some(owner) = self.writer {
+            // Those known to wait behind it are woken (see `Contender`'s drop).
+            self.core
+                .store
+                .withdraw_writer(&self.key, owner, queued)
+                .await;
         }
     }
 

@@ -59,6 +59,13 @@ impl StoreSettings {
         }
     }
 
+    /// These settings with calls bounded by `timeout`, not the connection timeout: for a
+    /// store whose calls wait an election out.
+    pub(crate) fn with_command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
     /// These settings with no handoff in memory: for a store whose tokens it issues itself
     /// (etcd's revisions, ZooKeeper's zxids), none of which can be set aside for a run.
     pub(crate) fn without_handoffs(mut self) -> Self {
