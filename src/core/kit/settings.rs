@@ -61,6 +61,7 @@ impl StoreSettings {
 
     /// These settings with calls bounded by `timeout`, not the connection timeout: for a
     /// store whose calls wait an election out.
+    #[cfg(any(feature = "etcd", feature = "zookeeper"))]
     pub(crate) fn with_command_timeout(mut self, timeout: Duration) -> Self {
         self.command_timeout = timeout;
         self
