@@ -156,7 +156,6 @@ impl ZooKeeperBackendBuilder {
             max_key_len: self.settings.max_key_len,
             shelf,
             janitor,
-            shutdown: parts.shutdown.clone(),
         };
         Ok(ZooKeeperBackend {
             inner: Core::new(store, parts),

@@ -95,9 +95,8 @@ impl ZkStore {
                     return;
                 }
             }
-            tokio::select! {
-                () = tokio::time::sleep(backoff.next()) => {}
-                () = self.shutdown.cancelled() => return,
+            if !backoff.pause(self.session.shutdown()).await {
+                return;
             }
         }
     }

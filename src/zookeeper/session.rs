@@ -109,9 +109,8 @@ impl Connect {
                 error = retry,
                 "could not close a session the client gave up; again"
             );
-            tokio::select! {
-                () = tokio::time::sleep(backoff.next()) => {}
-                () = shutdown.cancelled() => return,
+            if !backoff.pause(shutdown).await {
+                return;
             }
         }
     }
@@ -160,6 +159,11 @@ impl Session {
             recheck,
             closing,
         }
+    }
+
+    /// Cancelled when the backend shuts down: what is tried again until answered stops then.
+    pub(crate) fn shutdown(&self) -> &CancellationToken {
+        &self.closing.0
     }
 
     /// The current session's client.

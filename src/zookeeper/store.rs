@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use zookeeper_client::{Client, Error as ClientError, Stat};
 
 use super::attempt::Run;
@@ -49,8 +48,6 @@ pub(crate) struct ZkStore {
     pub(crate) shelf: Arc<Shelf>,
     /// Deletes expired idempotency records.
     pub(crate) janitor: Daemon,
-    /// Cancelled when the backend shuts down: a withdrawal sent again stops then.
-    pub(crate) shutdown: CancellationToken,
 }
 
 /// The longest pause before an attempt whose connection was lost again is sent again.

@@ -38,6 +38,15 @@ impl Backoff {
         wait
     }
 
+    /// Waits the next wait, unless `shutdown` comes first: whether to try again.
+    #[cfg(feature = "zookeeper")]
+    pub(crate) async fn pause(&mut self, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+        tokio::select! {
+            () = tokio::time::sleep(self.next()) => true,
+            () = shutdown.cancelled() => false,
+        }
+    }
+
     /// The wait [`next`](Self::next) would return, without moving on.
     pub(crate) fn peek(&self) -> Duration {
         self.next
